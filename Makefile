@@ -1,0 +1,25 @@
+# Two commands on a fresh machine:  `make demo`  (the main job)  and  `make test`  (the test suite).
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+DEVICE ?= cpu
+OUT    ?= demo_out
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m dspark.cli demo --device $(DEVICE) --out $(OUT)
+
+test: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --device $(DEVICE) $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(OUT)

@@ -1,0 +1,1 @@
+"""A minimal reference speculative-decoding engine that exercises dspark end to end."""

@@ -1,0 +1,1 @@
+"""Triton kernels; each module holds kernel(s), launcher and the torch reference they must match."""

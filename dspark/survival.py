@@ -1,0 +1,125 @@
+"""Calibrated survival from confidence logits, and the lag ring with its generation guard.
+
+`s[r, k] = prod_{i<=k} sigmoid(z[r, i] / T_i)` is P(the accepted prefix of request r reaches draft k).
+Every path evaluates it in float32 in one fixed order (divide, sigmoid, left-to-right product) so that
+all ranks and devices agree bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def _check_matrix(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [B, gamma], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    return x
+
+
+def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Tensor:
+    """Validate STS temperatures: length gamma, finite, > 0. Returns a float32 CPU tensor."""
+    t = torch.as_tensor(temperatures, dtype=torch.float64).detach().cpu().reshape(-1)
+    if t.numel() != gamma:
+        raise ValueError(f"temperatures must have length gamma={gamma}, got {t.numel()}: {t.tolist()}")
+    bad = ~torch.isfinite(t) | (t <= 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"temperatures must be finite and > 0; temperatures[{i}] = {t[i].item()}")
+    return t.to(torch.float32)
+
+
+def cumulative_survival(conditional: Tensor) -> Tensor:
+    """Left-to-right product of conditional probabilities along positions (fixed order, no scan)."""
+    cols = [conditional[:, 0]]
+    for k in range(1, conditional.shape[1]):
+        cols.append(cols[-1] * conditional[:, k])
+    return torch.stack(cols, dim=1) if cols else conditional.clone()
+
+
+def calibrated_survival(logits: Tensor, temperatures: Tensor | Sequence[float] | None = None) -> Tensor:
+    """Survival [B, gamma] float32 from confidence logits [B, gamma]; non-finite logits give c = 0."""
+    z = _check_matrix("logits", logits).to(torch.float32)
+    gamma = z.shape[1]
+    if gamma == 0:
+        raise ValueError("logits must have at least one draft position (gamma >= 1), got shape "
+                         f"{tuple(z.shape)}")
+    if temperatures is not None:
+        t = check_temperatures(temperatures, gamma).to(z.device)
+        z = z / t
+    c = torch.where(torch.isfinite(z), torch.sigmoid(z), torch.zeros_like(z))
+    return cumulative_survival(c)
+
+
+def monotone_survival(survival: Tensor) -> Tensor:
+    """Survival handed in directly, made usable: float32, NaN -> 0, running minimum along positions."""
+    s = _check_matrix("survival", survival).to(torch.float32)
+    s = torch.nan_to_num(s, nan=0.0)
+    if s.shape[1] == 0:
+        return s
+    return torch.cummin(s, dim=1).values
+
+
+class SurvivalLagRing:
+    """Per-slot survival history `lag` steps deep, each row stamped with its generation at write time.
+
+    `exchange` returns, for the given slots, the survival written at least `lag` exchanges ago under the
+    same generation, or all-ones (optimistic) when the slot was never written or was reused by a new
+    request (generation guard), then stores the live survival in its place.
+    """
+
+    def __init__(self, num_slots: int, gamma: int, lag: int = 1, device: torch.device | str = "cpu"):
+        for name, v, lo in (("num_slots", num_slots, 1), ("gamma", gamma, 1), ("lag", lag, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        self.num_slots, self.gamma, self.lag = num_slots, gamma, lag
+        self._values = torch.ones(lag, num_slots, gamma, dtype=torch.float32, device=device)
+        self._stamps = torch.full((lag, num_slots), -1, dtype=torch.int64, device=device)
+        self._cursor = 0
+
+    def _check(self, slots: Tensor, generations: Tensor, survival: Tensor | None) -> None:
+        if slots.dim() != 1 or generations.shape != slots.shape:
+            raise ValueError(
+                f"slots and generations must be 1-D of equal length, got {tuple(slots.shape)} "
+                f"and {tuple(generations.shape)}"
+            )
+        if slots.dtype.is_floating_point or generations.dtype.is_floating_point:
+            raise TypeError(f"slots/generations must be integer tensors, got {slots.dtype}/{generations.dtype}")
+        if survival is not None and tuple(survival.shape) != (slots.numel(), self.gamma):
+            raise ValueError(
+                f"survival must be [{slots.numel()}, {self.gamma}], got {tuple(survival.shape)}"
+            )
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+            raise ValueError(
+                f"slots must lie in [0, {self.num_slots}), got min {int(slots.min())} max {int(slots.max())}"
+            )
+        if slots.numel() and int(generations.min()) < 0:
+            raise ValueError(f"generations must be >= 0, got {int(generations.min())}")
+
+    def read(self, slots: Tensor, generations: Tensor) -> Tensor:
+        """Lagged survival [B, gamma] for these slots (all-ones where stale or reused)."""
+        self._check(slots, generations, None)
+        slots = slots.to(self._values.device, torch.long)
+        gens = generations.to(self._values.device, torch.int64)
+        vals = self._values[self._cursor].index_select(0, slots)
+        fresh = self._stamps[self._cursor].index_select(0, slots) == gens
+        return torch.where(fresh.unsqueeze(1), vals, torch.ones_like(vals))
+
+    def write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
+        """Store live survival for these slots, stamped with their generation, and advance one step."""
+        self._check(slots, generations, survival)
+        slots = slots.to(self._values.device, torch.long)
+        self._values[self._cursor].index_copy_(0, slots, survival.to(self._values))
+        self._stamps[self._cursor].index_copy_(0, slots, generations.to(self._stamps))
+        self._cursor = (self._cursor + 1) % self.lag
+
+    def exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
+        """read() then write(): the lagged survival for this step, with the live one stored."""
+        lagged = self.read(slots, generations)
+        self.write(slots, generations, survival)
+        return lagged

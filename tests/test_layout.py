@@ -1,0 +1,59 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dspark import RaggedVerifyLayout
+
+
+def test_worked_example_padded_to_tier():
+    lay = RaggedVerifyLayout.from_verify_lens([2, 1, 4], tiers=[4, 8, 16], slots=8, width=4)
+    assert lay.qo_indptr.tolist() == [0, 2, 3, 7]
+    assert (lay.total_rows, lay.graph_num_tokens, lay.tier) == (7, 8, 8)
+    assert lay.slot_lens.tolist() == [2, 1, 4, 1, 0, 0, 0, 0]
+    assert lay.slot_qo_indptr.tolist() == [0, 2, 3, 7, 8, 8, 8, 8, 8]
+    assert lay.seqused.tolist() == [2, 1, 4, 0, 0, 0, 0, 0]
+    assert lay.row_slot.tolist() == [0, 0, 1, 2, 2, 2, 2, 3]
+    assert lay.row_within.tolist() == [0, 1, 0, 0, 1, 2, 3, 0]
+    assert lay.positions(torch.tensor([10, 127, 255])).tolist() == [10, 11, 127, 255, 256, 257, 258, 0]
+
+
+def test_eager_past_largest_tier_and_error_option():
+    lay = RaggedVerifyLayout.from_verify_lens([4, 4, 4], tiers=[4, 8], width=4)
+    assert lay.tier is None and lay.graph_num_tokens == 12 and "largest captured tier 8" in lay.eager_reason
+    with pytest.raises(ValueError, match="12 verify rows exceed"):
+        RaggedVerifyLayout.from_verify_lens([4, 4, 4], tiers=[4, 8], width=4, on_overflow="error")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(verify_lens=[2, 0, 1], width=4), "verify_lens[1] = 0"),
+        (dict(verify_lens=[2, 5], width=4), "verify_lens[1] = 5"),
+        (dict(verify_lens=[2, 2], tiers=[8, 4]), "strictly increasing"),
+        (dict(verify_lens=[2, 2], tiers=[8], slots=2), "ghost slot"),
+        (dict(verify_lens=[2, 2], tiers=[64], slots=3, width=4), "do not fit"),
+        (dict(verify_lens=[2, 2], slots=1), "slots must be"),
+    ],
+)
+def test_bad_layouts(kwargs, needle):
+    with pytest.raises(ValueError) as info:
+        RaggedVerifyLayout.from_verify_lens(**kwargs)
+    assert needle in str(info.value)
+
+
+@given(b=st.integers(0, 40), w=st.integers(1, 9), extra=st.integers(0, 20), seed=st.integers(0, 1000))
+def test_pack_scatter_roundtrip(b, w, extra, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    vl = torch.randint(1, w + 1, (b,), generator=gen, dtype=torch.int32)
+    total = int(vl.sum())
+    tier = total + extra
+    lay = RaggedVerifyLayout.from_verify_lens(vl.to(device), tiers=[max(tier, 1)], slots=b + 1 + extra, width=w)
+    strided = torch.randn(b, w, 3, generator=gen).to(device)
+    packed = lay.pack(strided, fill=float("nan"))
+    assert packed.shape == (lay.graph_num_tokens, 3)
+    assert bool(packed[lay.total_rows:].isnan().all())
+    back = lay.scatter(packed, fill=-7.0)
+    mask = torch.arange(w, device=device)[None, :] < vl.to(device)[:, None]
+    assert torch.equal(back[mask], strided[mask])
+    assert bool((back[~mask] == -7.0).all())

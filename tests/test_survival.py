@@ -1,0 +1,96 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dspark import SurvivalLagRing, calibrated_survival, monotone_survival
+
+
+def test_teaching_example_survival():
+    c = torch.tensor([[0.9, 0.8], [0.6, 0.5]], dtype=torch.float64)
+    s = calibrated_survival(torch.logit(c))
+    torch.testing.assert_close(s, torch.tensor([[0.9, 0.72], [0.6, 0.3]]), rtol=1e-6, atol=1e-6)
+    assert s.dtype == torch.float32
+
+
+@given(b=st.integers(0, 9), g=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
+def test_matches_float64_reference_and_is_monotone(b, g, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(b, g, generator=gen, dtype=torch.float64) * 3
+    temps = torch.rand(g, generator=gen, dtype=torch.float64) * 2 + 0.2
+    s = calibrated_survival(z.to(device), temperatures=temps)
+    ref = torch.cumprod(torch.sigmoid(z / temps), dim=1)
+    torch.testing.assert_close(s.cpu().double(), ref, rtol=1e-5, atol=1e-6)
+    if g > 1:
+        assert bool((s[:, 1:] <= s[:, :-1]).all())
+
+
+def test_non_finite_logits_give_zero_confidence():
+    z = torch.tensor([[2.0, math.nan, 1.0], [math.inf, 0.0, 0.0], [0.0, 0.0, -math.inf]])
+    s = calibrated_survival(z)
+    assert s[0, 0] > 0 and bool((s[0, 1:] == 0).all())
+    assert bool((s[1] == 0).all())
+    assert s[2, 1] == pytest.approx(0.25) and s[2, 2] == 0
+
+
+def test_bit_identical_across_dtypes_of_input():
+    z = torch.randn(33, 7)
+    assert torch.equal(calibrated_survival(z), calibrated_survival(z.double().float()))
+
+
+@pytest.mark.parametrize(
+    "temps, needle",
+    [([1.0, 2.0], "length gamma=3"), ([1.0, 0.0, 1.0], "temperatures[1] = 0.0"),
+     ([1.0, 1.0, math.nan], "temperatures[2] = nan"), ([-1.0, 1.0, 1.0], "temperatures[0] = -1.0")],
+)
+def test_bad_temperatures(temps, needle):
+    with pytest.raises(ValueError) as info:
+        calibrated_survival(torch.zeros(2, 3) + 0.5, temperatures=temps)
+    assert needle in str(info.value)
+
+
+def test_bad_logits():
+    with pytest.raises(ValueError, match=r"2-D"):
+        calibrated_survival(torch.zeros(3))
+    with pytest.raises(TypeError, match="floating"):
+        calibrated_survival(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        calibrated_survival([[0.1]])
+
+
+def test_monotone_survival_running_min_and_nan():
+    s = torch.tensor([[0.9, 0.95, 0.5, math.nan, 0.4]])
+    out = monotone_survival(s)
+    assert out.tolist() == [[pytest.approx(0.9), pytest.approx(0.9), 0.5, 0.0, 0.0]]
+
+
+def test_lag_ring_generation_guard():
+    ring = SurvivalLagRing(num_slots=4, gamma=2, lag=1)
+    slots, gens = torch.tensor([0, 2]), torch.tensor([5, 1])
+    s1 = torch.tensor([[0.5, 0.25], [0.3, 0.1]])
+    lagged = ring.exchange(slots, gens, s1)
+    assert torch.equal(lagged, torch.ones(2, 2))  # never written: optimistic
+    s2 = torch.tensor([[0.7, 0.6], [0.2, 0.2]])
+    lagged = ring.exchange(slots, torch.tensor([5, 2]), s2)  # slot 2 reused by a new request
+    assert torch.equal(lagged[0], s1[0]) and torch.equal(lagged[1], torch.ones(2))
+    lagged = ring.read(torch.tensor([2]), torch.tensor([2]))
+    assert torch.equal(lagged[0], s2[1])
+
+
+def test_lag_ring_depth_two():
+    ring = SurvivalLagRing(num_slots=1, gamma=1, lag=2)
+    slot, gen = torch.tensor([0]), torch.tensor([0])
+    outs = [ring.exchange(slot, gen, torch.tensor([[v]])).item() for v in (0.1, 0.2, 0.3, 0.4)]
+    assert outs == [1.0, 1.0, pytest.approx(0.1), pytest.approx(0.2)]
+
+
+def test_lag_ring_bad_input():
+    ring = SurvivalLagRing(num_slots=2, gamma=2)
+    with pytest.raises(ValueError, match="slots must lie in"):
+        ring.read(torch.tensor([2]), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"\[1, 2\]"):
+        ring.write(torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="lag must be"):
+        SurvivalLagRing(num_slots=2, gamma=2, lag=0)
