@@ -45,7 +45,7 @@ def _index(device: torch.device | str | int | None) -> int:
         return int(torch.npu.current_device())
     if isinstance(device, int):
         return device
-    dev = torch.device(device)
+    dev = torch.device(device) if isinstance(device, str) else device
     if dev.type != "npu":
         raise ValueError(f"expected an npu device, got {dev}")
     return int(dev.index) if dev.index is not None else int(torch.npu.current_device())
