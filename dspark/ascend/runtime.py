@@ -35,25 +35,25 @@ def is_available() -> bool:
         torch_npu()
     except NpuUnavailableError:
         return False
-    return bool(torch.npu.is_available())
+    return bool(torch_npu().npu.is_available())
 
 
 def _index(device: torch.device | str | int | None) -> int:
     """Device index of an npu device (the current device when unspecified)."""
-    torch_npu()
+    npu = torch_npu().npu
     if device is None:
-        return int(torch.npu.current_device())
+        return int(npu.current_device())
     if isinstance(device, int):
         return device
     dev = torch.device(device) if isinstance(device, str) else device
     if dev.type != "npu":
         raise ValueError(f"expected an npu device, got {dev}")
-    return int(dev.index) if dev.index is not None else int(torch.npu.current_device())
+    return int(dev.index) if dev.index is not None else int(npu.current_device())
 
 
 def device_name(device: torch.device | str | int | None = None) -> str:
     """Marketing name of the NPU (e.g. `Ascend910_9392`)."""
-    return str(torch.npu.get_device_name(_index(device)))
+    return str(torch_npu().npu.get_device_name(_index(device)))
 
 
 @functools.lru_cache(maxsize=None)
