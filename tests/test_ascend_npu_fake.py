@@ -219,3 +219,11 @@ def test_capability_and_mode_choice(caplog: pytest.LogCaptureFixture) -> None:
         choose_npu_verify_mode("compact", True)
     with pytest.raises(TypeError, match="NpuVerifyConfig"):
         cap.record((8,), eager_passed=True, graph_passed=True)
+
+
+def test_npu_launch_policy_uses_vector_cores(fake_npu: list) -> None:
+    from dspark.ascend.launch import npu_launch_policy
+
+    with npu_launch_policy(0) as cores:
+        assert cores == 48 and dispatch.grid(1000, torch.device("cpu")) == (48,)
+    assert dispatch.grid(1000, torch.device("cpu")) == (1000,)

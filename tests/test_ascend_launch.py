@@ -1,0 +1,101 @@
+"""Ascend launch policy: static kernel-source rules, grid bound, and identical outputs under both policies."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from dspark.ascend.launch import MAX_GRID, check_kernel_modules, check_kernel_source
+from dspark.kernels import dispatch
+
+
+def test_every_kernel_module_follows_the_ascend_rules() -> None:
+    found = check_kernel_modules()
+    assert any(p.endswith("dispatch.py") for p in found) and any(p.endswith("layout.py") for p in found)
+    bad = [str(v) for vs in found.values() for v in vs]
+    assert bad == []
+
+
+GOOD = textwrap.dedent('''
+    import triton, triton.language as tl
+    from dspark.kernels import dispatch
+
+    @triton.jit
+    def _k(x_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
+        for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+            x = tl.load(x_ptr + item)
+            s = tl.sort(x)  # ascend: float-sort
+            tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+
+    def launch(x, cnt):
+        g = dispatch.grid(x.numel(), x.device)
+        _k[dispatch.grid(x.numel(), x.device)](x, cnt, x.numel(), BLOCK=4)
+        _k[g](x, cnt, x.numel(), BLOCK=4)
+''')
+
+BAD = textwrap.dedent('''
+    import triton, triton.language as tl
+
+    @triton.jit
+    def _k(x_ptr, cnt_ptr, n):
+        pid = tl.program_id(0)
+        for i in tl.range(tl.program_id(1), n, tl.num_programs(1)):
+            v = tl.sort(tl.load(x_ptr + i))
+            tl.atomic_add(cnt_ptr, v.to(tl.int64))
+            tl.atomic_max(cnt_ptr, 1, sem="relaxed")
+
+    def launch(x, cnt):
+        _k[(x.numel(),)](x, cnt, x.numel())
+''')
+
+
+def test_checker_accepts_conforming_source() -> None:
+    assert check_kernel_source(GOOD) == []
+
+
+def test_checker_flags_each_rule() -> None:
+    got = [(v.line, v.rule) for v in check_kernel_source(BAD, "bad.py")]
+    assert got == [(6, "persistent"), (7, "persistent"), (8, "sort"), (9, "atomic"), (10, "atomic"), (13, "grid")]
+    msgs = "\n".join(str(v) for v in check_kernel_source(BAD, "bad.py"))
+    assert "bad.py:9: [atomic]" in msgs and "sem='relaxed'" in msgs and "dispatch.grid" in msgs
+
+
+@pytest.mark.parametrize("policy", [("work", None), ("cores", 100_000)])
+def test_grid_never_exceeds_the_core_dim_limit(policy) -> None:
+    with dispatch.launch_policy(*policy):
+        assert dispatch.grid(10**6, torch.device("cpu")) == (MAX_GRID,)
+        assert dispatch.grid(0, torch.device("cpu")) == (1,)
+
+
+@triton.jit
+def _visit_kernel(x_ptr, out_ptr, visits_ptr, n, BLOCK: tl.constexpr):
+    for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + item * BLOCK + offs)
+        tl.store(out_ptr + item * BLOCK + offs, x * 2.0 + item)
+        tl.atomic_add(visits_ptr + item, 1)
+
+
+def _visit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[0]
+    out = torch.full_like(x, float("nan"))
+    visits = torch.zeros(n, dtype=torch.int32, device=x.device)
+    _visit_kernel[dispatch.grid(n, x.device)](x, out, visits, n, BLOCK=x.shape[1])
+    return out, visits
+
+
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_persistent_loop_same_under_both_policies(device, n) -> None:
+    x = torch.randn(n, 4, device=device)
+    results = {}
+    for policy in (("work", None), ("cores", 1), ("cores", 3)):
+        with dispatch.launch_policy(*policy):
+            results[policy] = _visit(x)
+    ref_out, ref_visits = results[("work", None)]
+    assert torch.equal(ref_visits, torch.ones(n, dtype=torch.int32, device=device))
+    assert torch.equal(ref_out, x * 2.0 + torch.arange(n, device=device)[:, None])
+    for out, visits in results.values():
+        assert torch.equal(out, ref_out) and torch.equal(visits, ref_visits)
