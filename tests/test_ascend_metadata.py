@@ -183,3 +183,14 @@ def test_bad_input(device):
         m.block_table_width(0)
     with pytest.raises(ValueError, match="out_cache_loc must be"):
         m.write_locs(torch.zeros(5, dtype=torch.int64))
+
+
+def test_compressed_locs(device):
+    _, m = _meta(device, [2, 1, 4], LIVE)
+    table = torch.arange(3 * 70, device=device).reshape(3, 70) + 1000   # slot s, index c -> 1000 + 70 s + c
+    assert _l(m.compressed_locs(4, table)) == [1002, 1101, 1203, 0]
+    assert _l(m.compressed_locs(128, table)) == [1070, 1141, 0]
+    with pytest.raises(ValueError, match="page_table must be"):
+        m.compressed_locs(4, table[:2])
+    with pytest.raises(ValueError, match="needs index 63"):
+        m.compressed_locs(4, table[:, :10])

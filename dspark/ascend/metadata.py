@@ -6,7 +6,11 @@ from a `RaggedVerifyLayout` instead (ascend.md section 3); `from_static` compute
 values by the fixed-width rule, so a uniform layout can be checked against it field for field.
 
 Slots past the real requests are ghosts: `seqused = 0`, KV length 1, `start_pos = 0`, packed positions 0,
-write slot 0. Graph buffers are sized by the tier `t` and the slot count `S` only, never by the batch.
+write slot 0. Two deliberate differences from today's formulas (ascend.md section 3):
+- the compressed-entry buffers are `max(1, min(t, t // r + S))` with S slots where today's use B
+  requests: a graph buffer must depend on the tier and the captured slots only (S = B when eager);
+- `seqused = v` for every real request, also when L = 0; today's static path masks with `L > 0` to spot
+  padded batch entries, which here are explicit ghost slots.
 """
 from __future__ import annotations
 
@@ -85,6 +89,20 @@ class AscendVerifyMetadata:
         if out_cache_loc.shape != (self.num_tokens,):
             raise ValueError(f"out_cache_loc must be [{self.num_tokens}], got {tuple(out_cache_loc.shape)}")
         return torch.where(self.row_valid, out_cache_loc, torch.zeros_like(out_cache_loc))
+
+    def compressed_locs(self, ratio: int, page_table: Tensor) -> Tensor:
+        """`c{r}_loc`: cache slot of every compressed entry, `page_table[slot, index]` from a per-slot
+        compressed page table `[S, max_index]`; the tail is the dummy slot 0."""
+        g = self.compressed[ratio]
+        if page_table.dim() != 2 or page_table.shape[0] != self.num_slots:
+            raise ValueError(f"page_table must be [S={self.num_slots}, max_index], got {tuple(page_table.shape)}")
+        idx = torch.where(g.valid, g.indices, torch.zeros_like(g.indices))
+        if self.num_slots == 0:
+            return torch.zeros_like(idx, dtype=page_table.dtype)
+        if g.valid.any() and int(idx.max()) >= page_table.shape[1]:
+            raise ValueError(f"page_table has {page_table.shape[1]} columns; ratio {ratio} needs index {int(idx.max())}")
+        locs = page_table[g.slots.to(torch.int64), idx]
+        return torch.where(g.valid, locs, torch.zeros_like(locs))
 
     def diff(self, other: "AscendVerifyMetadata") -> list[str]:
         """Names of the fields that differ (tensors compared by dtype, shape and value)."""
