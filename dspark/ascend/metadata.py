@@ -97,10 +97,11 @@ class AscendVerifyMetadata:
         if page_table.dim() != 2 or page_table.shape[0] != self.num_slots:
             raise ValueError(f"page_table must be [S={self.num_slots}, max_index], got {tuple(page_table.shape)}")
         idx = torch.where(g.valid, g.indices, torch.zeros_like(g.indices))
-        if self.num_slots == 0:
+        need = int(idx.max()) + 1 if bool(g.valid.any()) else 0
+        if need > page_table.shape[1]:
+            raise ValueError(f"page_table has {page_table.shape[1]} columns; ratio {ratio} needs index {need - 1}")
+        if need == 0:
             return torch.zeros_like(idx, dtype=page_table.dtype)
-        if g.valid.any() and int(idx.max()) >= page_table.shape[1]:
-            raise ValueError(f"page_table has {page_table.shape[1]} columns; ratio {ratio} needs index {int(idx.max())}")
         locs = page_table[g.slots.to(torch.int64), idx]
         return torch.where(g.valid, locs, torch.zeros_like(locs))
 
