@@ -194,3 +194,9 @@ def test_compressed_locs(device):
         m.compressed_locs(4, table[:2])
     with pytest.raises(ValueError, match="needs index 63"):
         m.compressed_locs(4, table[:, :10])
+    with pytest.raises(ValueError, match="compress_ratios"):
+        m.compressed_locs(8, table)
+    _, empty = _meta(device, [], [])
+    assert _l(empty.compressed_locs(4, torch.zeros(0, 3, dtype=torch.int64, device=device))) == [0]
+    _, none_done = _meta(device, [1], [0])
+    assert _l(none_done.compressed_locs(4, torch.zeros(1, 0, dtype=torch.int64, device=device))) == [0]

@@ -93,6 +93,8 @@ class AscendVerifyMetadata:
     def compressed_locs(self, ratio: int, page_table: Tensor) -> Tensor:
         """`c{r}_loc`: cache slot of every compressed entry, `page_table[slot, index]` from a per-slot
         compressed page table `[S, max_index]`; the tail is the dummy slot 0."""
+        if ratio not in self.compressed:
+            raise ValueError(f"ratio {ratio!r} is not one of the metadata's compress_ratios {list(self.compressed)}")
         g = self.compressed[ratio]
         if page_table.dim() != 2 or page_table.shape[0] != self.num_slots:
             raise ValueError(f"page_table must be [S={self.num_slots}, max_index], got {tuple(page_table.shape)}")
