@@ -15,7 +15,7 @@ LIVE = [10, 127, 255]
 def _meta(device, verify_lens, live, **layout_kw):
     lens = torch.tensor(verify_lens, dtype=torch.int32, device=device)
     layout = RaggedVerifyLayout.from_verify_lens(lens, **layout_kw)
-    return layout, AscendVerifyMetadata.from_layout(layout, torch.tensor(live, device=device))
+    return layout, AscendVerifyMetadata.from_layout(layout, torch.tensor(live, dtype=torch.int64, device=device))
 
 
 def _l(t: torch.Tensor) -> list:
