@@ -16,13 +16,14 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import Tensor
+
+from dspark.fileio import atomic_write_text
 
 SCHEMA_VERSION = 1
 
@@ -267,18 +268,7 @@ class CostModel(abc.ABC):
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the JSON atomically (temp file in the same folder, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        return path
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CostModel":
