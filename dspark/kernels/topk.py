@@ -25,9 +25,6 @@ try:
 except ImportError:  # pragma: no cover - triton is Linux-only
     triton = None
 
-_INF_BITS = 0x7F800000  # +inf as fp32 bits: the top of the threshold search range
-
-
 def verify_lens_ref(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
     """Torch reference: threshold by topk, ties taken in position-major order. Returns [B] int32."""
     b = survival.shape[0]
@@ -48,67 +45,62 @@ def verify_lens_ref(survival: Tensor, budget: int, floor: int, cap: int, eps: fl
     return out + selected.sum(1, dtype=torch.int32)
 
 
+def candidate_keys(survival: Tensor, floor: int, cap: int, eps: float) -> Tensor:
+    """[C, B] int32 position-major sort keys of the window: fp32 bits of s + 0.0 when valid, else -1.
+
+    For non-negative floats the bit patterns order like the values, so the kernels compare ints.
+    """
+    cand = survival[:, floor - 1: cap - 1].to(torch.float32)
+    bits = (cand + 0.0).view(torch.int32)
+    return torch.where(cand >= eps, bits, torch.full_like(bits, -1)).t().contiguous()
+
+
 if triton is not None:
 
     @triton.jit
-    def _count(s_ptr, stride_b, stride_g, col0, B, n, eps, t, cut, STRICT: tl.constexpr,
-               TIES: tl.constexpr, BLOCK: tl.constexpr):
-        """Valid candidates with s >= t (s > t when STRICT), or with s == t and index < cut (TIES)."""
-        total = tl.zeros((), dtype=tl.int32)
-        for start in range(0, n, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            inside = i < n
-            j = i // B
-            r = i - j * B
-            v = tl.load(s_ptr + r * stride_b + (col0 + j) * stride_g, mask=inside, other=-1.0)
-            hit = inside & (v >= eps)
-            if TIES:
-                hit = hit & (v == t) & (i < cut)
-            elif STRICT:
-                hit = hit & (v > t)
-            else:
-                hit = hit & (v >= t)
-            total += tl.sum(hit.to(tl.int32), axis=0)
-        return total
-
-    @triton.jit
-    def _threshold_kernel(s_ptr, out_ptr, stride_b, stride_g, col0, B, n, k, eps, key_iters,
-                          BLOCK: tl.constexpr):
-        """One work item: out = [bits of t, cut] for the k best valid candidates."""
+    def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr):
+        """One work item: out = [t, cut]; t = key of the k-th best valid candidate (radix-16 select by
+        counting), cut = 1 + index of the last tie taken at t (0 when none)."""
+        d16 = tl.arange(0, 16)
         for _ in tl.range(tl.program_id(0), 1, tl.num_programs(0)):
-            num_valid = _count(s_ptr, stride_b, stride_g, col0, B, n, eps, 0.0, 0, False, False, BLOCK)
-            k_eff = tl.minimum(k, num_valid)
-            lo = tl.zeros((), dtype=tl.int32)
-            hi = tl.full((), _INF_BITS, dtype=tl.int32)
-            for _it in range(31):
-                mid = lo + (hi - lo + 1) // 2
-                t = mid.to(tl.float32, bitcast=True)
-                c = _count(s_ptr, stride_b, stride_g, col0, B, n, eps, t, 0, False, False, BLOCK)
-                lo = tl.where(c >= k_eff, mid, lo)
-                hi = tl.where(c >= k_eff, hi, mid - 1)
-            t = lo.to(tl.float32, bitcast=True)
-            need = k_eff - _count(s_ptr, stride_b, stride_g, col0, B, n, eps, t, 0, True, False, BLOCK)
-            c_lo = tl.zeros((), dtype=tl.int32)
-            c_hi = n + tl.zeros((), dtype=tl.int32)
-            for _it in range(key_iters):
-                mid = (c_lo + c_hi) // 2
-                c = _count(s_ptr, stride_b, stride_g, col0, B, n, eps, t, mid, False, True, BLOCK)
-                c_hi = tl.where(c >= need, mid, c_hi)
-                c_lo = tl.where(c >= need, c_lo, mid + 1)
-            tl.store(out_ptr, lo)
-            tl.store(out_ptr + 1, c_lo)
+            k_eff = k
+            t = tl.zeros((), dtype=tl.int32)
+            for level in tl.static_range(8):
+                counts = tl.zeros((16,), dtype=tl.int32)
+                for start in range(0, n, BLOCK):
+                    u = tl.load(key_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < n,
+                                other=-1)
+                    ge = (u >> (28 - 4 * level))[:, None] >= (t * 16 + d16)[None, :]
+                    counts += tl.sum(((u >= 0)[:, None] & ge).to(tl.int32), axis=0)
+                if level == 0:
+                    k_eff = tl.minimum(k, tl.max(counts, axis=0))
+                t = t * 16 + tl.sum((counts >= k_eff).to(tl.int32), axis=0) - 1
+            need = k_eff
+            for start in range(0, n, BLOCK):
+                u = tl.load(key_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < n, other=-1)
+                need -= tl.sum((u > t).to(tl.int32), axis=0)
+            cut = tl.zeros((), dtype=tl.int32)
+            for level in range(key_levels):
+                counts = tl.zeros((16,), dtype=tl.int32)
+                for start in range(0, n, BLOCK):
+                    i = start + tl.arange(0, BLOCK)
+                    u = tl.load(key_ptr + i, mask=i < n, other=-1)
+                    le = (i >> (4 * (key_levels - 1 - level)))[:, None] <= (cut * 16 + d16)[None, :]
+                    counts += tl.sum((((u == t) & (u >= 0))[:, None] & le).to(tl.int32), axis=0)
+                cut = cut * 16 + 16 - tl.sum((counts >= need).to(tl.int32), axis=0)
+            tl.store(out_ptr, t)
+            tl.store(out_ptr + 1, tl.where(need > 0, cut + 1, 0))
 
     @triton.jit
-    def _lens_kernel(s_ptr, thr_ptr, lens_ptr, stride_b, stride_g, col0, B, C, floor, eps,
-                     BLOCK_C: tl.constexpr):
-        """Per request (persistent loop): verify_len = F + #selected in its window."""
-        t = tl.load(thr_ptr).to(tl.float32, bitcast=True)
+    def _lens_kernel(key_ptr, thr_ptr, lens_ptr, B, C, floor, BLOCK_C: tl.constexpr):
+        """Per request (persistent loop): verify_len = F + #selected in its window column."""
+        t = tl.load(thr_ptr)
         cut = tl.load(thr_ptr + 1)
         j = tl.arange(0, BLOCK_C)
         for r in tl.range(tl.program_id(0), B, tl.num_programs(0)):
-            inside = j < C
-            v = tl.load(s_ptr + r * stride_b + (col0 + j) * stride_g, mask=inside, other=-1.0)
-            sel = inside & (v >= eps) & ((v > t) | ((v == t) & (j * B + r < cut)))
+            i = j * B + r
+            u = tl.load(key_ptr + i, mask=j < C, other=-1)
+            sel = (u >= 0) & ((u > t) | ((u == t) & (i < cut)))
             tl.store(lens_ptr + r, floor + tl.sum(sel.to(tl.int32), axis=0))
 
 
@@ -122,17 +114,12 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
     k = min(budget, n)
     if k == 0:
         return lens.fill_(floor)
-    s = survival.to(torch.float32)
-    thr = torch.empty(2, dtype=torch.int32, device=s.device)
-    key_iters = max(1, n.bit_length())
-    _threshold_kernel[dispatch.grid(1, s.device)](
-        s, thr, s.stride(0), s.stride(1), floor - 1, b, n, k, float(eps), key_iters,
-        BLOCK=min(1024, triton.next_power_of_2(n)),
+    keys = candidate_keys(survival, floor, cap, eps)
+    thr = torch.empty(2, dtype=torch.int32, device=keys.device)
+    _threshold_kernel[dispatch.grid(1, keys.device)](
+        keys, thr, n, k, (n.bit_length() + 3) // 4, BLOCK=min(1024, triton.next_power_of_2(n)),
     )
-    _lens_kernel[dispatch.grid(b, s.device)](
-        s, thr, lens, s.stride(0), s.stride(1), floor - 1, b, c, floor, float(eps),
-        BLOCK_C=triton.next_power_of_2(c),
-    )
+    _lens_kernel[dispatch.grid(b, keys.device)](keys, thr, lens, b, c, floor, BLOCK_C=triton.next_power_of_2(c))
     return lens
 
 
