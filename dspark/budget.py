@@ -123,10 +123,10 @@ def greedy_budget(survival: Tensor, cost_model: CostModel, cfg: ScheduleConfig) 
     it may also stop at a local maximum below the free argmax. Use lag >= 1 for the strict guarantee.
     """
     curves, seconds, theta = _theta(survival, cost_model, cfg)
-    idx = torch.arange(theta.numel() - 1, device=theta.device)
-    stops = (theta[1:] <= theta[:-1]) | (idx >= curves.num_candidates)
-    first = torch.where(stops, idx, torch.full_like(idx, theta.numel() - 1)).min()
-    pick = torch.minimum(first, curves.num_candidates)
+    idx = torch.arange(theta.numel(), device=theta.device)
+    rises = torch.cat([theta[1:] > theta[:-1], torch.zeros(1, dtype=torch.bool, device=theta.device)])
+    go_on = rises & (idx < curves.num_candidates)
+    pick = torch.where(go_on, torch.full_like(idx, theta.numel()), idx).min()
     return _decide(curves, seconds, theta, pick, survival.shape[0], cfg)
 
 
