@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+import dspark.kernels
 from dspark.ascend.launch import MAX_GRID, check_kernel_modules, check_kernel_source
 from dspark.kernels import dispatch
+
+POLICIES = (("work", None), ("cores", 1), ("cores", 3))
 
 
 def test_every_kernel_module_follows_the_ascend_rules() -> None:
@@ -91,7 +96,7 @@ def _visit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_persistent_loop_same_under_both_policies(device, n) -> None:
     x = torch.randn(n, 4, device=device)
     results = {}
-    for policy in (("work", None), ("cores", 1), ("cores", 3)):
+    for policy in POLICIES:
         with dispatch.launch_policy(*policy):
             results[policy] = _visit(x)
     ref_out, ref_visits = results[("work", None)]
@@ -99,3 +104,46 @@ def test_persistent_loop_same_under_both_policies(device, n) -> None:
     assert torch.equal(ref_out, x * 2.0 + torch.arange(n, device=device)[:, None])
     for out, visits in results.values():
         assert torch.equal(out, ref_out) and torch.equal(visits, ref_visits)
+
+
+Case = tuple[Callable[[], torch.Tensor], torch.Tensor]   # (kernel launch, its torch reference's output)
+
+
+def _topk_cases(device: torch.device) -> list[Case]:
+    """Global top-k allocation: ties (quantized survival), NaN-free and thresholded, B = 1 and odd B."""
+    from dspark.kernels import topk
+
+    def case(b: int, gamma: int, budget: int, floor: int, seed: int) -> Case:
+        gen = torch.Generator().manual_seed(seed)
+        s = (torch.rand(b, gamma, generator=gen) * 8).round() / 8   # many ties
+        s = torch.cummin(s, dim=1).values.to(device)
+
+        def run() -> torch.Tensor:
+            out = torch.full((b,), -7, dtype=torch.int32, device=device)   # poison
+            return topk.verify_lens_triton(s, budget, floor, gamma + 1, 1e-6, out=out)
+        return run, topk.verify_lens_ref(s, budget, floor, gamma + 1, 1e-6)
+
+    return [case(1, 3, 2, 1, 0), case(5, 4, 7, 1, 1), case(7, 6, 40, 2, 2), case(3, 5, 0, 1, 3)]
+
+
+# kernel module -> cases (a zero-argument launch and the reference output); every module that defines a
+# Triton kernel must appear here so that it runs under both launch policies.
+KERNEL_CASES: dict[str, Callable[[torch.device], list[Case]]] = {
+    "topk": _topk_cases,
+}
+
+
+def test_every_kernel_module_has_cross_policy_cases() -> None:
+    root = Path(dspark.kernels.__file__).parent
+    with_kernels = {p.stem for p in root.glob("*.py") if "@triton.jit" in p.read_text()}
+    missing = sorted(with_kernels - set(KERNEL_CASES))
+    assert not missing, f"add cross-policy cases for {missing} to KERNEL_CASES in tests/test_ascend_launch.py"
+
+
+@pytest.mark.parametrize("module", sorted(KERNEL_CASES))
+def test_kernels_identical_under_both_policies(device, module) -> None:
+    for run, want in KERNEL_CASES[module](device):
+        for policy in POLICIES:
+            with dispatch.launch_policy(*policy):
+                out = run()
+            assert torch.equal(out, want), (module, policy, out, want)
