@@ -227,3 +227,33 @@ def test_npu_launch_policy_uses_vector_cores(fake_npu: list) -> None:
     with npu_launch_policy(0) as cores:
         assert cores == 48 and dispatch.grid(1000, torch.device("cpu")) == (48,)
     assert dispatch.grid(1000, torch.device("cpu")) == (1000,)
+
+
+def test_tier_graph_runner_drives_the_npu_backend(fake_npu: list) -> None:
+    """The tiers runner with the NPU backend: one pool, one capture per tier, replay after the update,
+    and updatable ops re-issued with the host lists of the step's metadata."""
+    graphs = pytest.importorskip("dspark.graphs")
+    backend = graphs.default_backend(types.SimpleNamespace(type="npu", index=0))
+    assert isinstance(backend, NpuGraphBackend)
+    host_bufs = {t: VerifyMetadataBuffers(_graph_meta([1], [0]) if t == 8 else
+                                          AscendVerifyMetadata.from_layout(
+                                              RaggedVerifyLayout.from_verify_lens([1], tiers=[4], slots=4, width=4), [0]))
+                 for t in (4, 8)}
+    seen: list = []
+
+    def step(bufs):
+        tier = bufs.num_tokens
+        backend.updatable(lambda: seen.append(host_bufs[tier].host["actual_seq_lengths_q"]))
+        return bufs.rows["x"] * 2
+
+    runner = graphs.TierGraphRunner(step, tiers=[4, 8], slots_per_tier=4, device="cpu", backend=backend,
+                                    width=4, row_inputs={"x": ((), torch.float32)})
+    runner.capture()
+    assert fake_npu.count("pool") == 1 and [c for c in fake_npu if isinstance(c, tuple)] == [("capture", "POOL")] * 2
+    fake_npu.clear()
+    layout = runner.layout([2, 1, 4])
+    host_bufs[8].load(AscendVerifyMetadata.from_layout(layout, [10, 127, 255]))
+    runner.run(layout, x=torch.arange(7, dtype=torch.float32))
+    assert runner.replays[8] == 1 and fake_npu[-1] == "replay" and "synchronize" not in fake_npu
+    assert seen[-1] == [2, 3, 7, 8]
+    assert torch.equal(runner._buffers[8].slot_lens, layout.slot_lens)   # the runner's update ran
