@@ -6,7 +6,12 @@ and KV lengths as host lists (`actual_seq_lengths_q`, `actual_seq_lengths_kv`). 
 are issued through `updatable(op)` during capture; each becomes a graph task group, and before every
 replay the backend re-issues it between `graph_task_update_begin/end` on an update stream, so it picks
 up the step's host lists. Ordering uses the group's external event, never a host sync.
-torch_npu is imported on first use.
+
+The runner's `update` (device-buffer copies) runs before the update windows, not inside them: work
+issued between `graph_task_update_begin/end` is taken as the replacement of the captured task, so only
+the re-issued op belongs there. A step per tier: build `AscendVerifyMetadata.from_layout(layout, live)`,
+`buffers[tier].load(meta)` (device tensors in place, host lists swapped), then `runner.run(layout, ...)`;
+the updatable ops read `buffers[tier].host`. torch_npu is imported on first use.
 """
 from __future__ import annotations
 
