@@ -178,6 +178,10 @@ def test_bad_input(device):
         AscendVerifyMetadata.from_static([1, 2], 0)
     with pytest.raises(ValueError, match="overflows int32"):
         AscendVerifyMetadata.from_static([2**31 - 2], 4)
+    with pytest.raises(ValueError, match="overflows int32"):
+        AscendVerifyMetadata.from_layout(layout, [1, 2**31 - 1])
+    with pytest.raises(ValueError, match=r"live_seq_lens\[0\] = -1"):
+        AscendVerifyMetadata.from_static(torch.tensor([-1, 3]), 4)
     m = AscendVerifyMetadata.from_layout(layout, [1, 2])
     with pytest.raises(ValueError, match="page_size"):
         m.block_table_width(0)

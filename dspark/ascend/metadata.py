@@ -138,10 +138,10 @@ class AscendVerifyMetadata:
         start[:b] = live
         real = torch.arange(s, device=device) < b
         kv = torch.where(real, start + v, torch.ones_like(v))
-        host = torch.cat([cu.to(torch.int64), kv]).tolist()  # the one D2H: host mirrors
-        cu_host, kv_host = host[: s + 1], host[s + 1:]
+        host = torch.cat([cu.to(torch.int64), kv, live]).tolist()  # the one D2H: host mirrors + checks
+        cu_host, kv_host = host[: s + 1], host[s + 1: 2 * s + 1]
+        _check_host(host[2 * s + 1:], kv_host)
         lens_host = [e - a for a, e in zip(cu_host, cu_host[1:])]
-        _check_int32(kv_host)
         bound = layout.width if layout.tier is not None else max(lens_host[:b], default=0)
         return cls(
             num_requests=b, num_slots=s, num_tokens=t, total_rows=layout.total_rows, tier=layout.tier,
@@ -174,8 +174,9 @@ class AscendVerifyMetadata:
         t = b * n
         cu = torch.arange(0, t + 1, n, dtype=torch.int32, device=live.device)
         kv = live + n
-        kv_host = kv.tolist()
-        _check_int32(kv_host)
+        live_host = live.tolist()  # the one D2H: host mirror + checks
+        kv_host = [x + n for x in live_host]
+        _check_host(live_host, kv_host)
         grid = live[:, None] + torch.arange(n, device=live.device)  # [B, N] positions
         return cls(
             num_requests=b, num_slots=b, num_tokens=t, total_rows=t, tier=None,
@@ -251,7 +252,7 @@ def _check_ratios(ratios: Sequence[int]) -> tuple[int, ...]:
 
 
 def _check_live(live: Tensor | Sequence[int], b: int | None, device: torch.device) -> Tensor:
-    """Live (pre-step) KV lengths as int64 [B] on `device`; validated on the host (boundary sync)."""
+    """Live (pre-step) KV lengths as int64 [B] on `device` (values are checked on the host copy)."""
     if isinstance(live, Tensor):
         if live.dtype.is_floating_point or live.dtype.is_complex or live.dtype == torch.bool:
             raise TypeError(f"live_seq_lens must be an integer tensor, got dtype {live.dtype}")
@@ -266,13 +267,14 @@ def _check_live(live: Tensor | Sequence[int], b: int | None, device: torch.devic
         out = torch.tensor(vals, dtype=torch.int64, device=device)
     if b is not None and out.numel() != b:
         raise ValueError(f"live_seq_lens has {out.numel()} entries but the layout has {b} requests")
-    if out.numel() and int(out.min()) < 0:
-        bad = int((out < 0).nonzero()[0])
-        raise ValueError(f"live_seq_lens[{bad}] = {int(out[bad])} is negative")
     return out
 
 
-def _check_int32(kv_host: list[int]) -> None:
+def _check_host(live_host: list[int], kv_host: list[int]) -> None:
+    """Reject negative live lengths and final KV lengths past int32 (host copies, no extra sync)."""
+    for i, x in enumerate(live_host):
+        if x < 0:
+            raise ValueError(f"live_seq_lens[{i}] = {x} is negative")
     if kv_host and max(kv_host) > INT32_MAX:
         raise ValueError(f"final KV length {max(kv_host)} overflows int32")
 
