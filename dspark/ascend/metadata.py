@@ -203,8 +203,12 @@ def _ragged_groups(r: int, start: Tensor, v: Tensor, cu: Tensor, t: int) -> Comp
     if s == 0:
         return _groups(r, p, e, e, e, torch.zeros(p, dtype=torch.bool, device=device), lo, hi)
     ends = torch.cumsum(hi - lo, 0)
-    slot = torch.searchsorted(ends, e, right=True).clamp(max=s - 1)
-    c = lo[slot] + e - (ends - (hi - lo))[slot]     # compressed index of entry e
+    first = ends - (hi - lo)                         # first entry of each slot
+    # slot of entry e = (number of slots whose first entry is <= e) - 1: a prefix count, no search
+    marks = torch.zeros(p + 1, dtype=torch.int64, device=device).index_add_(
+        0, first.clamp(max=p), torch.ones_like(first))
+    slot = torch.cumsum(marks[:p], 0) - 1
+    c = lo[slot] + e - first[slot]                   # compressed index of entry e
     row = cu[slot].to(torch.int64) + r * (c + 1) - start[slot] - 1
     return _groups(r, p, r * c, row, slot, e < ends[-1], lo, hi)
 
