@@ -205,9 +205,9 @@ def _ragged_groups(r: int, start: Tensor, v: Tensor, cu: Tensor, t: int) -> Comp
     ends = torch.cumsum(hi - lo, 0)
     first = ends - (hi - lo)                         # first entry of each slot
     # slot of entry e = (number of slots whose first entry is <= e) - 1: a prefix count, no search
-    marks = torch.zeros(p + 1, dtype=torch.int64, device=device).index_add_(
-        0, first.clamp(max=p), torch.ones_like(first))
-    slot = torch.cumsum(marks[:p], 0) - 1
+    marks = torch.zeros(p + 1, dtype=torch.int32, device=device).index_add_(   # int32: NPU-friendly adds
+        0, first.clamp(max=p), torch.ones(s, dtype=torch.int32, device=device))
+    slot = torch.cumsum(marks[:p], 0, dtype=torch.int64) - 1
     c = lo[slot] + e - first[slot]                   # compressed index of entry e
     row = cu[slot].to(torch.int64) + r * (c + 1) - start[slot] - 1
     return _groups(r, p, r * c, row, slot, e < ends[-1], lo, hi)
