@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -28,6 +26,7 @@ from dspark.ascend import runtime
 from dspark.ascend.capability import NpuVerifyConfig, RaggedGraphCapability, choose_npu_verify_mode
 from dspark.ascend.graphs import NpuGraphBackend, VerifyMetadataBuffers
 from dspark.ascend.metadata import AscendVerifyMetadata
+from dspark.fileio import atomic_write_text
 from dspark.layout import RaggedVerifyLayout, round_up_to_tier
 
 N = 4                      # static width (draft_token_num) of the checks
@@ -195,7 +194,7 @@ def step4_5_cpu(device: str) -> tuple[StepResult, StepResult]:
     return s4, s5
 
 
-def run(device: str) -> dict:
+def run(device: str) -> tuple[RaggedGraphCapability, dict]:
     config = NpuVerifyConfig(tiers=TIERS, slots=SLOTS, width=N, compress_ratios=RATIOS,
                              device_name=runtime.device_name() if device == "npu" else "")
     capability = RaggedGraphCapability()
@@ -218,29 +217,23 @@ def run(device: str) -> dict:
             s.status = "cpu-pass"
     status = capability.status(config)
     mode, why = choose_npu_verify_mode("compact", status)
-    return {"device": device, "npu_available": runtime.is_available(), "config": asdict(config),
+    return capability, {"device": device, "npu_available": runtime.is_available(), "config": asdict(config),
             "supports_ragged_verify_graph": status.supported, "compact_request_runs": mode.value,
             "mode_reason": why, "steps": [asdict(s) for s in steps]}
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "npu"], default="cpu")
     ap.add_argument("--out", type=Path, default=Path("perf/results/ascend_bringup.json"))
+    ap.add_argument("--capability", type=Path, default=None,
+                    help="also write the recorded capability (RaggedGraphCapability.load reads it)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.device == "npu" and not runtime.is_available():
         print(f"--device npu but no NPU is usable; {runtime.INSTALL_HINT}", file=sys.stderr)
         return 2
-    report = run(args.device)
+    capability, report = run(args.device)
     print(f"{'step':<5}{'status':<10}{'cpu checks':<12}{'device checks':<15}name / reason")
     for s in report["steps"]:
         count: Callable[[list], str] = lambda cs: f"{sum(c['ok'] for c in cs)}/{len(cs)}"
@@ -251,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             if not c["ok"]:
                 print(f"{'':<42}FAILED {c['name']}: {c['detail']}")
     print(f"compact requested on NPU -> {report['compact_request_runs']} ({report['mode_reason']})")
-    write_json_atomic(args.out, report)
+    atomic_write_text(args.out, json.dumps(report, indent=2))
+    if args.capability is not None:
+        capability.save(args.capability)
+        print(f"wrote {args.capability}")
     print(f"wrote {args.out}")
     return 1 if any(s["status"] == "fail" for s in report["steps"]) else 0
 

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from dspark.ascend import AscendVerifyMetadata, runtime
+from dspark.fileio import atomic_write_text
 from dspark.layout import RaggedVerifyLayout
 
 WIDTH = 8  # W = gamma + 1 with gamma = 7
@@ -75,12 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['batch']:>5} {r['rows']:>6} {r['tier']:>6} {r['static_us']:>10.1f} {r['ragged_eager_us']:>10.1f} "
               f"{r['ragged_graph_us']:>10.1f} {r['ragged_eager_over_static']:>14.2f} {r['layout_build_us']:>10.1f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=args.out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"device": args.device, "width": WIDTH, "repeats": args.repeats, "threads": torch.get_num_threads(),
-                   "torch": torch.__version__, "rows": rows}, f, indent=2)
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps({"device": args.device, "width": WIDTH, "repeats": args.repeats,
+                                            "threads": torch.get_num_threads(), "torch": torch.__version__,
+                                            "rows": rows}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dspark.ascend import RaggedGraphCapability
+
 SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "ascend_bringup.py"
 
 
@@ -23,12 +25,13 @@ def bringup():
 
 def test_cpu_ladder_report(bringup, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    assert bringup.main(["--out", str(out)]) == 0
+    assert bringup.main(["--out", str(out), "--capability", str(tmp_path / "cap.json")]) == 0
     report = json.loads(out.read_text())
     status = {s["step"]: s["status"] for s in report["steps"]}
     assert status == {1: "cpu-pass", 2: "cpu-pass", 3: "skip", 4: "cpu-pass", 5: "cpu-pass", 6: "skip"}
     assert all(s["reason"] for s in report["steps"])
     assert not report["supports_ragged_verify_graph"] and report["compact_request_runs"] == "static"
+    assert RaggedGraphCapability.load(tmp_path / "cap.json").records == {}   # nothing verified without an NPU
 
 
 def test_eager_checks_catch_a_wrong_layout(bringup, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -257,3 +257,18 @@ def test_tier_graph_runner_drives_the_npu_backend(fake_npu: list) -> None:
     assert runner.replays[8] == 1 and fake_npu[-1] == "replay" and "synchronize" not in fake_npu
     assert seen[-1] == [2, 3, 7, 8]
     assert torch.equal(runner._buffers[8].slot_lens, layout.slot_lens)   # the runner's update ran
+
+
+def test_capability_round_trips_through_json(tmp_path) -> None:
+    cap = RaggedGraphCapability()
+    cap.record(CFG, eager_passed=True, graph_passed=True)
+    other = NpuVerifyConfig(tiers=(8,), slots=(4,), width=4, device_name="Ascend910_9392")
+    cap.record(other, eager_passed=True, graph_passed=False, detail="replay != eager")
+    loaded = RaggedGraphCapability.load(cap.save(tmp_path / "cap.json"))
+    assert loaded.records == cap.records
+    assert loaded.supports_ragged_verify_graph(CFG) and not loaded.supports_ragged_verify_graph(other)
+    with pytest.raises(ValueError, match="not a dspark.npu_ragged_verify_capability"):
+        RaggedGraphCapability.from_json({"schema": "other"})
+    with pytest.raises(ValueError, match="bad capability record"):
+        RaggedGraphCapability.from_json({"schema": "dspark.npu_ragged_verify_capability", "version": 1,
+                                         "records": [{"config": {"tiers": [8]}}]})

@@ -6,12 +6,19 @@ falls back to static verify with a logged reason, as today's 910C recipes do.
 """
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from dspark.config import VerifyMode
+from dspark.fileio import atomic_write_text
 
 log = logging.getLogger(__name__)
+
+SCHEMA = "dspark.npu_ragged_verify_capability"
+VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,34 @@ class RaggedGraphCapability:
 
     def supports_ragged_verify_graph(self, config: NpuVerifyConfig) -> bool:
         return self.status(config).supported
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, "version": VERSION, "records": [
+            {"config": asdict(c), "eager_passed": e, "graph_passed": g, "detail": d}
+            for c, (e, g, d) in self.records.items()]}
+
+    @classmethod
+    def from_json(cls, obj: object) -> "RaggedGraphCapability":
+        """Parse `to_json` output; a wrong schema, version or record shape is a ValueError."""
+        if not isinstance(obj, dict) or obj.get("schema") != SCHEMA or obj.get("version") != VERSION:
+            raise ValueError(f"not a {SCHEMA} v{VERSION} document: {str(obj)[:120]!r}")
+        out = cls()
+        for rec in obj.get("records", []):
+            try:
+                cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in rec["config"].items()}
+                out.record(NpuVerifyConfig(**cfg), eager_passed=rec["eager_passed"] is True,
+                           graph_passed=rec["graph_passed"] is True, detail=str(rec.get("detail", "")))
+            except (KeyError, TypeError, AttributeError) as exc:
+                raise ValueError(f"bad capability record {rec!r}: {exc}") from exc
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the records as JSON (atomically)."""
+        return atomic_write_text(path, json.dumps(self.to_json(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RaggedGraphCapability":
+        return cls.from_json(json.loads(Path(path).read_text()))
 
 
 def choose_npu_verify_mode(requested_mode: VerifyMode | str, capability: CapabilityStatus) -> tuple[VerifyMode, str]:
