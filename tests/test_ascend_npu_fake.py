@@ -12,6 +12,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspark.ascend import runtime
 from dspark.ascend.capability import (
@@ -190,6 +192,25 @@ def test_buffers_leave_nothing_stale() -> None:
         assert torch.equal(bufs.tensors[name], t), name
     with pytest.raises(ValueError, match="geometry"):
         bufs.load(AscendVerifyMetadata.from_layout(RaggedVerifyLayout.from_verify_lens([1, 1]), [7, 9]))
+
+
+@st.composite
+def _tier8_step(draw):
+    b = draw(st.integers(0, 2))   # <= 8 rows: always tier 8, padding fits the ghost slots
+    lens = draw(st.lists(st.integers(1, 4), min_size=b, max_size=b))
+    return lens, draw(st.lists(st.integers(0, 300), min_size=b, max_size=b))
+
+
+@settings(max_examples=15)
+@given(st.lists(_tier8_step(), min_size=2, max_size=4))
+def test_buffers_equal_the_last_step_after_any_sequence(steps) -> None:
+    metas = [_graph_meta(lens, live) for lens, live in steps]
+    bufs = VerifyMetadataBuffers(metas[0])
+    for m in metas[1:]:
+        bufs.load(m)
+    fresh = VerifyMetadataBuffers(metas[-1])
+    assert bufs.host == fresh.host
+    assert all(torch.equal(bufs.tensors[k], t) for k, t in fresh.tensors.items())
 
 
 CFG = NpuVerifyConfig(tiers=(8, 16), slots=(4, 8), width=4)
