@@ -1,0 +1,64 @@
+"""ECE (equal width / equal mass), Brier, NLL, AUROC, bootstrap and the margin baseline on hand cases."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.calibration_metrics import auroc, bootstrap_interval, brier, ece, metric_functions, nll, top2_margin
+
+
+def t(x, device):
+    return torch.tensor(x, dtype=torch.float32, device=device)
+
+
+def test_ece_equal_width_and_mass(device):
+    p, y = t([0.1, 0.2, 0.3, 0.9], device), t([0, 0, 1, 1], device)
+    # width, 2 bins: {.1,.2,.3} |0.6 - 1| + {.9} |0.9 - 1| -> 0.5 / 4
+    assert ece(p, y, num_bins=2, strategy="width") == pytest.approx(0.125)
+    # mass, 2 bins: {.1,.2} |0.3 - 0| + {.3,.9} |1.2 - 2| -> 1.1 / 4
+    assert ece(p, y, num_bins=2, strategy="mass") == pytest.approx(0.275)
+    assert ece(t([0.25, 0.75], device), t([0, 1], device), num_bins=1) == pytest.approx(0.0)
+    assert ece(t([1.0], device), t([1.0], device), num_bins=10) == 0.0  # p = 1 falls in the last bin
+
+
+def test_brier_nll_auroc(device):
+    assert brier(t([0.1, 0.8], device), t([0, 1], device)) == pytest.approx(0.025)
+    assert nll(t([0.5, 0.8], device), t([1, 0], device)) == pytest.approx((math.log(2) + math.log(5)) / 2, rel=1e-6)
+    assert nll(t([0.0], device), t([1.0], device)) == pytest.approx(-math.log(1e-12))  # clamped, finite
+    assert auroc(t([0.1, 0.4, 0.35, 0.8], device), t([0, 0, 1, 1], device)) == pytest.approx(0.75)
+    assert auroc(t([0.5, 0.5, 0.2], device), t([0, 1, 0], device)) == pytest.approx(0.75)  # tie counts half
+    assert math.isnan(auroc(t([0.1, 0.2], device), t([1, 1], device)))
+
+
+def test_metric_bad_input_names_value(device):
+    with pytest.raises(ValueError, match=r"probs\[1\] = 1.5"):
+        brier(t([0.2, 1.5], device), t([0, 1], device))
+    with pytest.raises(ValueError, match=r"labels\[0\] = nan"):
+        nll(t([0.2], device), t([float("nan")], device))
+    with pytest.raises(ValueError, match="empty"):
+        ece(t([], device), t([], device))
+    with pytest.raises(ValueError, match="0/1"):
+        auroc(t([0.2, 0.3], device), t([0.5, 1], device))
+    with pytest.raises(ValueError, match="strategy"):
+        ece(t([0.2], device), t([0], device), strategy="quantile")
+
+
+def test_bootstrap_interval_clusters():
+    rng = np.random.default_rng(0)
+    p = rng.uniform(size=400)
+    y = (rng.uniform(size=400) < p).astype(float)
+    groups = np.repeat(np.arange(100), 4)
+    fn = metric_functions(10)["brier"]
+    lo, hi = bootstrap_interval(fn, p, y, groups, 200, 0.9, np.random.default_rng(1))
+    assert lo < fn(p, y) < hi and hi - lo < 0.1
+    one = np.zeros(400, dtype=np.int64)  # a single cluster: every resample is the full data
+    lo1, hi1 = bootstrap_interval(fn, p, y, one, 20, 0.9, np.random.default_rng(1))
+    assert lo1 == pytest.approx(fn(p, y)) and hi1 == pytest.approx(fn(p, y))
+
+
+def test_top2_margin(device):
+    x = t([[[1.0, 3.0, 2.0], [0.0, 0.0, -1.0]]], device)
+    assert top2_margin(x).tolist() == [[1.0, 0.0]]
+    with pytest.raises(ValueError, match="V >= 2"):
+        top2_margin(t([[1.0]], device))
