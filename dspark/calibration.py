@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.calibration_metrics import bin_index, bootstrap_interval, metric_functions
+from dspark.calibration_metrics import Sample, bin_index, bootstrap_interval, metric_functions, occupied_bins
 from dspark.calibration_recorder import POLICIES, StsData
 from dspark.survival import calibrated_survival, check_temperatures
 
@@ -181,7 +181,11 @@ def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
     if z.ndim != 2 or z.shape != y.shape or z.shape[0] == 0:
         raise ValueError(f"logits and labels must be non-empty [N, gamma] of equal shape, got "
                          f"{tuple(logits.shape)} and {tuple(labels.shape)}")
-    score = metric_functions(num_bins)["ece_width" if method == "ece" else method]
+    metric = metric_functions(num_bins)["ece_width" if method == "ece" else method]
+
+    def score(p: np.ndarray, labels: np.ndarray) -> float:
+        return metric(Sample.build(p, labels, sort=False), np.ones(p.size))
+
     prev = np.ones(z.shape[0])
     fits = []
     for k in range(z.shape[1]):
@@ -192,7 +196,7 @@ def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
         else:
             t = math.exp(_argmin_1d(lambda lt: score(pk * _conditional(zk, math.exp(lt)), yk),
                                     math.log(lo), math.log(hi), refine=method != "ece"))
-        occ = [int(np.unique(bin_index(pk * _conditional(zk, tt), num_bins, "width")).size) for tt in (1.0, t)]
+        occ = [occupied_bins(pk * _conditional(zk, tt), num_bins) for tt in (1.0, t)]
         at_bound = zk.size > 0 and min(abs(math.log(t / lo)), abs(math.log(t / hi))) < BOUND_TOL
         fits.append(PositionFit(k, t, int(zk.size), bool(at_bound), occ[0], occ[1]))
         prev = prev * _conditional(z[:, k], t)
@@ -214,20 +218,20 @@ def split_by_request(request_ids: Tensor, holdout_fraction: float, seed: int) ->
     return torch.isin(request_ids, held)
 
 
+def _with_interval(fn: Callable, sample: Sample, bootstrap: int, level: float, seed: int) -> dict:
+    lo, hi = bootstrap_interval(fn, sample, bootstrap, level, np.random.default_rng(seed))
+    return {"value": fn(sample, np.ones(sample.p.size)), "ci": [lo, hi]}
+
+
 def _block(p: np.ndarray, y: np.ndarray, groups: np.ndarray, num_bins: int, bootstrap: int, level: float,
            seed: int) -> dict:
-    out = {}
-    binary = bool(np.isin(y, (0.0, 1.0)).all())
-    for name, fn in metric_functions(num_bins).items():
-        if name == "auroc" and not binary:
-            continue
-        lo, hi = bootstrap_interval(fn, p, y, groups, bootstrap, level, np.random.default_rng(seed))
-        out[name] = {"value": fn(p, y), "ci": [lo, hi]}
-    return out
+    sample = Sample.build(p, y, groups)
+    return {name: _with_interval(fn, sample, bootstrap, level, seed)
+            for name, fn in metric_functions(num_bins).items()}
 
 
 def _reliability(p: np.ndarray, y: np.ndarray, num_bins: int) -> dict:
-    b = bin_index(p, num_bins, "width")
+    b = bin_index(p, num_bins)
     count = np.bincount(b, minlength=num_bins)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_p = np.bincount(b, weights=p, minlength=num_bins) / count
@@ -251,9 +255,8 @@ def _event_report(events: dict, groups: np.ndarray, num_bins: int, bootstrap: in
                                  "after": _reliability(after[rows], yy, num_bins)}}
         m = margin[rows]
         if np.isfinite(m).all():
-            fn = metric_functions(num_bins)["auroc"]
-            lo, hi = bootstrap_interval(fn, m, yy, g, bootstrap, level, np.random.default_rng(seed))
-            entry["auroc_margin"] = {"value": fn(m, yy), "ci": [lo, hi]}
+            entry["auroc_margin"] = _with_interval(metric_functions(num_bins)["auroc"], Sample.build(m, yy, g),
+                                                   bootstrap, level, seed)
         rep[name] = entry
     return rep
 

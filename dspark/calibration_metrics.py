@@ -5,6 +5,7 @@ path) and return Python floats. Labels may be soft (in [0, 1]) except for AUROC,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -29,75 +30,116 @@ def _pair(probs: Tensor, labels: Tensor) -> tuple[np.ndarray, np.ndarray]:
     return p, y
 
 
-def bin_index(probs: np.ndarray, num_bins: int, strategy: str) -> np.ndarray:
-    """Bin of each probability: equal-width bins on [0, 1] ("width") or equal-count bins ("mass")."""
+def check_num_bins(num_bins: int) -> int:
     if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
         raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
+    return num_bins
+
+
+def bin_index(probs: np.ndarray, num_bins: int) -> np.ndarray:
+    """Equal-width bin of each probability on [0, 1] (p = 1 falls in the last bin)."""
+    return np.minimum((probs * check_num_bins(num_bins)).astype(np.int64), num_bins - 1)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """(probability or score, label) pairs sorted by score, with tie groups and request clusters.
+
+    Every metric is a weighted statistic over this fixed order, so a bootstrap replicate is a weight
+    vector (how often each row's cluster was drawn) and never re-sorts.
+    """
+
+    p: np.ndarray         # [n] float64, ascending
+    y: np.ndarray         # [n] float64
+    ties: np.ndarray      # start index of each run of equal scores
+    cluster: np.ndarray   # [n] cluster index in [0, num_clusters)
+    num_clusters: int
+
+    @staticmethod
+    def build(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray | None = None,
+              sort: bool = True) -> "Sample":
+        """sort=False keeps the given order: only for the order-free metrics (ECE width, Brier, NLL)."""
+        order = np.argsort(scores, kind="stable") if sort else np.arange(np.size(scores))
+        p = np.asarray(scores, dtype=np.float64)[order]
+        g = np.zeros(p.size, dtype=np.int64) if groups is None else np.asarray(groups)[order]
+        _, cluster = np.unique(g, return_inverse=True)
+        ties = np.flatnonzero(np.r_[True, p[1:] != p[:-1]]) if p.size else np.zeros(0, dtype=np.int64)
+        return Sample(p, np.asarray(labels, dtype=np.float64)[order], ties, cluster.reshape(-1),
+                      int(cluster.max()) + 1 if p.size else 0)
+
+
+Metric = Callable[[Sample, np.ndarray], float]
+
+
+def _ece(s: Sample, w: np.ndarray, num_bins: int, strategy: str) -> float:
     if strategy == "width":
-        return np.minimum((probs * num_bins).astype(np.int64), num_bins - 1)
-    if strategy == "mass":
-        order = np.argsort(probs, kind="stable")
-        idx = np.empty(probs.size, dtype=np.int64)
-        idx[order] = (np.arange(probs.size) * num_bins) // probs.size
-        return idx
-    raise ValueError(f"strategy must be 'width' or 'mass', got {strategy!r}")
+        b = bin_index(s.p, num_bins)
+    elif strategy == "mass":  # rows sorted: bin = weight strictly before the row, in bins of W / num_bins
+        # (a weighted row never straddles a bin edge; with unit weights this is the plain equal-count split)
+        before = np.cumsum(w) - w
+        b = np.minimum((before * num_bins / w.sum()).astype(np.int64), num_bins - 1)
+    else:
+        raise ValueError(f"strategy must be 'width' or 'mass', got {strategy!r}")
+    gap = np.bincount(b, weights=w * (s.p - s.y), minlength=num_bins)
+    return float(np.abs(gap).sum() / w.sum())
 
 
-def _ece(p: np.ndarray, y: np.ndarray, num_bins: int, strategy: str) -> float:
-    b = bin_index(p, num_bins, strategy)
-    gap = np.bincount(b, weights=p - y, minlength=num_bins)
-    return float(np.abs(gap).sum() / p.size)
+def _brier(s: Sample, w: np.ndarray) -> float:
+    return float(np.sum(w * (s.p - s.y) ** 2) / w.sum())
+
+
+def _nll(s: Sample, w: np.ndarray) -> float:
+    q = np.clip(s.p, NLL_EPS, 1.0 - NLL_EPS)
+    return float(-np.sum(w * (s.y * np.log(q) + (1.0 - s.y) * np.log1p(-q))) / w.sum())
+
+
+def _auroc(s: Sample, w: np.ndarray) -> float:
+    pos = np.add.reduceat(w * s.y, s.ties)
+    neg = np.add.reduceat(w * (1.0 - s.y), s.ties)
+    n_pos, n_neg = pos.sum(), neg.sum()
+    if n_pos <= 0 or n_neg <= 0:
+        return float("nan")
+    below = np.cumsum(neg) - neg  # negatives with a strictly lower score; ties count half
+    return float(np.sum(pos * (below + 0.5 * neg)) / (n_pos * n_neg))
+
+
+def metric_functions(num_bins: int) -> dict[str, Metric]:
+    """The calibration report's metrics by name, as weighted statistics of a Sample."""
+    return {
+        "ece_width": lambda s, w: _ece(s, w, num_bins, "width"),
+        "ece_mass": lambda s, w: _ece(s, w, num_bins, "mass"),
+        "brier": _brier,
+        "nll": _nll,
+        "auroc": _auroc,
+    }
+
+
+def _value(fn: Metric, scores: np.ndarray, labels: np.ndarray) -> float:
+    s = Sample.build(scores, labels)
+    return fn(s, np.ones(s.p.size))
 
 
 def ece(probs: Tensor, labels: Tensor, num_bins: int = 15, strategy: str = "width") -> float:
     """Expected calibration error: sum over bins of (n_b / N) * |mean p_b - mean y_b|."""
-    p, y = _pair(probs, labels)
-    return _ece(p, y, num_bins, strategy)
+    check_num_bins(num_bins)
+    if strategy not in ("width", "mass"):
+        raise ValueError(f"strategy must be 'width' or 'mass', got {strategy!r}")
+    return _value(lambda s, w: _ece(s, w, num_bins, strategy), *_pair(probs, labels))
 
 
-def occupied_bins(probs: Tensor, num_bins: int = 15) -> int:
+def occupied_bins(probs: np.ndarray, num_bins: int = 15) -> int:
     """Number of non-empty equal-width bins (1 means the ECE sees a single mean: degenerate)."""
-    p = torch.as_tensor(probs).detach().to("cpu", torch.float64).reshape(-1).numpy()
-    return int(np.unique(bin_index(p, num_bins, "width")).size) if p.size else 0
-
-
-def _brier(p: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean((p - y) ** 2))
+    return int(np.unique(bin_index(np.asarray(probs, dtype=np.float64), num_bins)).size)
 
 
 def brier(probs: Tensor, labels: Tensor) -> float:
     """Mean squared error of the probability against the label."""
-    return _brier(*_pair(probs, labels))
-
-
-def _nll(p: np.ndarray, y: np.ndarray) -> float:
-    q = np.clip(p, NLL_EPS, 1.0 - NLL_EPS)
-    return float(-np.mean(y * np.log(q) + (1.0 - y) * np.log1p(-q)))
+    return _value(_brier, *_pair(probs, labels))
 
 
 def nll(probs: Tensor, labels: Tensor) -> float:
     """Mean binary cross-entropy (log loss), probabilities clamped to [1e-12, 1 - 1e-12]."""
-    return _nll(*_pair(probs, labels))
-
-
-def _rankdata(x: np.ndarray) -> np.ndarray:
-    order = np.argsort(x, kind="stable")
-    xs = x[order]
-    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
-    ends = np.r_[starts[1:], xs.size]
-    avg = (starts + ends - 1) / 2.0 + 1.0  # 1-based average rank of each tie group
-    ranks = np.empty(x.size, dtype=np.float64)
-    ranks[order] = np.repeat(avg, ends - starts)
-    return ranks
-
-
-def _auroc(s: np.ndarray, y: np.ndarray) -> float:
-    pos = y == 1
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    r = _rankdata(s)
-    return float((r[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+    return _value(_nll, *_pair(probs, labels))
 
 
 def auroc(scores: Tensor, labels: Tensor) -> float:
@@ -110,39 +152,19 @@ def auroc(scores: Tensor, labels: Tensor) -> float:
         raise ValueError(f"AUROC labels must be 0/1, got values {np.unique(y)[:5].tolist()}")
     if not np.isfinite(s).all():
         raise ValueError(f"scores must be finite, got {s[~np.isfinite(s)][:3].tolist()}")
-    return _auroc(s, y)
+    return _value(_auroc, s, y)
 
 
-MetricFn = Callable[[np.ndarray, np.ndarray], float]
-
-
-def metric_functions(num_bins: int) -> dict[str, MetricFn]:
-    """The calibration report's metrics by name, on numpy (probs, labels)."""
-    return {
-        "ece_width": lambda p, y: _ece(p, y, num_bins, "width"),
-        "ece_mass": lambda p, y: _ece(p, y, num_bins, "mass"),
-        "brier": _brier,
-        "nll": _nll,
-        "auroc": _auroc,
-    }
-
-
-def bootstrap_interval(fn: MetricFn, scores: np.ndarray, labels: np.ndarray, groups: np.ndarray,
-                       num_samples: int, level: float, rng: np.random.Generator) -> tuple[float, float]:
-    """Percentile interval of `fn` over a cluster bootstrap (whole groups, e.g. requests, resampled)."""
-    if num_samples < 1:
+def bootstrap_interval(fn: Metric, sample: Sample, num_samples: int, level: float,
+                       rng: np.random.Generator) -> tuple[float, float]:
+    """Percentile interval of `fn` over a cluster bootstrap (whole clusters, e.g. requests, redrawn)."""
+    if num_samples < 1 or sample.num_clusters == 0:
         return float("nan"), float("nan")
-    order = np.argsort(groups, kind="stable")
-    g = groups[order]
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-    sizes = np.diff(np.r_[starts, g.size])
     vals = []
     for _ in range(num_samples):
-        pick = rng.integers(0, starts.size, size=starts.size)
-        lens = sizes[pick]
-        offs = np.repeat(starts[pick] - np.r_[0, np.cumsum(lens)[:-1]], lens) + np.arange(lens.sum())
-        rows = order[offs]
-        vals.append(fn(scores[rows], labels[rows]))
+        draws = np.bincount(rng.integers(0, sample.num_clusters, sample.num_clusters),
+                            minlength=sample.num_clusters)
+        vals.append(fn(sample, draws[sample.cluster].astype(np.float64)))
     v = np.asarray(vals)
     v = v[np.isfinite(v)]
     if v.size == 0:

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.calibration_metrics import auroc, bootstrap_interval, brier, ece, metric_functions, nll, top2_margin
+from dspark.calibration_metrics import (Sample, auroc, bootstrap_interval, brier, ece, metric_functions, nll,
+                                        top2_margin)
 
 
 def t(x, device):
@@ -49,12 +50,33 @@ def test_bootstrap_interval_clusters():
     p = rng.uniform(size=400)
     y = (rng.uniform(size=400) < p).astype(float)
     groups = np.repeat(np.arange(100), 4)
-    fn = metric_functions(10)["brier"]
-    lo, hi = bootstrap_interval(fn, p, y, groups, 200, 0.9, np.random.default_rng(1))
-    assert lo < fn(p, y) < hi and hi - lo < 0.1
-    one = np.zeros(400, dtype=np.int64)  # a single cluster: every resample is the full data
-    lo1, hi1 = bootstrap_interval(fn, p, y, one, 20, 0.9, np.random.default_rng(1))
-    assert lo1 == pytest.approx(fn(p, y)) and hi1 == pytest.approx(fn(p, y))
+    fns = metric_functions(10)
+    sample = Sample.build(p, y, groups)
+    ones = np.ones(400)
+    for name, fn in fns.items():
+        lo, hi = bootstrap_interval(fn, sample, 200, 0.9, np.random.default_rng(1))
+        assert lo < hi and hi - lo < 0.2, name
+        if not name.startswith("ece"):  # bootstrapped ECE is biased upwards; the rest bracket the point value
+            assert lo < fn(sample, ones) < hi, name
+    one = Sample.build(p, y, np.zeros(400))  # a single cluster: every resample is the full data
+    lo1, hi1 = bootstrap_interval(fns["brier"], one, 20, 0.9, np.random.default_rng(1))
+    assert lo1 == pytest.approx(fns["brier"](one, ones)) and hi1 == pytest.approx(lo1)
+
+
+def test_weighted_metrics_equal_replicated_rows():
+    """A bootstrap weight of 2 must equal the row appearing twice (the fast bootstrap relies on it)."""
+    rng = np.random.default_rng(2)
+    p = np.round(rng.uniform(size=60), 1)  # many ties
+    y = (rng.uniform(size=60) < p).astype(float)
+    w = rng.integers(0, 3, size=60).astype(float)
+    rep = np.repeat(np.arange(60), w.astype(int))
+    for name, fn in metric_functions(7).items():
+        weighted = fn(Sample.build(p, y), w[np.argsort(p, kind="stable")])
+        expanded = fn(Sample.build(p[rep], y[rep]), np.ones(rep.size))
+        if name == "ece_mass":  # a weighted row cannot straddle a bin edge: at most 2 * w_max per edge
+            assert abs(weighted - expanded) <= 2 * 6 * w.max() / w.sum() and weighted != expanded
+        else:
+            assert weighted == pytest.approx(expanded, abs=1e-12), name
 
 
 def test_top2_margin(device):
