@@ -58,14 +58,25 @@ class Sample:
     @staticmethod
     def build(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray | None = None,
               sort: bool = True) -> "Sample":
-        """sort=False keeps the given order: only for the order-free metrics (ECE width, Brier, NLL)."""
-        order = np.argsort(scores, kind="stable") if sort else np.arange(np.size(scores))
-        p = np.asarray(scores, dtype=np.float64)[order]
-        g = np.zeros(p.size, dtype=np.int64) if groups is None else np.asarray(groups)[order]
-        _, cluster = np.unique(g, return_inverse=True)
+        """Sort by score (stable); `groups` (e.g. request ids) become bootstrap clusters.
+
+        sort=False keeps the given order, one cluster and no tie runs: only for ECE width, Brier and NLL.
+        """
+        p, y = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=np.float64)
+        if not sort:
+            if groups is not None:
+                raise ValueError("Sample.build(sort=False) takes no groups (bootstrap needs the sorted form)")
+            return Sample(p, y, np.zeros(0, dtype=np.int64), np.zeros(p.size, dtype=np.int64), min(p.size, 1))
+        order = np.argsort(p, kind="stable")
+        p, y = p[order], y[order]
+        if groups is None:
+            cluster, num = np.zeros(p.size, dtype=np.int64), min(p.size, 1)
+        else:
+            _, cluster = np.unique(np.asarray(groups)[order], return_inverse=True)
+            cluster = cluster.reshape(-1)
+            num = int(cluster.max()) + 1 if p.size else 0
         ties = np.flatnonzero(np.r_[True, p[1:] != p[:-1]]) if p.size else np.zeros(0, dtype=np.int64)
-        return Sample(p, np.asarray(labels, dtype=np.float64)[order], ties, cluster.reshape(-1),
-                      int(cluster.max()) + 1 if p.size else 0)
+        return Sample(p, y, ties, cluster, num)
 
 
 Metric = Callable[[Sample, np.ndarray], float]
