@@ -16,10 +16,11 @@ def _progress(stage: str, done: int, total: int) -> None:
     print(f"\r{stage:>8} [{bar:<{width}}] {done}/{total}", end=end, file=sys.stderr, flush=True)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register the `calibrate` sub-command."""
-    p = subparsers.add_parser("calibrate", help="fit STS temperatures from recorded confidence shards",
-                              description=__doc__)
+HELP = "fit STS temperatures from recorded confidence shards (StsRecorder output)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `calibrate` sub-command's arguments (registered by `dspark.cli`)."""
     p.add_argument("shards", nargs="+", help="shard files or directories of shards (StsRecorder output)")
     p.add_argument("--out", required=True, help="calibration JSON to write")
     p.add_argument("--plots", default=None, help="directory for reliability diagrams (one PNG per position)")
@@ -32,8 +33,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--holdout", type=float, default=0.25, help="fraction of requests held out")
     p.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,11 +63,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m dspark.calibrate_cli`) until the `dspark` CLI registers the command."""
-    parser = argparse.ArgumentParser(prog="dspark")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """Stand-alone entry: `python -m dspark.calibrate_cli SHARDS... --out calib.json`."""
+    parser = argparse.ArgumentParser(prog="dspark calibrate", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
