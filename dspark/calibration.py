@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark.atomic_io import atomic_write
 from dspark.calibration_metrics import Sample, bin_index, bootstrap_interval, metric_functions, occupied_bins
 from dspark.calibration_recorder import POLICIES, StsData
 from dspark.survival import calibrated_survival, check_temperatures
@@ -83,17 +84,8 @@ class Calibration:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write strict JSON atomically (temporary file + rename)."""
-        p = Path(path)
-        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "w") as f:
-                json.dump(_json_clean(asdict(self)), f, indent=1, allow_nan=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        atomic_write(path, lambda f: json.dump(_json_clean(asdict(self)), f, indent=1, allow_nan=False),
+                     binary=False)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dspark.atomic_io import atomic_write
 from dspark.calibration import Calibration
 
 
@@ -36,10 +37,6 @@ def plot_reliability(calib: Calibration, out_dir: str | os.PathLike, event: str 
                title=f"{calib.policy}, draft {k}, {event} (T={calib.temperatures[k]:.3g}, n={rep['rows']})")
         ax.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
-        path = out / f"reliability_pos{k}.png"
-        tmp = out / f".{path.name}.tmp-{os.getpid()}.png"
-        fig.savefig(tmp, dpi=100)
+        paths.append(atomic_write(out / f"reliability_pos{k}.png", lambda f: fig.savefig(f, format="png", dpi=100)))
         plt.close(fig)
-        os.replace(tmp, path)
-        paths.append(path)
     return paths

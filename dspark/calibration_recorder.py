@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 import torch
 from torch import Tensor
 
+from dspark.atomic_io import TEMP_MARK, atomic_write
 from dspark.calibration_metrics import top2_margin
 from dspark.confidence import check_prefix_mask
 
@@ -30,7 +31,6 @@ _DTYPES = {"logits": torch.float32, "labels": torch.float32, "soft": torch.float
            "verify_lens": torch.int32, "policy": torch.int8, "request_ids": torch.int64, "steps": torch.int64}
 POLICIES = ("greedy", "sampling")
 _SHARD_RE = re.compile(r"^(?P<prefix>.+)-rank(?P<rank>\d{5})-(?P<index>\d{6})\.pt$")
-_TEMP_MARK = ".tmp-"
 
 
 @dataclass(frozen=True)
@@ -199,17 +199,8 @@ class StsRecorder:
         data = StsData.concat(self._pending)
         payload = {"format": SHARD_FORMAT, "gamma": self.gamma, "rank": self.rank}
         payload.update({f.name: getattr(data, f.name) for f in fields(StsData)})
-        path = self.out_dir / f"{self.prefix}-rank{self.rank:05d}-{self._next_index:06d}.pt"
-        tmp = self.out_dir / f".{path.name}{_TEMP_MARK}{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        path = atomic_write(self.out_dir / f"{self.prefix}-rank{self.rank:05d}-{self._next_index:06d}.pt",
+                            lambda f: torch.save(payload, f))
         self._next_index += 1
         self._pending, self._pending_rows = [], 0
         self.shards.append(path)
@@ -233,7 +224,7 @@ class StsRecorder:
 def load_shard(path: str | os.PathLike) -> StsData:
     """Load and validate one shard; refuses temporary files, pickled objects and corrupt files."""
     p = Path(path)
-    if _TEMP_MARK in p.name:
+    if TEMP_MARK in p.name:
         raise ValueError(f"{p}: a temporary (incomplete) shard file, not a recorded shard")
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
