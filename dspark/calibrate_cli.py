@@ -43,15 +43,17 @@ def run(args: argparse.Namespace) -> int:
     calib.save(args.out)
     print(f"wrote {args.out}: policy {calib.policy}, {calib.data['rows']} rows, "
           f"{calib.data['heldout_requests']} held-out requests")
-    print(f"{'pos':>3} {'T':>8} {'ECE before':>11} {'ECE after':>10} {'AUROC head':>11} {'AUROC margin':>13}")
+    print("held-out, cumulative event; ECE floor = ECE a perfectly calibrated predictor gets on this many rows")
+    print(f"{'pos':>3} {'T':>8} {'rows':>7} {'ECE before':>11} {'ECE after':>10} {'ECE floor':>10} {'AUROC head':>11} "
+          f"{'AUROC margin':>13}")
     for pos in calib.metrics["positions"]:
         rep = pos["cumulative"]
         if rep is None:
             continue
         margin = rep.get("auroc_margin", {}).get("value", float("nan"))
-        print(f"{pos['position']:>3} {calib.temperatures[pos['position']]:>8.4f} "
+        print(f"{pos['position']:>3} {calib.temperatures[pos['position']]:>8.4f} {rep['rows']:>7} "
               f"{rep['before']['ece_width']['value']:>11.4f} {rep['after']['ece_width']['value']:>10.4f} "
-              f"{rep['after']['auroc']['value']:>11.4f} {margin:>13.4f}")
+              f"{rep['ece_floor_after']['width']:>10.4f} {rep['after']['auroc']['value']:>11.4f} {margin:>13.4f}")
     for w in calib.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if args.plots:

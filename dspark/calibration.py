@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from dspark.atomic_io import atomic_write
-from dspark.calibration_metrics import Sample, bin_index, bootstrap_interval, metric_functions, occupied_bins
+from dspark.calibration_metrics import (Sample, bin_index, bootstrap_interval, ece_noise_floor, metric_functions,
+                                        occupied_bins)
 from dspark.calibration_recorder import POLICIES, StsData
 from dspark.survival import calibrated_survival, check_temperatures
 
@@ -30,6 +31,7 @@ SCHEMA = "dspark.calibration/1"
 METHODS = ("nll", "brier", "ece")
 GRID_POINTS = 81
 GOLDEN_ITERS = 60
+ECE_FLOOR_DRAWS = 20  # simulated label sets for the ECE noise floor of a perfectly calibrated predictor
 BOUND_TOL = 1.0e-3  # |log T - log bound| below this flags the temperature as stuck at the bound
 
 Progress = Callable[[str, int, int], None]
@@ -243,6 +245,9 @@ def _event_report(events: dict, groups: np.ndarray, num_bins: int, bootstrap: in
         entry = {"rows": int(rows.sum()),
                  "before": _block(before[rows], yy, g, num_bins, bootstrap, level, seed),
                  "after": _block(after[rows], yy, g, num_bins, bootstrap, level, seed),
+                 "ece_floor_after": {strategy: ece_noise_floor(after[rows], num_bins, strategy, ECE_FLOOR_DRAWS,
+                                                               np.random.default_rng(seed))
+                                     for strategy in ("width", "mass")},
                  "reliability": {"before": _reliability(before[rows], yy, num_bins),
                                  "after": _reliability(after[rows], yy, num_bins)}}
         m = margin[rows]

@@ -184,6 +184,19 @@ def bootstrap_interval(fn: Metric, sample: Sample, num_samples: int, level: floa
     return float(np.quantile(v, a)), float(np.quantile(v, 1.0 - a))
 
 
+def ece_noise_floor(probs: np.ndarray, num_bins: int, strategy: str, draws: int,
+                    rng: np.random.Generator) -> float:
+    """Mean ECE of a perfectly calibrated predictor with these probabilities (labels ~ Bernoulli(p)).
+
+    ECE is biased upwards on finite data; an ECE near this floor is as good as the sample size allows.
+    """
+    s = Sample.build(probs, np.zeros(np.size(probs)))
+    w = np.ones(s.p.size)
+    vals = [_ece(Sample(s.p, (rng.random(s.p.size) < s.p).astype(np.float64), s.ties, s.cluster, s.num_clusters),
+                 w, num_bins, strategy) for _ in range(draws)]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
 def top2_margin(draft_logits: Tensor) -> Tensor:
     """Baseline confidence score: top-1 minus top-2 draft logit per position, [..., V] -> [...] float32."""
     if draft_logits.dim() < 1 or draft_logits.shape[-1] < 2:

@@ -72,7 +72,8 @@ def main() -> None:
         ece_after = [p["cumulative"]["after"]["ece_width"]["value"] for p in rep["positions"]]
         ece_before = [p["cumulative"]["before"]["ece_width"]["value"] for p in rep["positions"]]
         per_position = [{"position": p["position"], "heldout_rows": p["cumulative"]["rows"],
-                         "ece_before": b, "ece_after": a, "ece_after_ci": p["cumulative"]["after"]["ece_width"]["ci"]}
+                         "ece_before": b, "ece_after": a, "ece_after_ci": p["cumulative"]["after"]["ece_width"]["ci"],
+                         "ece_floor": p["cumulative"]["ece_floor_after"]["width"]}
                         for p, b, a in zip(rep["positions"], ece_before, ece_after)]
         rows.append({"method": method, "per_position": per_position, "fit_s_median": statistics.median(times), "eval_s": eval_s,
                      "max_rel_temp_error": float((got / temps - 1).abs().max()),
@@ -87,11 +88,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['method']:>6} {r['fit_s_median']:>8.3f} {r['eval_s']:>8.2f} {r['max_rel_temp_error']:>13.4f} "
               f"{r['max_ece_before']:>15.4f} {r['max_ece_after']:>14.4f}")
-    print(f"{'pos':>3} {'held-out rows':>13} {'ECE before':>11} {'ECE after (nll)':>16} {'bootstrap CI':>18}")
+    print(f"{'pos':>3} {'held-out rows':>13} {'ECE before':>11} {'ECE after (nll)':>16} {'bootstrap CI':>18} "
+          f"{'ECE floor':>10}")
     for p in rows[0]["per_position"]:
         lo, hi = p["ece_after_ci"]
         print(f"{p['position']:>3} {p['heldout_rows']:>13} {p['ece_before']:>11.4f} {p['ece_after']:>16.4f} "
-              f"{f'[{lo:.4f}, {hi:.4f}]':>18}")
+              f"{f'[{lo:.4f}, {hi:.4f}]':>18} {p['ece_floor']:>10.4f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "true_temperatures": temps.tolist(), "rows": data.num_rows,

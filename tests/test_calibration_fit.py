@@ -54,6 +54,7 @@ def test_fit_sts_report_improves_heldout_calibration(device):
     for name in ("ece_width", "ece_mass", "brier", "nll", "auroc"):
         lo, hi = p0["after"][name]["ci"]
         assert lo <= hi and math.isfinite(p0["after"][name]["value"])
+    assert 0 < p0["ece_floor_after"]["width"] < 0.05 and 0 < p0["ece_floor_after"]["mass"] < 0.05
     pooled = cal.metrics["pooled_cumulative"]
     assert pooled["after"]["nll"]["value"] < pooled["before"]["nll"]["value"]
     assert cal.metrics["positions"][1]["conditional"]["rows"] < cal.metrics["positions"][1]["cumulative"]["rows"]
@@ -171,7 +172,7 @@ def test_calibrate_command_writes_json_and_plots(tmp_path, capsys):
                          "--plots", str(tmp_path / "plots"), "--bootstrap", "5"])
     assert rc == 0
     out, err = capsys.readouterr()
-    assert "load [" in err and "3/3" in err and "fit [" in err and "AUROC margin" in out
+    assert "load [" in err and "3/3" in err and "fit [" in err and "AUROC margin" in out and "ECE floor" in out
     cal = Calibration.load(tmp_path / "c.json")
     assert cal.data["rows"] == 3_000 and cal.temperatures[0] == pytest.approx(0.7, rel=0.2)
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.calibration_metrics import (Sample, auroc, bootstrap_interval, brier, ece, metric_functions, nll,
-                                        top2_margin)
+from dspark.calibration_metrics import (Sample, auroc, bootstrap_interval, brier, ece, ece_noise_floor,
+                                        metric_functions, nll, top2_margin)
 
 
 def t(x, device):
@@ -84,3 +84,11 @@ def test_top2_margin(device):
     assert top2_margin(x).tolist() == [[1.0, 0.0]]
     with pytest.raises(ValueError, match="V >= 2"):
         top2_margin(t([[1.0]], device))
+
+
+def test_ece_noise_floor_shrinks_with_data():
+    rng = np.random.default_rng(3)
+    small = ece_noise_floor(rng.uniform(size=200), 15, "width", 20, np.random.default_rng(0))
+    large = ece_noise_floor(rng.uniform(size=20_000), 15, "width", 20, np.random.default_rng(0))
+    assert 0.02 < small < 0.15 and large < 0.015 and large < small / 4  # ~ 1 / sqrt(n) per bin
+    assert ece_noise_floor(np.array([0.0, 1.0, 1.0]), 10, "mass", 5, np.random.default_rng(0)) == 0.0
