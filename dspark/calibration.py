@@ -268,6 +268,7 @@ def _margin_worse(rep: dict | None) -> bool:
 def evaluate(data: StsData, temperatures: list[float], *, num_bins: int = 15, bootstrap: int = 200,
              level: float = 0.95, seed: int = 0, progress: Progress | None = None) -> dict:
     """Held-out report: per position (conditional and cumulative events) and pooled, before vs after."""
+    data = data.cpu()
     z = data.logits
     t = torch.tensor(temperatures, dtype=torch.float32)
     s_before = calibrated_survival(z).double().numpy()
@@ -320,7 +321,7 @@ def fit_sts(data: StsData, *, policy: str | None = None, method: str = "nll",
             bootstrap: int = 200, level: float = 0.95, seed: int = 0,
             progress: Progress | None = None) -> Calibration:
     """Fit STS temperatures for one acceptance policy on the train requests; report on held-out ones."""
-    data.validate()
+    data = data.cpu().validate()
     if data.num_rows == 0:
         raise ValueError("empty STS data: no rows to calibrate on")
     present = sorted({POLICIES[int(c)] for c in torch.unique(data.policy)})

@@ -82,6 +82,10 @@ class StsData:
         check_prefix_mask(torch.nan_to_num(self.labels, nan=0.0), f"{where}: labels")
         return self
 
+    def cpu(self) -> "StsData":
+        """The same rows with every tensor on the CPU (fitting and metrics run there)."""
+        return StsData(**{f.name: getattr(self, f.name).detach().cpu() for f in fields(self)})
+
     def select(self, rows: Tensor) -> "StsData":
         """Rows picked by a bool mask or an index tensor."""
         return StsData(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})

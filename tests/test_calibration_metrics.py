@@ -4,6 +4,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dspark.calibration_metrics import (Sample, auroc, bootstrap_interval, brier, ece, ece_noise_floor,
                                         metric_functions, nll, top2_margin)
@@ -92,3 +94,31 @@ def test_ece_noise_floor_shrinks_with_data():
     large = ece_noise_floor(rng.uniform(size=20_000), 15, "width", 20, np.random.default_rng(0))
     assert 0.02 < small < 0.15 and large < 0.015 and large < small / 4  # ~ 1 / sqrt(n) per bin
     assert ece_noise_floor(np.array([0.0, 1.0, 1.0]), 10, "mass", 5, np.random.default_rng(0)) == 0.0
+
+
+pairs = st.lists(st.tuples(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.5, 0.75, 0.9, 1.0]) | st.floats(0, 1),
+                           st.sampled_from([0.0, 1.0])), min_size=1, max_size=40)
+
+
+@given(pairs, st.integers(1, 12))
+def test_metrics_match_brute_force(rows, num_bins):
+    p = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+    y = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+    pos, neg = [a for a, b in rows if b == 1], [a for a, b in rows if b == 0]
+    if pos and neg:
+        pairs_won = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
+        assert auroc(p, y) == pytest.approx(pairs_won / (len(pos) * len(neg)))
+    else:
+        assert math.isnan(auroc(p, y))
+    n = len(rows)
+    width = {}
+    for a, b in rows:
+        width.setdefault(min(int(a * num_bins), num_bins - 1), []).append((a, b))
+    by_rank = sorted(rows, key=lambda r: r[0])
+    mass = {}
+    for i, r in enumerate(by_rank):
+        mass.setdefault(i * num_bins // n, []).append(r)
+    for strategy, bins in (("width", width), ("mass", mass)):
+        want = sum(abs(sum(a for a, _ in b) - sum(c for _, c in b)) for b in bins.values()) / n
+        assert ece(p, y, num_bins=num_bins, strategy=strategy) == pytest.approx(want, abs=1e-12)
+    assert brier(p, y) == pytest.approx(sum((a - b) ** 2 for a, b in rows) / n)
