@@ -25,6 +25,7 @@ from dspark.atomic_io import atomic_write
 from dspark.calibration_metrics import (Sample, bin_index, bootstrap_interval, ece_noise_floor, metric_functions,
                                         occupied_bins)
 from dspark.calibration_recorder import POLICIES, StsData
+from dspark.confidence import check_prefix_mask
 from dspark.survival import calibrated_survival, check_temperatures
 
 SCHEMA = "dspark.calibration/1"
@@ -175,6 +176,8 @@ def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
     if z.ndim != 2 or z.shape != y.shape or z.shape[0] == 0:
         raise ValueError(f"logits and labels must be non-empty [N, gamma] of equal shape, got "
                          f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+    check_prefix_mask(torch.nan_to_num(labels.detach().cpu(), nan=0.0), "labels")
+    check_prefix_mask(torch.isfinite(labels.detach().cpu()), "observed labels (censoring must be a suffix)")
     metric = metric_functions(num_bins)["ece_width" if method == "ece" else method]
 
     def score(p: np.ndarray, labels: np.ndarray) -> float:

@@ -114,6 +114,15 @@ def test_fit_bad_input(device):
         fit_temperatures(d.logits, d.labels, bounds=(2.0, 1.0))
     with pytest.raises(ValueError, match="method.*'ece2'"):
         fit_sts(d, method="ece2")
+    nan = float("nan")
+    with pytest.raises(ValueError, match=r"labels must be a contiguous prefix.*row 1 is \[1, 0, 1\]"):
+        fit_temperatures(torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]]))
+    with pytest.raises(ValueError, match=r"0/1.*labels\[0, 1\] = 0.5"):
+        fit_temperatures(torch.zeros(1, 3), torch.tensor([[1.0, 0.5, 0.0]]))
+    with pytest.raises(ValueError, match=r"censoring must be a suffix.*row 0 is \[1, 0, 1\]"):
+        fit_temperatures(torch.zeros(1, 3), torch.tensor([[1.0, nan, 0.0]]))
+    with pytest.raises(ValueError, match="non-empty"):
+        fit_temperatures(torch.zeros(0, 3), torch.zeros(0, 3))
     bad = StsData(**{**d.__dict__, "labels": d.labels.clone()})
     bad.labels[0, :2] = torch.tensor([0.0, 1.0])
     bad.verify_lens[0] = 3
