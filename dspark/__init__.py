@@ -2,17 +2,34 @@
 
 The public API, re-exported flat (DESIGN.md section 4b).
 """
+from dspark.allocate import allocate_verify_lens
+from dspark.budget import BudgetDecision, choose_budget, expected_commit, greedy_budget, tau_curve
 from dspark.calibration import Calibration, fit_sts, fit_temperatures
 from dspark.calibration_metrics import auroc, brier, ece, nll, top2_margin
 from dspark.calibration_recorder import StsData, StsRecorder, load_sts
 from dspark.confidence import ConfidenceHead, confidence_loss, previous_tokens, soft_accept_target
 from dspark.config import ScheduleConfig, VerifyMode
+from dspark.cost import (
+    AdditiveCostModel,
+    CostModel,
+    FitReport,
+    ProfileSample,
+    StepsPerSecondTable,
+    load_cost_model,
+    register_cost_model,
+)
 from dspark.layout import RaggedVerifyLayout
+from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
 
 __all__ = [
+    "AdditiveCostModel",
+    "BudgetDecision",
     "Calibration",
     "ConfidenceHead",
+    "CostModel",
+    "FitReport",
+    "ProfileSample",
     "StsData",
     "StsRecorder",
     "auroc",
@@ -28,9 +45,19 @@ __all__ = [
     "top2_margin",
     "RaggedVerifyLayout",
     "ScheduleConfig",
+    "StepsPerSecondTable",
     "SurvivalLagRing",
     "VerifyMode",
+    "VerifyPlan",
+    "VerifyPlanner",
+    "allocate_verify_lens",
     "calibrated_survival",
+    "choose_budget",
+    "expected_commit",
+    "greedy_budget",
+    "load_cost_model",
     "monotone_survival",
+    "register_cost_model",
+    "tau_curve",
 ]
 __version__ = "0.1.0"

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.atomic_io import atomic_write
 from dspark.calibration_metrics import (Sample, bin_index, bootstrap_interval, ece_noise_floor, metric_functions,
                                         occupied_bins)
 from dspark.calibration_recorder import POLICIES, StsData
 from dspark.confidence import check_prefix_mask
+from dspark.fileio import atomic_write_text
 from dspark.survival import calibrated_survival, check_temperatures
 
 SCHEMA = "dspark.calibration/1"
@@ -87,8 +87,7 @@ class Calibration:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write strict JSON atomically (temporary file + rename)."""
-        atomic_write(path, lambda f: json.dump(_json_clean(asdict(self)), f, indent=1, allow_nan=False),
-                     binary=False)
+        atomic_write_text(path, json.dumps(_json_clean(asdict(self)), indent=1, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dspark.atomic_io import atomic_write
 from dspark.calibration import Calibration
+from dspark.fileio import atomic_write
 
 
 def plot_reliability(calib: Calibration, out_dir: str | os.PathLike, event: str = "cumulative") -> list[Path]:
@@ -37,6 +37,6 @@ def plot_reliability(calib: Calibration, out_dir: str | os.PathLike, event: str 
                title=f"{calib.policy}, draft {k}, {event} (T={calib.temperatures[k]:.3g}, n={rep['rows']})")
         ax.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
-        paths.append(atomic_write(out / f"reliability_pos{k}.png", lambda f: fig.savefig(f, format="png", dpi=100)))
+        paths.append(atomic_write(out / f"reliability_pos{k}.png", lambda tmp: fig.savefig(tmp, format="png", dpi=100)))
         plt.close(fig)
     return paths

@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import torch
 from torch import Tensor
 
-from dspark.atomic_io import TEMP_MARK, atomic_write
+from dspark.fileio import atomic_write
 from dspark.calibration_metrics import top2_margin
 from dspark.confidence import check_prefix_mask
 
@@ -30,6 +30,7 @@ SHARD_FORMAT = "dspark.sts/1"
 _DTYPES = {"logits": torch.float32, "labels": torch.float32, "soft": torch.float32, "margin": torch.float32,
            "verify_lens": torch.int32, "policy": torch.int8, "request_ids": torch.int64, "steps": torch.int64}
 POLICIES = ("greedy", "sampling")
+TEMP_SUFFIX = ".tmp"  # dspark.fileio.atomic_write's temporary siblings
 _SHARD_RE = re.compile(r"^(?P<prefix>.+)-rank(?P<rank>\d{5})-(?P<index>\d{6})\.pt$")
 
 
@@ -98,6 +99,14 @@ class StsData:
         if len(gammas) != 1:
             raise ValueError(f"STS shards disagree on gamma: {gammas}")
         return StsData(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(StsData)})
+
+
+def _save_synced(payload: dict, path: Path) -> None:
+    """torch.save then fsync, so a renamed shard is on disk, not only in the page cache."""
+    with open(path, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _as_rows(name: str, x: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -204,7 +213,7 @@ class StsRecorder:
         payload = {"format": SHARD_FORMAT, "gamma": self.gamma, "rank": self.rank}
         payload.update({f.name: getattr(data, f.name) for f in fields(StsData)})
         path = atomic_write(self.out_dir / f"{self.prefix}-rank{self.rank:05d}-{self._next_index:06d}.pt",
-                            lambda f: torch.save(payload, f))
+                            lambda tmp: _save_synced(payload, tmp))
         self._next_index += 1
         self._pending, self._pending_rows = [], 0
         self.shards.append(path)
@@ -228,7 +237,7 @@ class StsRecorder:
 def load_shard(path: str | os.PathLike) -> StsData:
     """Load and validate one shard; refuses temporary files, pickled objects and corrupt files."""
     p = Path(path)
-    if TEMP_MARK in p.name:
+    if p.name.endswith(TEMP_SUFFIX):
         raise ValueError(f"{p}: a temporary (incomplete) shard file, not a recorded shard")
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dspark.calibrate_cli import main as calibrate_main
+from dspark.cli import main as cli_main
 from dspark.calibration import Calibration, fit_sts, fit_temperatures, split_by_request
 from dspark.calibration_plots import plot_reliability
 from dspark.calibration_recorder import POLICIES, StsData, StsRecorder
@@ -177,7 +177,7 @@ def test_calibrate_command_writes_json_and_plots(tmp_path, capsys):
             sl = slice(s, s + 500)
             rec.record(d.logits[sl], verify_lens=d.verify_lens[sl], request_ids=d.request_ids[sl],
                        labels=torch.nan_to_num(d.labels[sl]), draft_logits=torch.randn(500, 2, 5))
-    rc = calibrate_main([str(tmp_path / "shards"), "--out", str(tmp_path / "c.json"),
+    rc = cli_main(["calibrate", str(tmp_path / "shards"), "--out", str(tmp_path / "c.json"),
                          "--plots", str(tmp_path / "plots"), "--bootstrap", "5"])
     assert rc == 0
     out, err = capsys.readouterr()
