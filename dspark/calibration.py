@@ -358,6 +358,8 @@ def fit_sts(data: StsData, *, policy: str | None = None, method: str = "nll",
     metrics = evaluate(data.select(held), temps, num_bins=num_bins, bootstrap=bootstrap, level=level, seed=seed,
                        progress=progress)
     metrics["fit"] = [asdict(f) | {"collapsed": f.collapsed} for f in fits]
+    if not bool(torch.isfinite(data.margin).all()):
+        warnings.append("no margin baseline: draft_logits were not recorded for every row (StsRecorder.record)")
     for ev, pos in metrics["head_worse_than_margin"].items():
         if pos:
             warnings.append(f"{ev} event: the confidence head ranks worse (AUROC) than the top-2 margin baseline "

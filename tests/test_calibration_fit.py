@@ -48,6 +48,9 @@ def test_fit_sts_report_improves_heldout_calibration(device):
     cal = fit_sts(d, method="brier", bootstrap=10, num_bins=10)
     assert all(abs(a / b - 1) < 0.15 for a, b in zip(cal.temperatures, temps)), cal.temperatures
     assert cal.policy == "greedy" and cal.gamma == 3 and cal.warnings == []
+    no_margin = fit_sts(StsData(**{**d.__dict__, "margin": torch.full_like(d.margin, float("nan"))}), bootstrap=0)
+    assert any("no margin baseline" in w for w in no_margin.warnings)
+    assert "auroc_margin" not in no_margin.metrics["positions"][0]["cumulative"]
     assert cal.data["requests"] == 1500 and 0 < cal.data["heldout_requests"] < 1500
     p0 = cal.metrics["positions"][0]["cumulative"]
     assert p0["after"]["ece_width"]["value"] < p0["before"]["ece_width"]["value"]
