@@ -115,6 +115,8 @@ def _as_rows(name: str, x: Tensor | None, shape: tuple[int, ...], dtype: torch.d
     if not isinstance(x, Tensor) or tuple(x.shape) != shape:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(f"{name} must be a tensor of shape {shape}, got {got}")
+    if x.is_floating_point() and not dtype.is_floating_point:
+        raise TypeError(f"{name} must be an integer or bool tensor, got {x.dtype}")
     return x.detach().to("cpu", dtype)
 
 
@@ -152,7 +154,7 @@ class StsRecorder:
         """Record one decode step for B requests.
 
         confidence_logits [B, gamma]; verify_lens [B] (rows verified, root included); request_ids [B] ints;
-        exactly one of correct_len [B] (drafts accepted) or labels [B, gamma] (0/1 prefix mask);
+        exactly one of correct_len [B] (drafts accepted, capped or not) or labels [B, gamma] (0/1 prefix mask);
         soft_accept [B, gamma] optional 1 - TV; draft_logits [B, gamma, V] optional (for the margin baseline).
         """
         if self.closed:
@@ -180,6 +182,11 @@ class StsRecorder:
         observed = positions < (vl - 1).unsqueeze(1)
         nan = torch.tensor(float("nan"))
         soft = _as_rows("soft_accept", soft_accept, (b, g), torch.float32)
+        bad = observed & ~((soft >= 0) & (soft <= 1))  # NaN counts as bad; absent soft_accept is not observed
+        if soft_accept is not None and bool(bad.any()):
+            r, k = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"soft_accept must lie in [0, 1] at verified positions, got soft_accept[{r}, {k}] = "
+                             f"{soft[r, k].item()}")
         if draft_logits is not None:
             if not isinstance(draft_logits, Tensor) or tuple(draft_logits.shape[:2]) != (b, g):
                 raise ValueError(f"draft_logits must be [{b}, {g}, V], got "

@@ -75,6 +75,10 @@ def test_record_bad_input(tmp_path):
         rec.record(z, correct_len=torch.tensor([1, 1]), policy="topk", **ok)
     with pytest.raises(ValueError, match=r"\[B, 3\], got \(2, 2\)"):
         rec.record(torch.zeros(2, 2), correct_len=torch.tensor([1, 1]), **ok)
+    with pytest.raises(TypeError, match="request_ids must be an integer or bool tensor, got torch.float32"):
+        rec.record(z, correct_len=torch.tensor([1, 1]), verify_lens=ok["verify_lens"], request_ids=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"soft_accept\[1, 2\] = 1.5"):
+        rec.record(z, correct_len=torch.tensor([1, 1]), soft_accept=torch.tensor([[0.5] * 3, [0.5, 0.5, 1.5]]), **ok)
     with pytest.raises(ValueError, match="gamma must be an int >= 1, got 0"):
         StsRecorder(tmp_path, gamma=0)
     rec.close()
