@@ -237,9 +237,9 @@ def _reliability(p: np.ndarray, y: np.ndarray, num_bins: int) -> dict:
 
 def _event_report(events: dict, groups: np.ndarray, num_bins: int, bootstrap: int, level: float,
                   seed: int) -> dict:
-    """events: name -> (rows mask, labels, before probs, after probs, margin score)."""
+    """events: name -> (rows mask, labels, before probs, after probs, margin score, soft proxy probs)."""
     rep = {}
-    for name, (rows, y, before, after, margin) in events.items():
+    for name, (rows, y, before, after, margin, soft) in events.items():
         if not rows.any():
             rep[name] = None
             continue
@@ -256,6 +256,8 @@ def _event_report(events: dict, groups: np.ndarray, num_bins: int, bootstrap: in
         if np.isfinite(m).all():
             entry["auroc_margin"] = _with_interval(metric_functions(num_bins)["auroc"], Sample.build(m, yy, g),
                                                    bootstrap, level, seed)
+        if np.isfinite(soft[rows]).all():  # the training target 1 - TV used as the probability itself
+            entry["soft_proxy"] = _block(np.clip(soft[rows], 0.0, 1.0), yy, g, num_bins, bootstrap, level, seed)
         rep[name] = entry
     return rep
 
@@ -282,14 +284,16 @@ def evaluate(data: StsData, temperatures: list[float], *, num_bins: int = 15, bo
     margin = data.margin.double().numpy()
     margin_cum = np.minimum.accumulate(np.nan_to_num(margin, nan=np.inf), axis=1)
     margin_cum[np.isnan(margin)] = np.nan
+    soft = data.soft.double().numpy()
+    soft_cum = np.cumprod(soft, axis=1)  # NaN propagates: a cumulative proxy needs every earlier position
     groups = data.request_ids.numpy()
     obs = np.isfinite(y)
     positions = []
     for k in range(data.gamma):
         reached = obs[:, k] & ((y[:, k - 1] == 1) if k else True)
         events = {
-            "conditional": (reached, y[:, k], c_before[:, k], c_after[:, k], margin[:, k]),
-            "cumulative": (obs[:, k], y[:, k], s_before[:, k], s_after[:, k], margin_cum[:, k]),
+            "conditional": (reached, y[:, k], c_before[:, k], c_after[:, k], margin[:, k], soft[:, k]),
+            "cumulative": (obs[:, k], y[:, k], s_before[:, k], s_after[:, k], margin_cum[:, k], soft_cum[:, k]),
         }
         positions.append({"position": k, **_event_report(events, groups, num_bins, bootstrap, level, seed)})
         if progress is not None:
@@ -297,8 +301,8 @@ def evaluate(data: StsData, temperatures: list[float], *, num_bins: int = 15, bo
     flat = lambda a: np.where(obs, a, 0.0).reshape(-1)  # noqa: E731
     rows = obs.reshape(-1)
     pooled_groups = np.repeat(groups, data.gamma)
-    pooled = _event_report({"cumulative": (rows, flat(y), flat(s_before), flat(s_after),
-                                           np.full(rows.size, np.nan))},
+    none = np.full(rows.size, np.nan)
+    pooled = _event_report({"cumulative": (rows, flat(y), flat(s_before), flat(s_after), none, none)},
                            pooled_groups, num_bins, bootstrap, level, seed)["cumulative"]
     worse = {ev: [p["position"] for p in positions if _margin_worse(p[ev])] for ev in ("conditional", "cumulative")}
     return {"num_bins": num_bins, "bootstrap": bootstrap, "level": level, "positions": positions,

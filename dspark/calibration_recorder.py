@@ -182,7 +182,7 @@ class StsRecorder:
         observed = positions < (vl - 1).unsqueeze(1)
         nan = torch.tensor(float("nan"))
         soft = _as_rows("soft_accept", soft_accept, (b, g), torch.float32)
-        bad = observed & ~((soft >= 0) & (soft <= 1))  # NaN counts as bad; absent soft_accept is not observed
+        bad = observed & ~((soft >= 0) & (soft <= 1))  # NaN fails the range check too
         if soft_accept is not None and bool(bad.any()):
             r, k = (int(v) for v in bad.nonzero()[0])
             raise ValueError(f"soft_accept must lie in [0, 1] at verified positions, got soft_accept[{r}, {k}] = "

@@ -12,7 +12,8 @@ from dspark.calibration_plots import plot_reliability
 from dspark.calibration_recorder import POLICIES, StsData, StsRecorder
 
 
-def synthetic(n, temps, seed, device, *, policy="greedy", censor=True, margin_signal=False, rid_offset=0):
+def synthetic(n, temps, seed, device, *, policy="greedy", censor=True, margin_signal=False, rid_offset=0,
+              soft=False):
     """Rows whose true conditional accept probability is sigmoid(z / T_k); random verify lens censor."""
     g = len(temps)
     gen = torch.Generator().manual_seed(seed)
@@ -25,7 +26,8 @@ def synthetic(n, temps, seed, device, *, policy="greedy", censor=True, margin_si
     labels = torch.where(pos < (vl - 1)[:, None], (pos < correct[:, None]).float(), float("nan"))
     # margin baseline: either a near-perfect predictor of the accept draw or noise
     margin = (torch.sigmoid(z / torch.tensor(temps)) - u) if margin_signal else torch.randn(n, g, generator=gen)
-    return StsData(logits=z.to(device), labels=labels, soft=torch.full((n, g), float("nan")), margin=margin,
+    proxy = torch.where(torch.isfinite(labels), torch.sigmoid(z), float("nan")) if soft else torch.full((n, g), float("nan"))
+    return StsData(logits=z.to(device), labels=labels, soft=proxy, margin=margin,
                    verify_lens=vl.to(torch.int32), policy=torch.full((n,), POLICIES.index(policy), dtype=torch.int8),
                    request_ids=torch.arange(n) // 8 + rid_offset, steps=torch.arange(n) % 8)
 
@@ -44,7 +46,7 @@ def test_nll_fit_recovers_known_temperatures(device):
 
 def test_fit_sts_report_improves_heldout_calibration(device):
     temps = [0.5, 2.0, 1.0]
-    d = synthetic(12_000, temps, 1, device)
+    d = synthetic(12_000, temps, 1, device, soft=True)  # soft proxy = the uncalibrated sigmoid(z)
     cal = fit_sts(d, method="brier", bootstrap=10, num_bins=10)
     assert all(abs(a / b - 1) < 0.15 for a, b in zip(cal.temperatures, temps)), cal.temperatures
     assert cal.policy == "greedy" and cal.gamma == 3 and cal.warnings == []
@@ -58,6 +60,8 @@ def test_fit_sts_report_improves_heldout_calibration(device):
         lo, hi = p0["after"][name]["ci"]
         assert lo <= hi and math.isfinite(p0["after"][name]["value"])
     assert 0 < p0["ece_floor_after"]["width"] < 0.05 and 0 < p0["ece_floor_after"]["mass"] < 0.05
+    proxy = p0["soft_proxy"]
+    assert proxy["brier"]["value"] == pytest.approx(p0["before"]["brier"]["value"], rel=1e-5)
     pooled = cal.metrics["pooled_cumulative"]
     assert pooled["after"]["nll"]["value"] < pooled["before"]["nll"]["value"]
     assert cal.metrics["positions"][1]["conditional"]["rows"] < cal.metrics["positions"][1]["cumulative"]["rows"]
