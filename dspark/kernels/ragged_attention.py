@@ -1,0 +1,233 @@
+"""Ragged verify attention over a paged KV cache: Triton kernel, fast torch path, float64 reference.
+
+Packed queries `q [rows, Hq, D]`; slot s owns rows `[qo_start[s], qo_start[s] + slot_lens[s])`, of which the
+first `seqused[s]` are real (ghost slots have seqused 0). Its KV lives in pages `block_table[s, :]` of
+`k_cache / v_cache [num_pages, page_size, Hkv, D]`; kv position p sits at page `block_table[s, p // page_size]`,
+offset `p % page_size`. Real row j of slot s sees kv positions `< prefix_lens[s] + j + 1` (its committed
+prefix plus, causally, the verify rows up to itself). Query head h reads kv head `h // (Hq // Hkv)` (GQA).
+Padding rows (j >= seqused) produce zeros (lse = -inf) and read nothing; nothing past a slot's kv length is read.
+
+The metadata are plain tensors of fixed shape (see `VerifyAttentionMeta`), so one launch can be captured in a
+CUDA / NPU graph and replayed after the metadata are refilled in place (`dspark.attention.RaggedVerifyAttention`).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dspark.kernels import dispatch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LN2 = math.log(2.0)
+
+
+class VerifyAttentionMeta(NamedTuple):
+    """Per-slot geometry of one verify step (int32 device tensors of fixed shape, S = slot count)."""
+
+    block_table: Tensor  # [S, max_pages] page ids; entries past a slot's kv length are never read
+    qo_start: Tensor     # [S] first packed row of each slot
+    slot_lens: Tensor    # [S] rows owned by each slot (real rows, then ghost padding rows)
+    seqused: Tensor      # [S] real rows of each slot (0 for ghost slots)
+    prefix_lens: Tensor  # [S] committed kv length before the verify rows (kv length = prefix + seqused)
+    row_slot: Tensor     # [rows] slot of each packed row (used by the torch paths)
+    row_within: Tensor   # [rows] index of each packed row inside its slot
+    max_q: int           # upper bound on slot_lens (static; sizes the padded torch path)
+
+
+def _kv_positions(meta: VerifyAttentionMeta, page_size: int) -> tuple[Tensor, Tensor]:
+    """([S, L] flat cache slot of each kv position (0 where unused), [S, L] kv position), L = pages * page_size."""
+    num_slots, max_pages = meta.block_table.shape
+    pos = torch.arange(max_pages * page_size, device=meta.block_table.device)
+    kv_len = (meta.prefix_lens + meta.seqused).to(torch.int64)
+    used = pos[None, :] < kv_len[:, None]
+    pages = meta.block_table.to(torch.int64).index_select(1, pos // page_size)
+    flat = pages * page_size + (pos % page_size)[None, :]
+    return torch.where(used, flat, torch.zeros_like(flat)), pos.expand(num_slots, -1)
+
+
+def _gather_kv(cache: Tensor, flat: Tensor, visible_any: Tensor) -> Tensor:
+    """[S, L, Hkv, D] cache rows at `flat`, zeroed where no row may see them (no NaN can leak)."""
+    rows = cache.reshape(-1, *cache.shape[2:]).index_select(0, flat.reshape(-1)).reshape(*flat.shape, *cache.shape[2:])
+    return torch.where(visible_any[:, :, None, None], rows, torch.zeros_like(rows))
+
+
+def ragged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
+                         sm_scale: float) -> tuple[Tensor, Tensor]:
+    """Float64 reference, one dense attention per slot. Returns (out [rows, Hq, D] in q.dtype, lse [rows, Hq] fp32)."""
+    rows, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(rows, hq, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((rows, hq), float("-inf"), dtype=torch.float64, device=q.device)
+    for s in range(meta.seqused.numel()):
+        n, prefix, start = int(meta.seqused[s]), int(meta.prefix_lens[s]), int(meta.qo_start[s])
+        if n == 0:
+            continue
+        pos = torch.arange(prefix + n, device=q.device)
+        pages = meta.block_table[s].to(torch.int64)[pos // page_size]
+        k = k_cache[pages, pos % page_size].to(torch.float64).repeat_interleave(hq // hkv, dim=1)
+        v = v_cache[pages, pos % page_size].to(torch.float64).repeat_interleave(hq // hkv, dim=1)
+        qs = q[start:start + n].to(torch.float64)
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * sm_scale
+        allowed = pos[None, :] < prefix + torch.arange(n, device=q.device)[:, None] + 1
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        lse[start:start + n] = torch.logsumexp(scores, -1).T
+        out[start:start + n] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    return out.to(q.dtype), lse.to(torch.float32)
+
+
+def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
+                           sm_scale: float, out: Tensor, lse: Tensor | None) -> None:
+    """Fast CPU path: slots padded to `max_q` rows, one masked `scaled_dot_product_attention` call.
+
+    No host sync and no data-dependent control flow (torch.compile friendly); writes `out` (and `lse`).
+    """
+    rows, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    if rows == 0:
+        return
+    flat, pos = _kv_positions(meta, page_size)
+    j = torch.arange(meta.max_q, device=q.device)
+    q_valid = j[None, :] < meta.seqused[:, None]                                           # [S, Mq]
+    limit = meta.prefix_lens[:, None].to(torch.int64) + j[None, :] + 1
+    allowed = (pos[:, None, :] < limit[:, :, None]) & q_valid[:, :, None]                 # [S, Mq, L]
+    visible_any = allowed.any(1)
+    k = _gather_kv(k_cache, flat, visible_any).transpose(1, 2)                             # [S, Hkv, L, D]
+    v = _gather_kv(v_cache, flat, visible_any).transpose(1, 2)
+    src = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, rows - 1)
+    qp = q.index_select(0, src.reshape(-1)).reshape(*src.shape, hq, d).transpose(1, 2)   # [S, Hq, Mq, D]
+    mask = allowed[:, None] | ~q_valid[:, None, :, None]    # padding rows see everything (then zeroed)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=hq != hkv)
+    rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
+    real = (rw < meta.seqused.to(torch.int64).index_select(0, rs))[:, None]
+    o_rows = o.transpose(1, 2)[rs, rw]                                                     # [rows, Hq, D]
+    out.copy_(torch.where(real[:, :, None], o_rows, torch.zeros_like(o_rows)))
+    if lse is not None:
+        kf = k.to(torch.float32).repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("shqd,shkd->shqk", qp.to(torch.float32), kf) * sm_scale
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        lse_rows = torch.logsumexp(scores, -1).transpose(1, 2)[rs, rw]
+        lse.copy_(torch.where(real, lse_rows, torch.full_like(lse_rows, float("-inf"))))
+
+
+@triton.jit
+def _ragged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr,
+    qo_start_ptr, slot_lens_ptr, seqused_ptr, prefix_ptr,
+    n_items, num_kv_heads, group, head_dim, page_size, qk_scale,
+    stride_qr, stride_qh, stride_qd,
+    stride_kp, stride_ko, stride_kh, stride_kd,
+    stride_vp, stride_vo, stride_vh, stride_vd,
+    stride_or, stride_oh, stride_od,
+    stride_lr, stride_lh,
+    stride_bs, stride_bp,
+    HAS_LSE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # One work item = (slot, kv head). Its query tile packs (row, head-in-group) pairs into BLOCK_Q * BLOCK_G
+    # rows so every kv page is read once per tile for the whole GQA group. qk_scale = sm_scale * log2(e).
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
+    m_row = offs_m // BLOCK_G
+    m_head = offs_m % BLOCK_G
+    head_ok = m_head < group
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    offs_n = tl.arange(0, BLOCK_N)
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
+        slot = item // num_kv_heads
+        kvh = item % num_kv_heads
+        start = tl.load(qo_start_ptr + slot)
+        n_rows = tl.load(slot_lens_ptr + slot)
+        n_q = tl.load(seqused_ptr + slot)
+        prefix = tl.load(prefix_ptr + slot)
+        heads = kvh * group + m_head
+        for q0 in range(0, n_rows, BLOCK_Q):
+            j = q0 + m_row
+            real = (j < n_q) & head_ok
+            owned = (j < n_rows) & head_ok
+            rows = (start + j).to(tl.int64)
+            q = tl.load(q_ptr + rows[:, None] * stride_qr + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                        mask=real[:, None] & d_ok[None, :], other=0.0)
+            limit = prefix + j + 1
+            kv_end = tl.where(q0 < n_q, prefix + tl.minimum(q0 + BLOCK_Q, n_q), 0)
+            m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)
+            l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+            for n0 in range(0, kv_end, BLOCK_N):
+                pos = n0 + offs_n
+                pos_ok = pos < kv_end
+                page = tl.load(bt_ptr + slot * stride_bs + (pos // page_size) * stride_bp, mask=pos_ok, other=0)
+                page = page.to(tl.int64)
+                off = pos % page_size
+                kv_ok = pos_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh
+                            + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                s = tl.where((pos[None, :] < limit[:, None]) & real[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
+                            + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                m_i = m_new
+            seen = l_i > 0
+            o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+            tl.store(o_ptr + rows[:, None] * stride_or + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                     o.to(o_ptr.dtype.element_ty), mask=owned[:, None] & d_ok[None, :])
+            if HAS_LSE:
+                lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                               float("-inf"))
+                tl.store(lse_ptr + rows * stride_lr + heads * stride_lh, lse, mask=owned)
+
+
+def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -> dict[str, int]:
+    """Static tile sizes: the GQA group and up to 16 verify rows per query tile (>= 16 tile rows for tl.dot).
+
+    Under the interpreter (CPU tensors) wide kv blocks cost nothing and cut the interpreted loop count.
+    """
+    block_g = triton.next_power_of_2(group)
+    block_q = min(triton.next_power_of_2(max(max_q, 1)), 16, max(1, 128 // block_g))
+    block_q = max(block_q, 16 // min(block_g, 16))
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    if device.type == "cpu":
+        block_n = 128
+    else:
+        block_n = 64 if head_dim <= 128 else 32
+    return dict(BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d)
+
+
+def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
+                            sm_scale: float, out: Tensor, lse: Tensor | None) -> None:
+    """Launch the Triton kernel over (slot, kv head) work items; writes `out` (and `lse`). No host sync."""
+    hq, d = q.shape[1], q.shape[2]
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    n_items = meta.seqused.numel() * hkv
+    if n_items == 0 or q.shape[0] == 0:
+        return
+    lse_arg = lse if lse is not None else out
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    _ragged_attention_kernel[dispatch.grid(n_items, q.device)](
+        q, k_cache, v_cache, out, lse_arg, meta.block_table,
+        meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens,
+        n_items, hkv, hq // hkv, d, page_size, sm_scale / _LN2,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse_strides,
+        *meta.block_table.stride(),
+        HAS_LSE=lse is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **kernel_blocks(hq // hkv, d, meta.max_q, q.device),
+    )
+
+
+def ragged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta, sm_scale: float,
+                     out: Tensor, lse: Tensor | None = None) -> None:
+    """Dispatching entry point (Triton on CUDA/NPU, masked SDPA on CPU). Inputs are checked by the caller."""
+    if dispatch.use_triton(q, k_cache, v_cache):
+        ragged_attention_triton(q, k_cache, v_cache, meta, sm_scale, out, lse)
+    else:
+        ragged_attention_torch(q, k_cache, v_cache, meta, sm_scale, out, lse)
