@@ -59,6 +59,13 @@ class RaggedVerifyAttention:
         self.num_rows = 0
 
     @property
+    def meta(self) -> _k.VerifyAttentionMeta:
+        """The planned metadata (views of the persistent buffers); used by references and tests."""
+        if self._meta is None:
+            raise RuntimeError("no plan yet: call plan(layout, prefix_lens, block_table) first")
+        return self._meta
+
+    @property
     def kv_slots(self) -> Tensor:
         """[planned rows] int64 flat cache slot of each verify row (-1 for padding): feed `write_kv`."""
         return self._kv_slots[: self.num_rows]
@@ -201,7 +208,13 @@ def _check_kv_lens(kv_len: Tensor, table: Tensor, page_size: int, num_pages: int
 
 
 def _host_ints(name: str, value: Tensor | Sequence[int], shape: tuple[int, ...] | None) -> Tensor:
-    t = value if isinstance(value, Tensor) else torch.tensor(list(value), dtype=torch.int64)
+    if not isinstance(value, Tensor):
+        vals = list(value)
+        for v in vals:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must hold integers, got {v!r}")
+        value = torch.tensor(vals, dtype=torch.int64)
+    t = value
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
     if shape is not None and tuple(t.shape) != shape:

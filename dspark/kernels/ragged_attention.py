@@ -25,6 +25,7 @@ from dspark.kernels import dispatch
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LN2 = math.log(2.0)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 class VerifyAttentionMeta(NamedTuple):
@@ -59,7 +60,7 @@ def _gather_kv(cache: Tensor, flat: Tensor, visible_any: Tensor) -> Tensor:
 
 def ragged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
                          sm_scale: float) -> tuple[Tensor, Tensor]:
-    """Float64 reference, one dense attention per slot. Returns (out [rows, Hq, D] in q.dtype, lse [rows, Hq] fp32)."""
+    """Float64 reference, one dense attention per slot. Returns float64 (out [rows, Hq, D], lse [rows, Hq])."""
     rows, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros(rows, hq, d, dtype=torch.float64, device=q.device)
@@ -78,7 +79,7 @@ def ragged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Veri
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         lse[start:start + n] = torch.logsumexp(scores, -1).T
         out[start:start + n] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
-    return out.to(q.dtype), lse.to(torch.float32)
+    return out, lse
 
 
 def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
@@ -127,7 +128,7 @@ def _ragged_attention_kernel(
     stride_lr, stride_lh,
     stride_bs, stride_bp,
     HAS_LSE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # One work item = (slot, kv head). Its query tile packs (row, head-in-group) pairs into BLOCK_Q * BLOCK_G
     # rows so every kv page is read once per tile for the whole GQA group. qk_scale = sm_scale * log2(e).
@@ -137,7 +138,7 @@ def _ragged_attention_kernel(
     head_ok = m_head < group
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
         slot = item // num_kv_heads
         kvh = item % num_kv_heads
@@ -145,14 +146,20 @@ def _ragged_attention_kernel(
         n_rows = tl.load(slot_lens_ptr + slot)
         n_q = tl.load(seqused_ptr + slot)
         prefix = tl.load(prefix_ptr + slot)
-        heads = kvh * group + m_head
+        bt_row = bt_ptr + tl.cast(slot, tl.int64) * stride_bs
+        heads = (kvh * group + m_head).to(tl.int64)
+        # int64 offsets everywhere: no int32 overflow on large caches (and no interpreter overflow checks)
+        q_cols = heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        o_cols = heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        k_cols = tl.cast(kvh, tl.int64) * stride_kh + offs_d * stride_kd
+        v_cols = tl.cast(kvh, tl.int64) * stride_vh + offs_d * stride_vd
         for q0 in range(0, n_rows, BLOCK_Q):
             j = q0 + m_row
             real = (j < n_q) & head_ok
             owned = (j < n_rows) & head_ok
             rows = (start + j).to(tl.int64)
-            q = tl.load(q_ptr + rows[:, None] * stride_qr + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                        mask=real[:, None] & d_ok[None, :], other=0.0)
+            q = tl.load(q_ptr + rows[:, None] * stride_qr + q_cols,
+                        mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
             limit = prefix + j + 1
             kv_end = tl.where(q0 < n_q, prefix + tl.minimum(q0 + BLOCK_Q, n_q), 0)
             m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)
@@ -161,25 +168,24 @@ def _ragged_attention_kernel(
             for n0 in range(0, kv_end, BLOCK_N):
                 pos = n0 + offs_n
                 pos_ok = pos < kv_end
-                page = tl.load(bt_ptr + slot * stride_bs + (pos // page_size) * stride_bp, mask=pos_ok, other=0)
-                page = page.to(tl.int64)
+                page = tl.load(bt_row + (pos // page_size) * stride_bp, mask=pos_ok, other=0).to(tl.int64)
                 off = pos % page_size
                 kv_ok = pos_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh
-                            + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+                k = tl.load(k_ptr + (page * stride_kp + off * stride_ko)[:, None] + k_cols[None, :],
+                            mask=kv_ok, other=0.0).to(DOT_DTYPE)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
                 s = tl.where((pos[None, :] < limit[:, None]) & real[:, None], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
-                            + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                v = tl.load(v_ptr + (page * stride_vp + off * stride_vo)[:, None] + v_cols[None, :],
+                            mask=kv_ok, other=0.0).to(DOT_DTYPE)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
                 m_i = m_new
             seen = l_i > 0
             o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-            tl.store(o_ptr + rows[:, None] * stride_or + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            tl.store(o_ptr + rows[:, None] * stride_or + o_cols,
                      o.to(o_ptr.dtype.element_ty), mask=owned[:, None] & d_ok[None, :])
             if HAS_LSE:
                 lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
@@ -197,7 +203,7 @@ def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -
     block_q = max(block_q, 16 // min(block_g, 16))
     block_d = max(triton.next_power_of_2(head_dim), 16)
     if device.type == "cpu":
-        block_n = 128
+        block_n = 256
     else:
         block_n = 64 if head_dim <= 128 else 32
     return dict(BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d)
@@ -212,6 +218,9 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
     if n_items == 0 or q.shape[0] == 0:
         return
     lse_arg = lse if lse is not None else out
+    # the Triton 3.9 interpreter computes bf16 tl.dot wrongly, so interpreted bf16 runs its dots in fp32
+    interpreted_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    dot_dtype = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else _TL_DTYPES[q.dtype]
     lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     _ragged_attention_kernel[dispatch.grid(n_items, q.device)](
         q, k_cache, v_cache, out, lse_arg, meta.block_table,
@@ -219,7 +228,8 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
         n_items, hkv, hq // hkv, d, page_size, sm_scale / _LN2,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse_strides,
         *meta.block_table.stride(),
-        HAS_LSE=lse is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_LSE=lse is not None, DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         **kernel_blocks(hq // hkv, d, meta.max_q, q.device),
     )
 
