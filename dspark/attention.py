@@ -24,12 +24,14 @@ class RaggedVerifyAttention:
     Sizes are capture-time maxima: `max_rows` packed rows (the largest tier), `max_slots` request slots
     (real + ghost), `max_pages_per_slot` block-table columns. `max_verify_len` (optional) bounds the rows of
     one slot and fixes the kernel's query tile; `num_pages` (optional) lets `plan` check page ids.
+    `num_kv_splits` splits every kv range into that many shares merged afterwards (more parallel work at small
+    batch x long prefix; default: enough to fill the GPU's SMs twice, 1 off CUDA).
     """
 
     def __init__(self, max_rows: int, max_slots: int, max_pages_per_slot: int, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int, device: torch.device | str,
                  dtype: torch.dtype, *, sm_scale: float | None = None, max_verify_len: int | None = None,
-                 num_pages: int | None = None) -> None:
+                 num_pages: int | None = None, num_kv_splits: int | None = None) -> None:
         for name, value in (("max_rows", max_rows), ("max_slots", max_slots),
                             ("max_pages_per_slot", max_pages_per_slot), ("num_q_heads", num_q_heads),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("page_size", page_size)):
@@ -40,6 +42,8 @@ class RaggedVerifyAttention:
             _check_count("max_verify_len", max_verify_len, minimum=1)
         if num_pages is not None:
             _check_count("num_pages", num_pages, minimum=1)
+        if num_kv_splits is not None:
+            _check_count("num_kv_splits", num_kv_splits, minimum=1)
         _check_dtype("dtype", dtype)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -47,6 +51,9 @@ class RaggedVerifyAttention:
         self.page_size, self.max_rows, self.max_slots = page_size, max_rows, max_slots
         self.max_pages_per_slot, self.max_verify_len, self.num_pages = max_pages_per_slot, max_verify_len, num_pages
         self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.num_kv_splits = (num_kv_splits if num_kv_splits is not None
+                              else _k.default_kv_splits(self.device, max_slots * num_kv_heads))
+        self._split_kv = _k.split_workspace(self.num_kv_splits, max_rows, num_q_heads, head_dim, self.device)
 
         def buf(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -134,7 +141,7 @@ class RaggedVerifyAttention:
             _check_tensor("out", out, expect_q, self.dtype, self.device)
         if lse is not None:
             _check_tensor("lse", lse, expect_q[:2], torch.float32, self.device)
-        _k.ragged_attention(q, k_cache, v_cache, self._meta, self.sm_scale, out, lse)
+        _k.ragged_attention(q, k_cache, v_cache, self._meta, self.sm_scale, out, lse, self._split_kv)
         return out
 
     def _buffers(self) -> dict[str, Tensor]:

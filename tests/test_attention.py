@@ -119,14 +119,14 @@ shapes = dict(
 
 @fixture_settings(10)
 @given(data=st.data(), b=st.integers(1, 4), padding=st.integers(0, 6), policy=st.sampled_from(POLICIES),
-       seed=st.integers(0, 2**16), **shapes)
-def test_triton_matches_reference(data, b, padding, policy, seed, hkv, group, d, page_size, dtype, device,
+       splits=st.sampled_from([1, 3]), seed=st.integers(0, 2**16), **shapes)
+def test_triton_matches_reference(data, b, padding, policy, splits, seed, hkv, group, d, page_size, dtype, device,
                                   triton_backend):
     vlens = data.draw(st.lists(st.integers(1, 17), min_size=b, max_size=b))
     prefixes = data.draw(st.lists(st.integers(0, 2000), min_size=b, max_size=b))
     case = build_case(seed, vlens, prefixes, hkv=hkv, group=group, d=d, page_size=page_size, dtype=dtype,
                       device=device, padding=padding)
-    run_and_check(case, policy=policy)
+    run_and_check(case, policy=policy, attn=case.attention(num_kv_splits=splits))
 
 
 @fixture_settings(4)
@@ -183,7 +183,7 @@ def test_compact_scattered_back_equals_static(name, data, b, w, seed, page_size,
                                rtol=1e-6, atol=1e-6)
 
 
-def _two_layouts_same_tier(device, dtype, padding_a=4, padding_b=1):
+def _two_layouts_same_tier(device, dtype, splits=None, padding_a=4, padding_b=1):
     a = build_case(1, [3, 1, 5], [9, 0, 40], hkv=2, group=4, d=16, page_size=3, dtype=dtype, device=device,
                    padding=padding_a)
     b = build_case(2, [2, 7, 1, 2], [33, 5, 0, 17], hkv=2, group=4, d=16, page_size=3, dtype=dtype,
@@ -195,14 +195,15 @@ def _two_layouts_same_tier(device, dtype, padding_a=4, padding_b=1):
     v_cache = torch.cat([a.v_cache, b.v_cache])
     for case in (a, b):
         case.k_cache, case.v_cache = k_cache, v_cache
-    attn = RaggedVerifyAttention(16, 6, 32, 8, 2, 16, 3, device, dtype, num_pages=k_cache.shape[0], max_verify_len=8)
+    attn = RaggedVerifyAttention(16, 6, 32, 8, 2, 16, 3, device, dtype, num_pages=k_cache.shape[0], max_verify_len=8,
+                                 num_kv_splits=splits)
     return a, b, attn
 
 
-@pytest.mark.parametrize("name", ["triton", "torch"])
-@pytest.mark.parametrize("policy", POLICIES)
-def test_replay_two_layouts_same_tier(name, policy, device):
-    a, b, attn = _two_layouts_same_tier(device, torch.float32)
+@pytest.mark.parametrize("name, policy, splits", [("triton", ("work", None), 1), ("triton", ("cores", 3), 2),
+                                                  ("torch", ("work", None), 1)])
+def test_replay_two_layouts_same_tier(name, policy, splits, device):
+    a, b, attn = _two_layouts_same_tier(device, torch.float32, splits)
     out = torch.empty_like(a.q)
     with backend(name):
         for case in (a, b, a):

@@ -124,14 +124,16 @@ def _ragged_attention_kernel(
     stride_qr, stride_qh, stride_qd,
     stride_kp, stride_ko, stride_kh, stride_kd,
     stride_vp, stride_vo, stride_vh, stride_vd,
-    stride_or, stride_oh, stride_od,
-    stride_lr, stride_lh,
+    stride_os, stride_or, stride_oh, stride_od,
+    stride_ls, stride_lr, stride_lh,
     stride_bs, stride_bp,
-    HAS_LSE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # One work item = (slot, kv head). Its query tile packs (row, head-in-group) pairs into BLOCK_Q * BLOCK_G
-    # rows so every kv page is read once per tile for the whole GQA group. qk_scale = sm_scale * log2(e).
+    # One work item = (slot, kv head, kv split). Its query tile packs (row, head-in-group) pairs into
+    # BLOCK_Q * BLOCK_G rows so every kv page is read once per tile for the whole GQA group. With NUM_SPLITS > 1
+    # split s covers one contiguous share of the tile's kv range and writes a partial (out, lse) at o/lse + s *
+    # stride_os / stride_ls, merged by _merge_splits_kernel. qk_scale = sm_scale * log2(e).
     offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
     m_row = offs_m // BLOCK_G
     m_head = offs_m % BLOCK_G
@@ -140,8 +142,11 @@ def _ragged_attention_kernel(
     d_ok = offs_d < head_dim
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        slot = item // num_kv_heads
-        kvh = item % num_kv_heads
+        split = item % NUM_SPLITS
+        slot = item // NUM_SPLITS // num_kv_heads
+        kvh = item // NUM_SPLITS % num_kv_heads
+        o_base = o_ptr + tl.cast(split, tl.int64) * stride_os
+        lse_base = lse_ptr + tl.cast(split, tl.int64) * stride_ls
         start = tl.load(qo_start_ptr + slot)
         n_rows = tl.load(slot_lens_ptr + slot)
         n_q = tl.load(seqused_ptr + slot)
@@ -162,12 +167,15 @@ def _ragged_attention_kernel(
                         mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
             limit = prefix + j + 1
             kv_end = tl.where(q0 < n_q, prefix + tl.minimum(q0 + BLOCK_Q, n_q), 0)
+            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = split * chunk
+            kv_hi = tl.minimum(kv_end, kv_lo + chunk)
             m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)
             l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-            for n0 in range(0, kv_end, BLOCK_N):
+            for n0 in range(kv_lo, kv_hi, BLOCK_N):
                 pos = n0 + offs_n
-                pos_ok = pos < kv_end
+                pos_ok = pos < kv_hi
                 page = tl.load(bt_row + (pos // page_size) * stride_bp, mask=pos_ok, other=0).to(tl.int64)
                 off = pos % page_size
                 kv_ok = pos_ok[:, None] & d_ok[None, :]
@@ -185,12 +193,50 @@ def _ragged_attention_kernel(
                 m_i = m_new
             seen = l_i > 0
             o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-            tl.store(o_ptr + rows[:, None] * stride_or + o_cols,
+            tl.store(o_base + rows[:, None] * stride_or + o_cols,
                      o.to(o_ptr.dtype.element_ty), mask=owned[:, None] & d_ok[None, :])
             if HAS_LSE:
                 lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                                float("-inf"))
-                tl.store(lse_ptr + rows * stride_lr + heads * stride_lh, lse, mask=owned)
+                tl.store(lse_base + rows * stride_lr + heads * stride_lh, lse, mask=owned)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    po_ptr, pl_ptr, o_ptr, lse_ptr, n_rows, num_heads, head_dim,
+    stride_pos, stride_por, stride_poh, stride_pod, stride_pls, stride_plr, stride_plh,
+    stride_or, stride_oh, stride_od, stride_lr, stride_lh,
+    HAS_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One work item = one packed row, all heads: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s.
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    h_ok = offs_h < num_heads
+    tile_ok = h_ok[:, None] & (offs_d[None, :] < head_dim)
+    po_cols = offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        r = tl.cast(row, tl.int64)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            part = tl.load(pl_ptr + s * stride_pls + r * stride_plr + offs_h * stride_plh, mask=h_ok,
+                           other=float("-inf"))
+            m = tl.maximum(m, part)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        weight = tl.zeros([BLOCK_H], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            part = tl.load(pl_ptr + s * stride_pls + r * stride_plr + offs_h * stride_plh, mask=h_ok,
+                           other=float("-inf"))
+            e = tl.exp(part - m)
+            acc += e[:, None] * tl.load(po_ptr + s * stride_pos + r * stride_por + po_cols, mask=tile_ok, other=0.0)
+            weight += e
+        seen = weight > 0
+        o = tl.where(seen[:, None], acc / tl.where(seen, weight, 1.0)[:, None], 0.0)
+        tl.store(o_ptr + r * stride_or + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(o_ptr.dtype.element_ty), mask=tile_ok)
+        if HAS_LSE:
+            lse = tl.where(seen, m + tl.log(tl.where(seen, weight, 1.0)), float("-inf"))
+            tl.store(lse_ptr + r * stride_lr + offs_h * stride_lh, lse, mask=h_ok)
 
 
 def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -> dict[str, int]:
@@ -209,35 +255,69 @@ def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -
     return dict(BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d)
 
 
+def default_kv_splits(device: torch.device, work_items: int) -> int:
+    """kv splits so that (slot, kv head, split) items reach ~2 waves of CUDA SMs; 1 elsewhere (max 16)."""
+    if device.type != "cuda" or work_items <= 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(16, -(-2 * sms // work_items)))
+
+
+def split_workspace(num_splits: int, rows: int, num_heads: int, head_dim: int,
+                    device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """fp32 partial (out [splits, rows, Hq, D], lse [splits, rows, Hq]) for split-kv, or None for 1 split."""
+    if num_splits <= 1:
+        return None
+    return (torch.empty(num_splits, rows, num_heads, head_dim, dtype=torch.float32, device=device),
+            torch.empty(num_splits, rows, num_heads, dtype=torch.float32, device=device))
+
+
 def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
-                            sm_scale: float, out: Tensor, lse: Tensor | None) -> None:
-    """Launch the Triton kernel over (slot, kv head) work items; writes `out` (and `lse`). No host sync."""
-    hq, d = q.shape[1], q.shape[2]
+                            sm_scale: float, out: Tensor, lse: Tensor | None,
+                            split_kv: tuple[Tensor, Tensor] | None = None) -> None:
+    """Launch over (slot, kv head, split) work items; writes `out` (and `lse`). No host sync.
+
+    split_kv: a `split_workspace` (>= q's rows) to split every kv range in `splits` shares and merge them.
+    """
+    rows, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    n_items = meta.seqused.numel() * hkv
-    if n_items == 0 or q.shape[0] == 0:
+    splits = split_kv[0].shape[0] if split_kv is not None else 1
+    n_items = meta.seqused.numel() * hkv * splits
+    if n_items == 0 or rows == 0:
         return
-    lse_arg = lse if lse is not None else out
+    if split_kv is not None:
+        dst, dst_lse = split_kv
+        dst_strides, lse_strides = dst.stride(), dst_lse.stride()
+    else:
+        dst, dst_lse = out, (lse if lse is not None else out)
+        dst_strides = (0, *out.stride())
+        lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
     # the Triton 3.9 interpreter computes bf16 tl.dot wrongly, so interpreted bf16 runs its dots in fp32
     interpreted_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
     dot_dtype = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else _TL_DTYPES[q.dtype]
-    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     _ragged_attention_kernel[dispatch.grid(n_items, q.device)](
-        q, k_cache, v_cache, out, lse_arg, meta.block_table,
+        q, k_cache, v_cache, dst, dst_lse, meta.block_table,
         meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens,
         n_items, hkv, hq // hkv, d, page_size, sm_scale / _LN2,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse_strides,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *dst_strides, *lse_strides,
         *meta.block_table.stride(),
-        HAS_LSE=lse is not None, DOT_DTYPE=dot_dtype,
+        HAS_LSE=lse is not None or split_kv is not None, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         **kernel_blocks(hq // hkv, d, meta.max_q, q.device),
     )
+    if split_kv is not None:
+        lse_arg, out_lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
+        _merge_splits_kernel[dispatch.grid(rows, q.device)](
+            dst, dst_lse, out, lse_arg, rows, hq, d, *dst.stride(), *dst_lse.stride(), *out.stride(),
+            *out_lse_strides, HAS_LSE=lse is not None, NUM_SPLITS=splits,
+            BLOCK_H=triton.next_power_of_2(hq), BLOCK_D=triton.next_power_of_2(d),
+        )
 
 
 def ragged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta, sm_scale: float,
-                     out: Tensor, lse: Tensor | None = None) -> None:
+                     out: Tensor, lse: Tensor | None = None, split_kv: tuple[Tensor, Tensor] | None = None) -> None:
     """Dispatching entry point (Triton on CUDA/NPU, masked SDPA on CPU). Inputs are checked by the caller."""
     if dispatch.use_triton(q, k_cache, v_cache):
-        ragged_attention_triton(q, k_cache, v_cache, meta, sm_scale, out, lse)
+        ragged_attention_triton(q, k_cache, v_cache, meta, sm_scale, out, lse, split_kv)
     else:
         ragged_attention_torch(q, k_cache, v_cache, meta, sm_scale, out, lse)
