@@ -240,7 +240,8 @@ def _merge_splits_kernel(
 
 
 def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -> dict[str, int]:
-    """Static tile sizes: the GQA group and up to 16 verify rows per query tile (>= 16 tile rows for tl.dot).
+    """Static tile sizes: the GQA group and up to 16 verify rows per query tile (>= 16 tile rows for tl.dot);
+    8 warps once the fp32 accumulator tile reaches 128 x 128.
 
     Under the interpreter (CPU tensors) wide kv blocks cost nothing and cut the interpreted loop count.
     """
@@ -252,7 +253,8 @@ def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -
         block_n = 256
     else:
         block_n = 64 if head_dim <= 128 else 32
-    return dict(BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d)
+    num_warps = 8 if block_q * block_g * block_d >= 128 * 128 else 4
+    return dict(BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
 
 
 def default_kv_splits(device: torch.device, work_items: int) -> int:
@@ -302,7 +304,7 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *dst_strides, *lse_strides,
         *meta.block_table.stride(),
         HAS_LSE=lse is not None or split_kv is not None, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype,
-        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # exact fp32; backend default otherwise
         **kernel_blocks(hq // hkv, d, meta.max_q, q.device),
     )
     if split_kv is not None:
