@@ -2,8 +2,8 @@
 
 The public API, re-exported flat (DESIGN.md section 4b).
 """
-from dspark.attention import RaggedVerifyAttention, verify_attention, write_kv
 from dspark.allocate import allocate_verify_lens
+from dspark.attention import RaggedVerifyAttention, verify_attention, write_kv
 from dspark.budget import BudgetDecision, choose_budget, expected_commit, greedy_budget, tau_curve
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import (
