@@ -103,7 +103,7 @@ def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Ve
     src = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, rows - 1)
     qp = q.index_select(0, src.reshape(-1)).reshape(*src.shape, hq, d).transpose(1, 2)   # [S, Hq, Mq, D]
     mask = allowed[:, None] | ~q_valid[:, None, :, None]    # padding rows see everything (then zeroed)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=hq != hkv)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
     rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
     real = (rw < meta.seqused.to(torch.int64).index_select(0, rs))[:, None]
     o_rows = o.transpose(1, 2)[rs, rw]                                                     # [rows, Hq, D]
