@@ -240,13 +240,15 @@ def _merge_splits_kernel(
 
 
 def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -> dict[str, int]:
-    """Static tile sizes: the GQA group and up to 16 verify rows per query tile (>= 16 tile rows for tl.dot);
-    8 warps once the fp32 accumulator tile reaches 128 x 128.
+    """Static tile sizes: the GQA group and up to 16 verify rows per query tile (>= 16 tile rows for tl.dot,
+    at most 128, or 64 for head_dim 256, when the group allows); 8 warps once the fp32 accumulator tile reaches
+    128 x 128. Untuned first guesses (no GPU was available when they were written).
 
     Under the interpreter (CPU tensors) wide kv blocks cost nothing and cut the interpreted loop count.
     """
     block_g = triton.next_power_of_2(group)
-    block_q = min(triton.next_power_of_2(max(max_q, 1)), 16, max(1, 128 // block_g))
+    max_tile_rows = 128 if head_dim <= 128 else 64
+    block_q = min(triton.next_power_of_2(max(max_q, 1)), 16, max(1, max_tile_rows // block_g))
     block_q = max(block_q, 16 // min(block_g, 16))
     block_d = max(triton.next_power_of_2(head_dim), 16)
     if device.type == "cpu":
