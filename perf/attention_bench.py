@@ -209,7 +209,8 @@ def main() -> None:
                         torch.cuda.empty_cache()
                 t = times["dspark"]
                 gbps = bytes_moved(p) / t / 1e9 if t else None
-                best = min((v for v in times.values() if v), default=None)
+                timed_ok = [v for v in times.values() if v]
+                best = min(timed_ok) if len(timed_ok) > 1 else None  # vs best only when there is a comparison
                 row = dict(batch=b, width=w, prefix=prefix, seconds=times, max_abs_diff_vs_dspark=errors,
                            bytes=bytes_moved(p), dspark_gbps=gbps,
                            dspark_pct_peak=100 * gbps / args.peak_gbps if gbps and gpu else None,
