@@ -65,7 +65,8 @@ def build_case(seed, vlens, prefixes, *, hkv, group, d, page_size, dtype, device
     cols = max(need + [1]) + 1
     num_pages = sum(need) + 2
     perm = torch.randperm(num_pages, generator=gen, dtype=torch.int32)
-    table = torch.full((b, cols), int(perm[-1]), dtype=torch.int32)  # unused columns -> a NaN page
+    # unused block-table columns point at a NaN page (even seeds) or far outside the cache (odd seeds)
+    table = torch.full((b, cols), int(perm[-1]) if seed % 2 == 0 else 2**30, dtype=torch.int32)
     at = 0
     for r, n in enumerate(need):
         table[r, :n] = perm[at:at + n]
