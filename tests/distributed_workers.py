@@ -1,0 +1,122 @@
+"""Per-rank scenario code for tests/test_distributed.py (run in spawned gloo processes).
+
+Kept out of the test module so the workers import only torch and dspark. Each scenario runs many steps
+per launch and returns plain data; the test process makes the cross-rank assertions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dspark.distributed import (
+    CostTableMismatchError,
+    DpTierAgreement,
+    TpAgreement,
+    TpDisagreementError,
+    check_cost_table,
+)
+from dspark.layout import RaggedVerifyLayout
+from dspark.survival import calibrated_survival
+
+GAMMA = 7
+WIDTH = GAMMA + 1
+TIERS = (8, 16, 32)
+SLOTS = 8
+
+
+def replicated_lens(seed: int) -> torch.Tensor:
+    """verify_lens from inputs every TP rank holds identically (same seed): survival, then lens."""
+    g = torch.Generator().manual_seed(seed)
+    b = int(torch.randint(1, 17, (1,), generator=g))
+    logits = torch.randn(b, GAMMA, generator=g) * 3
+    threshold = torch.rand((), generator=g)
+    s = calibrated_survival(logits)
+    return (1 + (s > threshold).sum(dim=1)).to(torch.int32)
+
+
+def tp_steps(rank: int, steps: int, mode: str) -> dict:
+    """Agreed lens every step; in broadcast mode non-first ranks start from different lens (same B)."""
+    tp = TpAgreement(None, mode)
+    local, agreed = [], []
+    for step in range(steps):
+        lens = replicated_lens(step)
+        if mode == "broadcast" and rank:
+            lens = (lens + rank) % WIDTH + 1
+        local.append(lens.tolist())
+        agreed.append(tp.agree(lens).tolist())
+    return {"local": local, "agreed": agreed}
+
+
+def tp_injected(rank: int, world: int, steps: int, inject: dict[int, str]) -> list:
+    """Run `steps` verify-mode steps; at step k the last rank corrupts its lens (`value` or `batch`)."""
+    tp = TpAgreement(None, "verify")
+    events = []
+    for step in range(steps):
+        lens = replicated_lens(step)
+        if rank == world - 1 and step in inject:
+            lens = lens.clone()
+            if inject[step] == "value":
+                lens[-1] = lens[-1] % WIDTH + 1
+            else:
+                lens = lens[:-1] if lens.shape[0] > 1 else torch.cat([lens, lens])
+        try:
+            tp.agree(lens)
+        except TpDisagreementError as e:
+            events.append((step, str(e), list(e.ranks)))
+    return events
+
+
+def dp_steps(rank: int, world: int, steps: int) -> list:
+    """Different batch sizes per DP rank, the last rank idle every step, plus a mock collective forward."""
+    dp = DpTierAgreement(None, TIERS, SLOTS, WIDTH)
+    g = torch.Generator().manual_seed(7919 * (rank + 1))
+    out = []
+    for _ in range(steps):
+        b = 0 if rank == world - 1 else int(torch.randint(0, 6, (1,), generator=g))
+        lens = torch.randint(1, WIDTH + 1, (b,), generator=g, dtype=torch.int32)
+        layout, dec = dp.step(lens)
+        rows = layout.graph_num_tokens
+        forward = None
+        if dec.tier is not None:  # a replayed graph: every DP rank's tensor must have the same shape
+            x = torch.full((rows, 4), float(rank + 1))
+            dist.all_reduce(x)
+            forward = float(x[0, 0]) if rows else None
+        out.append({
+            "lens": lens.tolist(), "tier": dec.tier, "requests": dec.requests, "rows": dec.rows,
+            "eager": dec.eager_reason, "idle": dec.idle_ranks, "forward": forward,
+            "layout": layout_summary(layout),
+        })
+    return out
+
+
+def layout_summary(layout: RaggedVerifyLayout) -> dict:
+    """The layout as plain lists (crosses the process boundary; checked by the test process)."""
+    return {
+        "requests": layout.num_requests, "total": layout.total_rows, "graph": layout.graph_num_tokens,
+        "tier": layout.tier, "slot_lens": layout.slot_lens.tolist(), "slot_qo": layout.slot_qo_indptr.tolist(),
+        "seqused": layout.seqused.tolist(), "row_slot": layout.row_slot.tolist(),
+        "row_within": layout.row_within.tolist(), "qo": layout.qo_indptr.tolist(), "width": layout.width,
+        "eager": layout.eager_reason, "lens": layout.verify_lens.tolist(),
+    }
+
+
+def cost_table(rank: int, world: int) -> dict:
+    """Same table on every rank passes; then the last rank 'restarts' with another table."""
+    check_cost_table(None, "table-aaaa")
+    own = "table-bbbb" if rank == world - 1 else "table-aaaa"
+    try:
+        check_cost_table(None, own)
+    except CostTableMismatchError as e:
+        return {"message": str(e), "ranks": list(e.ranks)}
+    return {"message": None, "ranks": []}
+
+
+def scenarios(rank: int, world: int, steps: int, inject: dict[int, str]) -> dict:
+    """Everything one launch runs (a spawn costs seconds on a loaded machine; steps are cheap)."""
+    return {
+        "verify": tp_steps(rank, steps, "verify"),
+        "broadcast": tp_steps(rank, steps // 2, "broadcast"),
+        "injected": tp_injected(rank, world, max(inject) + 3, inject),
+        "dp": dp_steps(rank, world, steps // 4),
+        "cost": cost_table(rank, world),
+    }
