@@ -5,6 +5,8 @@ per launch and returns plain data; the test process makes the cross-rank asserti
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -72,7 +74,7 @@ def dp_steps(rank: int, world: int, steps: int) -> list:
     g = torch.Generator().manual_seed(7919 * (rank + 1))
     out = []
     for _ in range(steps):
-        b = 0 if rank == world - 1 else int(torch.randint(0, 6, (1,), generator=g))
+        b = 0 if rank == world - 1 else int(torch.randint(0, SLOTS, (1,), generator=g))
         lens = torch.randint(1, WIDTH + 1, (b,), generator=g, dtype=torch.int32)
         layout, dec = dp.step(lens)
         rows = layout.graph_num_tokens
@@ -111,12 +113,17 @@ def cost_table(rank: int, world: int) -> dict:
     return {"message": None, "ranks": []}
 
 
-def scenarios(rank: int, world: int, steps: int, inject: dict[int, str]) -> dict:
+def hang(rank: int, world: int) -> None:
+    """A rank that never returns (the launcher's timeout must kill it)."""
+    time.sleep(600)
+
+
+def scenarios(rank: int, world: int, steps: dict[str, int], inject: dict[int, str]) -> dict:
     """Everything one launch runs (a spawn costs seconds on a loaded machine; steps are cheap)."""
     return {
-        "verify": tp_steps(rank, steps, "verify"),
-        "broadcast": tp_steps(rank, steps // 2, "broadcast"),
+        "verify": tp_steps(rank, steps["verify"], "verify"),
+        "broadcast": tp_steps(rank, steps["broadcast"], "broadcast"),
         "injected": tp_injected(rank, world, max(inject) + 3, inject),
-        "dp": dp_steps(rank, world, steps // 4),
+        "dp": dp_steps(rank, world, steps["dp"]),
         "cost": cost_table(rank, world),
     }

@@ -26,7 +26,10 @@ from dspark.distributed import (
 from dspark.layout import round_up_to_tier
 from dspark.multiproc import run_local_gloo
 
-STEPS = {2: 2000, 4: 1000}
+STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch runs many steps
+    2: {"verify": 2000, "broadcast": 500, "dp": 100},
+    4: {"verify": 800, "broadcast": 200, "dp": 50},
+}
 INJECT = {5: "value", 9: "batch"}
 LAUNCH_TIMEOUT = 120.0
 
@@ -86,11 +89,11 @@ def check_layout(d: dict, width: int, slots: int) -> None:
 def test_tp_verify_mode_identical_lens_every_step(launches, world):
     ranks = launches(world)
     ref = ranks[0]["verify"]["agreed"]
-    assert len(ref) == STEPS[world]
+    assert len(ref) == STEPS[world]["verify"]
     for r in ranks:
         assert r["verify"]["agreed"] == ref
         assert r["verify"]["local"] == r["verify"]["agreed"]
-    for step in range(0, STEPS[world], 97):
+    for step in range(0, STEPS[world]["verify"], 97):
         assert ref[step] == w.replicated_lens(step).tolist()
 
 
@@ -98,6 +101,7 @@ def test_tp_verify_mode_identical_lens_every_step(launches, world):
 def test_tp_broadcast_mode_takes_first_rank_lens(launches, world):
     ranks = launches(world)
     first = ranks[0]["broadcast"]["local"]
+    assert len(first) == STEPS[world]["broadcast"]
     for r in ranks:
         assert r["broadcast"]["agreed"] == first
     for r in ranks[1:]:
@@ -122,6 +126,7 @@ def test_injected_disagreement_detected_same_step_on_every_rank(launches, world)
 def test_dp_ranks_agree_on_tier_and_idle_rank_layout_is_valid(launches, world):
     ranks = launches(world)
     per_rank = [r["dp"] for r in ranks]
+    assert all(len(p) == STEPS[world]["dp"] for p in per_rank)
     tiers_seen = set()
     for step, steps in enumerate(zip(*per_rank)):
         rows = tuple(sum(s["lens"]) for s in steps)
@@ -159,17 +164,11 @@ def test_rank_with_other_cost_table_is_refused_naming_both_hashes(launches, worl
             assert f"rank {rank} is refused: its cost table table-bbbb differs from table-aaaa" in msg
 
 
-def _hang(rank: int, world: int) -> None:
-    if rank == 1:
-        time.sleep(120)
-    dist.barrier()
-
-
-def test_launcher_turns_a_hang_into_an_error():
+def test_launcher_turns_a_hang_into_a_timeout_error():
     t0 = time.monotonic()
-    with pytest.raises((TimeoutError, RuntimeError), match="rank"):
-        run_local_gloo(_hang, 2, timeout=20.0, collective_timeout=2.0)
-    assert time.monotonic() - t0 < 60
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 1 still running after 3 s"):
+        run_local_gloo(w.hang, 1, timeout=3.0)
+    assert time.monotonic() - t0 < 10
 
 
 @settings(max_examples=50)
