@@ -320,7 +320,7 @@ def check_cost_table(group: dist.ProcessGroup | None, fingerprint: str) -> None:
 
 
 class ParallelAgreement:
-    """The planner's view: start-up check plus per-step TP lens and DP tier agreement."""
+    """The planner's view: the start-up check, then per step `verify_lens` (TP) and `dp.step` (DP)."""
 
     def __init__(
         self,
@@ -342,7 +342,3 @@ class ParallelAgreement:
     def verify_lens(self, verify_lens: Tensor) -> Tensor:
         """TP-agreed lens (unchanged without a TP group)."""
         return self.tp.agree(verify_lens) if self.tp is not None else verify_lens
-
-    def layout(self, verify_lens: Tensor) -> tuple[RaggedVerifyLayout, DpTier] | None:
-        """DP-global layout and decision, or None without a DP group (the planner builds its own)."""
-        return self.dp.step(verify_lens) if self.dp is not None else None

@@ -10,14 +10,17 @@ import time
 import torch
 import torch.distributed as dist
 
+from dspark.config import ScheduleConfig
+from dspark.cost import StepsPerSecondTable
 from dspark.distributed import (
     CostTableMismatchError,
     DpTierAgreement,
+    ParallelConfig,
     TpAgreement,
     TpDisagreementError,
-    check_cost_table,
 )
 from dspark.layout import RaggedVerifyLayout
+from dspark.planner import VerifyPlanner
 from dspark.survival import calibrated_survival
 
 GAMMA = 7
@@ -102,15 +105,51 @@ def layout_summary(layout: RaggedVerifyLayout) -> dict:
     }
 
 
+def cost_tables() -> tuple[StepsPerSecondTable, StepsPerSecondTable]:
+    """The group's table and a 'restarted' rank's table that differs in one value."""
+    rows = [1, 8, 16, 32, 64]
+    return (StepsPerSecondTable(rows, [100.0, 90.0, 80.0, 60.0, 40.0], width=WIDTH),
+            StepsPerSecondTable(rows, [100.0, 90.0, 80.0, 61.0, 40.0], width=WIDTH))
+
+
 def cost_table(rank: int, world: int) -> dict:
-    """Same table on every rank passes; then the last rank 'restarts' with another table."""
-    check_cost_table(None, "table-aaaa")
-    own = "table-bbbb" if rank == world - 1 else "table-aaaa"
+    """Same table on every rank starts; then the last rank restarts with another table and is refused."""
+    same, other = cost_tables()
+    parallel = ParallelConfig(tp_group=dist.group.WORLD, dp_group=dist.group.WORLD)
+    VerifyPlanner(ScheduleConfig(gamma=GAMMA), same, tiers=TIERS, graph_slots=SLOTS, parallel=parallel)
     try:
-        check_cost_table(None, own)
+        VerifyPlanner(ScheduleConfig(gamma=GAMMA), other if rank == world - 1 else same, tiers=TIERS,
+                      graph_slots=SLOTS, parallel=parallel)
     except CostTableMismatchError as e:
         return {"message": str(e), "ranks": list(e.ranks)}
     return {"message": None, "ranks": []}
+
+
+def planner_inputs(replica: int, step: int, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """Logits, slots, generations of one DP replica (identical on its TP ranks); replica 1 idles often."""
+    g = torch.Generator().manual_seed(10_007 * replica + step)
+    b = 0 if replica == 1 and step % 3 == 0 else int(torch.randint(1, SLOTS, (1,), generator=g))
+    logits = torch.randn(b, GAMMA, generator=g) * 3
+    slots = torch.randperm(num_slots, generator=g)[:b]
+    generations = torch.randint(0, 2, (b,), generator=g)
+    return logits, slots, generations
+
+
+def planner_steps(rank: int, world: int, steps: int) -> list:
+    """VerifyPlanner with parallel=: TP pairs (verify mode for 4 ranks, broadcast for 2), DP over the world."""
+    tp_size = 2
+    groups = [dist.new_group(list(range(i, i + tp_size))) for i in range(0, world, tp_size)]
+    replica = rank // tp_size
+    parallel = ParallelConfig(tp_group=groups[replica], dp_group=dist.group.WORLD,
+                              tp_mode="verify" if world > tp_size else "broadcast")
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost_tables()[0], lag=1, tiers=TIERS,
+                            num_slots=16, graph_slots=SLOTS, parallel=parallel)
+    out = []
+    for step in range(steps):
+        plan = planner.plan(*planner_inputs(replica, step, 16))
+        out.append({"lens": plan.verify_lens.tolist(), "tier": plan.dp.tier, "rows": plan.dp.rows,
+                    "layout": layout_summary(plan.layout)})
+    return out
 
 
 def hang(rank: int, world: int) -> None:
@@ -126,4 +165,5 @@ def scenarios(rank: int, world: int, steps: dict[str, int], inject: dict[int, st
         "injected": tp_injected(rank, world, max(inject) + 3, inject),
         "dp": dp_steps(rank, world, steps["dp"]),
         "cost": cost_table(rank, world),
+        "planner": planner_steps(rank, world, steps["planner"]),
     }

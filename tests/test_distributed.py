@@ -23,12 +23,14 @@ from dspark.distributed import (
     check_cost_table,
     verify_lens_hash,
 )
+from dspark.config import ScheduleConfig
 from dspark.layout import round_up_to_tier
+from dspark.planner import VerifyPlanner
 from dspark.multiproc import run_local_gloo
 
 STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch runs many steps
-    2: {"verify": 2000, "broadcast": 500, "dp": 100},
-    4: {"verify": 800, "broadcast": 200, "dp": 50},
+    2: {"verify": 2000, "broadcast": 500, "dp": 100, "planner": 30},
+    4: {"verify": 800, "broadcast": 200, "dp": 50, "planner": 30},
 }
 INJECT = {5: "value", 9: "batch"}
 LAUNCH_TIMEOUT = 120.0
@@ -155,13 +157,33 @@ def test_dp_ranks_agree_on_tier_and_idle_rank_layout_is_valid(launches, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_with_other_cost_table_is_refused_naming_both_hashes(launches, world):
+    same, other = (t.fingerprint() for t in w.cost_tables())
     for rank, r in enumerate(launches(world)):
         msg = r["cost"]["message"]
         assert msg is not None and r["cost"]["ranks"] == [world - 1]
-        assert "table-aaaa" in msg and "table-bbbb" in msg
-        assert f"ranks [{world - 1}] have table-bbbb" in msg
+        assert f"ranks {list(range(world - 1))} have {same}" in msg
+        assert f"ranks [{world - 1}] have {other}" in msg
         if rank == world - 1:
-            assert f"rank {rank} is refused: its cost table table-bbbb differs from table-aaaa" in msg
+            assert f"rank {rank} is refused: its cost table {other} differs from {same} (rank 0)" in msg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_planner_with_parallel_config_agrees_and_matches_a_single_rank_planner(launches, world):
+    ranks = [r["planner"] for r in launches(world)]
+    solo = [VerifyPlanner(ScheduleConfig(gamma=w.GAMMA), w.cost_tables()[0], lag=1, tiers=w.TIERS,
+                          num_slots=16, graph_slots=w.SLOTS) for _ in range(world // 2)]
+    idle_steps = 0
+    for step, steps in enumerate(zip(*ranks)):
+        for replica, planner in enumerate(solo):
+            plan = planner.plan(*w.planner_inputs(replica, step, 16))
+            for peer in (2 * replica, 2 * replica + 1):
+                assert steps[peer]["lens"] == plan.verify_lens.tolist(), f"step {step} rank {peer}"
+        assert len({(s["tier"], s["rows"]) for s in steps}) == 1, f"step {step}: DP ranks disagree"
+        for s in steps:
+            check_layout(s["layout"], w.WIDTH, w.SLOTS)
+            assert s["layout"]["tier"] == s["tier"]
+            idle_steps += not s["lens"]
+    assert idle_steps > 0 if world == 4 else idle_steps == 0
 
 
 def test_launcher_turns_a_hang_into_a_timeout_error():
