@@ -17,6 +17,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dspark.fileio import atomic_write
+
 
 def run_local_gloo(
     fn: Callable[..., Any],
@@ -87,7 +89,4 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    tmp = out + ".tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(result, f)
-    os.replace(tmp, out)
+    atomic_write(out, lambda path: path.write_bytes(pickle.dumps(result)))
