@@ -14,6 +14,15 @@ from dspark.cost import (
     load_cost_model,
     register_cost_model,
 )
+from dspark.distributed import (
+    CostTableMismatchError,
+    DpTier,
+    DpTierAgreement,
+    ParallelConfig,
+    TpAgreement,
+    TpDisagreementError,
+    check_cost_table,
+)
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
@@ -22,17 +31,24 @@ __all__ = [
     "AdditiveCostModel",
     "BudgetDecision",
     "CostModel",
+    "CostTableMismatchError",
+    "DpTier",
+    "DpTierAgreement",
     "FitReport",
+    "ParallelConfig",
     "ProfileSample",
     "RaggedVerifyLayout",
     "ScheduleConfig",
     "StepsPerSecondTable",
     "SurvivalLagRing",
+    "TpAgreement",
+    "TpDisagreementError",
     "VerifyMode",
     "VerifyPlan",
     "VerifyPlanner",
     "allocate_verify_lens",
     "calibrated_survival",
+    "check_cost_table",
     "choose_budget",
     "expected_commit",
     "greedy_budget",
