@@ -32,7 +32,7 @@ TP_MODES = ("verify", "broadcast")
 # every device and each residue fits an int32 collective (Ascend/HCCL-friendly, no int64 reductions).
 _PRIMES = (2_147_483_647, 2_147_483_629)
 _BASES = (48_271, 69_621)
-_coeff_cache: dict[tuple[str, int | None], Tensor] = {}
+_coeff_cache: dict[tuple[str, int | None], tuple[Tensor, Tensor]] = {}
 
 
 class AgreementError(RuntimeError):
@@ -83,16 +83,19 @@ def verify_lens_hash(verify_lens: Tensor) -> Tensor:
     b = verify_lens.shape[0]
     head = torch.full((1,), b, dtype=torch.int64, device=verify_lens.device)
     x = torch.cat([head, verify_lens.to(torch.int64)])
-    primes = torch.tensor(_PRIMES, dtype=torch.int64, device=x.device).unsqueeze(1)
-    terms = torch.remainder(torch.remainder(x, primes) * _coefficients(b + 1, x.device), primes)
+    coeffs, primes = _coefficients(b + 1, x.device)
+    terms = torch.remainder(torch.remainder(x, primes) * coeffs, primes)
     return torch.remainder(terms.sum(dim=1), primes[:, 0])
 
 
-def _coefficients(n: int, device: torch.device) -> Tensor:
-    """[2, n] int64 powers `g_j**(k+1) mod p_j`, cached per device, grown to the next power of two."""
+def _coefficients(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """[2, n] int64 powers `g_j**(k+1) mod p_j` and the [2, 1] primes, cached per device.
+
+    The power table grows to the next power of two of the largest batch seen.
+    """
     key = (device.type, device.index)
-    table = _coeff_cache.get(key)
-    if table is None or table.shape[1] < n:
+    cached = _coeff_cache.get(key)
+    if cached is None or cached[0].shape[1] < n:
         size = 1 << max(n - 1, 1).bit_length()
         rows = []
         for p, g in zip(_PRIMES, _BASES):
@@ -101,9 +104,9 @@ def _coefficients(n: int, device: torch.device) -> Tensor:
                 acc = acc * g % p
                 row.append(acc)
             rows.append(row)
-        table = torch.tensor(rows, dtype=torch.int64, device=device)
-        _coeff_cache[key] = table
-    return table[:, :n]
+        primes = torch.tensor(_PRIMES, dtype=torch.int64, device=device).unsqueeze(1)
+        cached = _coeff_cache[key] = (torch.tensor(rows, dtype=torch.int64, device=device), primes)
+    return cached[0][:, :n], cached[1]
 
 
 def _hash_hex(h1: int, h2: int) -> str:
