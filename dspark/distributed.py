@@ -238,6 +238,10 @@ class DpTierAgreement:
         captured slots raises on every rank (naming the rank), never on one rank alone.
         """
         requests, rows = tuple(requests), tuple(rows)
+        if not len(requests) == len(rows) == len(self.ranks):
+            raise ValueError(
+                f"need one (requests, rows) per DP rank ({len(self.ranks)}), got {len(requests)} and {len(rows)}"
+            )
         for rank, b in zip(self.ranks, requests):
             if self.slots is not None and b > self.slots:
                 raise ValueError(f"DP rank {rank} has {b} requests, more than the {self.slots} captured slots")

@@ -1,10 +1,13 @@
 """Per-step agreement overhead on CPU gloo: 2 and 4 local ranks, side by side with the local work.
 
-Per world size, every rank times (median over repeats of the mean over `--steps` steps):
+Per world size, every rank times (median over interleaved repeats of the mean over `--steps` steps):
   hash            verify_lens_hash alone (local, no collective)
   tp_verify       TpAgreement(mode="verify").agree: hash + one 4 x int32 MAX all-reduce + host check
   tp_broadcast    TpAgreement(mode="broadcast").agree: one [B] int32 broadcast
   allreduce_4     a bare 4 x int32 all-reduce (the collective floor of tp_verify)
+  hash_allreduce  the hash, then the bare all-reduce: the control for tp_verify (on a loaded box any
+                  local work before a collective adds a wake-up; tp_verify - hash_allreduce is the
+                  cost of the fold and the check alone)
   layout_local    RaggedVerifyLayout.from_verify_lens with the local tier (what a single rank pays)
   dp_step         DpTierAgreement.step: one CPU all-gather + the layout padded to the global tier
 The table reports the slowest rank (it gates the step) and the DP overhead dp_step - layout_local.
@@ -32,20 +35,22 @@ from dspark.multiproc import run_local_gloo
 
 GAMMA = 7
 WIDTH = GAMMA + 1
-CASES = ("hash", "tp_verify", "tp_broadcast", "allreduce_4", "layout_local", "dp_step")
+CASES = ("hash", "tp_verify", "tp_broadcast", "allreduce_4", "hash_allreduce", "layout_local", "dp_step")
 
 
-def _time(fn: Callable[[int], object], steps: int, repeats: int) -> float:
-    """Median over repeats of the mean seconds per step (one warm-up repeat first)."""
-    fn(0)
-    per = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for i in range(steps):
-            fn(i)
-        per.append((time.perf_counter() - t0) / steps)
-    return statistics.median(per)
+def _time_interleaved(cases: dict[str, Callable[[int], object]], steps: int, repeats: int) -> dict[str, float]:
+    """Per case: median over repeats of the mean seconds per step. Repeats interleave the cases, so a
+    load change on a shared machine hits every case alike; one warm-up round first."""
+    per: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(repeats + 1):
+        for name, fn in cases.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(steps):
+                fn(i)
+            if rep:
+                per[name].append((time.perf_counter() - t0) / steps)
+    return {name: statistics.median(v) for name, v in per.items()}
 
 
 def rank_bench(rank: int, world: int, batch: int, steps: int, repeats: int) -> dict[str, float]:
@@ -66,10 +71,11 @@ def rank_bench(rank: int, world: int, batch: int, steps: int, repeats: int) -> d
         "tp_verify": lambda i: verify.agree(same[i % 16]),
         "tp_broadcast": lambda i: bcast.agree(tp_lens[i % 16]),
         "allreduce_4": lambda i: dist.all_reduce(floor, op=dist.ReduceOp.MAX),
+        "hash_allreduce": lambda i: (verify_lens_hash(same[i % 16]), dist.all_reduce(floor, op=dist.ReduceOp.MAX)),
         "layout_local": lambda i: RaggedVerifyLayout.from_verify_lens(dp_lens[i % 16], tiers, slots, width=WIDTH),
         "dp_step": lambda i: dp.step(dp_lens[i % 16]),
     }
-    return {name: _time(cases[name], steps, repeats) for name in CASES}
+    return _time_interleaved(cases, steps, repeats)
 
 
 def main() -> None:
@@ -89,10 +95,10 @@ def main() -> None:
                      "per_rank_us": [{k: v * 1e6 for k, v in r.items()} for r in per_rank],
                      "dp_overhead_us": (slowest["dp_step"] - slowest["layout_local"]) * 1e6})
     print(f"per-step agreement cost, gloo on CPU, B={args.batch}, gamma={GAMMA} (slowest rank, microseconds)")
-    print(f"{'world':>5} " + " ".join(f"{c:>13}" for c in CASES) + f" {'dp_overhead':>12}")
+    print(f"{'world':>5} " + " ".join(f"{c:>14}" for c in CASES) + f" {'dp_overhead':>12}")
     for r in rows:
         us = r["slowest_rank_us"]
-        print(f"{r['world']:>5} " + " ".join(f"{us[c]:>13.1f}" for c in CASES) + f" {r['dp_overhead_us']:>12.1f}")
+        print(f"{r['world']:>5} " + " ".join(f"{us[c]:>14.1f}" for c in CASES) + f" {r['dp_overhead_us']:>12.1f}")
     result = {
         "bench": "distributed_bench", "batch": args.batch, "gamma": GAMMA, "steps": args.steps,
         "repeats": args.repeats, "backend": "gloo", "torch": torch.__version__, "python": platform.python_version(),

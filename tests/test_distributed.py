@@ -134,14 +134,17 @@ def test_dp_ranks_agree_on_tier_and_idle_rank_layout_is_valid(launches, world):
         rows = tuple(sum(s["lens"]) for s in steps)
         requests = tuple(len(s["lens"]) for s in steps)
         expect = round_up_to_tier(max(rows), w.TIERS)
-        if expect is not None and any(expect - n > (w.SLOTS - b) * w.WIDTH for b, n in zip(requests, rows)):
-            expect = None  # some rank's padding does not fit its ghost slots: everyone eager
+        reason = f"DP rank {rows.index(max(rows))} has {max(rows)} verify rows"
+        short = [r for r in range(world) if expect is not None and expect - rows[r] > (w.SLOTS - requests[r]) * w.WIDTH]
+        if short:  # some rank's padding does not fit its ghost slots: everyone eager
+            reason = f"DP rank {short[0]} needs {expect - rows[short[0]]} padding rows to reach tier {expect}"
+            expect = None
         for s in steps:
             assert (s["tier"], s["rows"], s["requests"]) == (expect, rows, requests), f"step {step}"
             assert s["layout"]["tier"] == expect
             check_layout(s["layout"], w.WIDTH, w.SLOTS)
             if expect is None:
-                assert s["eager"] and s["layout"]["eager"] == s["eager"]
+                assert reason in s["eager"] and s["layout"]["eager"] == s["eager"]
             else:
                 assert s["layout"]["graph"] == expect
                 assert s["forward"] == world * (world + 1) / 2
@@ -250,8 +253,11 @@ def test_one_rank_group_is_a_no_op_and_validates(one_rank_group):
         DpTierAgreement(None, w.TIERS, 0, w.WIDTH)
     with pytest.raises(ValueError, match="width .* got 0"):
         DpTierAgreement(None, w.TIERS, w.SLOTS, 0)
+    dp = DpTierAgreement(None, w.TIERS, w.SLOTS, w.WIDTH)
     with pytest.raises(ValueError, match="DP rank 0 has 9 requests"):
-        DpTierAgreement(None, w.TIERS, w.SLOTS, w.WIDTH).decide((9,), (9,))
+        dp.decide((9,), (9,))
+    with pytest.raises(ValueError, match=r"one \(requests, rows\) per DP rank \(1\), got 2 and 2"):
+        dp.decide((1, 2), (3, 4))
 
 
 @settings(max_examples=40)
