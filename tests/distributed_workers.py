@@ -39,9 +39,9 @@ def replicated_lens(seed: int) -> torch.Tensor:
     return (1 + (s > threshold).sum(dim=1)).to(torch.int32)
 
 
-def tp_steps(rank: int, steps: int, mode: str) -> dict:
+def tp_steps(rank: int, group: dist.ProcessGroup, steps: int, mode: str) -> dict:
     """Agreed lens every step; in broadcast mode non-first ranks start from different lens (same B)."""
-    tp = TpAgreement(None, mode)
+    tp = TpAgreement(group, mode)
     local, agreed = [], []
     for step in range(steps):
         lens = replicated_lens(step)
@@ -52,9 +52,9 @@ def tp_steps(rank: int, steps: int, mode: str) -> dict:
     return {"local": local, "agreed": agreed}
 
 
-def tp_injected(rank: int, world: int, steps: int, inject: dict[int, str]) -> list:
+def tp_injected(rank: int, world: int, group: dist.ProcessGroup, steps: int, inject: dict[int, str]) -> list:
     """Run `steps` verify-mode steps; at step k the last rank corrupts its lens (`value` or `batch`)."""
-    tp = TpAgreement(None, "verify")
+    tp = TpAgreement(group, "verify")
     events = []
     for step in range(steps):
         lens = replicated_lens(step)
@@ -71,9 +71,9 @@ def tp_injected(rank: int, world: int, steps: int, inject: dict[int, str]) -> li
     return events
 
 
-def dp_steps(rank: int, world: int, steps: int) -> list:
+def dp_steps(rank: int, world: int, group: dist.ProcessGroup, steps: int) -> list:
     """Different batch sizes per DP rank, the last rank idle every step, plus a mock collective forward."""
-    dp = DpTierAgreement(None, TIERS, SLOTS, WIDTH)
+    dp = DpTierAgreement(group, TIERS, SLOTS, WIDTH)
     g = torch.Generator().manual_seed(7919 * (rank + 1))
     out = []
     for _ in range(steps):
@@ -84,7 +84,7 @@ def dp_steps(rank: int, world: int, steps: int) -> list:
         forward = None
         if dec.tier is not None:  # a replayed graph: every DP rank's tensor must have the same shape
             x = torch.full((rows, 4), float(rank + 1))
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=group)
             forward = float(x[0, 0]) if rows else None
         out.append({
             "lens": lens.tolist(), "tier": dec.tier, "requests": dec.requests, "rows": dec.rows,
@@ -112,10 +112,10 @@ def cost_tables() -> tuple[StepsPerSecondTable, StepsPerSecondTable]:
             StepsPerSecondTable(rows, [100.0, 90.0, 80.0, 61.0, 40.0], width=WIDTH))
 
 
-def cost_table(rank: int, world: int) -> dict:
+def cost_table(rank: int, world: int, group: dist.ProcessGroup) -> dict:
     """Same table on every rank starts; then the last rank restarts with another table and is refused."""
     same, other = cost_tables()
-    parallel = ParallelConfig(tp_group=dist.group.WORLD, dp_group=dist.group.WORLD)
+    parallel = ParallelConfig(tp_group=group, dp_group=group)
     VerifyPlanner(ScheduleConfig(gamma=GAMMA), same, tiers=TIERS, graph_slots=SLOTS, parallel=parallel)
     try:
         VerifyPlanner(ScheduleConfig(gamma=GAMMA), other if rank == world - 1 else same, tiers=TIERS,
@@ -135,13 +135,11 @@ def planner_inputs(replica: int, step: int, num_slots: int) -> tuple[torch.Tenso
     return logits, slots, generations
 
 
-def planner_steps(rank: int, world: int, steps: int) -> list:
-    """VerifyPlanner with parallel=: TP pairs (verify mode for 4 ranks, broadcast for 2), DP over the world."""
-    tp_size = 2
-    groups = [dist.new_group(list(range(i, i + tp_size))) for i in range(0, world, tp_size)]
-    replica = rank // tp_size
-    parallel = ParallelConfig(tp_group=groups[replica], dp_group=dist.group.WORLD,
-                              tp_mode="verify" if world > tp_size else "broadcast")
+def planner_steps(rank: int, world: int, group: dist.ProcessGroup, tp_pairs: list, steps: int) -> list:
+    """VerifyPlanner with parallel=: TP pairs (verify mode for 4 ranks, broadcast for 2), DP over `group`."""
+    replica = rank // 2
+    parallel = ParallelConfig(tp_group=tp_pairs[replica], dp_group=group,
+                              tp_mode="verify" if world > 2 else "broadcast")
     planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost_tables()[0], lag=1, tiers=TIERS,
                             num_slots=16, graph_slots=SLOTS, parallel=parallel)
     out = []
@@ -157,13 +155,26 @@ def hang(rank: int, world: int) -> None:
     time.sleep(600)
 
 
-def scenarios(rank: int, world: int, steps: dict[str, int], inject: dict[int, str]) -> dict:
-    """Everything one launch runs (a spawn costs seconds on a loaded machine; steps are cheap)."""
-    return {
-        "verify": tp_steps(rank, steps["verify"], "verify"),
-        "broadcast": tp_steps(rank, steps["broadcast"], "broadcast"),
-        "injected": tp_injected(rank, world, max(inject) + 3, inject),
-        "dp": dp_steps(rank, world, steps["dp"]),
-        "cost": cost_table(rank, world),
-        "planner": planner_steps(rank, world, steps["planner"]),
-    }
+def scenarios(rank: int, world: int, steps: dict[int, dict[str, int]], inject: dict[int, str]) -> dict:
+    """Every scenario for every group size in `steps`, largest first, in one launch.
+
+    A size-n run uses ranks 0..n-1 (a sub-group when n < world); the other ranks are done and return.
+    Spawning ranks costs seconds on a loaded machine, steps are cheap: one launch serves all sizes.
+    """
+    sizes = sorted(steps, reverse=True)
+    groups = {n: dist.group.WORLD if n == world else dist.new_group(list(range(n))) for n in sizes}
+    tp_pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
+    out = {}
+    for n in sizes:
+        if rank >= n:
+            break
+        g, k = groups[n], steps[n]
+        out[n] = {
+            "verify": tp_steps(rank, g, k["verify"], "verify"),
+            "broadcast": tp_steps(rank, g, k["broadcast"], "broadcast"),
+            "injected": tp_injected(rank, n, g, max(inject) + 3, inject),
+            "dp": dp_steps(rank, n, g, k["dp"]),
+            "cost": cost_table(rank, n, g),
+            "planner": planner_steps(rank, n, g, tp_pairs, k["planner"]),
+        }
+    return out

@@ -1,7 +1,9 @@
 """TP/DP agreement on real torch.distributed (gloo on CPU, ranks spawned here, hard timeouts).
 
-One launch per world size runs every multi-process scenario (thousands of steps per launch); the
-tests below assert on what the ranks returned. In-process tests use a one-rank gloo group.
+One 4-rank launch runs every multi-process scenario at 4 ranks, then at 2 ranks (a process group of
+ranks 0 and 1), thousands of steps in all; the tests below assert on what the ranks returned. A hang
+fails the launch after LAUNCH_TIMEOUT (workers killed); a stuck collective errors after 60 s.
+In-process tests use a one-rank gloo group.
 """
 from __future__ import annotations
 
@@ -33,21 +35,21 @@ STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch 
     4: {"verify": 800, "broadcast": 200, "dp": 50, "planner": 30},
 }
 INJECT = {5: "value", 9: "batch"}
-LAUNCH_TIMEOUT = 120.0
+LAUNCH_TIMEOUT = 150.0
 
 
 @pytest.fixture(scope="module")
-def launches() -> dict[int, list[dict]]:
-    """Lazily run the scenario launch once per world size."""
-    cache: dict[int, list[dict]] = {}
+def launches():
+    """One 4-rank launch runs every scenario at 4 ranks, then at 2 (ranks 0 and 1, a sub-group)."""
+    cache: list[list[dict]] = []
 
     def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = run_local_gloo(
-                w.scenarios, world, args=(STEPS[world], INJECT), timeout=LAUNCH_TIMEOUT,
-                collective_timeout=30.0,
-            )
-        return cache[world]
+        if not cache:
+            cache.append(run_local_gloo(w.scenarios, max(STEPS), args=(STEPS, INJECT), timeout=LAUNCH_TIMEOUT,
+                                        collective_timeout=60.0))
+        ranks = [r[world] for r in cache[0] if world in r]
+        assert len(ranks) == world
+        return ranks
 
     return get
 
