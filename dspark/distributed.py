@@ -184,11 +184,11 @@ class DpTier:
     tier: int | None           # tier every DP rank replays; None = every DP rank runs eager
     requests: tuple[int, ...]  # requests per DP rank, in group-rank order (0 = idle)
     rows: tuple[int, ...]      # verify rows per DP rank
-    eager_reason: str | None   # why no tier (None when a tier is used or no tiers are captured)
+    eager_reason: str | None   # why no tier, naming a global rank (None: tier used, or no tiers)
 
     @property
     def idle_ranks(self) -> tuple[int, ...]:
-        """Group ranks with no request this step (they join the forward with ghost rows only)."""
+        """Group-rank indices with no request this step (they join the forward with ghost rows only)."""
         return tuple(i for i, b in enumerate(self.requests) if b == 0)
 
 
