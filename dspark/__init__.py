@@ -19,6 +19,15 @@ from dspark.cost import (
     load_cost_model,
     register_cost_model,
 )
+from dspark.distributed import (
+    CostTableMismatchError,
+    DpTier,
+    DpTierAgreement,
+    ParallelConfig,
+    TpAgreement,
+    TpDisagreementError,
+    check_cost_table,
+)
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
@@ -29,7 +38,11 @@ __all__ = [
     "Calibration",
     "ConfidenceHead",
     "CostModel",
+    "CostTableMismatchError",
+    "DpTier",
+    "DpTierAgreement",
     "FitReport",
+    "ParallelConfig",
     "ProfileSample",
     "StsData",
     "StsRecorder",
@@ -49,11 +62,14 @@ __all__ = [
     "ScheduleConfig",
     "StepsPerSecondTable",
     "SurvivalLagRing",
+    "TpAgreement",
+    "TpDisagreementError",
     "VerifyMode",
     "VerifyPlan",
     "VerifyPlanner",
     "allocate_verify_lens",
     "calibrated_survival",
+    "check_cost_table",
     "choose_budget",
     "expected_commit",
     "greedy_budget",
