@@ -169,7 +169,27 @@ def _graph_replay_checks(dev: torch.device) -> list[Check]:
     return checks
 
 
-def step4_5_cpu(device: str) -> tuple[StepResult, StepResult]:
+def step3_cpu() -> StepResult:
+    """TP ranks agree by hashing verify_lens (dspark.distributed); equal lens must give equal metadata."""
+    from dspark.distributed import verify_lens_hash
+
+    res = StepResult(3, "TP only: identical verify lengths on every rank",
+                     reason="device part (hash all-reduce over HCCL on >= 2 NPU ranks) needs NPU ranks")
+    lens, live = [2, 1, 4], [10, 127, 255]
+    ranks = [AscendVerifyMetadata.from_layout(RaggedVerifyLayout.from_verify_lens(lens, width=N), live, RATIOS)
+             for _ in range(2)]
+    h = verify_lens_hash(torch.tensor(lens, dtype=torch.int32))
+    res.cpu_checks = [
+        Check("equal verify_lens hash equal; one row moved changes the hash",
+              torch.equal(h, verify_lens_hash(torch.tensor(lens, dtype=torch.int32)))
+              and not torch.equal(h, verify_lens_hash(torch.tensor([2, 2, 3], dtype=torch.int32)))),
+        Check("equal verify_lens give identical NPU metadata on every TP rank", ranks[0].diff(ranks[1]) == [],
+              f"differs: {ranks[0].diff(ranks[1])}"),
+    ]
+    return res
+
+
+def step4_5_cpu() -> tuple[StepResult, StepResult]:
     s4 = StepResult(4, "DP attention: global tier, idle participation")
     ranks = {"rank0": ([4, 3], [10, 20]), "rank1": ([1, 2, 1], [5, 6, 7]), "idle rank2": ([], [])}
     global_tier = max(round_up_to_tier(sum(v), TIERS) or TIERS[0] for v, _ in ranks.values())
@@ -201,9 +221,8 @@ def run(device: str) -> tuple[RaggedGraphCapability, dict]:
     s1 = step1(device)
     s2 = step2(device, capability, config,
                eager_ok=bool(s1.device_checks) and all(c.ok for c in s1.cpu_checks + s1.device_checks))
-    s3 = StepResult(3, "TP only: identical verify lengths on every rank",
-                    reason="needs >= 2 NPU ranks (SpecTpSync hash compare over HCCL)")
-    s4, s5 = step4_5_cpu(device)
+    s3 = step3_cpu()
+    s4, s5 = step4_5_cpu()
     s6 = StepResult(6, "full DSV4 W8A8: static vs cap-accept vs compact, then throughput",
                     reason="needs the DeepSeek-V4 W8A8 model on a 910C cluster")
     steps = [s1, s2, s3, s4, s5, s6]
