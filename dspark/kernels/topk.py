@@ -1,10 +1,18 @@
-"""Global top-k verify allocation: a Triton threshold search by counting, and its torch reference.
+"""Global top-k verify allocation: a Triton threshold search by counting, a numpy host path for CPU
+tensors, and the torch reference both must match.
 
 Candidates are the window columns j in [F-1, M_max-2] of a non-increasing survival [B, gamma]; a
 candidate is valid when s >= eps (NaN never is). The best k = min(budget, #valid) valid candidates in
 the global order (survival desc, position asc, request asc) are selected; verify_lens = F + selected
-per request. Flattening the window position-major (index i = j * B + r) makes the tie order simply
-"smaller i first", so the selection is the set
+per request.
+
+The reference and the host path encode that order in unique int64 keys (value bits, then the reversed
+position-major index) and take the k-th largest. The host path exists because at planner sizes a
+torch op costs microseconds of dispatch and the allocation is a dozen of them; numpy does the same
+integer work in a fraction of that (perf/planner_bench.py).
+
+Flattening the window position-major (index i = j * B + r) makes the tie order simply
+"smaller i first", so the kernel's selection is the set
 
     valid & (s > t  or  (s == t and i < cut))
 
@@ -14,6 +22,9 @@ with comparisons and int32 sums: O(n (32 + log2 n)) work, no sort, no int64 atom
 """
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,24 +36,38 @@ try:
 except ImportError:  # pragma: no cover - triton is Linux-only
     triton = None
 
+def _eps_key(eps: float) -> int:
+    """The smallest valid key: fp32 bits of eps, shifted above the 31 index bits."""
+    return struct.unpack("<i", struct.pack("<f", eps))[0] << 31
+
+
 def verify_lens_ref(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
-    """Torch reference: threshold by topk, ties taken in position-major order. Returns [B] int32."""
+    """Torch reference on non-increasing, NaN-free survival (`monotone_survival`): one topk over the
+    unique int64 keys; keys below eps's key are invalid. Returns [B] int32."""
     b = survival.shape[0]
     cand = survival[:, floor - 1: cap - 1]
     n = cand.numel()
-    out = torch.full((b,), floor, dtype=torch.int32, device=survival.device)
     k = min(budget, n)
     if k == 0:
-        return out
-    valid = cand >= eps
-    v = torch.where(valid, cand, torch.full_like(cand, -1.0))
-    t = torch.topk(v.reshape(-1), k, sorted=False).values.min()
-    above = valid & (v > t)
-    ties = valid & (v == t)
-    need = k - above.sum()
-    tie_rank = ties.t().reshape(-1).cumsum(0).reshape(cand.shape[1], b).t()
-    selected = above | (ties & (tie_rank <= need))
-    return out + selected.sum(1, dtype=torch.int32)
+        return torch.full((b,), floor, dtype=torch.int32, device=survival.device)
+    bits = (cand.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
+    order = torch.arange(n - 1, -1, -1, device=cand.device).view(cand.shape[1], b).t()
+    key = (bits << 31) | order
+    kth = torch.topk(key.reshape(-1), k, sorted=False).values.min().clamp(min=_eps_key(eps))
+    return (key >= kth).sum(1, dtype=torch.int32) + floor
+
+
+def verify_lens_host(survival: np.ndarray, budget: int, floor: int, cap: int, eps: float) -> Tensor:
+    """numpy path of `verify_lens_ref` for float32 survival already on the host (identical results). [B] int32."""
+    cand = survival[:, floor - 1: cap - 1]
+    b, c = cand.shape
+    k = min(budget, b * c)
+    if k == 0:
+        return torch.full((b,), floor, dtype=torch.int32)
+    bits = (cand + np.float32(0)).view(np.int32).astype(np.int64)
+    key = (bits << 31) | np.arange(b * c - 1, -1, -1).reshape(c, b).T
+    kth = max(int(np.partition(key, b * c - k, axis=None)[b * c - k]), _eps_key(eps))
+    return torch.from_numpy((key >= kth).sum(1, dtype=np.int32) + np.int32(floor))
 
 
 def candidate_keys(survival: Tensor, floor: int, cap: int, eps: float) -> Tensor:
@@ -123,8 +148,13 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
     return lens
 
 
+def use_host(survival: Tensor) -> bool:
+    """True when the numpy host path serves: CPU tensors under the `auto` backend."""
+    return survival.device.type == "cpu" and dispatch.backend() == "auto"
+
+
 def verify_lens(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
-    """Dispatch: Triton on CUDA/NPU (or when forced), the torch reference otherwise."""
+    """Dispatch for device survival: Triton on CUDA/NPU (or when forced), the torch reference otherwise."""
     if triton is not None and dispatch.use_triton(survival):
         return verify_lens_triton(survival, budget, floor, cap, eps)
     return verify_lens_ref(survival, budget, floor, cap, eps)
