@@ -1,6 +1,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -217,3 +218,36 @@ def test_fit_report_round_trip():
     assert FitReport.from_dict(json.loads(json.dumps(r.to_dict()))) == r
     with pytest.raises(ValueError, match="missing"):
         FitReport.from_dict({"rms": 1.0})
+
+
+class ConstantForTest(CostModel):
+    """A model without a dense table: seconds_curve falls back to step_seconds."""
+
+    kind = "constant_for_test"
+
+    def _tables(self):
+        return ((0.5,),)
+
+    def _seconds(self, num_requests, rows, tables):
+        return tables[0].expand(rows.shape) + 0.001 * num_requests
+
+    def _payload(self):
+        return {}
+
+    @classmethod
+    def _from_payload(cls, d, **common):
+        return cls(**common)
+
+    @classmethod
+    def fit(cls, samples, **kwargs):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("model", [sps(), additive(), ConstantForTest()], ids=["sps", "additive", "no-dense"])
+def test_seconds_curve_equals_step_seconds(model):
+    for b, first, count in [(4, 0, 10), (3, 60, 80), (9, 120, 0), (1, 5000, 3)]:
+        curve = model.seconds_curve(b, first, count)
+        want = model.step_seconds(b, torch.arange(first, first + count))
+        assert curve.dtype == np.float64 and curve.tolist() == want.tolist()
+    with pytest.raises(ValueError, match="count must be an int >= 0, got -1"):
+        model.seconds_curve(1, 0, -1)
