@@ -251,3 +251,14 @@ def test_seconds_curve_equals_step_seconds(model):
         assert curve.dtype == np.float64 and curve.tolist() == want.tolist()
     with pytest.raises(ValueError, match="count must be an int >= 0, got -1"):
         model.seconds_curve(1, 0, -1)
+
+
+def test_atomic_write_uses_the_usual_permissions(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        path = atomic_write(tmp_path / "x.json", lambda p: p.write_text("{}"))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -170,3 +170,9 @@ def test_plan_demo_writes_json_and_png(tmp_path, capsys):
     assert record["theta_curve"][record["budget"]] == max(record["theta_curve"])
     assert "ILLUSTRATIVE" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_demo_reports_an_unusable_device(tmp_path, capsys):
+    assert cli_main(["demo", "--device", "nosuchdevice", "--out", str(tmp_path)]) == 2
+    assert "nosuchdevice" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
