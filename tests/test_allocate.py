@@ -198,3 +198,18 @@ def test_negative_zero_in_the_kernel(device):
     s = torch.tensor([[-0.0, -0.0], [0.25, 0.0]], device=device)
     out = torch.full((2,), -7, dtype=torch.int32, device=device)
     assert topk.verify_lens_triton(s, 3, 1, 3, 0.0, out=out).tolist() == [3, 2]
+
+
+def test_triton_kernel_across_several_tiles(device):
+    """n = B * C > 1024 candidates: the threshold search loops over more than one tile."""
+    gen = torch.Generator().manual_seed(7)
+    grid = torch.tensor(GRID[1:])
+    s = grid[torch.randint(0, len(GRID) - 1, (170, 7), generator=gen)].sort(dim=1, descending=True).values
+    cfg = ScheduleConfig(gamma=7, survival_eps=0.2)
+    for budget in (333, 1100):
+        _kernel_matches_reference(s.to(device), budget, cfg, ("cores", 3))
+
+
+def test_triton_kernel_with_no_valid_candidate(device):
+    cfg = ScheduleConfig(gamma=3, survival_eps=0.5)
+    _kernel_matches_reference(torch.full((4, 3), 0.25, device=device), 5, cfg, ("work", None))

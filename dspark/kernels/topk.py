@@ -93,16 +93,18 @@ if triton is not None:
             for level in tl.static_range(8):
                 counts = tl.zeros((16,), dtype=tl.int32)
                 for start in range(0, n, BLOCK):
-                    u = tl.load(key_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < n,
-                                other=-1)
+                    i = start + tl.arange(0, BLOCK)
+                    u = tl.load(key_ptr + i, mask=i < n, other=-1)
                     ge = (u >> (28 - 4 * level))[:, None] >= (t * 16 + d16)[None, :]
                     counts += tl.sum(((u >= 0)[:, None] & ge).to(tl.int32), axis=0)
                 if level == 0:
                     k_eff = tl.minimum(k, tl.max(counts, axis=0))
-                t = t * 16 + tl.sum((counts >= k_eff).to(tl.int32), axis=0) - 1
+                digit = tl.sum((counts >= k_eff).to(tl.int32), axis=0) - 1
+                t = tl.where(k_eff > 0, t * 16 + digit, t)
             need = k_eff
             for start in range(0, n, BLOCK):
-                u = tl.load(key_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < n, other=-1)
+                i = start + tl.arange(0, BLOCK)
+                u = tl.load(key_ptr + i, mask=i < n, other=-1)
                 need -= tl.sum((u > t).to(tl.int32), axis=0)
             cut = tl.zeros((), dtype=tl.int32)
             for level in range(key_levels):
