@@ -1,5 +1,6 @@
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -254,8 +255,6 @@ def test_seconds_curve_equals_step_seconds(model):
 
 
 def test_atomic_write_uses_the_usual_permissions(tmp_path):
-    import os
-
     old = os.umask(0o022)
     try:
         path = atomic_write(tmp_path / "x.json", lambda p: p.write_text("{}"))
