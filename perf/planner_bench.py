@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -23,6 +24,7 @@ from dspark.survival import monotone_survival
 
 BATCHES = (1, 8, 64, 256, 1024)
 GAMMAS = (4, 7, 16)
+GOAL = (256, 7)  # the target row: >= 3x over the baseline
 
 
 def bench_cost() -> AdditiveCostModel:
@@ -103,9 +105,13 @@ def main() -> None:
             rows.append({"B": b, "gamma": gamma, "dspark_s": t_ours, "baseline_s": t_base,
                          "speedup": t_base / t_ours, "identical": same, "budget": ours[0]})
             print(f"{b:>5} {gamma:>5} {t_ours * 1e6:>10.1f} {t_base * 1e6:>13.1f} {t_base / t_ours:>7.2f}x {str(same):>9}")
+    goal = next(r for r in rows if (r["B"], r["gamma"]) == GOAL)
+    print(f"goal B={GOAL[0]}, gamma={GOAL[1]}: {goal['speedup']:.2f}x (target >= 3x: "
+          f"{'met' if goal['speedup'] >= 3 else 'NOT met'})")
     record = {"benchmark": "planner_bench", "repeats": args.repeats, "threads": args.threads,
               "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-              "cost_model": cost.to_dict(), "rows": rows}
+              "load_average": os.getloadavg(), "cost_model": cost.to_dict(), "rows": rows,
+              "goal": {"B": GOAL[0], "gamma": GOAL[1], "speedup": goal["speedup"], "target": 3.0}}
     atomic_write_text(args.out, json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
     if not all(r["identical"] for r in rows):
