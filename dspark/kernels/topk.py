@@ -64,8 +64,9 @@ def verify_lens_host(survival: np.ndarray, budget: int, floor: int, cap: int, ep
     k = min(budget, b * c)
     if k == 0:
         return torch.full((b,), floor, dtype=torch.int32)
-    bits = (cand + np.float32(0)).view(np.int32).astype(np.int64)
-    key = (bits << 31) | np.arange(b * c - 1, -1, -1).reshape(c, b).T
+    key = (cand + np.float32(0)).view(np.int32).astype(np.int64)
+    key <<= 31
+    key |= np.arange(b * c - 1, b * (c - 1) - 1, -1)[:, None] - np.arange(0, b * c, b)
     kth = max(int(np.partition(key, b * c - k, axis=None)[b * c - k]), _eps_key(eps))
     return torch.from_numpy((key >= kth).sum(1, dtype=np.int32) + np.int32(floor))
 
