@@ -50,14 +50,13 @@ def candidate_window(survival: Tensor, cfg: ScheduleConfig) -> tuple[Tensor, Ten
 
 
 def host_survival(survival: Tensor, cfg: ScheduleConfig) -> np.ndarray:
-    """`monotone_survival` on the host: float32 numpy [B, gamma], NaN -> 0, running minimum.
+    """`monotone_survival` copied to the host: float32 numpy [B, gamma].
 
     One device-to-host copy; the decisions that need the host anyway (the budget is an int) then work
     on small numpy arrays, which costs far less per call than a chain of torch ops (perf/planner_bench.py).
     """
     _check_survival(survival, cfg)
-    host = survival.detach().cpu().float().numpy()
-    return np.minimum.accumulate(np.where(np.isnan(host), np.float32(0), host), axis=1)
+    return monotone_survival(survival).detach().cpu().numpy()
 
 
 @dataclass(frozen=True)
