@@ -1,5 +1,5 @@
 """Global top-k verify allocation: a Triton threshold search by counting, a numpy host path for CPU
-tensors, and the torch reference both must match.
+tensors, and the torch reference that both must match.
 
 Candidates are the window columns j in [F-1, M_max-2] of a non-increasing survival [B, gamma]; a
 candidate is valid when s >= eps (NaN never is). The best k = min(budget, #valid) valid candidates in
@@ -16,9 +16,11 @@ Flattening the window position-major (index i = j * B + r) makes the tie order s
 
     valid & (s > t  or  (s == t and i < cut))
 
-for one threshold value t and one cut index. The kernel finds t by bisection over fp32 bit patterns
-(non-negative floats order like their bits) and cut by bisection over i, each step counting candidates
-with comparisons and int32 sums: O(n (32 + log2 n)) work, no sort, no int64 atomics.
+for one threshold key t and one cut index. Keys are the int32 bit patterns of the fp32 survival
+(non-negative floats order like their bits; invalid candidates get -1). The kernel finds t one hex
+digit at a time (8 passes, each counting the keys at or above 16 candidate prefixes with comparisons
+and int32 sums) and cut the same way over i: O(n (8 + log16 n)) work in one program, no sort, no int64
+atomics, no integer sort. Indices need n = B * C < 2**31.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is Linux-only
     triton = None
+
 
 def _eps_key(eps: float) -> int:
     """The smallest valid key: fp32 bits of eps, shifted above the 31 index bits."""
