@@ -1,5 +1,6 @@
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -176,3 +177,23 @@ def test_demo_reports_an_unusable_device(tmp_path, capsys):
     assert cli_main(["demo", "--device", "nosuchdevice", "--out", str(tmp_path)]) == 2
     assert "nosuchdevice" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.cuda
+def test_host_syncs_on_cuda(device):
+    """The allocation never waits for the device; the budget waits once (its survival copy)."""
+    cfg = ScheduleConfig(gamma=GAMMA)
+    s = calibrated_survival(logits(64, 0, device))
+    allocate_verify_lens(s, 10, cfg)
+    choose_budget(s, cost(), cfg)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            allocate_verify_lens(s, 100, cfg)
+            in_allocation = len(seen)
+            choose_budget(s, cost(), cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert in_allocation == 0 and len(seen) - in_allocation <= 1, [str(w.message) for w in seen]
