@@ -5,32 +5,17 @@ its own verify rows, then an MLP) and an LM head, reading `StepBuffers` so that 
 capture it per tier. Real rows write their K/V to `slot * capacity + position`; padding rows (ghost
 slots, `row_valid` False) write to one dummy row past the cache, so they never touch a request's KV.
 It stands in for the reference engine's verify step until that exists; a user's model plugs into the
-sweep through `StepAdapter` instead.
+sweep through `dspark.profiling.StepAdapter` instead.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from dspark.graphs import GraphBackend, RowSpec, StepBuffers, TierGraphRunner
-
-
-class StepAdapter(Protocol):
-    """What the tier sweep needs from a verify step: set up a step of a given shape, then run it."""
-
-    name: str
-    device: torch.device
-
-    def prepare(self, num_requests: int, rows: int) -> None:
-        """Set up one step with `num_requests` requests verifying `rows` rows in total."""
-        ...
-
-    def step(self) -> None:
-        """Run the prepared step once (asynchronously on a device; the sweep synchronizes)."""
-        ...
 
 
 class BlockVerifyStep:
@@ -99,7 +84,7 @@ def split_rows(num_requests: int, rows: int, width: int) -> list[int]:
 
 
 class BlockVerifyAdapter:
-    """`StepAdapter` for `BlockVerifyStep` run through a `TierGraphRunner` (eager tiers on the CPU)."""
+    """`dspark.profiling.StepAdapter` for `BlockVerifyStep` run through a `TierGraphRunner` (eager tiers on the CPU)."""
 
     def __init__(self, *, tiers: Sequence[int], width: int, max_requests: int,
                  device: torch.device | str = "cpu", backend: GraphBackend | None = None,

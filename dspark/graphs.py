@@ -17,7 +17,6 @@ import dataclasses
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence, Union
@@ -25,6 +24,7 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import torch
 from torch import Tensor
 
+from dspark.fileio import atomic_write_text
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
 log = logging.getLogger(__name__)
@@ -245,19 +245,8 @@ def read_json(path: str | os.PathLike) -> object:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: object) -> Path:
-    """Write JSON to a temp file in the same folder, then rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, allow_nan=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
+    """Write JSON atomically (temp file + rename): never a half-written file."""
+    return atomic_write_text(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
 class TierGraphRunner:
