@@ -175,7 +175,7 @@ def floor_lookup(probes: Tensor, values: Tensor, x: Tensor) -> Tensor:
 def interp(probes: Tensor, values: Tensor, x: Tensor) -> Tensor:
     """Piecewise-linear interpolation; outside the probes the end values are held (clamped)."""
     if probes.numel() == 1:
-        return values.expand(x.shape).clone()
+        return values[0].expand(x.shape).clone()
     hi = torch.searchsorted(probes, x.contiguous(), right=True).clamp(1, probes.numel() - 1).reshape(-1)
     x0, x1 = probes.index_select(0, hi - 1), probes.index_select(0, hi)
     y0, y1 = values.index_select(0, hi - 1), values.index_select(0, hi)
@@ -520,15 +520,15 @@ class TieredCostModel(CostModel):
         self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
         self.tiers = check_probes("tiers", tiers, 1)
         self.phi = check_values("phi", phi, len(self.tiers), False)
-        low = self.bias + min(self.alpha) + min(self.phi)
-        if not low > 0:
-            raise ValueError(f"step time must be > 0 at every probe, but bias + min(alpha) + min(phi) = {low!r}")
         self.table: tuple[tuple[float, ...], ...] | None = None
+        grid = [[self.bias + a + p for p in self.phi] for a in self.alpha]
         if table is not None:
             rows = list(table)
             if len(rows) != len(self.batch_probes):
                 raise ValueError(f"table needs one row per batch probe ({len(self.batch_probes)}), got {len(rows)}")
-            self.table = tuple(check_values(f"table[{i}]", r, len(self.tiers), True) for i, r in enumerate(rows))
+            self.table = tuple(check_values(f"table[{i}]", r, len(self.tiers), False) for i, r in enumerate(rows))
+            grid = [list(r) for r in self.table]
+        _check_reachable_positive(self.batch_probes, self.tiers, grid, self.width)
 
     def _tables(self) -> tuple[Sequence[float], ...]:
         dense = [v for r in self.table for v in r] if self.table is not None else []
@@ -619,6 +619,22 @@ class TieredCostModel(CostModel):
         )
         model.fit_report = report
         return model, report
+
+
+def _check_reachable_positive(batch_probes: Sequence[int], tiers: Sequence[int],
+                              grid: Sequence[Sequence[float]], width: int | None) -> None:
+    """Step time must be > 0 wherever a step can land. B requests verify B .. B*W rows, so they replay
+    tier t only if t >= B and the tier below t is < B*W. Probe i serves every B in its interpolation
+    interval (the neighbouring probes; the end probes also serve every B beyond them), so it matters at
+    the tiers some B of that interval can replay. A fit may leave unreachable corners <= 0."""
+    for i, b in enumerate(batch_probes):
+        lo = batch_probes[i - 1] + 1 if i else 1
+        hi = batch_probes[i + 1] * width if width is not None and i + 1 < len(batch_probes) else None
+        for j, (t, v) in enumerate(zip(tiers, grid[i])):
+            below = tiers[j - 1] if j else 0
+            if t >= lo and (hi is None or below < hi) and not v > 0:
+                raise ValueError(f"predicted step time at B={b}, tier {t} is {v!r}; it must be > 0 wherever "
+                                 f"a step can land (tier >= B, tier below < B*W)")
 
 
 def _cell_medians(model: TieredCostModel, samples: Sequence[ProfileSample],

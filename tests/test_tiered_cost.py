@@ -84,15 +84,26 @@ def test_fit_rejects_bad_designs():
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(phi=[1e-3]), "one value per probe"),
     (dict(tiers=[16, 8]), "sorted and unique"),
-    (dict(bias=-1.0), "step time must be > 0"),
+    (dict(bias=-1.0), "at B=1, tier 8 is"),
+    (dict(alpha=[0.0, -1.15e-3]), "at B=4, tier 8 is"),
     (dict(phi=[1e-3, float("nan")]), "finite"),
     (dict(table=[[1e-3, 2e-3]]), "one row per batch probe"),
-    (dict(table=[[1e-3, 2e-3], [1e-3, -1.0]]), "table"),
+    (dict(table=[[1e-3, 2e-3], [1e-3, -1.0]]), "at B=4, tier 16 is -1.0"),
+    (dict(table=[[1e-3, 2e-3], [1e-3, float("inf")]]), "finite"),
 ])
 def test_constructor_validation(kwargs, needle):
     base = dict(bias=1e-4, batch_probes=[1, 4], alpha=[0.0, 1e-5], tiers=[8, 16], phi=[1e-3, 2e-3])
     with pytest.raises(ValueError, match=needle):
         TieredCostModel(**{**base, **kwargs})
+
+
+def test_unreachable_corners_may_be_non_positive():
+    # with W=4, B <= 2 verifies at most 8 rows: probe B=1 (serving B in [1, 2)) never replays tier 64
+    table = [[1e-3, 2e-3, -1.0], [1.1e-3, 2.1e-3, 4e-3], [1.2e-3, 2.2e-3, 5e-3]]
+    model = TieredCostModel(1e-4, [1, 2, 16], [0.0, 1e-5, 5e-4], [4, 8, 64], [1e-3, 2e-3, 4e-3], table=table, width=4)
+    assert model.step_seconds(16, 60) == pytest.approx(5e-3) and model.step_seconds(2, 8) == pytest.approx(2.1e-3)
+    with pytest.raises(ValueError, match="at B=1, tier 64 is -1.0"):  # W=8: B=2 reaches 16 rows -> tier 64
+        TieredCostModel(1e-4, [1, 2, 16], [0.0, 1e-5, 5e-4], [4, 8, 64], [1e-3, 2e-3, 4e-3], table=table, width=8)
 
 
 def test_load_refuses_corrupt_or_foreign_tables(tmp_path):
