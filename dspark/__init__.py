@@ -16,7 +16,7 @@ from dspark.cost import (
     load_cost_model,
     register_cost_model,
 )
-from dspark.graphs import TierGraphRunner, TierManifest
+from dspark.graphs import GraphBackend, StepBuffers, TierGraphRunner, TierManifest
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
@@ -26,9 +26,11 @@ __all__ = [
     "BudgetDecision",
     "CostModel",
     "FitReport",
+    "GraphBackend",
     "ProfileSample",
     "RaggedVerifyLayout",
     "ScheduleConfig",
+    "StepBuffers",
     "StepsPerSecondTable",
     "TieredCostModel",
     "SurvivalLagRing",

@@ -341,9 +341,11 @@ class TierGraphRunner:
 
     def layout(self, verify_lens: Tensor | Sequence[int]) -> RaggedVerifyLayout:
         """The layout a step with these verify lengths runs: padded to its tier with that tier's slots,
-        or eager (unpadded, `eager_reason` set) past the largest tier or the tier's slot count."""
-        lens = verify_lens if isinstance(verify_lens, Tensor) else _int_lens(verify_lens)
-        if isinstance(lens, Tensor) and lens.dim() == 1 and not (lens.dtype.is_floating_point or lens.dtype == torch.bool):
+        or eager (unpadded, `eager_reason` set) past the largest tier or the tier's slot count. A list
+        becomes a tensor on the runner's device (validation syncs once, at this boundary)."""
+        lens = verify_lens if isinstance(verify_lens, Tensor) else _int_lens(verify_lens, self.device)
+        integral = isinstance(lens, Tensor) and not (lens.dtype.is_floating_point or lens.dtype == torch.bool)
+        if integral and lens.dim() == 1:
             total, b = int(lens.sum()), int(lens.numel())
             tier = round_up_to_tier(total, self.tiers)
             if tier is not None:
@@ -416,11 +418,11 @@ class TierGraphRunner:
         self.backend.synchronize()
 
 
-def _int_lens(values: Sequence[int]) -> Tensor | list:
-    """An int32 tensor when every value is an int; else the list, for the layout to reject by value."""
+def _int_lens(values: Sequence[int], device: torch.device) -> Tensor | list:
+    """An int32 tensor on `device` when every value is an int; else the list, for the layout to reject."""
     vals = list(values)
     if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
-        return torch.tensor(vals, dtype=torch.int32)
+        return torch.tensor(vals, dtype=torch.int32, device=device)
     return vals
 
 

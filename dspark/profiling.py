@@ -70,6 +70,7 @@ def dense_rows(num_requests: int, width: int, floor: int = 1) -> list[int]:
 
 
 CLOCKS = ("wall", "thread")
+STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 
 
 def step_timer(device: torch.device, clock: str = "wall") -> Callable[[Callable[[], None]], float]:
@@ -100,20 +101,29 @@ def step_timer(device: torch.device, clock: str = "wall") -> Callable[[Callable[
 
 
 def profile_steps(adapter: StepAdapter, points: Sequence[tuple[int, int]], *, warmup: int = 1,
-                  repeats: int = 5, seed: int = 0, clock: str = "wall",
+                  repeats: int = 5, inner: int = 1, seed: int = 0, clock: str = "wall", stat: str = "median",
                   progress: Callable[[int, int], None] | None = None) -> list[ProfileSample]:
     """Median seconds of `adapter.step()` at each (num_requests, rows) point, in the order given.
 
-    warmup: untimed steps right before each timed one. clock: see `step_timer` (CPU only).
+    warmup: untimed steps right before each timed one. inner: steps per timing (their mean is one
+    repeat's value; averages out sub-step jitter). clock: see `step_timer` (CPU only). stat: `median`
+    over repeats, or `min` (contention on a shared machine only ever slows a step down).
     progress(done, total) is called after each timed step.
     """
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    if stat not in STATS:
+        raise ValueError(f"stat must be one of {sorted(STATS)}, got {stat!r}")
+    if warmup < 0 or repeats < 1 or inner < 1:
+        raise ValueError(f"need warmup >= 0, repeats >= 1 and inner >= 1, got {warmup}, {repeats}, {inner}")
     pts = list(dict.fromkeys(points))
     timer = step_timer(adapter.device, clock)
     times: dict[tuple[int, int], list[float]] = {p: [] for p in pts}
     rng = random.Random(seed)
     total, done = len(pts) * repeats, 0
+
+    def block() -> None:
+        for _ in range(inner):
+            adapter.step()
+
     for _ in range(repeats):
         order = pts[:]
         rng.shuffle(order)
@@ -121,11 +131,11 @@ def profile_steps(adapter: StepAdapter, points: Sequence[tuple[int, int]], *, wa
             adapter.prepare(b, m)
             for _ in range(warmup):
                 adapter.step()
-            times[(b, m)].append(timer(adapter.step))
+            times[(b, m)].append(timer(block) / inner)
             done += 1
             if progress is not None:
                 progress(done, total)
-    return [ProfileSample(num_requests=b, rows=m, seconds=statistics.median(times[(b, m)])) for b, m in pts]
+    return [ProfileSample(num_requests=b, rows=m, seconds=STATS[stat](times[(b, m)])) for b, m in pts]
 
 
 def fit_cost_models(samples: Sequence[ProfileSample], *, tiers: Sequence[int], width: int,

@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-request-ms", type=float, default=0.02)
     ap.add_argument("--per-row-ms", type=float, default=0.006, help="cost per row of the replayed tier")
     ap.add_argument("--per-real-row-ms", type=float, default=0.0005, help="extra cost per real (non-padding) row")
-    ap.add_argument("--noise", type=float, default=0.01, help="relative noise of the synthetic samples")
+    ap.add_argument("--noise", type=float, default=0.005,
+                    help="relative noise of each synthetic sample (a median over repeats)")
     ap.add_argument("--row-bin", type=int, default=64, help="additive model M bin (synthetic)")
     ap.add_argument("--per-batch", type=int, default=300, help="synthetic survival matrices per batch size")
     ap.add_argument("--accept", type=float, nargs=2, default=(0.3, 0.95), metavar=("LO", "HI"))

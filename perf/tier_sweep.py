@@ -28,7 +28,7 @@ import torch
 from dspark.blockstep import BlockVerifyAdapter
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
 from dspark.graphs import write_json_atomic
-from dspark.profiling import CLOCKS, StepAdapter, dense_rows, fit_cost_models, profile_steps, tier_rows
+from dspark.profiling import CLOCKS, STATS, StepAdapter, dense_rows, fit_cost_models, profile_steps, tier_rows
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
 SWEEP_VERSION = 1
@@ -116,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dense", action="store_true", help="also measure every row count (the regret oracle)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--inner", type=int, default=1, help="steps per timing (their mean is one repeat)")
+    ap.add_argument("--stat", choices=sorted(STATS), default="median",
+                    help="over repeats: median, or min (contention only slows a step: use on a shared box)")
     ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (1: least noise on a shared box)")
     ap.add_argument("--clock", choices=CLOCKS, default="wall",
                     help="CPU timer: wall (perf_counter) or thread (thread CPU time; use with --threads 1 on a shared box)")
@@ -135,10 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.name or f"{adapter.name}-{device.type}-W{args.width}"
     points, pinned = sweep_points(args.tiers, args.batches, args.width, args.dense)
     print(f"tier sweep of {adapter.name} on {device}: {len(points)} points ({len(pinned)} pinned) x "
-          f"{args.repeats} repeats, tiers {args.tiers}, B {args.batches}, W {args.width}, clock {args.clock}")
+          f"{args.repeats} repeats of {args.inner}, tiers {args.tiers}, B {args.batches}, W {args.width}, "
+          f"clock {args.clock}, {args.stat} over repeats")
     t0 = time.perf_counter()
-    samples = profile_steps(adapter, points, warmup=args.warmup, repeats=args.repeats, seed=args.seed,
-                            clock=args.clock, progress=progress_bar)
+    samples = profile_steps(adapter, points, warmup=args.warmup, repeats=args.repeats, inner=args.inner,
+                            seed=args.seed, clock=args.clock, stat=args.stat, progress=progress_bar)
     elapsed = time.perf_counter() - t0
     fit_on = [s for s in samples if (s.num_requests, s.rows) in pinned]
     models = fit_cost_models(fit_on, tiers=args.tiers, width=args.width, platform=device.type,
@@ -157,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = {
         "schema": SWEEP_SCHEMA, "version": SWEEP_VERSION, "command": command, "adapter": adapter.name,
         "platform": device.type, "width": args.width, "tiers": args.tiers, "batches": args.batches,
-        "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads if device.type == "cpu" else None,
+        "repeats": args.repeats, "inner": args.inner, "warmup": args.warmup, "stat": args.stat,
+        "threads": args.threads if device.type == "cpu" else None,
         "clock": args.clock if device.type == "cpu" else "device events",
         "dense": args.dense, "sweep_seconds": elapsed,
         "samples": [{"num_requests": s.num_requests, "rows": s.rows, "seconds": s.seconds,
