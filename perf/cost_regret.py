@@ -76,6 +76,8 @@ def measured_oracle(samples: Sequence[ProfileSample], batches: Sequence[int], wi
             raise SystemExit(f"sweep lacks dense samples for B={b} (rows {missing[:5]}...); rerun tier_sweep.py --dense")
 
     def seconds(b: int, rows: Tensor) -> Tensor:
+        if b not in batches:
+            raise SystemExit(f"survival with B={b} requests, but the sweep measured only B in {list(batches)}")
         return torch.tensor([table[(b, int(m))] for m in rows.tolist()], dtype=torch.float64)
 
     return seconds

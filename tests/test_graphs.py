@@ -72,7 +72,7 @@ def test_replay_equals_eager_and_padding_never_writes_kv(seed, data, device):
     got = runner.run(lay, **rows)
     runner.synchronize()
     assert got.shape == want.shape and torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     changed = (model.cache_k != before_k).any(dim=1).nonzero().flatten().tolist()
     pos = rows["positions"].cpu()
     written = {int(model.capacity * s + p) for s, p in zip(lay.row_slot[: lay.total_rows].tolist(), pos.tolist())}
@@ -89,7 +89,7 @@ def test_two_layouts_of_one_tier_in_a_row(device):
         rows = inputs(lay, model, seed, device)
         outs.append((runner.run(lay, **rows).clone(), eager_reference(model, lens, rows, device)))
     for got, want in outs:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda

@@ -128,7 +128,10 @@ def test_tier_sweep_and_regret_scripts_end_to_end(tmp_path):
     assert load_cost_model(tmp_path / "t.tiered.json").tiers == (4, 8, 16)
     assert TierManifest.load(tmp_path / "t.tiers.json", width=4, platform="cpu").tiers == (4, 8, 16)
     out = tmp_path / "regret.json"
+    recorded = torch.cumprod(torch.rand(4, 2, 3, generator=torch.Generator().manual_seed(1)), dim=2)
+    torch.save(recorded, tmp_path / "rec.pt")
     assert _load_perf("cost_regret").main(["--sweep", str(tmp_path / "t.sweep.json"), "--per-batch", "3",
-                                           "--out", str(out)]) == 0
-    regret = json.loads(out.read_text())["regret"]["synthetic"]
-    assert set(regret) == {"1-D", "additive", "tiered"} and regret["tiered"]["num_decisions"] == 9
+                                           "--survival", str(tmp_path / "rec.pt"), "--out", str(out)]) == 0
+    regret = json.loads(out.read_text())["regret"]
+    assert set(regret["synthetic"]) == {"1-D", "additive", "tiered"}
+    assert regret["synthetic"]["tiered"]["num_decisions"] == 9 and regret["recorded"]["tiered"]["num_decisions"] == 4
