@@ -140,10 +140,11 @@ def profile_steps(adapter: StepAdapter, points: Sequence[tuple[int, int]], *, wa
 
 def fit_cost_models(samples: Sequence[ProfileSample], *, tiers: Sequence[int], width: int,
                     platform: str = "unknown", row_bin: int = 64) -> dict[str, CostModel]:
-    """The three cost models, fitted the way each is meant to be profiled, on one set of samples.
+    """The cost models side by side, each fitted the way it is meant to be profiled, on one sample set.
 
     1-D: the static sweep's diagonal (rows = B*W), floor lookup. additive: every sample inside the
-    tiers, M binned to `row_bin`. tiered: every sample inside the tiers, keyed on the replayed tier.
+    tiers, M binned to `row_bin`. tiered: every sample inside the tiers, keyed on the replayed tier;
+    tiered-dense: the same with the measured (B, tier) cell medians as a lookup table.
     """
     tiers = check_tiers(tiers)
     inside = [s for s in samples if s.rows <= tiers[-1]]
@@ -155,6 +156,7 @@ def fit_cost_models(samples: Sequence[ProfileSample], *, tiers: Sequence[int], w
         "1-D": StepsPerSecondTable.fit(static, **common)[0],
         "additive": AdditiveCostModel.fit(inside, row_bin=row_bin, **common)[0],
         "tiered": TieredCostModel.fit(inside, tiers=tiers, **common)[0],
+        "tiered-dense": TieredCostModel.fit(inside, tiers=tiers, dense=True, **common)[0],
     }
 
 

@@ -153,10 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {name: budget_regret(mats, models, oracle, cfg=cfg, tiers=tiers) for name, mats in survivals.items()}
 
     print(f"cost regret vs the dense oracle ({source['kind']}); tiers {tiers}, B {batches}, W {width}")
-    print(f"{'survival':<10} {'model':<9} {'mean loss':>10} {'p90 loss':>10} {'max loss':>10} {'wrong tier':>11} {'n':>6}")
+    print(f"{'survival':<10} {'model':<12} {'mean loss':>10} {'p90 loss':>10} {'max loss':>10} {'wrong tier':>11} {'n':>6}")
     for sname, per_model in results.items():
         for mname, r in per_model.items():
-            print(f"{sname:<10} {mname:<9} {r.mean:>10.3%} {r.p90:>10.3%} {r.max:>10.3%} {r.wrong_tier_rate:>11.1%} "
+            print(f"{sname:<10} {mname:<12} {r.mean:>10.3%} {r.p90:>10.3%} {r.max:>10.3%} {r.wrong_tier_rate:>11.1%} "
                   f"{r.num_decisions:>6}")
     record = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
               "source": source, "tiers": tiers, "batches": batches, "width": width,

@@ -4,7 +4,8 @@ Rows are pinned at every tier top and at tier-2 .. tier+2 (plus B*F and the stat
 --dense every row count in [B*F, B*W] is measured too (the oracle `perf/cost_regret.py` judges against).
 The models are fitted on the pinned samples only. Writes to --out (default graphs/):
   <name>.sweep.json      raw samples (median seconds per point) + the three fitted models + tier-edge errors
-  <name>.<kind>.json     each fitted cost model, loadable with dspark.cost.load_cost_model
+  <name>.<model>.json    each fitted cost model (steps_per_second, additive, tiered, tiered_dense),
+                         loadable with dspark.load_cost_model
   <name>.tiers.json      the tier manifest of the runner that was profiled (when the adapter has one)
   <name>.png             measured vs predicted cost per B, tiers marked
 
@@ -32,6 +33,7 @@ from dspark.profiling import CLOCKS, STATS, StepAdapter, dense_rows, fit_cost_mo
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
 SWEEP_VERSION = 1
+FILE_STEMS = {"1-D": "steps_per_second"}  # model name -> file stem (default: the name, '-' -> '_')
 
 
 def ints(text: str) -> list[int]:
@@ -149,11 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                              row_bin=args.row_bin)
     edges = {n: tier_edge_errors(m, samples, args.tiers) for n, m in models.items()}
 
-    print(f"\n{'model':<10} {'fit RMS us':>10} {'fit R^2':>8} {'all-pts mean|err|':>18} {'max |err| at tier+-2':>21}")
+    print(f"\n{'model':<12} {'fit RMS us':>10} {'fit R^2':>8} {'all-pts mean|err|':>18} {'max |err| at tier+-2':>21}")
     for n, m in models.items():
         err = [abs(float(m.step_seconds(s.num_requests, s.rows)) / s.seconds - 1) for s in samples]
         worst = max(abs(e) for per in edges[n].values() for e in per.values())
-        print(f"{n:<10} {m.fit_report.rms * 1e6:>10.2f} {m.fit_report.r2:>8.4f} {sum(err) / len(err):>17.2%} "
+        print(f"{n:<12} {m.fit_report.rms * 1e6:>10.2f} {m.fit_report.r2:>8.4f} {sum(err) / len(err):>17.2%} "
               f"{worst:>20.2%}")
 
     out = args.out
@@ -171,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tier_edge_error": edges,
     }
     written = [write_json_atomic(out / f"{name}.sweep.json", record)]
-    written += [m.save(out / f"{name}.{m.kind}.json") for m in models.values()]
+    written += [m.save(out / f"{name}.{FILE_STEMS.get(n, n.replace('-', '_'))}.json") for n, m in models.items()]
     runner = getattr(adapter, "runner", None)
     if runner is not None:
         written.append(runner.manifest.save(out / f"{name}.tiers.json"))

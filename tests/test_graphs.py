@@ -193,3 +193,27 @@ def test_split_rows():
     assert split_rows(1, 1, 4) == [1]
     with pytest.raises(ValueError, match="rows=13"):
         split_rows(3, 13, 4)
+
+
+def test_backend_selection_is_lazy_per_device_type(monkeypatch):
+    import sys
+    import types
+
+    from dspark.graphs import default_backend
+
+    assert isinstance(default_backend(torch.device("cpu")), EagerBackend)
+    with pytest.raises(ValueError, match="needs a cuda device"):
+        CudaGraphBackend(torch.device("cpu"))
+    fake = types.ModuleType("dspark.ascend.graphs")
+
+    class NpuGraphBackend:
+        name = "npu"
+
+        def __init__(self, device):
+            self.device = device
+
+    fake.NpuGraphBackend = NpuGraphBackend
+    monkeypatch.setitem(sys.modules, "dspark.ascend.graphs", fake)
+    npu = types.SimpleNamespace(type="npu")  # torch.device("npu") exists only once torch_npu is imported
+    backend = default_backend(npu)
+    assert isinstance(backend, NpuGraphBackend) and backend.device is npu

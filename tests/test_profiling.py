@@ -88,12 +88,13 @@ def test_fit_cost_models_side_by_side_and_regret_of_an_exact_model_is_zero():
     samples = [ProfileSample(b, m, float(truth(b, torch.tensor([m]))[0]))
                for b in BATCHES for m in tier_rows(TIERS, b, W) if m <= TIERS[-1]]
     models = fit_cost_models(samples, tiers=TIERS, width=W, platform="cpu")
-    assert set(models) == {"1-D", "additive", "tiered"}
+    assert set(models) == {"1-D", "additive", "tiered", "tiered-dense"} and models["tiered-dense"].table is not None
     assert models["1-D"].rows == tuple(b * W for b in BATCHES)  # the static diagonal only
     gen = torch.Generator().manual_seed(0)
     survivals = [torch.cumprod(torch.rand(b, W - 1, generator=gen) * 0.5 + 0.5, dim=1) for b in BATCHES for _ in range(5)]
     res = budget_regret(survivals, models, truth, cfg=ScheduleConfig(gamma=W - 1), tiers=TIERS)
-    assert res["tiered"].mean == pytest.approx(0.0, abs=1e-12) and res["tiered"].wrong_tier_rate == 0.0
+    for exact in ("tiered", "tiered-dense"):
+        assert res[exact].mean == pytest.approx(0.0, abs=1e-12) and res[exact].wrong_tier_rate == 0.0
     assert res["additive"].max > 0.0 and res["1-D"].max > 0.0  # smooth / diagonal fits miss the staircase
     for r in res.values():
         assert 0.0 <= r.mean <= r.max and r.p90 <= r.max + 1e-12 and r.num_decisions == len(survivals)
@@ -124,7 +125,9 @@ def test_tier_sweep_and_regret_scripts_end_to_end(tmp_path):
     assert rc == 0
     sweep = json.loads((tmp_path / "t.sweep.json").read_text())
     assert {(s["num_requests"], s["rows"]) for s in sweep["samples"]} == {(b, m) for b in (1, 2, 4) for m in range(b, 4 * b + 1)}
-    assert set(sweep["models"]) == {"1-D", "additive", "tiered"} and (tmp_path / "t.png").stat().st_size > 0
+    assert set(sweep["models"]) == {"1-D", "additive", "tiered", "tiered-dense"}
+    assert (tmp_path / "t.png").stat().st_size > 0 and (tmp_path / "t.steps_per_second.json").exists()
+    assert load_cost_model(tmp_path / "t.tiered_dense.json").table is not None
     assert load_cost_model(tmp_path / "t.tiered.json").tiers == (4, 8, 16)
     assert TierManifest.load(tmp_path / "t.tiers.json", width=4, platform="cpu").tiers == (4, 8, 16)
     out = tmp_path / "regret.json"
@@ -133,5 +136,5 @@ def test_tier_sweep_and_regret_scripts_end_to_end(tmp_path):
     assert _load_perf("cost_regret").main(["--sweep", str(tmp_path / "t.sweep.json"), "--per-batch", "3",
                                            "--survival", str(tmp_path / "rec.pt"), "--out", str(out)]) == 0
     regret = json.loads(out.read_text())["regret"]
-    assert set(regret["synthetic"]) == {"1-D", "additive", "tiered"}
+    assert set(regret["synthetic"]) == {"1-D", "additive", "tiered", "tiered-dense"}
     assert regret["synthetic"]["tiered"]["num_decisions"] == 9 and regret["recorded"]["tiered"]["num_decisions"] == 4
