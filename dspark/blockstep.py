@@ -39,7 +39,8 @@ class BlockVerifyStep:
         self.hidden, self.heads = hidden, heads
         self.capacity = max_context + width
         self.w_qkv, self.w_o = weight(hidden, 3 * hidden), weight(hidden, hidden)
-        self.w_up, self.w_down, self.w_head = weight(hidden, 4 * hidden), weight(4 * hidden, hidden), weight(hidden, vocab)
+        self.w_up, self.w_down = weight(hidden, 4 * hidden), weight(4 * hidden, hidden)
+        self.w_head = weight(hidden, vocab)
         cache_rows = num_slots * self.capacity + 1  # + the dummy row padding rows write to
         self.cache_k = (torch.randn(cache_rows, hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
         self.cache_v = (torch.randn(cache_rows, hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)

@@ -275,8 +275,7 @@ class TierGraphRunner:
         device = torch.device(device)
         tiers_t = check_tiers(tiers)
         slots = (slots_per_tier,) * len(tiers_t) if isinstance(slots_per_tier, int) else tuple(slots_per_tier)
-        self.manifest = TierManifest(tiers=tiers_t, slots=slots, width=width,
-                                     platform=device.type if device.type in PLATFORMS else "cpu",
+        self.manifest = TierManifest(tiers=tiers_t, slots=slots, width=width, platform=device.type,
                                      model_id=model_id, device_name=_device_name(device))
         for name, spec in row_inputs.items():
             if (not isinstance(spec, tuple) or len(spec) != 2 or not isinstance(spec[1], torch.dtype)

@@ -7,8 +7,8 @@ of decisions whose replayed tier differs from the oracle's.
 
 Cost sources (one per run):
   default        a synthetic staircase (documented in perf/README.md): T_true(B, M) = base + per_request*B
-                 + per_row*tier(M) + per_real_row*M; the models are fitted on noisy samples of it (tier tops, tier+-2, B*F,
-                 B*W; 1-D on the static diagonal only), the oracle is T_true itself.
+                 + per_row*tier(M) + per_real_row*M; the models are fitted on noisy samples of it (tier
+                 tops, tier+-2, B*F, B*W; 1-D on the static diagonal only), the oracle is T_true itself.
   --sweep PATH   a `perf/tier_sweep.py --dense` result: the models it fitted, the dense measured medians
                  as the oracle.
 Survival sources: synthetic matrices (always) and, with --survival FILE, recorded ones (torch.save of a
@@ -73,7 +73,8 @@ def measured_oracle(samples: Sequence[ProfileSample], batches: Sequence[int], wi
     for b in batches:
         missing = [m for m in dense_rows(b, width) if (b, m) not in table]
         if missing:
-            raise SystemExit(f"sweep lacks dense samples for B={b} (rows {missing[:5]}...); rerun tier_sweep.py --dense")
+            raise SystemExit(f"sweep lacks dense samples for B={b} (rows {missing[:5]}...); "
+                             "rerun tier_sweep.py --dense")
 
     def seconds(b: int, rows: Tensor) -> Tensor:
         if b not in batches:
@@ -135,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         samples = synthetic_samples(oracle, tiers, batches, width, args.noise, gen)
         models = fit_cost_models(samples, tiers=tiers, width=width, platform="synthetic", row_bin=args.row_bin)
         source = {"kind": "synthetic staircase", "base_ms": args.base_ms, "per_request_ms": args.per_request_ms,
-                  "per_row_ms": args.per_row_ms, "per_real_row_ms": args.per_real_row_ms, "noise": args.noise, "row_bin": args.row_bin,
+                  "per_row_ms": args.per_row_ms, "per_real_row_ms": args.per_real_row_ms, "noise": args.noise,
+                  "row_bin": args.row_bin,
                   "num_samples": len(samples)}
     else:
         sweep = read_json(args.sweep)
@@ -153,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {name: budget_regret(mats, models, oracle, cfg=cfg, tiers=tiers) for name, mats in survivals.items()}
 
     print(f"cost regret vs the dense oracle ({source['kind']}); tiers {tiers}, B {batches}, W {width}")
-    print(f"{'survival':<10} {'model':<12} {'mean loss':>10} {'p90 loss':>10} {'max loss':>10} {'wrong tier':>11} {'n':>6}")
+    print(f"{'survival':<10} {'model':<12} {'mean loss':>10} {'p90 loss':>10} {'max loss':>10} "
+          f"{'wrong tier':>11} {'n':>6}")
     for sname, per_model in results.items():
         for mname, r in per_model.items():
             print(f"{sname:<10} {mname:<12} {r.mean:>10.3%} {r.p90:>10.3%} {r.max:>10.3%} {r.wrong_tier_rate:>11.1%} "

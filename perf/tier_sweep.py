@@ -123,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="over repeats: median, or min (contention only slows a step: use on a shared box)")
     ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (1: least noise on a shared box)")
     ap.add_argument("--clock", choices=CLOCKS, default="wall",
-                    help="CPU timer: wall (perf_counter) or thread (thread CPU time; use with --threads 1 on a shared box)")
+                    help="CPU timer: wall (perf_counter) or thread (thread CPU time; with --threads 1 on a "
+                         "shared box)")
     ap.add_argument("--context", type=int, default=32, help="block step: cached context per request")
     ap.add_argument("--hidden", type=int, default=64, help="block step: hidden size")
     ap.add_argument("--row-bin", type=int, default=64, help="additive model M bin (the profiler default)")
@@ -178,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if runner is not None:
         written.append(runner.manifest.save(out / f"{name}.tiers.json"))
     png = out / f"{name}.png"
-    plot(png, samples, pinned, models, args.tiers, f"{adapter.name} on {device.type}, W={args.width}: measured vs predicted")
+    plot(png, samples, pinned, models, args.tiers,
+         f"{adapter.name} on {device.type}, W={args.width}: measured vs predicted")
     written.append(png)
     print(f"\nsweep took {elapsed:.1f} s; wrote " + ", ".join(str(p) for p in written))
     return 0

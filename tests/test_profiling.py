@@ -91,7 +91,8 @@ def test_fit_cost_models_side_by_side_and_regret_of_an_exact_model_is_zero():
     assert set(models) == {"1-D", "additive", "tiered", "tiered-dense"} and models["tiered-dense"].table is not None
     assert models["1-D"].rows == tuple(b * W for b in BATCHES)  # the static diagonal only
     gen = torch.Generator().manual_seed(0)
-    survivals = [torch.cumprod(torch.rand(b, W - 1, generator=gen) * 0.5 + 0.5, dim=1) for b in BATCHES for _ in range(5)]
+    survivals = [torch.cumprod(torch.rand(b, W - 1, generator=gen) * 0.5 + 0.5, dim=1)
+                 for b in BATCHES for _ in range(5)]
     res = budget_regret(survivals, models, truth, cfg=ScheduleConfig(gamma=W - 1), tiers=TIERS)
     for exact in ("tiered", "tiered-dense"):
         assert res[exact].mean == pytest.approx(0.0, abs=1e-12) and res[exact].wrong_tier_rate == 0.0
@@ -118,13 +119,15 @@ def test_tier_sweep_and_regret_scripts_end_to_end(tmp_path):
     torch.set_num_threads(1)
     try:
         rc = _load_perf("tier_sweep").main(["--tiers", "4,8,16", "--width", "4", "--batches", "1,2,4", "--dense",
-                                            "--repeats", "3", "--warmup", "0", "--clock", "thread", "--hidden", "16", "--context", "4",
+                                            "--repeats", "3", "--warmup", "0", "--clock", "thread",
+                                            "--hidden", "16", "--context", "4",
                                             "--name", "t", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(old)
     assert rc == 0
     sweep = json.loads((tmp_path / "t.sweep.json").read_text())
-    assert {(s["num_requests"], s["rows"]) for s in sweep["samples"]} == {(b, m) for b in (1, 2, 4) for m in range(b, 4 * b + 1)}
+    measured = {(s["num_requests"], s["rows"]) for s in sweep["samples"]}
+    assert measured == {(b, m) for b in (1, 2, 4) for m in range(b, 4 * b + 1)}
     assert set(sweep["models"]) == {"1-D", "additive", "tiered", "tiered-dense"}
     assert (tmp_path / "t.png").stat().st_size > 0 and (tmp_path / "t.steps_per_second.json").exists()
     assert load_cost_model(tmp_path / "t.tiered_dense.json").table is not None
