@@ -217,3 +217,39 @@ def test_backend_selection_is_lazy_per_device_type(monkeypatch):
     npu = types.SimpleNamespace(type="npu")  # torch.device("npu") exists only once torch_npu is imported
     backend = default_backend(npu)
     assert isinstance(backend, NpuGraphBackend) and backend.device is npu
+
+
+def test_backend_protocol_contract(device):
+    """Largest tier first, one pool for all, update (the buffer refresh) runs before the graph replays."""
+    events = []
+
+    class Recording(EagerBackend):
+        name = "recording"
+
+        def new_pool(self):
+            events.append("pool")
+            return "the-pool"
+
+        def capture(self, fn, pool):
+            events.append(("capture", pool))
+            return super().capture(fn, pool)
+
+        def replay(self, graph, update=None):
+            events.append("replay")
+            super().replay(graph, update)
+
+    seen_rows = []
+
+    def step(bufs):
+        seen_rows.append((bufs.num_tokens, bufs.rows["x"][:, 0].tolist()))
+        return bufs.rows["x"] * 2
+
+    runner = TierGraphRunner(step, TIERS, SLOTS, device, Recording(), width=W,
+                             row_inputs={"x": ((1,), torch.float32)})
+    runner.capture()
+    assert events == ["pool"] + [("capture", "the-pool")] * 3
+    assert [n for n, _ in seen_rows] == [16, 8, 4]  # largest first
+    lay = runner.layout([2, 1])
+    out = runner.run(lay, x=torch.tensor([[1.0], [2.0], [3.0]], device=device))
+    assert events[-1] == "replay" and seen_rows[-1] == (4, [1.0, 2.0, 3.0, 0.0])  # refreshed, padding zeroed
+    assert out.tolist() == [[2.0], [4.0], [6.0]]
