@@ -453,13 +453,13 @@ def tier_edge_errors(model: CostModel, samples: Sequence[ProfileSample], tiers: 
                      offsets: Sequence[int] = (-2, -1, 0, 1, 2)) -> dict[str, dict[str, float]]:
     """Relative error (predicted / measured - 1) at each tier + offset, averaged over the samples there.
 
-    Keys are str(tier) -> str(offset); points without samples are left out. This is where a smooth fit
-    across a tier cliff is most wrong.
+    Keys are str(tier) -> str(offset); points without samples, and rows past the largest tier (eager
+    steps), are left out. This is where a smooth fit across a tier cliff is most wrong.
     """
     out: dict[str, dict[str, float]] = {}
     for t in tiers:
         for d in offsets:
-            at = [s for s in samples if s.rows == t + d]
+            at = [s for s in samples if s.rows == t + d <= tiers[-1]]
             if at:
                 err = [float(model.step_seconds(s.num_requests, s.rows)) / s.seconds - 1.0 for s in at]
                 out.setdefault(str(t), {})[str(d)] = sum(err) / len(err)
@@ -467,7 +467,8 @@ def tier_edge_errors(model: CostModel, samples: Sequence[ProfileSample], tiers: 
 
 
 def check_cost_model(model: CostModel, *, width: int | None = None, platform: str | None = None) -> CostModel:
-    """Refuse a cost model profiled for another verify width W or platform (ValueError naming both)."""
+    """Refuse a cost model profiled for another verify width W or platform (ValueError naming both).
+    A model that records no W (width None) is accepted for any W."""
     if width is not None and model.width is not None and model.width != width:
         raise ValueError(f"cost model {model.kind!r} was profiled for W={model.width}, this run has W={width}")
     if platform is not None and model.platform != platform:
