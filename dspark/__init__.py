@@ -3,6 +3,7 @@
 The public API, re-exported flat (DESIGN.md section 4b).
 """
 from dspark.allocate import allocate_verify_lens
+from dspark.attention import RaggedVerifyAttention, verify_attention, write_kv
 from dspark.budget import BudgetDecision, choose_budget, expected_commit, greedy_budget, tau_curve
 from dspark.calibration import Calibration, fit_sts, fit_temperatures
 from dspark.calibration_metrics import auroc, brier, ece, nll, top2_margin
@@ -15,9 +16,21 @@ from dspark.cost import (
     FitReport,
     ProfileSample,
     StepsPerSecondTable,
+    TieredCostModel,
+    check_cost_model,
     load_cost_model,
     register_cost_model,
 )
+from dspark.distributed import (
+    CostTableMismatchError,
+    DpTier,
+    DpTierAgreement,
+    ParallelConfig,
+    TpAgreement,
+    TpDisagreementError,
+    check_cost_table,
+)
+from dspark.graphs import GraphBackend, StepBuffers, TierGraphRunner, TierManifest
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
@@ -28,7 +41,12 @@ __all__ = [
     "Calibration",
     "ConfidenceHead",
     "CostModel",
+    "CostTableMismatchError",
+    "DpTier",
+    "DpTierAgreement",
     "FitReport",
+    "ParallelConfig",
+    "GraphBackend",
     "ProfileSample",
     "StsData",
     "StsRecorder",
@@ -43,15 +61,24 @@ __all__ = [
     "previous_tokens",
     "soft_accept_target",
     "top2_margin",
+    "RaggedVerifyAttention",
     "RaggedVerifyLayout",
     "ScheduleConfig",
+    "StepBuffers",
     "StepsPerSecondTable",
+    "TieredCostModel",
     "SurvivalLagRing",
+    "TpAgreement",
+    "TpDisagreementError",
+    "TierGraphRunner",
+    "TierManifest",
     "VerifyMode",
     "VerifyPlan",
     "VerifyPlanner",
     "allocate_verify_lens",
     "calibrated_survival",
+    "check_cost_table",
+    "check_cost_model",
     "choose_budget",
     "expected_commit",
     "greedy_budget",
@@ -59,5 +86,7 @@ __all__ = [
     "monotone_survival",
     "register_cost_model",
     "tau_curve",
+    "verify_attention",
+    "write_kv",
 ]
 __version__ = "0.1.0"
