@@ -16,6 +16,8 @@ from dspark.cost import (
     FitReport,
     ProfileSample,
     StepsPerSecondTable,
+    TieredCostModel,
+    check_cost_model,
     load_cost_model,
     register_cost_model,
 )
@@ -28,6 +30,7 @@ from dspark.distributed import (
     TpDisagreementError,
     check_cost_table,
 )
+from dspark.graphs import GraphBackend, StepBuffers, TierGraphRunner, TierManifest
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
@@ -43,6 +46,7 @@ __all__ = [
     "DpTierAgreement",
     "FitReport",
     "ParallelConfig",
+    "GraphBackend",
     "ProfileSample",
     "StsData",
     "StsRecorder",
@@ -60,16 +64,21 @@ __all__ = [
     "RaggedVerifyAttention",
     "RaggedVerifyLayout",
     "ScheduleConfig",
+    "StepBuffers",
     "StepsPerSecondTable",
+    "TieredCostModel",
     "SurvivalLagRing",
     "TpAgreement",
     "TpDisagreementError",
+    "TierGraphRunner",
+    "TierManifest",
     "VerifyMode",
     "VerifyPlan",
     "VerifyPlanner",
     "allocate_verify_lens",
     "calibrated_survival",
     "check_cost_table",
+    "check_cost_model",
     "choose_budget",
     "expected_commit",
     "greedy_budget",

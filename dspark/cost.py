@@ -1,9 +1,10 @@
 """Step-cost models T(B, M): predicted seconds of one verify step with B requests and M verify rows.
 
-Two models live here (DESIGN.md 4.6); more plug in through `register_cost_model`:
+Three models live here (DESIGN.md 4.6); more plug in through `register_cost_model`:
 
 - `StepsPerSecondTable`: 1-D, keyed on M only, floor lookup (the nearest probe <= M).
 - `AdditiveCostModel`: `T = bias + alpha(B) + theta(M)`, linear interpolation between probes.
+- `TieredCostModel`: `T = bias + alpha(B) + phi(tier(M))`, keyed on the graph tier the step replays.
 
 Every model serialises to JSON with a schema version, its `kind`, the platform it was profiled on and
 optionally the static verify width W; `load_cost_model(path)` dispatches on `kind`. `fingerprint()`
@@ -12,6 +13,8 @@ hashes the canonical JSON so ranks can check they hold the same table.
 from __future__ import annotations
 
 import abc
+import bisect
+import functools
 import hashlib
 import json
 import math
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -126,14 +130,15 @@ def _check_samples(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
     return out
 
 
-def check_probes(name: str, probes: Sequence[object], minimum: int) -> tuple[int, ...]:
-    """Probe points: non-empty, ints >= minimum, strictly increasing (sorted and unique)."""
+def check_probes(name: str, probes: Sequence[object], minimum: int, maximum: int | None = None) -> tuple[int, ...]:
+    """Probe points: non-empty, ints in [minimum, maximum], strictly increasing (sorted and unique)."""
     out = tuple(probes)
     if not out:
         raise ValueError(f"{name} must not be empty")
     for i, p in enumerate(out):
-        if not _is_int(p) or p < minimum:
-            raise ValueError(f"{name}[{i}] must be an int >= {minimum}, got {p!r}")
+        if not _is_int(p) or p < minimum or (maximum is not None and p > maximum):
+            top = "" if maximum is None else f" and <= {maximum}"
+            raise ValueError(f"{name}[{i}] must be an int >= {minimum}{top}, got {p!r}")
     for i in range(1, len(out)):
         if out[i] <= out[i - 1]:
             raise ValueError(f"{name} must be sorted and unique, got {name}[{i - 1}] = {out[i - 1]} "
@@ -174,12 +179,26 @@ def floor_lookup(probes: Tensor, values: Tensor, x: Tensor) -> Tensor:
 def interp(probes: Tensor, values: Tensor, x: Tensor) -> Tensor:
     """Piecewise-linear interpolation; outside the probes the end values are held (clamped)."""
     if probes.numel() == 1:
-        return values.expand(x.shape).clone()
+        return values[0].expand(x.shape).clone()
     hi = torch.searchsorted(probes, x.contiguous(), right=True).clamp(1, probes.numel() - 1).reshape(-1)
     x0, x1 = probes.index_select(0, hi - 1), probes.index_select(0, hi)
     y0, y1 = values.index_select(0, hi - 1), values.index_select(0, hi)
     t = ((x.reshape(-1) - x0) / (x1 - x0)).clamp(0.0, 1.0)
     return (y0 + t * (y1 - y0)).reshape(x.shape)
+
+
+MAX_ROW_PROBE = 1 << 20  # dense per-row tables stay below 8 MiB
+
+
+def dense_rows(lookup, probes: Sequence[int], values: Sequence[float]) -> Tensor:
+    """`lookup(probes, values, M)` evaluated once at every M in [0, probes[-1]] (float64 [probes[-1] + 1])."""
+    p = torch.tensor(probes, dtype=torch.float64)
+    return lookup(p, torch.tensor(values, dtype=torch.float64), torch.arange(probes[-1] + 1, dtype=torch.float64))
+
+
+def dense_lookup(table: Tensor, rows: Tensor) -> Tensor:
+    """table[M] for every row count (held at the last entry past the end): one gather, no search."""
+    return torch.take(table, rows.to(torch.int64).clamp_(0, table.numel() - 1))
 
 
 class CostModel(abc.ABC):
@@ -202,7 +221,7 @@ class CostModel(abc.ABC):
 
     # -- model-specific parts ------------------------------------------------------------------------
     @abc.abstractmethod
-    def _tables(self) -> tuple[Sequence[float], ...]:
+    def _tables(self) -> tuple[Sequence[float] | Tensor, ...]:
         """The numeric tables `_seconds` reads, in a fixed order (cached as float64 per device)."""
 
     @abc.abstractmethod
@@ -231,10 +250,31 @@ class CostModel(abc.ABC):
         x, scalar = _rows_tensor(rows)
         tables = self._cache.get(x.device)
         if tables is None:
-            tables = tuple(torch.tensor(t, dtype=torch.float64, device=x.device) for t in self._tables())
+            tables = tuple(torch.as_tensor(t, dtype=torch.float64, device=x.device) for t in self._tables())
             self._cache[x.device] = tables
         out = self._seconds(num_requests, x, tables)
         return float(out) if scalar else out
+
+    def _dense_rows(self, num_requests: int) -> tuple[Tensor, float] | None:
+        """Optional hook: (seconds per row count M = 0..top on the CPU, offset added for this B)."""
+        return None
+
+    def seconds_curve(self, num_requests: int, first_rows: int, count: int) -> np.ndarray:
+        """float64 host seconds for rows = first_rows .. first_rows + count - 1: the budget's whole curve.
+
+        Equal to `step_seconds` on those rows; models with a dense per-row table answer with one numpy
+        gather instead of a chain of torch ops.
+        """
+        for name, v, lo in (("num_requests", num_requests, 0), ("first_rows", first_rows, 0), ("count", count, 0)):
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        dense = self._dense_rows(num_requests)
+        if dense is None:
+            rows = torch.arange(first_rows, first_rows + count, dtype=torch.float64)
+            return self.step_seconds(num_requests, rows).cpu().numpy()
+        table, offset = dense
+        host = table.numpy()
+        return host[np.minimum(np.arange(first_rows, first_rows + count), host.size - 1)] + offset
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": self.kind,
@@ -308,7 +348,8 @@ class StepsPerSecondTable(CostModel):
     """1-D table: steps/s measured at verify-row probes; T(B, M) = 1 / sps(floor probe <= M).
 
     Below the smallest probe the smallest probe's value is used (a step with fewer rows is taken to
-    cost what the smallest measured step cost). B does not enter.
+    cost what the smallest measured step cost). B does not enter. Lookups read a dense per-row table
+    built once per device (probes up to MAX_ROW_PROBE rows).
     """
 
     kind = "steps_per_second"
@@ -316,15 +357,21 @@ class StepsPerSecondTable(CostModel):
     def __init__(self, rows: Sequence[int], steps_per_second: Sequence[float], *, platform: str = "unknown",
                  width: int | None = None, fit_report: FitReport | None = None):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
-        self.rows = check_probes("rows", rows, 1)
+        self.rows = check_probes("rows", rows, 1, MAX_ROW_PROBE)
         self.steps_per_second = check_values("steps_per_second", steps_per_second, len(self.rows), True)
 
-    def _tables(self) -> tuple[Sequence[float], ...]:
-        return self.rows, tuple(1.0 / v for v in self.steps_per_second)
+    @functools.cached_property
+    def _dense_table(self) -> Tensor:
+        return dense_rows(floor_lookup, self.rows, [1.0 / v for v in self.steps_per_second])
+
+    def _dense_rows(self, num_requests: int) -> tuple[Tensor, float]:
+        return self._dense_table, 0.0
+
+    def _tables(self) -> tuple[Tensor, ...]:
+        return (self._dense_table,)
 
     def _seconds(self, num_requests: int, rows: Tensor, tables: tuple[Tensor, ...]) -> Tensor:
-        probes, seconds = tables
-        return floor_lookup(probes, seconds, rows)
+        return dense_lookup(tables[0], rows)
 
     def _payload(self) -> dict[str, Any]:
         return {"rows": list(self.rows), "steps_per_second": list(self.steps_per_second)}
@@ -360,6 +407,7 @@ class AdditiveCostModel(CostModel):
     """T(B, M) = bias + alpha(B) + theta(M), alpha and theta linearly interpolated between probes.
 
     Outside the probes the end values are held (clamped), so predictions never extrapolate a trend.
+    theta is read from a dense per-row table built once per device (row probes up to MAX_ROW_PROBE).
     Validation requires the predicted step time to be positive at every probe pair, which makes it
     positive everywhere (interpolation stays within the probe values).
     """
@@ -373,7 +421,7 @@ class AdditiveCostModel(CostModel):
         self.bias = check_values("bias", [bias], None, False)[0]
         self.batch_probes = check_probes("batch_probes", batch_probes, 1)
         self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
-        self.row_probes = check_probes("row_probes", row_probes, 0)
+        self.row_probes = check_probes("row_probes", row_probes, 0, MAX_ROW_PROBE)
         self.theta = check_values("theta", theta, len(self.row_probes), False)
         low = self.bias + min(self.alpha) + min(self.theta)
         if not low > 0:
@@ -381,13 +429,27 @@ class AdditiveCostModel(CostModel):
                 f"step time must be > 0 at every probe, but bias + min(alpha) + min(theta) = {low!r}"
             )
 
-    def _tables(self) -> tuple[Sequence[float], ...]:
-        return self.batch_probes, self.alpha, self.row_probes, self.theta
+    @functools.cached_property
+    def _dense_table(self) -> Tensor:
+        return dense_rows(interp, self.row_probes, self.theta)
+
+    def _dense_rows(self, num_requests: int) -> tuple[Tensor, float]:
+        return self._dense_table, self.bias + self.alpha_at(num_requests)
+
+    def _tables(self) -> tuple[Tensor, ...]:
+        return (self._dense_table,)
+
+    def alpha_at(self, num_requests: int) -> float:
+        """alpha(B), linearly interpolated between batch probes (end values held)."""
+        bp, a = self.batch_probes, self.alpha
+        hi = min(max(bisect.bisect_right(bp, num_requests), 1), len(bp) - 1)
+        if len(bp) == 1:
+            return a[0]
+        f = min(max((num_requests - bp[hi - 1]) / (bp[hi] - bp[hi - 1]), 0.0), 1.0)
+        return a[hi - 1] + f * (a[hi] - a[hi - 1])
 
     def _seconds(self, num_requests: int, rows: Tensor, tables: tuple[Tensor, ...]) -> Tensor:
-        bp, alpha, rp, theta = tables
-        b = torch.full((1,), float(num_requests), dtype=torch.float64, device=rows.device)
-        return self.bias + interp(bp, alpha, b) + interp(rp, theta, rows)
+        return dense_lookup(tables[0], rows) + (self.bias + self.alpha_at(num_requests))
 
     def _payload(self) -> dict[str, Any]:
         return {"bias": self.bias, "batch_probes": list(self.batch_probes), "alpha": list(self.alpha),
@@ -441,3 +503,208 @@ class AdditiveCostModel(CostModel):
         )
         model.fit_report = report
         return model, report
+
+
+def tier_index(rows: Tensor, tiers: Tensor) -> Tensor:
+    """Index of the smallest tier >= rows (len(tiers) past the largest): `dspark.layout.round_up_to_tier`."""
+    return torch.searchsorted(tiers, rows.contiguous(), right=False)
+
+
+def tier_edge_errors(model: CostModel, samples: Sequence[ProfileSample], tiers: Sequence[int],
+                     offsets: Sequence[int] = (-2, -1, 0, 1, 2)) -> dict[str, dict[str, float]]:
+    """Relative error (predicted / measured - 1) at each tier + offset, averaged over the samples there.
+
+    Keys are str(tier) -> str(offset); points without samples, and rows past the largest tier (eager
+    steps), are left out. This is where a smooth fit across a tier cliff is most wrong.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for t in tiers:
+        for d in offsets:
+            at = [s for s in samples if s.rows == t + d <= tiers[-1]]
+            if at:
+                err = [float(model.step_seconds(s.num_requests, s.rows)) / s.seconds - 1.0 for s in at]
+                out.setdefault(str(t), {})[str(d)] = sum(err) / len(err)
+    return out
+
+
+def check_cost_model(model: CostModel, *, width: int | None = None, platform: str | None = None) -> CostModel:
+    """Refuse a cost model profiled for another verify width W or platform (ValueError naming both).
+    A model that records no W (width None) is accepted for any W."""
+    if width is not None and model.width is not None and model.width != width:
+        raise ValueError(f"cost model {model.kind!r} was profiled for W={model.width}, this run has W={width}")
+    if platform is not None and model.platform != platform:
+        raise ValueError(
+            f"cost model {model.kind!r} was profiled on platform {model.platform!r}, this run is on {platform!r}"
+        )
+    return model
+
+
+def _components(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
+    """Connected components of the bipartite graph B-level <-> tier-level joined by the samples."""
+    parent: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def find(x: tuple[str, int]) -> tuple[str, int]:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for b, t in pairs:
+        parent[find(("B", b))] = find(("tier", t))
+    groups: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+    for node in sorted(parent):
+        bs, ts = groups.setdefault(find(node), ([], []))
+        (bs if node[0] == "B" else ts).append(node[1])
+    return list(groups.values())
+
+
+@register_cost_model
+class TieredCostModel(CostModel):
+    """Cost keyed on the tier the step replays: T(B, M) = bias + alpha(B) + phi(tier(M)).
+
+    tier(M) is the smallest captured tier >= M, the same round-up the runtime uses, so the model is a
+    staircase: one value per tier, constant inside it. The budget argmax (`choose_budget`) therefore
+    lands on a tier top (the most rows the paid tier holds) or on the last candidate: the budget
+    decision and the tier fill are one decision. alpha(B) is interpolated linearly between batch probes
+    (held outside them). With `table` ([batch probe][tier] seconds) the dense table replaces
+    bias + alpha + phi (still linear in B per tier). Past the largest tier the step would run eager:
+    the model predicts +inf there, so the planner never chooses to leave the captured tiers.
+    """
+
+    kind = "tiered"
+
+    def __init__(self, bias: float, batch_probes: Sequence[int], alpha: Sequence[float], tiers: Sequence[int],
+                 phi: Sequence[float], *, table: Sequence[Sequence[float]] | None = None,
+                 platform: str = "unknown", width: int | None = None, fit_report: FitReport | None = None):
+        super().__init__(platform=platform, width=width, fit_report=fit_report)
+        self.bias = check_values("bias", [bias], None, False)[0]
+        self.batch_probes = check_probes("batch_probes", batch_probes, 1)
+        self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
+        self.tiers = check_probes("tiers", tiers, 1)
+        self.phi = check_values("phi", phi, len(self.tiers), False)
+        self.table: tuple[tuple[float, ...], ...] | None = None
+        grid = [[self.bias + a + p for p in self.phi] for a in self.alpha]
+        if table is not None:
+            rows = list(table)
+            if len(rows) != len(self.batch_probes):
+                raise ValueError(f"table needs one row per batch probe ({len(self.batch_probes)}), got {len(rows)}")
+            self.table = tuple(check_values(f"table[{i}]", r, len(self.tiers), False) for i, r in enumerate(rows))
+            grid = [list(r) for r in self.table]
+        _check_reachable_positive(self.batch_probes, self.tiers, grid, self.width)
+
+    def _tables(self) -> tuple[Sequence[float], ...]:
+        dense = [v for r in self.table for v in r] if self.table is not None else []
+        return self.batch_probes, self.alpha, self.tiers, self.phi, dense
+
+    def _seconds(self, num_requests: int, rows: Tensor, tables: tuple[Tensor, ...]) -> Tensor:
+        bp, alpha, tiers, phi, dense = tables
+        idx = tier_index(rows, tiers)
+        b = torch.full((1,), float(num_requests), dtype=torch.float64, device=rows.device)
+        if self.table is None:
+            per_tier = self.bias + interp(bp, alpha, b) + phi
+        else:
+            grid = dense.reshape(bp.numel(), tiers.numel())
+            per_tier = torch.stack([interp(bp, grid[:, j], b) for j in range(tiers.numel())]).reshape(-1)
+        inf = torch.full((1,), torch.inf, dtype=torch.float64, device=rows.device)
+        return torch.cat([per_tier, inf]).index_select(0, idx.reshape(-1)).reshape(rows.shape)
+
+    def tier_of(self, rows: int) -> int | None:
+        """The tier a step with this many rows replays (None past the largest)."""
+        idx = int(tier_index(torch.tensor([float(rows)], dtype=torch.float64),
+                             torch.tensor(self.tiers, dtype=torch.float64)))
+        return self.tiers[idx] if idx < len(self.tiers) else None
+
+    def _payload(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"bias": self.bias, "batch_probes": list(self.batch_probes), "alpha": list(self.alpha),
+                             "tiers": list(self.tiers), "phi": list(self.phi)}
+        if self.table is not None:
+            d["table"] = [list(r) for r in self.table]
+        return d
+
+    @classmethod
+    def _from_payload(cls, d: dict[str, Any], **common: Any) -> "TieredCostModel":
+        return cls(d["bias"], d["batch_probes"], d["alpha"], d["tiers"], d["phi"], table=d.get("table"), **common)
+
+    @classmethod
+    def fit(cls, samples: Sequence[ProfileSample], *, tiers: Sequence[int], dense: bool = False,
+            platform: str = "unknown", width: int | None = None) -> tuple["TieredCostModel", FitReport]:
+        """Least squares over one-hot batch probes and tiers (each sample at the tier its rows replay).
+
+        Every tier needs samples, none may lie past the largest tier, and the design must be connected
+        (every batch probe linked to every tier through shared samples) and of full rank; otherwise the
+        split between alpha and phi is arbitrary and the fit is refused. dense=True also stores the
+        median of every measured (batch probe, tier) cell as the lookup table (others: the additive value).
+        The report's extras hold the relative error at tier-2 .. tier+2 (`tier_edge_error`).
+        """
+        samples = _check_samples(samples)
+        tiers = check_probes("tiers", tiers, 1)
+        tier_t = torch.tensor(tiers, dtype=torch.float64)
+        idx = tier_index(torch.tensor([float(s.rows) for s in samples], dtype=torch.float64), tier_t).tolist()
+        beyond = sorted({s.rows for s, i in zip(samples, idx) if i == len(tiers)})
+        if beyond:
+            raise ValueError(f"samples with rows {beyond} lie past the largest tier {tiers[-1]} (eager steps); "
+                             "drop them or capture a larger tier")
+        pairs = [(s.num_requests, tiers[i]) for s, i in zip(samples, idx)]
+        missing = sorted(set(tiers) - {t for _, t in pairs})
+        if missing:
+            raise ValueError(f"tiers {missing} have no samples; the model needs one measured value per tier")
+        comps = _components(pairs)
+        if len(comps) > 1:
+            desc = "; ".join(f"B {bs} only with tiers {ts}" for bs, ts in comps)
+            raise ValueError(f"disconnected design ({len(comps)} groups: {desc}): alpha(B) and phi(tier) "
+                             "cannot be separated; add samples that link the groups")
+        batch_probes = sorted({b for b, _ in pairs})
+        bcol = {b: 1 + i for i, b in enumerate(batch_probes[1:])}
+        tcol = {t: len(bcol) + i for i, t in enumerate(tiers[1:], start=1)}
+        x = torch.zeros(len(samples), 1 + len(bcol) + len(tcol), dtype=torch.float64)
+        x[:, 0] = 1.0
+        for i, (b, t) in enumerate(pairs):
+            if b in bcol:
+                x[i, bcol[b]] = 1.0
+            if t in tcol:
+                x[i, tcol[t]] = 1.0
+        rank = int(torch.linalg.matrix_rank(x))
+        if rank < x.shape[1]:
+            raise ValueError(f"rank-deficient design: rank {rank} < {x.shape[1]} parameters (bias + "
+                             f"{len(bcol)} batch + {len(tcol)} tier levels) from {len(samples)} samples")
+        y = torch.tensor([s.seconds for s in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
+        alpha = [0.0] + coef[1:1 + len(bcol)]
+        phi = [0.0] + coef[1 + len(bcol):]
+        model = cls(coef[0], batch_probes, alpha, tiers, phi, platform=platform, width=width)
+        if dense:
+            model = cls(coef[0], batch_probes, alpha, tiers, phi, table=_cell_medians(model, samples, pairs),
+                        platform=platform, width=width)
+        report = FitReport.from_predictions(
+            y.tolist(), [model.step_seconds(s.num_requests, s.rows) for s in samples],
+            extras={"rank": rank, "dense": dense, "tier_edge_error": tier_edge_errors(model, samples, tiers)},
+        )
+        model.fit_report = report
+        return model, report
+
+
+def _check_reachable_positive(batch_probes: Sequence[int], tiers: Sequence[int],
+                              grid: Sequence[Sequence[float]], width: int | None) -> None:
+    """Step time must be > 0 wherever a step can land. B requests verify B .. B*W rows, so they replay
+    tier t only if t >= B and the tier below t is < B*W. Probe i serves every B in its interpolation
+    interval (the neighbouring probes; the end probes also serve every B beyond them), so it matters at
+    the tiers some B of that interval can replay. A fit may leave unreachable corners <= 0."""
+    for i, b in enumerate(batch_probes):
+        lo = batch_probes[i - 1] + 1 if i else 1
+        hi = batch_probes[i + 1] * width if width is not None and i + 1 < len(batch_probes) else None
+        for j, (t, v) in enumerate(zip(tiers, grid[i])):
+            below = tiers[j - 1] if j else 0
+            if t >= lo and (hi is None or below < hi) and not v > 0:
+                raise ValueError(f"predicted step time at B={b}, tier {t} is {v!r}; it must be > 0 wherever "
+                                 f"a step can land (tier >= B, tier below < B*W)")
+
+
+def _cell_medians(model: TieredCostModel, samples: Sequence[ProfileSample],
+                  pairs: Sequence[tuple[int, int]]) -> list[list[float]]:
+    """Median seconds of each measured (batch probe, tier) cell; cells never measured (for example a
+    tier below B's floor rows) take the additive prediction bias + alpha(B) + phi(tier)."""
+    cells: dict[tuple[int, int], list[float]] = {}
+    for s, key in zip(samples, pairs):
+        cells.setdefault(key, []).append(s.seconds)
+    return [[float(torch.tensor(cells[(b, t)], dtype=torch.float64).median()) if (b, t) in cells
+             else float(model.step_seconds(b, t)) for t in model.tiers] for b in model.batch_probes]
