@@ -94,6 +94,7 @@ def ragged_case(draw):
     if draw(st.booleans()):
         kw["tiers"] = sorted(set(draw(st.lists(st.integers(1, 60), min_size=1, max_size=3))))
         kw["slots"] = b + draw(st.integers(1, 12))
+    kw["extra_slots"] = draw(st.integers(0, 2))
     return lens, live, ratios, kw
 
 
@@ -101,12 +102,14 @@ def ragged_case(draw):
 @settings(max_examples=60)
 def test_compressed_entries_are_exactly_the_completed_groups(device, case):
     lens, live, ratios, kw = case
+    extra = kw.pop("extra_slots")
     lt = torch.tensor(lens, dtype=torch.int32, device=device)
     try:
         layout = RaggedVerifyLayout.from_verify_lens(lt, **kw)
     except ValueError:  # padding rows do not fit the ghost slots of this draw
         return
-    m = AscendVerifyMetadata.from_layout(layout, torch.tensor(live, dtype=torch.int64, device=device), ratios)
+    m = AscendVerifyMetadata.from_layout(layout, torch.tensor(live, dtype=torch.int64, device=device), ratios,
+                                         slots=layout.num_slots + extra)
     b, s, t = len(lens), m.num_slots, m.num_tokens
     ghosts = s - b
     assert m.cu_seqlens_q_host[: b + 1] == [sum(lens[:i]) for i in range(b + 1)]
