@@ -3,22 +3,49 @@
 The public API, re-exported flat (DESIGN.md section 4b).
 """
 from dspark.accept import AcceptResult, accept_greedy, accept_sampling
+from dspark.allocate import allocate_verify_lens
+from dspark.budget import BudgetDecision, choose_budget, expected_commit, greedy_budget, tau_curve
 from dspark.config import ScheduleConfig, VerifyMode
+from dspark.cost import (
+    AdditiveCostModel,
+    CostModel,
+    FitReport,
+    ProfileSample,
+    StepsPerSecondTable,
+    load_cost_model,
+    register_cost_model,
+)
 from dspark.layout import RaggedVerifyLayout
+from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
 from dspark.verify_inputs import VerifyInputs, build_verify_inputs
 
 __all__ = [
     "AcceptResult",
+    "AdditiveCostModel",
+    "BudgetDecision",
+    "CostModel",
+    "FitReport",
+    "ProfileSample",
     "RaggedVerifyLayout",
     "ScheduleConfig",
+    "StepsPerSecondTable",
     "SurvivalLagRing",
     "VerifyInputs",
     "VerifyMode",
+    "VerifyPlan",
+    "VerifyPlanner",
     "accept_greedy",
     "accept_sampling",
+    "allocate_verify_lens",
     "build_verify_inputs",
     "calibrated_survival",
+    "choose_budget",
+    "expected_commit",
+    "greedy_budget",
+    "load_cost_model",
     "monotone_survival",
+    "register_cost_model",
+    "tau_curve",
 ]
 __version__ = "0.1.0"
