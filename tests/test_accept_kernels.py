@@ -108,6 +108,8 @@ def test_sampling_kernel_matches_reference(policy, b, gamma, vocab, seed, packed
         got = k.sampling_triton(*args, *_outs(b, device))
     ref = k.sampling_ref(*args)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    small_chunks = k.sampling_ref(*args, chunk=7)  # the reference's chunked CDF walk
+    assert torch.equal(small_chunks[0], ref[0]) and torch.equal(small_chunks[1], ref[1])
     if b:  # the drawn token has positive probability under the distribution it came from
         assert bool((ref[1] >= 0).all() and (ref[1] < vocab).all())
 

@@ -4,7 +4,7 @@ torch references beside them.
 Both return `(correct_len int32 [B], bonus int64 [B])` and read only rows `i < verify_len[r]` of
 request r. Target rows come either strided `[B, W, V]` (`row_start=None`) or packed `[rows, V]` with
 `row_start[r]` = the packed row of request r's root (`qo_indptr[:-1]`); nothing is expanded to
-`[B*W, V]`: the references use O(B*W + B*V) extra memory, the kernels O(1) per request.
+`[B*W, V]`: the references use O(B*W + B*4096) extra memory, the kernels O(1) per request.
 
 Sampling (DESIGN.md 4.9): draft i is accepted when `u[r, i] * q_i(d_i) < p_i(d_i)` (probability
 min(1, p/q)); at the first rejection k the token is drawn from `(p_k - q_k)+` (from p_k when that is all
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from dspark.kernels import dispatch
 
+REF_CHUNK = 4096  # vocabulary entries per step of the reference's final draw
 _BIG = tl.constexpr(2**30)  # "no index" sentinel, above any vocabulary index
 
 
@@ -150,8 +151,12 @@ def greedy(draft: Tensor, target_logits: Tensor, verify_lens: Tensor,
 # ---------------------------------------------------------------- rejection sampling
 
 def sampling_ref(draft: Tensor, draft_probs: Tensor, target_probs: Tensor, verify_lens: Tensor,
-                 row_start: Tensor | None, uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """Rejection-sampling accept; `uniforms` [B, W] float32 (columns < gamma: accept tests, W-1: the draw)."""
+                 row_start: Tensor | None, uniforms: Tensor, chunk: int = REF_CHUNK) -> tuple[Tensor, Tensor]:
+    """Rejection-sampling accept; `uniforms` [B, W] float32 (columns < gamma: accept tests, W-1: the draw).
+
+    The final draw walks the vocabulary in chunks with a carried CDF prefix, so the extra memory is
+    O(B * W + B * chunk), never O(B * V).
+    """
     b, gamma = draft.shape
     w = gamma + 1
     device = draft.device
@@ -167,16 +172,36 @@ def sampling_ref(draft: Tensor, draft_probs: Tensor, target_probs: Tensor, verif
     correct, _ = _first_miss(draft, accept, torch.zeros(b, w, dtype=torch.int64, device=device), verify_lens)
     if b == 0:
         return correct, torch.zeros(0, dtype=torch.int64, device=device)
-    p_row = _gather_rows(target_probs, row_start, correct.to(torch.int64)).float()
+    k = correct.to(torch.int64)
     rejected = (correct < verify_lens - 1)[:, None]
-    q_row = draft_probs[torch.arange(b, device=device), correct.clamp(max=gamma - 1).to(torch.int64)].float()
-    residual = torch.where(rejected, (p_row - q_row).clamp_min(0), p_row)
-    weights = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
-    cdf = torch.cumsum(weights, -1)
-    target = uniforms[:, w - 1:] * cdf[:, -1:]
-    pick = torch.searchsorted(cdf, target.contiguous(), right=True)[:, 0]
-    positive = torch.arange(vocab, device=device)[None, :] * (weights > 0)
-    return correct, torch.minimum(pick, positive.amax(-1))
+    requests, k_q = torch.arange(b, device=device), k.clamp(max=gamma - 1)
+
+    def weights(v0: int) -> tuple[Tensor, Tensor]:
+        """[B, chunk] target row k and its residual (p - q)+ over vocabulary entries v0 .."""
+        p = _gather_rows(target_probs[..., v0:v0 + chunk], row_start, k).float()
+        q = draft_probs[..., v0:v0 + chunk][requests, k_q].float()
+        return p, torch.where(rejected, (p - q).clamp_min(0), p)
+
+    starts = range(0, vocab, chunk)
+    total_p = total_res = torch.zeros(b, device=device)
+    for v0 in starts:
+        p, res = weights(v0)
+        total_p, total_res = total_p + p.sum(-1), total_res + res.sum(-1)
+    use_p = (total_res <= 0)[:, None]
+    target = uniforms[:, w - 1] * torch.where(use_p[:, 0], total_p, total_res)
+    prefix = torch.zeros(b, device=device)
+    pick = torch.full((b,), vocab, dtype=torch.int64, device=device)
+    last_pos = torch.zeros(b, dtype=torch.int64, device=device)
+    for v0 in starts:
+        p, res = weights(v0)
+        wts = torch.where(use_p, p, res)
+        cdf = prefix[:, None] + wts.cumsum(-1)
+        idx = torch.arange(v0, v0 + wts.shape[1], device=device)[None, :]
+        hit = (cdf > target[:, None]) & (wts > 0)
+        pick = torch.minimum(pick, torch.where(hit, idx, vocab).amin(-1))
+        last_pos = torch.maximum(last_pos, (idx * (wts > 0)).amax(-1))
+        prefix = cdf[:, -1]
+    return correct, torch.minimum(pick, last_pos)
 
 
 @triton.jit

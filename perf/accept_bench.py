@@ -1,0 +1,151 @@
+"""Accept on packed rows vs expanding them to strided [B, W, V] first: peak extra memory and time.
+
+One run compares, for greedy and sampling accept, at B = 64, gamma = 7, V = 32000 (random verify
+lengths in [1, W], seed fixed):
+  packed   accept_greedy / accept_sampling(..., layout=layout) on the packed [rows, V] target rows
+  expand   layout.scatter(rows, width=W) to [B, W, V], then the strided accept
+Peak extra memory: on CUDA, torch.cuda.max_memory_allocated above the inputs; on the CPU, the growth
+of the process's peak RSS while running the method once in a fresh child process (inputs allocated and
+touched first; Linux /proc peak-RSS reset). Time: median over repeats. Prints a table and writes JSON to perf/results/.
+
+    PYTHONPATH=. python perf/accept_bench.py [--device cuda] [--repeats 20] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dspark import RaggedVerifyLayout, accept_greedy, accept_sampling
+
+METHODS = ("greedy/packed", "greedy/expand", "sampling/packed", "sampling/expand")
+
+
+def make_inputs(b: int, gamma: int, vocab: int, device: torch.device, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    w = gamma + 1
+    vl = torch.randint(1, w + 1, (b,), generator=gen, dtype=torch.int32)
+    layout = RaggedVerifyLayout.from_verify_lens(vl.to(device), width=w)
+    rows = layout.total_rows
+    logits = torch.randn(rows, vocab, generator=gen).to(device)
+    probs = torch.softmax(logits, -1)
+    q = torch.softmax(torch.randn(b, gamma, vocab, generator=gen), -1).to(device)
+    draft = torch.multinomial(q.view(-1, vocab).cpu(), 1, generator=gen).view(b, gamma).to(device)
+    return dict(layout=layout, vl=vl.to(device), logits=logits, probs=probs, q=q, draft=draft, width=w)
+
+
+def run(method: str, x: dict) -> torch.Tensor:
+    kind, how = method.split("/")
+    lay, w = x["layout"], x["width"]
+    target = x["logits"] if kind == "greedy" else x["probs"]
+    if how == "expand":
+        target, lay = lay.scatter(target, width=w), None
+    if kind == "greedy":
+        return accept_greedy(x["draft"], target, x["vl"], layout=lay).commit_lens
+    gen = torch.Generator(device=x["draft"].device).manual_seed(1)
+    return accept_sampling(x["draft"], x["q"], target, x["vl"], generator=gen, layout=lay).commit_lens
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_method(method: str, x: dict, device: torch.device, repeats: int) -> float:
+    run(method, x)  # warm-up (kernel compile, allocator)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run(method, x)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_extra_bytes(method: str, args: argparse.Namespace, device: torch.device) -> int:
+    if device.type == "cuda":
+        x = make_inputs(args.batch, args.gamma, args.vocab, device)
+        run(method, x)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run(method, x)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    cmd = [sys.executable, __file__, "--child", method, "--batch", str(args.batch), "--gamma", str(args.gamma),
+           "--vocab", str(args.vocab), "--threads", str(args.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def child(method: str, args: argparse.Namespace) -> None:
+    """Fresh process: peak RSS during one run minus the RSS before it (bytes), inputs already built.
+
+    Linux only: writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current RSS.
+    """
+    torch.set_num_threads(args.threads)
+    x = make_inputs(args.batch, args.gamma, args.vocab, torch.device("cpu"))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    run(method, x)
+    print((_status_kib("VmHWM") - before) * 1024)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable on a shared machine)")
+    ap.add_argument("--out", default="perf/results/accept_bench.json")
+    ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args)
+        return
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    x = make_inputs(args.batch, args.gamma, args.vocab, device)
+    strided_mib = args.batch * x["width"] * args.vocab * 4 / 2**20
+    rows = []
+    for method in METHODS:
+        rows.append(dict(method=method, median_ms=1e3 * time_method(method, x, device, args.repeats),
+                         peak_extra_mib=peak_extra_bytes(method, args, device) / 2**20))
+    for kind in ("greedy", "sampling"):
+        packed, expand = (r for r in rows if r["method"].startswith(kind))
+        packed["time_ratio_vs_expand"] = packed["median_ms"] / expand["median_ms"]
+    print(f"B={args.batch} gamma={args.gamma} V={args.vocab} rows={x['layout'].total_rows} "
+          f"(strided [B, W, V] fp32 = {strided_mib:.1f} MiB) device={device}")
+    print(f"{'method':<18}{'median ms':>12}{'peak extra MiB':>16}")
+    for r in rows:
+        print(f"{r['method']:<18}{r['median_ms']:>12.2f}{r['peak_extra_mib']:>16.1f}")
+    result = dict(batch=args.batch, gamma=args.gamma, vocab=args.vocab, rows=x["layout"].total_rows,
+                  device=str(device), torch=torch.__version__, repeats=args.repeats, threads=args.threads,
+                  strided_fp32_mib=strided_mib, results=rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
+        json.dump(result, f, indent=2)
+    os.replace(f.name, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
