@@ -62,7 +62,7 @@ def _values(shape, dtype, gen):
 @pytest.mark.parametrize("policy", POLICIES)
 @given(b=st.integers(0, 12), w=st.integers(1, 6), extra=st.integers(0, 7), seed=st.integers(0, 10**6),
        tail=st.sampled_from([(), (1,), (5,), (3, 7), (1030,)]), dtype=st.sampled_from(DTYPES))
-@settings(max_examples=15)
+@settings(max_examples=10)
 def test_pack_and_scatter(policy, b, w, extra, seed, tail, dtype, device):
     gen = torch.Generator().manual_seed(seed)
     vl = _lens(b, w, seed, device)

@@ -92,16 +92,22 @@ def _row_argmax(row_ptr, n, stride_v, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED: tl.constexpr):
+    """(r, verify_len, element offset of r's root row: packed row start_ptr[r], or r * stride_req)."""
+    r = tl.cast(item, tl.int64)
+    if PACKED:
+        base = tl.load(start_ptr + r).to(tl.int64) * stride_row
+    else:
+        base = r * stride_req
+    return r, tl.load(vl_ptr + r), base
+
+
+@triton.jit
 def _greedy_kernel(draft_ptr, logits_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr, num_requests, vocab,
                    d_stride_b, d_stride_g, stride_req, stride_row, stride_v,
                    PACKED: tl.constexpr, BLOCK_V: tl.constexpr):
     for item in tl.range(tl.program_id(0), num_requests, tl.num_programs(0)):
-        r = tl.cast(item, tl.int64)
-        vl = tl.load(vl_ptr + r)
-        if PACKED:
-            base = tl.load(start_ptr + r).to(tl.int64) * stride_row
-        else:
-            base = r * stride_req
+        r, vl, base = _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED)
         correct = vl - 1
         bonus = tl.zeros([], dtype=tl.int32)
         done = tl.zeros([], dtype=tl.int32)
@@ -216,12 +222,7 @@ def _sampling_kernel(draft_ptr, q_ptr, p_ptr, u_ptr, vl_ptr, start_ptr, correct_
                      stride_req, stride_row, stride_v, u_stride_b, last_col,
                      PACKED: tl.constexpr, BLOCK_V: tl.constexpr):
     for item in tl.range(tl.program_id(0), num_requests, tl.num_programs(0)):
-        r = tl.cast(item, tl.int64)
-        vl = tl.load(vl_ptr + r)
-        if PACKED:
-            base = tl.load(start_ptr + r).to(tl.int64) * stride_row
-        else:
-            base = r * stride_req
+        r, vl, base = _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED)
         correct = vl - 1
         for i in range(0, vl - 1):
             d = tl.load(draft_ptr + r * d_stride_b + i * d_stride_g).to(tl.int64)
