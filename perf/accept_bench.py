@@ -4,9 +4,8 @@ One run compares, for greedy and sampling accept, at B = 64, gamma = 7, V = 3200
 lengths in [1, W], seed fixed):
   packed   accept_greedy / accept_sampling(..., layout=layout) on the packed [rows, V] target rows
   expand   layout.scatter(rows, width=W) to [B, W, V], then the strided accept
-Peak extra memory: on CUDA, torch.cuda.max_memory_allocated above the inputs; on the CPU, the growth
-of the process's peak RSS while running the method once in a fresh child process (inputs allocated and
-touched first; Linux /proc peak-RSS reset). Time: median over repeats. Prints a table and writes JSON to perf/results/.
+Peak extra memory: the most bytes the torch allocator holds during one run above what it held before
+(the inputs): torch.cuda.max_memory_allocated on CUDA, the profiler's allocation events on the CPU. Time: median over repeats. Prints a table and writes JSON to perf/results/.
 
     PYTHONPATH=. python perf/accept_bench.py [--device cuda] [--repeats 20] [--threads 1]
 """
@@ -16,13 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from dspark import RaggedVerifyLayout, accept_greedy, accept_sampling
 
@@ -71,39 +69,26 @@ def time_method(method: str, x: dict, device: torch.device, repeats: int) -> flo
     return statistics.median(times)
 
 
-def peak_extra_bytes(method: str, args: argparse.Namespace, device: torch.device) -> int:
+def peak_extra_bytes(method: str, x: dict, device: torch.device) -> int:
+    """Peak bytes allocated by one run above what was allocated before it (inputs excluded)."""
+    run(method, x)
     if device.type == "cuda":
-        x = make_inputs(args.batch, args.gamma, args.vocab, device)
-        run(method, x)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         run(method, x)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    cmd = [sys.executable, __file__, "--child", method, "--batch", str(args.batch), "--gamma", str(args.gamma),
-           "--vocab", str(args.vocab), "--threads", str(args.threads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
-    return int(out.stdout.strip().splitlines()[-1])
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def child(method: str, args: argparse.Namespace) -> None:
-    """Fresh process: peak RSS during one run minus the RSS before it (bytes), inputs already built.
-
-    Linux only: writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current RSS.
-    """
-    torch.set_num_threads(args.threads)
-    x = make_inputs(args.batch, args.gamma, args.vocab, torch.device("cpu"))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_kib("VmRSS")
-    run(method, x)
-    print((_status_kib("VmHWM") - before) * 1024)
+    # CPU: replay the allocator's [memory] events (+alloc / -free, in time order) of a profiled run
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run(method, x)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
 
 
 def main() -> None:
@@ -115,11 +100,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable on a shared machine)")
     ap.add_argument("--out", default="perf/results/accept_bench.json")
-    ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        child(args.child, args)
-        return
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     x = make_inputs(args.batch, args.gamma, args.vocab, device)
@@ -127,7 +108,7 @@ def main() -> None:
     rows = []
     for method in METHODS:
         rows.append(dict(method=method, median_ms=1e3 * time_method(method, x, device, args.repeats),
-                         peak_extra_mib=peak_extra_bytes(method, args, device) / 2**20))
+                         peak_extra_mib=peak_extra_bytes(method, x, device) / 2**20))
     for kind in ("greedy", "sampling"):
         packed, expand = (r for r in rows if r["method"].startswith(kind))
         packed["time_ratio_vs_expand"] = packed["median_ms"] / expand["median_ms"]
