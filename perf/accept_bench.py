@@ -5,7 +5,8 @@ lengths in [1, W], seed fixed):
   packed   accept_greedy / accept_sampling(..., layout=layout) on the packed [rows, V] target rows
   expand   layout.scatter(rows, width=W) to [B, W, V], then the strided accept
 Peak extra memory: the most bytes the torch allocator holds during one run above what it held before
-(the inputs): torch.cuda.max_memory_allocated on CUDA, the profiler's allocation events on the CPU. Time: median over repeats. Prints a table and writes JSON to perf/results/.
+(the inputs): torch.cuda.max_memory_allocated on CUDA, the profiler's allocation events on the CPU.
+Time: median over repeats. Prints a table and writes JSON to perf/results/.
 
     PYTHONPATH=. python perf/accept_bench.py [--device cuda] [--repeats 20] [--threads 1]
 """
@@ -13,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark import RaggedVerifyLayout, accept_greedy, accept_sampling
+from dspark.fileio import atomic_write_text
 
 METHODS = ("greedy/packed", "greedy/expand", "sampling/packed", "sampling/expand")
 
@@ -120,12 +119,7 @@ def main() -> None:
     result = dict(batch=args.batch, gamma=args.gamma, vocab=args.vocab, rows=x["layout"].total_rows,
                   device=str(device), torch=torch.__version__, repeats=args.repeats, threads=args.threads,
                   strided_fp32_mib=strided_mib, results=rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
-        json.dump(result, f, indent=2)
-    os.replace(f.name, out)
-    print(f"wrote {out}")
+    print(f"wrote {atomic_write_text(args.out, json.dumps(result, indent=2))}")
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ def _bad(**change):
                                                              torch.tensor(-0.25))),
          "target_probs row (request 1, position 1) has a negative entry -0.25"),
         (dict(target_probs=_bad()["target_probs"] * 1.5), "target_probs row (request 0, position 0) sums to 1.5"),
-        (dict(draft_probs=_bad()["draft_probs"].index_put((torch.tensor(0), torch.tensor(1)), torch.tensor(float("nan")))),
+        (dict(draft_probs=_bad()["draft_probs"].index_put((torch.tensor(0), torch.tensor(1)),
+                                                           torch.tensor(float("nan")))),
          "draft_probs row (request 0, position 1) holds NaN"),
     ],
 )

@@ -50,7 +50,8 @@ def test_greedy_kernel_matches_reference(policy, b, gamma, vocab, seed, packed, 
     logits, row_start = _rows(layout, b, gamma + 1, gen, make, device)
     if logits.numel():
         flat = logits.view(-1, vocab)
-        flat[torch.randint(0, flat.shape[0], (2,), generator=gen), torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
+        at_row = torch.randint(0, flat.shape[0], (2,), generator=gen)
+        flat[at_row, torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
         flat[0] = float("-inf")
     with dispatch.launch_policy(*policy):
         got = k.greedy_triton(draft, logits, vl, row_start, *_outs(b, device))
@@ -128,7 +129,9 @@ def test_sampling_kernel_reads_nothing_past_verify_len(device):
     p_bad[past] = float("nan")
     q_bad[past[:, 1:]] = float("nan")
     draft_bad = torch.where(past[:, 1:], torch.full_like(draft, 10**9), draft)
-    ins = lambda d, qq, pp: (d.to(device), qq.to(device), pp.to(device), vl.to(device), None, u.to(device))  # noqa: E731
+    def ins(d, qq, pp):
+        return d.to(device), qq.to(device), pp.to(device), vl.to(device), None, u.to(device)
+
     clean = k.sampling_triton(*ins(draft, q, p), *_outs(b, device))
     poisoned = k.sampling_triton(*ins(draft_bad, q_bad, p_bad), *_outs(b, device))
     assert torch.equal(clean[0], poisoned[0]) and torch.equal(clean[1], poisoned[1])
