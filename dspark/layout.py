@@ -87,7 +87,7 @@ class RaggedVerifyLayout:
         """Build the layout; pad to the smallest tier >= total rows when tiers are given.
 
         slots: captured slot count S (>= B); padding rows need at least one ghost slot (S > B), and
-        default S = B + 1 when padding exists. on_overflow: `eager` (run unpadded, reason recorded)
+        default S = B + ceil(padding / W), just enough ghost slots. on_overflow: `eager` (run unpadded, reason recorded)
         or `error` when the rows exceed the largest tier.
         """
         vl = _as_lens(verify_lens)
@@ -117,7 +117,7 @@ class RaggedVerifyLayout:
                 log.info("eager verify step: %s", reason)
         rows = tier if tier is not None else total
         leftover = rows - total
-        num_slots = _slot_count(b, slots, leftover)
+        num_slots = _slot_count(b, slots, leftover, width)
         ghost = _ghost_lens(num_slots - b, leftover, width, b, num_slots)
         slot_lens = torch.cat([vl, ghost.to(vl.device)])
         seqused = torch.cat([vl, torch.zeros_like(ghost, device=vl.device)])
@@ -190,9 +190,11 @@ def _as_lens(verify_lens: Tensor | Sequence[int]) -> Tensor:
     return torch.tensor(vals, dtype=torch.int32)
 
 
-def _slot_count(b: int, slots: int | None, leftover: int) -> int:
+def _slot_count(b: int, slots: int | None, leftover: int, width: int | None) -> int:
+    """The captured slot count; by default just enough ghost slots (W rows each) for the padding."""
     if slots is None:
-        return b + 1 if leftover > 0 else b
+        per_ghost = width if width is not None else max(leftover, 1)
+        return b + -(-leftover // per_ghost)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < b:
         raise ValueError(f"slots must be an int >= the batch size {b}, got {slots!r}")
     if leftover > 0 and slots == b:
