@@ -1,0 +1,238 @@
+"""The speculative decode loop: draft -> plan -> layout -> verify forward -> accept -> commit.
+
+Per step and request, with `L` committed tokens (the last one is the root, whose target KV is not yet
+written): the draft proposes k tokens autoregressively, the policy picks verify lengths, the target
+runs one forward over the verify rows (root at position L-1, drafts after it), accept decides the
+committed tokens, and only the lengths move: KV rows of rejected drafts are simply overwritten later.
+
+Host syncs per step are the ones the design needs, counted in the telemetry: the verify lengths
+(to build the layout) and the commit lengths (the next step's positions and the stop test).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dspark.config import VerifyMode
+from dspark.engine.kv_cache import PagedKVCache
+from dspark.engine.model import DraftLM, TinyLM
+from dspark.engine.pending import accept_greedy, accept_sampling
+from dspark.engine.policies import FixedK, Oracle, PolicyPlan
+from dspark.engine.step_attention import StepAttention
+from dspark.layout import RaggedVerifyLayout
+
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """`cpu` or `cuda` (the latter only when available)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type not in DEVICES:
+        raise ValueError(f"unknown device {str(device)!r}; choose one of: {', '.join(DEVICES)}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    return dev
+
+
+@dataclass
+class StepTimes:
+    draft: float = 0.0
+    plan: float = 0.0
+    verify: float = 0.0
+    accept: float = 0.0
+
+
+@dataclass
+class StepOutcome:
+    """What one step did (device tensors; the caller reads them after the run, no extra syncs)."""
+
+    plan: PolicyPlan
+    layout: RaggedVerifyLayout
+    commit_lens: Tensor
+    correct_len: Tensor
+    times: StepTimes
+    host_syncs: int
+
+
+@dataclass
+class GenerateResult:
+    tokens: Tensor                 # [B, max_new_tokens] committed tokens after the prompt
+    steps: list[StepOutcome] = field(default_factory=list)
+    seconds: float = 0.0           # wall time of the decode steps (prefill excluded)
+
+
+class SpecDecoder:
+    """Target + draft with their paged KV caches; runs one policy over a batch of equal-length prompts."""
+
+    def __init__(self, target: TinyLM, draft: DraftLM, *, cache_tokens: int = 65536, page_size: int = 16,
+                 device: str | torch.device = "cpu"):
+        self.device = check_device(device)
+        self.target = target.to(self.device).eval()
+        self.draft = draft.to(self.device).eval()
+        pages = -(-cache_tokens // page_size)
+        self.tcache = self._cache(target, pages, page_size)
+        self.dcache = self._cache(draft, pages, page_size)
+
+    def _cache(self, model: TinyLM, pages: int, page_size: int) -> PagedKVCache:
+        c = model.cfg
+        return PagedKVCache(num_layers=c.n_layers, num_heads=c.n_heads, head_dim=c.head_dim, num_pages=pages,
+                            page_size=page_size, device=self.device)
+
+    # -- forwards -------------------------------------------------------------------------------------
+    def _forward(self, model: TinyLM, cache: PagedKVCache, tokens: Tensor, layout: RaggedVerifyLayout,
+                 prefix: Tensor) -> Tensor:
+        attend = StepAttention(layout, prefix.to(self.device), cache, self._max_len)
+        return model(tokens, attend.positions, attend)
+
+    def _uniform(self, b: int, rows: int) -> RaggedVerifyLayout:
+        return RaggedVerifyLayout.from_verify_lens(torch.full((b,), rows, dtype=torch.int32), width=rows)
+
+    # -- one step -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Tensor, max_new_tokens: int, policy: FixedK | Oracle | object, *,
+                 mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
+                 seed: int = 0) -> GenerateResult:
+        """Decode `max_new_tokens` after each prompt ([B, P] int64, P >= 3) with one policy."""
+        mode = VerifyMode.parse(mode)
+        b, p = self._check_prompts(prompts, max_new_tokens)
+        k = policy.num_drafts
+        w = k + 1
+        self._max_len = p + max_new_tokens + w
+        for m in (self.target, self.draft):
+            if self._max_len > m.cfg.max_seq_len:
+                raise ValueError(
+                    f"prompt {p} + max_new_tokens {max_new_tokens} + verify width {w} = {self._max_len} exceeds "
+                    f"the model's max_seq_len {m.cfg.max_seq_len}")
+        self.tcache.admit(b, self._max_len)
+        self.dcache.admit(b, self._max_len)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        buf = torch.zeros(b, self._max_len + w, dtype=torch.long, device=self.device)
+        buf[:, :p] = prompts.to(self.device)
+        zeros = torch.zeros(b, dtype=torch.int64)
+        self._forward(self.target, self.tcache, buf[:, : p - 1].reshape(-1), self._uniform(b, p - 1), zeros)
+        if k:
+            self._forward(self.draft, self.dcache, buf[:, : p - 2].reshape(-1), self._uniform(b, p - 2), zeros)
+        lens = torch.full((b,), p, dtype=torch.int64)  # host copy of the committed lengths
+        slots = torch.arange(b, device=self.device)
+        gens = torch.zeros(b, dtype=torch.int64, device=self.device)
+        result = GenerateResult(tokens=buf)
+        t_start = time.perf_counter()
+        while int(lens.min()) < p + max_new_tokens:
+            out = self._step(buf, lens, policy, mode, sampling, temperature, gen, slots, gens)
+            lens += out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+            out.host_syncs += 1
+            result.steps.append(out)
+        result.seconds = time.perf_counter() - t_start
+        result.tokens = buf[:, p: p + max_new_tokens].clone()
+        self.tcache.release()
+        self.dcache.release()
+        return result
+
+    def _step(self, buf: Tensor, lens: Tensor, policy, mode: VerifyMode, sampling: bool, temperature: float,
+              gen: torch.Generator, slots: Tensor, gens: Tensor) -> StepOutcome:
+        b, k = lens.numel(), policy.num_drafts
+        w = k + 1
+        times = StepTimes()
+        syncs = 0
+        t0 = time.perf_counter()
+        drafts, draft_probs, conf = self._draft(buf, lens, k, sampling, temperature, gen)
+        t1 = time.perf_counter()
+        times.draft = t1 - t0
+        rows = torch.arange(b, device=self.device)
+        root = buf[rows, (lens - 1).to(self.device)]
+        strided = torch.cat([root[:, None], drafts], 1)
+        prefix = lens - 1
+        if isinstance(policy, Oracle):
+            full = self._verify(strided, self._uniform(b, w), prefix, w)
+            res = self._accept(drafts, draft_probs, full, torch.full((b,), w, dtype=torch.int32,
+                                                                     device=self.device), sampling, temperature, gen)
+            plan = PolicyPlan(res.commit_lens.to(torch.int32))
+            t1 = time.perf_counter()  # the prepass is not charged to the oracle
+        else:
+            plan = policy.plan(conf, slots, gens)
+        if mode is VerifyMode.COMPACT:
+            layout = plan.layout or RaggedVerifyLayout.from_verify_lens(plan.verify_lens, width=w)
+            syncs += 1  # verify lengths to the host for the packed layout
+        else:
+            layout = self._uniform(b, w)
+        t2 = time.perf_counter()
+        times.plan = t2 - t1
+        logits = self._verify(strided, layout, prefix, w)
+        t3 = time.perf_counter()
+        times.verify = t3 - t2
+        caps = plan.verify_lens if mode is not VerifyMode.STATIC else torch.full(
+            (b,), w, dtype=torch.int32, device=self.device)
+        acc = self._accept(drafts, draft_probs, logits, caps, sampling, temperature, gen)
+        if isinstance(policy, Oracle):
+            acc = res
+        self._commit(buf, lens, acc.tokens, acc.commit_lens)
+        times.accept = time.perf_counter() - t3
+        return StepOutcome(plan=plan, layout=layout, commit_lens=acc.commit_lens, correct_len=acc.correct_len,
+                           times=times, host_syncs=syncs)
+
+    def _draft(self, buf: Tensor, lens: Tensor, k: int, sampling: bool, temperature: float,
+               gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor]:
+        """k draft tokens [B, k], their distributions [B, k, V] (sampling) and confidence logits [B, k]."""
+        b = lens.numel()
+        dev = self.device
+        tokens, probs, conf = [], [], []
+        if k == 0:
+            empty = torch.zeros(b, 0, dtype=torch.long, device=dev)
+            return empty, None, torch.zeros(b, 0, device=dev)
+        # First draft forward re-feeds the last two committed tokens: covers the bonus token and, when
+        # every draft was accepted, the last draft (never fed); recomputing one KV row is harmless.
+        pos = (lens - 2).to(dev)
+        rows = torch.arange(b, device=dev)
+        x = torch.stack([buf[rows, pos], buf[rows, pos + 1]], 1).reshape(-1)
+        h = self._forward(self.draft, self.dcache, x, self._uniform(b, 2), lens - 2).reshape(b, 2, -1)[:, 1]
+        one = self._uniform(b, 1)
+        for i in range(k):
+            conf.append(self.draft.confidence_logits(h))
+            logits = self.draft.logits(h)
+            if sampling:
+                q = torch.softmax(logits / temperature, -1)
+                t = torch.multinomial(q, 1, generator=gen).squeeze(1)
+                probs.append(q)
+            else:
+                t = logits.argmax(-1)
+            tokens.append(t)
+            if i + 1 < k:
+                h = self._forward(self.draft, self.dcache, t, one, lens + i)
+        return torch.stack(tokens, 1), (torch.stack(probs, 1) if sampling else None), torch.stack(conf, 1)
+
+    def _verify(self, strided: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, w: int) -> Tensor:
+        """Target logits of the verify rows, scattered back to strided [B, W, V]."""
+        ids = layout.pack(strided)
+        logits = self.target.logits(self._forward(self.target, self.tcache, ids, layout, prefix))
+        return layout.scatter(logits, width=w)
+
+    def _accept(self, drafts: Tensor, draft_probs: Tensor | None, logits: Tensor, caps: Tensor, sampling: bool,
+                temperature: float, gen: torch.Generator):
+        if sampling:
+            p = torch.softmax(logits / temperature, -1)
+            q = draft_probs if draft_probs is not None else p[:, :0]
+            return accept_sampling(drafts, q, p, caps, generator=gen)
+        return accept_greedy(drafts, logits, caps)
+
+    def _commit(self, buf: Tensor, lens: Tensor, tokens: Tensor, commit_lens: Tensor) -> None:
+        """Write each request's committed tokens after its length (masked columns go past the end)."""
+        b, w = tokens.shape
+        cols = torch.arange(w, device=self.device)
+        idx = lens.to(self.device)[:, None] + cols[None, :]
+        idx = torch.where(cols[None, :] < commit_lens[:, None], idx, buf.shape[1] - 1)
+        keep = buf[:, -1].clone()
+        buf.scatter_(1, idx, tokens)
+        buf[:, -1] = keep
+
+    def _check_prompts(self, prompts: Tensor, max_new_tokens: int) -> tuple[int, int]:
+        if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.dtype != torch.long:
+            raise ValueError(f"prompts must be an int64 tensor [B, P], got {getattr(prompts, 'shape', prompts)}")
+        b, p = prompts.shape
+        if b < 1 or p < 3:
+            raise ValueError(f"need at least one prompt of >= 3 tokens, got shape {tuple(prompts.shape)}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        return b, p

@@ -1,0 +1,159 @@
+"""Train the tiny target and draft on the Python standard library's own source; cache the weights.
+
+Nothing is downloaded: the corpus is the `.py` files under `sysconfig.get_paths()["stdlib"]`. Every
+tenth file (sorted by name) is held out for prompts. The draft is distilled from the target and its
+ConfidenceHead learns the soft acceptance target `1 - TV(q, p)`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dspark.engine.model import DraftLM, ModelConfig, TinyLM
+from dspark.engine.pending import confidence_loss, soft_accept_target
+
+Progress = Callable[[str, int, int, float], None]  # (phase, step, total, loss)
+
+
+def stdlib_files(split: str) -> list[Path]:
+    """Top-level stdlib `.py` files: `train` (9 of 10) or `heldout` (every tenth, sorted by name)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    if not files:
+        raise RuntimeError(f"no .py files found under {sysconfig.get_paths()['stdlib']}")
+    keep = (lambda i: i % 10 == 0) if split == "heldout" else (lambda i: i % 10 != 0)
+    return [f for i, f in enumerate(files) if keep(i)]
+
+
+def corpus(split: str, max_bytes: int = 2_000_000) -> torch.Tensor:
+    """The split's bytes concatenated, as a uint8 tensor (at most max_bytes)."""
+    chunks, total = [], 0
+    for f in stdlib_files(split):
+        data = f.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).clone()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Model shapes and optimisation schedule for both models."""
+
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: ModelConfig = field(default_factory=lambda: ModelConfig(d_model=64, n_layers=1, n_heads=2))
+    target_steps: int = 300
+    draft_steps: int = 200
+    batch_size: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps({"target": self.target.to_dict(), "draft": self.draft.to_dict(),
+                           "target_steps": self.target_steps, "draft_steps": self.draft_steps,
+                           "batch_size": self.batch_size, "lr": self.lr, "seed": self.seed}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _batches(data: torch.Tensor, seq: int, batch: int, gen: torch.Generator):
+    while True:
+        start = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+        idx = start[:, None] + torch.arange(seq + 1)[None, :]
+        win = data[idx].long()
+        yield win[:, :-1], win[:, 1:]
+
+
+def _lr(step: int, total: int, peak: float) -> float:
+    warm = max(1, total // 20)
+    return peak * min(1.0, (step + 1) / warm) * max(0.05, 1 - step / total)
+
+
+def train_target(cfg: TrainConfig, data: torch.Tensor, progress: Progress | None = None) -> TinyLM:
+    """Next-byte cross-entropy on random windows of the corpus."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = TinyLM(cfg.target)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    batches = _batches(data, cfg.target.max_seq_len, cfg.batch_size, gen)
+    for step in range(cfg.target_steps):
+        x, y = next(batches)
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.target_steps, cfg.lr)
+        loss = F.cross_entropy(model.logits(model.forward_dense(x)).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if progress:
+            progress("target", step + 1, cfg.target_steps, float(loss.detach()))
+    return model.eval()
+
+
+def train_draft(cfg: TrainConfig, target: TinyLM, data: torch.Tensor, progress: Progress | None = None) -> DraftLM:
+    """Distil the target's next-byte distribution; train the confidence head on 1 - TV(q, p)."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    torch.manual_seed(cfg.seed + 1)
+    model = DraftLM(cfg.draft)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    batches = _batches(data, cfg.draft.max_seq_len, cfg.batch_size, gen)
+    for step in range(cfg.draft_steps):
+        x, _ = next(batches)
+        with torch.no_grad():
+            p_logits = target.logits(target.forward_dense(x))
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.draft_steps, cfg.lr)
+        hidden = model.forward_dense(x)
+        q_logits = model.logits(hidden)
+        distil = F.cross_entropy(q_logits.flatten(0, 1), torch.softmax(p_logits, -1).flatten(0, 1))
+        soft = soft_accept_target(q_logits.detach(), p_logits)
+        conf = confidence_loss(model.confidence_logits(hidden.detach()), soft)
+        loss = distil + conf
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if progress:
+            progress("draft", step + 1, cfg.draft_steps, float(distil.detach()))
+    return model.eval()
+
+
+def _save_atomic(obj: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.path.expanduser("~")) / ".cache" / "dspark"
+
+
+def load_or_train(cfg: TrainConfig, cache_dir: Path | None = None, progress: Progress | None = None
+                  ) -> tuple[TinyLM, DraftLM, bool]:
+    """(target, draft, trained_now): weights from `cache_dir/engine-<key>.pt`, trained and saved if absent."""
+    path = Path(cache_dir or default_cache_dir()) / f"engine-{cfg.key()}.pt"
+    if path.exists():
+        state = torch.load(path, weights_only=True)
+        target, draft = TinyLM(cfg.target), DraftLM(cfg.draft)
+        target.load_state_dict(state["target"])
+        draft.load_state_dict(state["draft"])
+        return target.eval(), draft.eval(), False
+    data = corpus("train")
+    target = train_target(cfg, data, progress)
+    draft = train_draft(cfg, target, data, progress)
+    _save_atomic({"target": target.state_dict(), "draft": draft.state_dict()}, path)
+    return target, draft, True
