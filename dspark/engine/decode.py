@@ -29,9 +29,10 @@ DEVICES = ("cpu", "cuda")
 
 def check_device(device: str | torch.device) -> torch.device:
     """`cpu` or `cuda` (the latter only when available)."""
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    if dev.type not in DEVICES:
-        raise ValueError(f"unknown device {str(device)!r}; choose one of: {', '.join(DEVICES)}")
+    name = str(device)
+    if name.split(":")[0] not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)}")
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
     return dev
