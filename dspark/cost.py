@@ -1,0 +1,443 @@
+"""Step-cost models T(B, M): predicted seconds of one verify step with B requests and M verify rows.
+
+Two models live here (DESIGN.md 4.6); more plug in through `register_cost_model`:
+
+- `StepsPerSecondTable`: 1-D, keyed on M only, floor lookup (the nearest probe <= M).
+- `AdditiveCostModel`: `T = bias + alpha(B) + theta(M)`, linear interpolation between probes.
+
+Every model serialises to JSON with a schema version, its `kind`, the platform it was profiled on and
+optionally the static verify width W; `load_cost_model(path)` dispatches on `kind`. `fingerprint()`
+hashes the canonical JSON so ranks can check they hold the same table.
+"""
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.fileio import atomic_write_text
+
+SCHEMA_VERSION = 1
+
+_REGISTRY: dict[str, type["CostModel"]] = {}
+
+
+def register_cost_model(cls: type["CostModel"]) -> type["CostModel"]:
+    """Class decorator: make `load_cost_model` / `CostModel.from_dict` know this model's `kind`."""
+    kind = getattr(cls, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"{cls.__name__} must define a non-empty class attribute `kind`")
+    if kind in _REGISTRY and _REGISTRY[kind] is not cls:
+        raise ValueError(f"cost model kind {kind!r} is already registered by {_REGISTRY[kind].__name__}")
+    _REGISTRY[kind] = cls
+    return cls
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class ProfileSample:
+    """One measured verify step: B requests, M total verify rows, wall seconds (median over repeats)."""
+
+    num_requests: int
+    rows: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_requests) or self.num_requests < 1:
+            raise ValueError(f"ProfileSample.num_requests must be an int >= 1, got {self.num_requests!r}")
+        if not _is_int(self.rows) or self.rows < self.num_requests:
+            raise ValueError(
+                f"ProfileSample.rows must be an int >= num_requests={self.num_requests} (every request "
+                f"verifies its root), got {self.rows!r}"
+            )
+        if not _is_real(self.seconds) or not math.isfinite(self.seconds) or self.seconds <= 0:
+            raise ValueError(f"ProfileSample.seconds must be finite and > 0, got {self.seconds!r}")
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """How well a fitted model reproduces its samples (residual = measured - predicted, in seconds).
+
+    `extras` holds per-model diagnostics (for example the error at tier-2..tier+2), JSON-serialisable.
+    """
+
+    residuals: tuple[float, ...]
+    rms: float
+    r2: float
+    num_samples: int
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_predictions(cls, measured: Sequence[float], predicted: Sequence[float],
+                         extras: dict[str, Any] | None = None) -> "FitReport":
+        """Residuals, RMS and R^2 (1 - SS_res / SS_tot; 1.0 for a perfect fit of constant data)."""
+        y = torch.tensor(list(measured), dtype=torch.float64)
+        res = y - torch.tensor(list(predicted), dtype=torch.float64)
+        ss_res = float((res * res).sum())
+        ss_tot = float(((y - y.mean()) ** 2).sum()) if y.numel() else 0.0
+        if ss_tot > 0:
+            r2 = 1.0 - ss_res / ss_tot
+        else:
+            r2 = 1.0 if ss_res == 0 else 0.0
+        rms = math.sqrt(ss_res / y.numel()) if y.numel() else 0.0
+        return cls(tuple(res.tolist()), rms, r2, int(y.numel()), dict(extras or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["residuals"] = list(self.residuals)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: object) -> "FitReport":
+        if not isinstance(d, dict):
+            raise ValueError(f"fit report must be a JSON object, got {type(d).__name__}")
+        missing = {"residuals", "rms", "r2", "num_samples"} - set(d)
+        if missing:
+            raise ValueError(f"fit report is missing {sorted(missing)}")
+        extras = d.get("extras", {})
+        if not isinstance(extras, dict):
+            raise ValueError(f"fit report extras must be a JSON object, got {extras!r}")
+        return cls(tuple(float(r) for r in d["residuals"]), float(d["rms"]), float(d["r2"]),
+                   int(d["num_samples"]), dict(extras))
+
+
+def _check_samples(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
+    out = list(samples)
+    if not out:
+        raise ValueError("fit needs at least one ProfileSample, got none")
+    for i, s in enumerate(out):
+        if not isinstance(s, ProfileSample):
+            raise TypeError(f"samples[{i}] must be a ProfileSample, got {type(s).__name__}: {s!r}")
+    return out
+
+
+def check_probes(name: str, probes: Sequence[object], minimum: int) -> tuple[int, ...]:
+    """Probe points: non-empty, ints >= minimum, strictly increasing (sorted and unique)."""
+    out = tuple(probes)
+    if not out:
+        raise ValueError(f"{name} must not be empty")
+    for i, p in enumerate(out):
+        if not _is_int(p) or p < minimum:
+            raise ValueError(f"{name}[{i}] must be an int >= {minimum}, got {p!r}")
+    for i in range(1, len(out)):
+        if out[i] <= out[i - 1]:
+            raise ValueError(f"{name} must be sorted and unique, got {name}[{i - 1}] = {out[i - 1]} "
+                             f"then {name}[{i}] = {out[i]}")
+    return out
+
+
+def check_values(name: str, values: Sequence[object], length: int | None, positive: bool) -> tuple[float, ...]:
+    """Finite reals (and > 0 when `positive`), with the expected length when given."""
+    out = tuple(values)
+    if length is not None and len(out) != length:
+        raise ValueError(f"{name} must have one value per probe ({length}), got {len(out)}")
+    for i, v in enumerate(out):
+        if not _is_real(v) or not math.isfinite(v) or (positive and v <= 0):
+            need = "finite and > 0" if positive else "finite"
+            raise ValueError(f"{name}[{i}] must be {need}, got {v!r}")
+    return tuple(float(v) for v in out)
+
+
+def _rows_tensor(rows: Tensor | int) -> tuple[Tensor, bool]:
+    if isinstance(rows, Tensor):
+        if rows.dtype == torch.bool or rows.is_complex():
+            raise TypeError(f"rows must be an integer or real tensor, got dtype {rows.dtype}")
+        return rows.to(torch.float64), False
+    if not _is_int(rows):
+        raise TypeError(f"rows must be an int or a tensor, got {rows!r} ({type(rows).__name__})")
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    return torch.tensor(float(rows), dtype=torch.float64), True
+
+
+def floor_lookup(probes: Tensor, values: Tensor, x: Tensor) -> Tensor:
+    """values[i] for the largest probe[i] <= x; below the first probe, values[0]."""
+    idx = torch.searchsorted(probes, x.contiguous(), right=True) - 1
+    return values.index_select(0, idx.clamp(min=0).reshape(-1)).reshape(x.shape)
+
+
+def interp(probes: Tensor, values: Tensor, x: Tensor) -> Tensor:
+    """Piecewise-linear interpolation; outside the probes the end values are held (clamped)."""
+    if probes.numel() == 1:
+        return values.expand(x.shape).clone()
+    hi = torch.searchsorted(probes, x.contiguous(), right=True).clamp(1, probes.numel() - 1).reshape(-1)
+    x0, x1 = probes.index_select(0, hi - 1), probes.index_select(0, hi)
+    y0, y1 = values.index_select(0, hi - 1), values.index_select(0, hi)
+    t = ((x.reshape(-1) - x0) / (x1 - x0)).clamp(0.0, 1.0)
+    return (y0 + t * (y1 - y0)).reshape(x.shape)
+
+
+class CostModel(abc.ABC):
+    """Predicted verify-step seconds T(B, M). Subclasses set `kind` and register themselves."""
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, *, platform: str = "unknown", width: int | None = None,
+                 fit_report: FitReport | None = None):
+        if not isinstance(platform, str) or not platform:
+            raise ValueError(f"platform must be a non-empty string, got {platform!r}")
+        if width is not None and (not _is_int(width) or width < 2):
+            raise ValueError(f"width (W = gamma + 1) must be an int >= 2 or None, got {width!r}")
+        if fit_report is not None and not isinstance(fit_report, FitReport):
+            raise TypeError(f"fit_report must be a FitReport or None, got {type(fit_report).__name__}")
+        self.platform = platform
+        self.width = width
+        self.fit_report = fit_report
+        self._cache: dict[torch.device, tuple[Tensor, ...]] = {}
+
+    # -- model-specific parts ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _tables(self) -> tuple[Sequence[float], ...]:
+        """The numeric tables `_seconds` reads, in a fixed order (cached as float64 per device)."""
+
+    @abc.abstractmethod
+    def _seconds(self, num_requests: int, rows: Tensor, tables: tuple[Tensor, ...]) -> Tensor:
+        """Seconds for float64 `rows` (any shape) with the cached tables on rows' device."""
+
+    @abc.abstractmethod
+    def _payload(self) -> dict[str, Any]:
+        """The model-specific JSON fields."""
+
+    @classmethod
+    @abc.abstractmethod
+    def _from_payload(cls, d: dict[str, Any], **common: Any) -> "CostModel":
+        """Rebuild from JSON fields; `common` holds platform, width and fit_report."""
+
+    @classmethod
+    @abc.abstractmethod
+    def fit(cls, samples: Sequence[ProfileSample], **kwargs: Any) -> tuple["CostModel", FitReport]:
+        """Fit the model to measured samples; returns the model (carrying its report) and the report."""
+
+    # -- shared machinery ----------------------------------------------------------------------------
+    def step_seconds(self, num_requests: int, rows: Tensor | int) -> Tensor | float:
+        """Predicted seconds for B = num_requests and M = rows (an int -> float, a tensor -> float64 tensor)."""
+        if not _is_int(num_requests) or num_requests < 0:
+            raise ValueError(f"num_requests must be an int >= 0, got {num_requests!r}")
+        x, scalar = _rows_tensor(rows)
+        tables = self._cache.get(x.device)
+        if tables is None:
+            tables = tuple(torch.tensor(t, dtype=torch.float64, device=x.device) for t in self._tables())
+            self._cache[x.device] = tables
+        out = self._seconds(num_requests, x, tables)
+        return float(out) if scalar else out
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": self.kind,
+                             "platform": self.platform, "width": self.width}
+        d.update(self._payload())
+        if self.fit_report is not None:
+            d["fit"] = self.fit_report.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: object) -> "CostModel":
+        """Validate and rebuild; on the base class, dispatch on `kind` through the registry."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a cost model must be a JSON object, got {type(d).__name__}")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version must be {SCHEMA_VERSION}, got {version!r}")
+        kind = d.get("kind")
+        target = _REGISTRY.get(kind) if isinstance(kind, str) else None
+        if target is None:
+            raise ValueError(f"unknown cost model kind {kind!r}; known kinds: {sorted(_REGISTRY)}")
+        if cls is not CostModel and target is not cls:
+            raise ValueError(f"expected kind {cls.kind!r} for {cls.__name__}, got {kind!r}")
+        fit = d.get("fit")
+        common = {"platform": d.get("platform", "unknown"), "width": d.get("width"),
+                  "fit_report": None if fit is None else FitReport.from_dict(fit)}
+        try:
+            return target._from_payload(d, **common)
+        except KeyError as e:
+            raise ValueError(f"{kind} cost model is missing field {e.args[0]!r}") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the JSON atomically (temp file in the same folder, then rename)."""
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CostModel":
+        """Read and validate a saved model; every error names the file and what is wrong."""
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return cls.from_dict(d)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON: equal on every rank that holds the same table."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CostModel) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(platform={self.platform!r}, width={self.width!r}, fingerprint={self.fingerprint()[:12]})"
+
+
+def load_cost_model(path: str | os.PathLike) -> CostModel:
+    """Load any registered cost model from JSON, dispatching on its `kind`."""
+    return CostModel.load(path)
+
+
+@register_cost_model
+class StepsPerSecondTable(CostModel):
+    """1-D table: steps/s measured at verify-row probes; T(B, M) = 1 / sps(floor probe <= M).
+
+    Below the smallest probe the smallest probe's value is used (a step with fewer rows is taken to
+    cost what the smallest measured step cost). B does not enter.
+    """
+
+    kind = "steps_per_second"
+
+    def __init__(self, rows: Sequence[int], steps_per_second: Sequence[float], *, platform: str = "unknown",
+                 width: int | None = None, fit_report: FitReport | None = None):
+        super().__init__(platform=platform, width=width, fit_report=fit_report)
+        self.rows = check_probes("rows", rows, 1)
+        self.steps_per_second = check_values("steps_per_second", steps_per_second, len(self.rows), True)
+
+    def _tables(self) -> tuple[Sequence[float], ...]:
+        return self.rows, tuple(1.0 / v for v in self.steps_per_second)
+
+    def _seconds(self, num_requests: int, rows: Tensor, tables: tuple[Tensor, ...]) -> Tensor:
+        probes, seconds = tables
+        return floor_lookup(probes, seconds, rows)
+
+    def _payload(self) -> dict[str, Any]:
+        return {"rows": list(self.rows), "steps_per_second": list(self.steps_per_second)}
+
+    @classmethod
+    def _from_payload(cls, d: dict[str, Any], **common: Any) -> "StepsPerSecondTable":
+        return cls(d["rows"], d["steps_per_second"], **common)
+
+    @classmethod
+    def fit(cls, samples: Sequence[ProfileSample], *, platform: str = "unknown",
+            width: int | None = None) -> tuple["StepsPerSecondTable", FitReport]:
+        """One probe per distinct M: steps/s = 1 / median(seconds) of the samples at that M."""
+        samples = _check_samples(samples)
+        by_rows: dict[int, list[float]] = {}
+        for s in samples:
+            by_rows.setdefault(s.rows, []).append(s.seconds)
+        probes = sorted(by_rows)
+        medians = [float(torch.tensor(by_rows[m], dtype=torch.float64).median()) for m in probes]
+        model = cls(probes, [1.0 / t for t in medians], platform=platform, width=width)
+        report = FitReport.from_predictions([s.seconds for s in samples],
+                                            [model.step_seconds(s.num_requests, s.rows) for s in samples])
+        model.fit_report = report
+        return model, report
+
+
+def bin_rows(rows: int, row_bin: int) -> int:
+    """round(M / row_bin) * row_bin with halves rounded up (the profiler's M binning)."""
+    return ((2 * rows + row_bin) // (2 * row_bin)) * row_bin
+
+
+@register_cost_model
+class AdditiveCostModel(CostModel):
+    """T(B, M) = bias + alpha(B) + theta(M), alpha and theta linearly interpolated between probes.
+
+    Outside the probes the end values are held (clamped), so predictions never extrapolate a trend.
+    Validation requires the predicted step time to be positive at every probe pair, which makes it
+    positive everywhere (interpolation stays within the probe values).
+    """
+
+    kind = "additive"
+
+    def __init__(self, bias: float, batch_probes: Sequence[int], alpha: Sequence[float],
+                 row_probes: Sequence[int], theta: Sequence[float], *, platform: str = "unknown",
+                 width: int | None = None, fit_report: FitReport | None = None):
+        super().__init__(platform=platform, width=width, fit_report=fit_report)
+        self.bias = check_values("bias", [bias], None, False)[0]
+        self.batch_probes = check_probes("batch_probes", batch_probes, 1)
+        self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
+        self.row_probes = check_probes("row_probes", row_probes, 0)
+        self.theta = check_values("theta", theta, len(self.row_probes), False)
+        low = self.bias + min(self.alpha) + min(self.theta)
+        if not low > 0:
+            raise ValueError(
+                f"step time must be > 0 at every probe, but bias + min(alpha) + min(theta) = {low!r}"
+            )
+
+    def _tables(self) -> tuple[Sequence[float], ...]:
+        return self.batch_probes, self.alpha, self.row_probes, self.theta
+
+    def _seconds(self, num_requests: int, rows: Tensor, tables: tuple[Tensor, ...]) -> Tensor:
+        bp, alpha, rp, theta = tables
+        b = torch.full((1,), float(num_requests), dtype=torch.float64, device=rows.device)
+        return self.bias + interp(bp, alpha, b) + interp(rp, theta, rows)
+
+    def _payload(self) -> dict[str, Any]:
+        return {"bias": self.bias, "batch_probes": list(self.batch_probes), "alpha": list(self.alpha),
+                "row_probes": list(self.row_probes), "theta": list(self.theta)}
+
+    @classmethod
+    def _from_payload(cls, d: dict[str, Any], **common: Any) -> "AdditiveCostModel":
+        return cls(d["bias"], d["batch_probes"], d["alpha"], d["row_probes"], d["theta"], **common)
+
+    @classmethod
+    def fit(cls, samples: Sequence[ProfileSample], *, row_bin: int = 64, platform: str = "unknown",
+            width: int | None = None) -> tuple["AdditiveCostModel", FitReport]:
+        """Least squares over one-hot B probes and M bins (round(M / row_bin) * row_bin).
+
+        alpha and theta are pinned to 0 at their first probe (the rest is absorbed in bias). A design
+        whose columns are linearly dependent (for example a diagonal static sweep where every B pairs
+        with one M bin) is refused: the split between alpha and theta would be arbitrary.
+        """
+        samples = _check_samples(samples)
+        if not _is_int(row_bin) or row_bin < 1:
+            raise ValueError(f"row_bin must be an int >= 1, got {row_bin!r}")
+        bins = [bin_rows(s.rows, row_bin) for s in samples]
+        batch_probes = sorted({s.num_requests for s in samples})
+        row_probes = sorted(set(bins))
+        bcol = {b: i for i, b in enumerate(batch_probes[1:])}
+        mcol = {m: len(bcol) + i for i, m in enumerate(row_probes[1:])}
+        num_params = 1 + len(bcol) + len(mcol)
+        x = torch.zeros(len(samples), num_params, dtype=torch.float64)
+        x[:, 0] = 1.0
+        for i, (s, m) in enumerate(zip(samples, bins)):
+            if s.num_requests in bcol:
+                x[i, 1 + bcol[s.num_requests]] = 1.0
+            if m in mcol:
+                x[i, 1 + mcol[m]] = 1.0
+        rank = int(torch.linalg.matrix_rank(x))
+        if rank < num_params:
+            raise ValueError(
+                f"rank-deficient design: rank {rank} < {num_params} parameters (bias + "
+                f"{len(batch_probes) - 1} batch + {len(row_probes) - 1} row-bin levels) from "
+                f"{len(samples)} samples; batch probes {batch_probes} and row bins {row_probes} are "
+                "confounded (add samples with other (B, M) pairs, e.g. off-diagonal)"
+            )
+        y = torch.tensor([s.seconds for s in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
+        alpha = [0.0] + coef[1:1 + len(bcol)]
+        theta = [0.0] + coef[1 + len(bcol):]
+        model = cls(coef[0], batch_probes, alpha, row_probes, theta, platform=platform, width=width)
+        report = FitReport.from_predictions(
+            y.tolist(), [model.step_seconds(s.num_requests, s.rows) for s in samples],
+            extras={"row_bin": row_bin, "rank": rank},
+        )
+        model.fit_report = report
+        return model, report

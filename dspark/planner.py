@@ -1,0 +1,96 @@
+"""VerifyPlanner: the per-step orchestrator from confidence logits to a verify layout.
+
+Each `plan` call:
+1. live survival from the logits (STS temperatures);
+2. the budget from survival at least `lag` steps old, read from the lag ring under the generation
+   guard (non-anticipation, DESIGN.md 4.4); with `lag = 0` the greedy scan over live survival;
+3. graph-tier fill (DESIGN.md 4.7): when tiers are given, the padding of the tier the chosen rows will
+   replay is already paid for, so the allocation budget grows to the tier top (never across it);
+4. the allocation from live survival (global top-k) and the ragged layout padded to the tier.
+
+Host syncs per step: the budget decision (one) and the layout's row total (one), plus the lag ring's
+slot checks, which read host tensors when slots and generations live on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.allocate import allocate_verify_lens
+from dspark.budget import BudgetDecision, check_config, choose_budget, greedy_budget
+from dspark.config import ScheduleConfig
+from dspark.cost import CostModel
+from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
+from dspark.survival import SurvivalLagRing, calibrated_survival, check_temperatures
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """One step's plan: verify_lens [B] int32, its layout, the budget decision, the live survival.
+
+    `budget` is the executed budget (the decision's budget grown to the tier top by graph-tier fill).
+    """
+
+    verify_lens: Tensor
+    layout: RaggedVerifyLayout
+    decision: BudgetDecision
+    survival: Tensor
+    budget: int
+
+
+def tier_fill_budget(budget: int, num_requests: int, floor: int, tiers: Sequence[int]) -> int:
+    """The budget that fills the tier B * F + budget rows round up to (unchanged past the largest tier)."""
+    tier = round_up_to_tier(num_requests * floor + budget, tiers)
+    return budget if tier is None else tier - num_requests * floor
+
+
+class VerifyPlanner:
+    """Stateful planner: owns the survival lag ring; one `plan` per verify step.
+
+    num_slots: request-pool slots the ring tracks; temperatures: STS per-position temperatures
+    (None = 1); tiers: captured graph token tiers (None = eager, no fill); graph_slots: captured slot
+    count S handed to the layout (None = B + 1 when padding exists).
+    """
+
+    def __init__(self, cfg: ScheduleConfig, cost_model: CostModel, lag: int = 1,
+                 tiers: Sequence[int] | None = None, num_slots: int = 256,
+                 temperatures: Tensor | Sequence[float] | None = None, graph_slots: int | None = None,
+                 device: torch.device | str = "cpu"):
+        self.cfg = check_config(cfg)
+        if not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+        if cost_model.width is not None and cost_model.width != cfg.width:
+            raise ValueError(
+                f"cost model was profiled at W={cost_model.width}, but the config has W = gamma + 1 = {cfg.width}"
+            )
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            raise ValueError(f"lag must be an int >= 0, got {lag!r}")
+        if graph_slots is not None and (isinstance(graph_slots, bool) or not isinstance(graph_slots, int)
+                                        or graph_slots < 1):
+            raise ValueError(f"graph_slots must be a positive int or None, got {graph_slots!r}")
+        self.cost_model = cost_model
+        self.lag = lag
+        self.tiers = check_tiers(tiers)
+        self.graph_slots = graph_slots
+        self.temperatures = None if temperatures is None else check_temperatures(temperatures, cfg.gamma)
+        self.ring = SurvivalLagRing(num_slots, cfg.gamma, lag, device) if lag > 0 else None
+
+    def plan(self, logits: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
+        """Plan one verify step for a batch of confidence logits [B, gamma]."""
+        survival = calibrated_survival(logits, self.temperatures)
+        if survival.shape[1] != self.cfg.gamma:
+            raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")
+        if self.ring is None:
+            decision = greedy_budget(survival, self.cost_model, self.cfg)
+        else:
+            lagged = self.ring.exchange(slots, generations, survival).to(survival.device)
+            decision = choose_budget(lagged, self.cost_model, self.cfg)
+        b = survival.shape[0]
+        budget = tier_fill_budget(decision.budget, b, self.cfg.floor, self.tiers) if self.tiers else decision.budget
+        verify_lens = allocate_verify_lens(survival, budget, self.cfg)
+        layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, self.graph_slots,
+                                                     width=self.cfg.width)
+        return VerifyPlan(verify_lens, layout, decision, survival, budget)

@@ -1,0 +1,162 @@
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark import (
+    AdditiveCostModel,
+    ScheduleConfig,
+    StepsPerSecondTable,
+    allocate_verify_lens,
+    calibrated_survival,
+    choose_budget,
+    expected_commit,
+    greedy_budget,
+    tau_curve,
+)
+from test_allocate import cases
+
+
+def cliff_table() -> StepsPerSecondTable:
+    """A steps/s table with a cliff past 6 rows (the shape graph tiers give)."""
+    return StepsPerSecondTable([1, 2, 4, 6, 7, 12, 20], [64.0, 60.0, 56.0, 52.0, 20.0, 18.0, 16.0])
+
+
+def wavy_additive() -> AdditiveCostModel:
+    return AdditiveCostModel(0.5, [1, 3, 8], [0.0, 0.25, 0.5], [0, 3, 5, 9, 30], [0.0, 0.125, 1.0, 1.25, 4.0])
+
+
+def exhaustive_theta(s, cost, cfg):
+    """theta(b) for every feasible b, each from an explicit allocation (no curve machinery)."""
+    n_valid = int((torch.nan_to_num(s)[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum())
+    out = []
+    for b in range(n_valid + 1):
+        vl = allocate_verify_lens(s, b, cfg)
+        rows = int(vl.sum())
+        assert rows == s.shape[0] * cfg.floor + b
+        out.append(expected_commit(s, vl, cfg) / cost.step_seconds(s.shape[0], rows))
+    return out
+
+
+def test_teaching_example(device):
+    cfg = ScheduleConfig(gamma=2)
+    s = calibrated_survival(torch.logit(torch.tensor([[0.9, 0.8], [0.6, 0.5]], dtype=torch.float64)).to(device))
+    tau = tau_curve(s, cfg)
+    assert tau.dtype == torch.float64 and tau.shape == (5,)
+    assert tau.tolist() == pytest.approx([2.0, 2.9, 3.62, 4.22, 4.52], abs=1e-6)
+    # the note's comparison: 2 extra rows at 1 ms beat 3 extra rows at 1.4 ms
+    cost = StepsPerSecondTable([2, 4, 5], [1000.0, 1000.0, 1000.0 / 1.4])
+    dec = choose_budget(s, cost, cfg)
+    assert dec.budget == 2 and dec.rows == 4
+    assert dec.tau == pytest.approx(3.62, abs=1e-6) and dec.theta == pytest.approx(3620.0, rel=1e-6)
+    assert allocate_verify_lens(s, dec.budget, cfg).tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("cost", [cliff_table(), wavy_additive()], ids=["sps-cliff", "additive"])
+@settings(max_examples=30)
+@given(case=cases(max_b=4, max_gamma=4))
+def test_choose_budget_equals_exhaustive_scan(cost, case, device):
+    cfg, s, _ = case
+    s = s.to(device)
+    theta = exhaustive_theta(s, cost, cfg)
+    best = max(theta)
+    dec = choose_budget(s, cost, cfg)
+    assert dec.budget == theta.index(best)
+    assert dec.theta == best
+    assert dec.theta_curve.tolist() == pytest.approx(theta, rel=1e-12)
+    assert dec.rows == s.shape[0] * cfg.floor + dec.budget
+
+
+@pytest.mark.parametrize("cost", [cliff_table(), wavy_additive()], ids=["sps-cliff", "additive"])
+@given(case=cases(max_b=4, max_gamma=4))
+def test_greedy_equals_sequential_scan_with_early_stop(cost, case, device):
+    cfg, s, _ = case
+    theta = exhaustive_theta(s.to(device), cost, cfg)
+    b = 0
+    while b + 1 < len(theta) and theta[b + 1] > theta[b]:
+        b += 1
+    dec = greedy_budget(s.to(device), cost, cfg)
+    assert dec.budget == b and dec.theta <= choose_budget(s.to(device), cost, cfg).theta
+
+
+def test_greedy_stops_at_the_first_local_maximum():
+    cfg = ScheduleConfig(gamma=4, survival_eps=0.0)
+    s = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    cost = StepsPerSecondTable([1, 2, 3, 4, 5], [10.0, 4.0, 4.0, 4.0, 10.0])
+    assert greedy_budget(s, cost, cfg).budget == 0
+    assert choose_budget(s, cost, cfg).budget == 4
+
+
+def test_ties_go_to_the_smaller_budget():
+    cfg = ScheduleConfig(gamma=3)
+    s = torch.tensor([[1.0, 1.0, 0.25]])
+    # theta(0) = 1 / 1 s, theta(1) = 2 / 2 s: a tie; theta(2) = 3 / 4 s
+    cost = StepsPerSecondTable([1, 2, 3], [1.0, 0.5, 0.25])
+    dec = choose_budget(s, cost, cfg)
+    assert dec.budget == 0 and dec.theta_curve[:3].tolist() == [1.0, 1.0, 0.75]
+
+
+def test_floor_and_cap_window():
+    s = torch.tensor([[0.9, 0.8, 0.7, 0.6], [0.5, 0.4, 0.3, 0.2]])
+    cfg = ScheduleConfig(gamma=4, min_verify_len=2, max_verify_len=4)
+    tau = tau_curve(s, cfg)
+    # floor: 2 roots + drafts 0 of both requests; candidates: columns 1..2
+    assert tau.tolist() == pytest.approx([3.4, 4.2, 4.9, 5.3, 5.6], abs=1e-6)
+
+
+def test_eps_cut_and_empty_batch():
+    cfg = ScheduleConfig(gamma=2, survival_eps=0.5)
+    s = torch.tensor([[0.9, 0.4], [math.nan, 0.9]])
+    assert tau_curve(s, cfg).tolist() == pytest.approx([2.0, 2.9], abs=1e-6)
+    dec = choose_budget(torch.zeros(0, 2), cliff_table(), cfg)
+    assert (dec.budget, dec.tau, dec.rows) == (0, 0.0, 0) and dec.theta_curve.shape == (1,)
+    assert greedy_budget(torch.zeros(0, 2), cliff_table(), cfg).budget == 0
+
+
+def test_tau_equals_expected_commit_by_enumeration():
+    """With survival = the true acceptance probabilities, tau(b) = E[sum commit_lens] (enumerated)."""
+    cond = [[0.9, 0.7, 0.4], [0.6, 0.95, 0.5]]
+    cfg = ScheduleConfig(gamma=3)
+    s = torch.cumprod(torch.tensor(cond, dtype=torch.float64), 1).float()
+
+    def dist(c):  # P(correct_len = k), k = 0..gamma
+        probs, alive = [], 1.0
+        for ci in c:
+            probs.append(alive * (1 - ci))
+            alive *= ci
+        return probs + [alive]
+
+    tau = tau_curve(s, cfg)
+    for b in range(tau.numel()):
+        vl = allocate_verify_lens(s, b, cfg).tolist()
+        expected = 0.0
+        for ks in itertools.product(range(4), repeat=2):
+            p = math.prod(dist(cond[r])[k] for r, k in enumerate(ks))
+            expected += p * sum(min(k, vl[r] - 1) + 1 for r, k in enumerate(ks))
+        assert float(tau[b]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_expected_commit_validates():
+    cfg = ScheduleConfig(gamma=2)
+    s = torch.full((2, 2), 0.5)
+    with pytest.raises(ValueError, match=r"verify_lens\[1\] = 4"):
+        expected_commit(s, torch.tensor([1, 4]), cfg)
+    with pytest.raises(ValueError, match=r"\[B=2\]"):
+        expected_commit(s, torch.tensor([1]), cfg)
+    with pytest.raises(TypeError, match="float32"):
+        expected_commit(s, torch.tensor([1.0, 2.0]), cfg)
+    with pytest.raises(TypeError, match="list"):
+        expected_commit(s, [1, 2], cfg)
+
+
+def test_choose_budget_validates():
+    cfg = ScheduleConfig(gamma=2)
+    with pytest.raises(TypeError, match="dict"):
+        choose_budget(torch.full((2, 2), 0.5), {"rows": [1]}, cfg)
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        choose_budget(torch.full((2, 3), 0.5), cliff_table(), cfg)
+    with pytest.raises(TypeError, match="int64"):
+        tau_curve(torch.ones(2, 2, dtype=torch.int64), cfg)
