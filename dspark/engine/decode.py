@@ -51,7 +51,10 @@ class StepOutcome:
     """What one step did (device tensors; the caller reads them after the run, no extra syncs)."""
 
     plan: PolicyPlan
-    layout: RaggedVerifyLayout
+    layout: RaggedVerifyLayout     # the verify forward's layout (static modes: B x W)
+    active: Tensor                 # [B] bool (host): requests still decoding (finished ones are frozen)
+    caps: Tensor                   # [B] verify lengths the accept honoured (static: W)
+    confidence_logits: Tensor      # [B, k] the draft's raw confidence logits
     commit_lens: Tensor
     correct_len: Tensor
     times: StepTimes
@@ -62,7 +65,8 @@ class StepOutcome:
 class GenerateResult:
     tokens: Tensor                 # [B, max_new_tokens] committed tokens after the prompt
     steps: list[StepOutcome] = field(default_factory=list)
-    seconds: float = 0.0           # wall time of the decode steps (prefill excluded)
+    seconds: float = 0.0           # charged time: sum of the steps' draft+plan+verify+accept (no prefill,
+                                   # no oracle prepass)
 
 
 class SpecDecoder:
@@ -76,6 +80,7 @@ class SpecDecoder:
         pages = -(-cache_tokens // page_size)
         self.tcache = self._cache(target, pages, page_size)
         self.dcache = self._cache(draft, pages, page_size)
+        self._generation = 0
 
     def _cache(self, model: TinyLM, pages: int, page_size: int) -> PagedKVCache:
         c = model.cfg
@@ -101,7 +106,7 @@ class SpecDecoder:
         b, p = self._check_prompts(prompts, max_new_tokens)
         k = policy.num_drafts
         w = k + 1
-        self._max_len = p + max_new_tokens + w
+        self._max_len = p + max_new_tokens + 2 * w  # a finished request stays frozen below this
         for m in (self.target, self.draft):
             if self._max_len > m.cfg.max_seq_len:
                 raise ValueError(
@@ -118,21 +123,23 @@ class SpecDecoder:
             self._forward(self.draft, self.dcache, buf[:, : p - 2].reshape(-1), self._uniform(b, p - 2), zeros)
         lens = torch.full((b,), p, dtype=torch.int64)  # host copy of the committed lengths
         slots = torch.arange(b, device=self.device)
-        gens = torch.zeros(b, dtype=torch.int64, device=self.device)
+        self._generation += 1  # a new batch of requests: lagged survival of earlier runs must not leak in
+        gens = torch.full((b,), self._generation, dtype=torch.int64, device=self.device)
         result = GenerateResult(tokens=buf)
-        t_start = time.perf_counter()
-        while int(lens.min()) < p + max_new_tokens:
-            out = self._step(buf, lens, policy, mode, sampling, temperature, gen, slots, gens)
-            lens += out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+        end = p + max_new_tokens
+        while int(lens.min()) < end:
+            active = lens < end  # finished requests stay in the batch, frozen: nothing more is committed
+            out = self._step(buf, lens, active, policy, mode, sampling, temperature, gen, slots, gens)
+            lens += out.commit_lens.cpu() * active  # sync: the next step's positions and the stop test
             out.host_syncs += 1
             result.steps.append(out)
-        result.seconds = time.perf_counter() - t_start
+        result.seconds = sum(s.times.draft + s.times.plan + s.times.verify + s.times.accept for s in result.steps)
         result.tokens = buf[:, p: p + max_new_tokens].clone()
         self.tcache.release()
         self.dcache.release()
         return result
 
-    def _step(self, buf: Tensor, lens: Tensor, policy, mode: VerifyMode, sampling: bool, temperature: float,
+    def _step(self, buf: Tensor, lens: Tensor, active: Tensor, policy, mode: VerifyMode, sampling: bool, temperature: float,
               gen: torch.Generator, slots: Tensor, gens: Tensor) -> StepOutcome:
         b, k = lens.numel(), policy.num_drafts
         w = k + 1
@@ -169,10 +176,10 @@ class SpecDecoder:
         acc = self._accept(drafts, draft_probs, logits, caps, sampling, temperature, gen)
         if isinstance(policy, Oracle):
             acc = res
-        self._commit(buf, lens, acc.tokens, acc.commit_lens)
+        self._commit(buf, lens, acc.tokens, acc.commit_lens * active.to(self.device))
         times.accept = time.perf_counter() - t3
-        return StepOutcome(plan=plan, layout=layout, commit_lens=acc.commit_lens, correct_len=acc.correct_len,
-                           times=times, host_syncs=syncs)
+        return StepOutcome(plan=plan, layout=layout, active=active, caps=caps, confidence_logits=conf,
+                           commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=syncs)
 
     def _draft(self, buf: Tensor, lens: Tensor, k: int, sampling: bool, temperature: float,
                gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor]:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from dspark.layout import RaggedVerifyLayout
+from dspark.planner import VerifyPlanner
 
 
 @dataclass
@@ -42,6 +43,21 @@ class FixedK:
         b = confidence_logits.shape[0]
         lens = torch.full((b,), self.num_drafts + 1, dtype=torch.int32, device=confidence_logits.device)
         return PolicyPlan(lens)
+
+
+class Adaptive:
+    """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation."""
+
+    prepass = False
+    name = "adaptive"
+
+    def __init__(self, planner: VerifyPlanner):
+        self.planner = planner
+        self.num_drafts = planner.cfg.gamma
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
+        p = self.planner.plan(confidence_logits, slots, generations)
+        return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
 
 
 class Oracle:

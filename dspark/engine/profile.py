@@ -1,0 +1,62 @@
+"""Profile this machine's whole decode-step cost T(B, M) and fit a cost model for the planner.
+
+A step's cost is what the planner trades against expected progress: drafting gamma tokens (depends on
+B), the verify forward over M rows, and the accept. Each sample runs the real decode loop with a
+profiling policy that forces exactly M verify rows, and takes the median step time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.config import VerifyMode
+from dspark.cost import AdditiveCostModel, FitReport, ProfileSample
+from dspark.engine.decode import SpecDecoder
+from dspark.engine.policies import PolicyPlan
+
+
+class ForcedRows:
+    """Profiling policy: draft gamma tokens, verify exactly `rows` rows spread evenly over the batch."""
+
+    prepass = False
+    name = "forced-rows"
+
+    def __init__(self, gamma: int, rows: int):
+        self.num_drafts, self.rows = gamma, rows
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
+        b = confidence_logits.shape[0]
+        extra = self.rows - b
+        lens = 1 + extra // b + (torch.arange(b) < extra % b).to(torch.int32)
+        return PolicyPlan(lens.to(torch.int32).to(confidence_logits.device))
+
+
+def row_grid(batch: int, width: int, points: int) -> list[int]:
+    """`points` row totals from B (roots only) to B * W, evenly spaced, distinct."""
+    top = batch * width
+    return sorted({batch + round(i * (top - batch) / (points - 1)) for i in range(points)})
+
+
+def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, batch_sizes: Sequence[int], gamma: int, *,
+                       points: int = 5, tokens: int = 8, mode: VerifyMode = VerifyMode.COMPACT,
+                       progress: Callable[[], None] | None = None) -> list[ProfileSample]:
+    """Median whole-step seconds for each B and each M on `row_grid` (one warm-up run per B)."""
+    samples = []
+    for b in batch_sizes:
+        batch = prompts[:b]
+        decoder.generate(batch, 2, ForcedRows(gamma, b * (gamma + 1)), mode=mode)
+        for m in row_grid(b, gamma + 1, points):
+            res = decoder.generate(batch, tokens, ForcedRows(gamma, m), mode=mode)
+            secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
+                                 for s in res.steps], dtype=torch.float64)
+            samples.append(ProfileSample(num_requests=b, rows=m, seconds=float(secs.median())))
+            if progress:
+                progress()
+    return samples
+
+
+def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str) -> tuple[AdditiveCostModel, FitReport]:
+    """Additive model `bias + alpha(B) + theta(M)` with one M probe per profiled row total."""
+    return AdditiveCostModel.fit(samples, row_bin=1, platform=platform, width=gamma + 1)
