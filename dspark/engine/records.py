@@ -25,15 +25,15 @@ def step_records(result: GenerateResult, *, policy: str, mode: str, sampling: bo
         act = s.active
         caps = s.caps.detach().cpu().to(torch.int64)[act]
         commit = s.commit_lens.detach().cpu().to(torch.int64)[act]
-        b, k = int(act.sum()), s.confidence_logits.shape[1]
+        n_active, k = int(act.sum()), s.confidence_logits.shape[1]
         if k:
             temps = None if temperatures is None else torch.as_tensor(temperatures)[:k]
             survival = calibrated_survival(s.confidence_logits.detach().cpu()[act], temps)
             predicted = expected_commit(survival, caps, ScheduleConfig(gamma=k))
         else:
-            predicted = float(b)
+            predicted = float(n_active)
         out.append(StepRecord(
-            policy=policy, mode=mode, sampling=sampling, batch=b, lag=lag, tier=s.layout.tier,
+            policy=policy, mode=mode, sampling=sampling, batch=act.numel(), active=n_active, lag=lag, tier=s.layout.tier,
             budget=s.plan.budget, verify_lens=caps.tolist(), rows=s.layout.graph_num_tokens,
             predicted_tau=predicted, committed=int(commit.sum()), proposed=int((caps - 1).sum()),
             accepted=int((commit - 1).sum()), t_draft=s.times.draft, t_plan=s.times.plan,
