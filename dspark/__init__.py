@@ -4,6 +4,10 @@ The public API, re-exported flat (DESIGN.md section 4b).
 """
 from dspark.allocate import allocate_verify_lens
 from dspark.budget import BudgetDecision, choose_budget, expected_commit, greedy_budget, tau_curve
+from dspark.calibration import Calibration, fit_sts, fit_temperatures
+from dspark.calibration_metrics import auroc, brier, ece, nll, top2_margin
+from dspark.calibration_recorder import StsData, StsRecorder, load_sts
+from dspark.confidence import ConfidenceHead, confidence_loss, previous_tokens, soft_accept_target
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import (
     AdditiveCostModel,
@@ -21,9 +25,24 @@ from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survi
 __all__ = [
     "AdditiveCostModel",
     "BudgetDecision",
+    "Calibration",
+    "ConfidenceHead",
     "CostModel",
     "FitReport",
     "ProfileSample",
+    "StsData",
+    "StsRecorder",
+    "auroc",
+    "brier",
+    "confidence_loss",
+    "ece",
+    "fit_sts",
+    "fit_temperatures",
+    "load_sts",
+    "nll",
+    "previous_tokens",
+    "soft_accept_target",
+    "top2_margin",
     "RaggedVerifyLayout",
     "ScheduleConfig",
     "StepsPerSecondTable",

@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from dspark import calibrate_cli
+
 
 @dataclass(frozen=True)
 class Subcommand:
@@ -71,6 +73,7 @@ SUBCOMMANDS: list[Subcommand] = [
                "table + JSON + PNGs", _demo_arguments, _run_demo),
     Subcommand("plan-demo", "planner demonstration: budget decision table, tau/T/theta plot, JSON",
                _device_and_out, _run_plan_demo),
+    Subcommand("calibrate", calibrate_cli.HELP, calibrate_cli.add_arguments, calibrate_cli.run),
 ]
 
 
