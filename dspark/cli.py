@@ -33,7 +33,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="compact", help="verify mode: static, cap-accept or compact (default)")
     p.add_argument("--policies", default="adaptive,fixed,oracle",
                    help="comma list of adaptive, oracle, fixed (= fixed-0..fixed-gamma), fixed-K")
-    p.add_argument("--gamma", type=int, default=4, help="drafts per step (default 4)")
+    p.add_argument("--gamma", type=int, default=6, help="drafts per step, at most the draft's 6 heads (default 6)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per (policy, batch); median reported")

@@ -21,18 +21,21 @@ def _one_thread():
     torch.set_num_threads(old)
 
 
-def _models(vocab: int = 256, noise: float = 0.3, seed: int = 0, embed_std: float = 1.0) -> tuple[TinyLM, DraftLM]:
-    """A tiny target and a draft = perturbed copy of it (so acceptance is partial and varied)."""
+def _models(vocab: int = 256, noise: float = 0.3, seed: int = 0, embed_std: float = 1.0,
+            gamma: int = 4) -> tuple[TinyLM, DraftLM]:
+    """A tiny target and a draft = perturbed copy of it with near-identity heads (partial, varied acceptance)."""
     torch.manual_seed(seed)
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, vocab_size=vocab)
     target = TinyLM(cfg)
     with torch.no_grad():
         target.embed.weight.normal_(0, embed_std)  # std 1: peaked, greedy agreement is meaningful
-    draft = DraftLM(cfg)
+    draft = DraftLM(cfg, gamma)
     draft.load_state_dict(target.state_dict(), strict=False)
     with torch.no_grad():
         for p in draft.blocks.parameters():
             p.add_(noise * torch.randn_like(p) * p.std().clamp_min(1e-3))
+        for p in draft.heads.parameters():
+            p.mul_(0.1)
     return target, draft
 
 
@@ -88,7 +91,7 @@ def test_sampling_matches_target_distribution(mode: str) -> None:
     vocab, n, temp = 6, 3000, 4.0
     target, _ = _models(vocab=vocab, seed=3, embed_std=0.3)
     torch.manual_seed(4)
-    draft = DraftLM(target.cfg)  # independent weights: both accepts and rejects happen
+    draft = DraftLM(target.cfg, 3)  # independent weights: both accepts and rejects happen
     dec = SpecDecoder(target, draft, cache_tokens=n * 16, page_size=8)
     prompt = torch.tensor([1, 4, 2, 5, 0])
     exact = _exact_two_token_dist(target, prompt, temp).flatten().double()
@@ -106,7 +109,8 @@ def test_sampling_matches_target_distribution(mode: str) -> None:
     assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
     # the test can fail: the draft's own distribution is far from the target's
     with torch.no_grad():
-        q1 = torch.softmax(draft.logits(draft.forward_dense(prompt[None]))[0, -1] / temp, -1).double()
+        h = draft.forward_dense(prompt[None])[0, -1]
+        q1 = torch.softmax(draft.propose(h[None], 1)[0][0, 0] / temp, -1).double()
     q_counts = torch.bincount(out.tokens[:, 0].cpu(), minlength=vocab).double()
     chi2_q = float(((q_counts - q1 * n) ** 2 / (q1 * n)).sum())
     assert chi2_q > chi2
@@ -125,3 +129,5 @@ def test_bad_input(decoder: SpecDecoder) -> None:
         decoder.generate(_prompts(2, 50), 20, FixedK(1))
     with pytest.raises(ValueError, match="k >= 0"):
         FixedK(-1)
+    with pytest.raises(ValueError, match=r"gamma must be in \[0, 4\]"):
+        decoder.generate(_prompts(2, 5), 4, Oracle(5))

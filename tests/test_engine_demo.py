@@ -15,7 +15,7 @@ from dspark.engine.train import TrainConfig
 
 TINY = TrainConfig(target=ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64),
                    draft=ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=64),
-                   target_steps=3, draft_steps=3, batch_size=4)
+                   target_steps=3, draft_steps=3, batch_size=4, gamma=2)
 
 
 def _cfg(tmp_path: Path, **kw) -> DemoConfig:

@@ -1,7 +1,7 @@
 """The speculative decode loop: draft -> plan -> layout -> verify forward -> accept -> commit.
 
 Per step and request, with `L` committed tokens (the last one is the root, whose target KV is not yet
-written): the draft proposes k tokens autoregressively, the policy picks verify lengths, the target
+written): the draft proposes a block of k tokens in one forward, the policy picks verify lengths, the target
 runs one forward over the verify rows (root at position L-1, drafts after it), accept decides the
 committed tokens, and only the lengths move: KV rows of rejected drafts are simply overwritten later.
 
@@ -105,6 +105,9 @@ class SpecDecoder:
         mode = VerifyMode.parse(mode)
         b, p = self._check_prompts(prompts, max_new_tokens)
         k = policy.num_drafts
+        if k > self.draft.gamma:
+            raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the draft model has only "
+                             f"{self.draft.gamma} heads (gamma must be in [0, {self.draft.gamma}])")
         w = k + 1
         self._max_len = p + max_new_tokens + 2 * w  # a finished request stays frozen below this
         for m in (self.target, self.draft):
@@ -120,8 +123,9 @@ class SpecDecoder:
         zeros = torch.zeros(b, dtype=torch.int64)
         self._forward(self.target, self.tcache, buf[:, : p - 1].reshape(-1), self._uniform(b, p - 1), zeros)
         if k:
-            self._forward(self.draft, self.dcache, buf[:, : p - 2].reshape(-1), self._uniform(b, p - 2), zeros)
+            self._forward(self.draft, self.dcache, buf[:, : p - 1].reshape(-1), self._uniform(b, p - 1), zeros)
         lens = torch.full((b,), p, dtype=torch.int64)  # host copy of the committed lengths
+        dlen = torch.full((b,), p - 1, dtype=torch.int64)  # host: positions < dlen hold draft KV
         slots = torch.arange(b, device=self.device)
         self._generation += 1  # a new batch of requests: lagged survival of earlier runs must not leak in
         gens = torch.full((b,), self._generation, dtype=torch.int64, device=self.device)
@@ -129,7 +133,7 @@ class SpecDecoder:
         end = p + max_new_tokens
         while int(lens.min()) < end:
             active = lens < end  # finished requests stay in the batch, frozen: nothing more is committed
-            out = self._step(buf, lens, active, policy, mode, sampling, temperature, gen, slots, gens)
+            out = self._step(buf, lens, dlen, active, policy, mode, sampling, temperature, gen, slots, gens)
             lens += out.commit_lens.cpu() * active  # sync: the next step's positions and the stop test
             out.host_syncs += 1
             result.steps.append(out)
@@ -139,14 +143,14 @@ class SpecDecoder:
         self.dcache.release()
         return result
 
-    def _step(self, buf: Tensor, lens: Tensor, active: Tensor, policy, mode: VerifyMode, sampling: bool, temperature: float,
+    def _step(self, buf: Tensor, lens: Tensor, dlen: Tensor, active: Tensor, policy, mode: VerifyMode, sampling: bool, temperature: float,
               gen: torch.Generator, slots: Tensor, gens: Tensor) -> StepOutcome:
         b, k = lens.numel(), policy.num_drafts
         w = k + 1
         times = StepTimes()
         syncs = 0
         t0 = time.perf_counter()
-        drafts, draft_probs, conf = self._draft(buf, lens, k, sampling, temperature, gen)
+        drafts, draft_probs, conf = self._draft(buf, lens, dlen, k, sampling, temperature, gen)
         t1 = time.perf_counter()
         times.draft = t1 - t0
         rows = torch.arange(b, device=self.device)
@@ -181,35 +185,30 @@ class SpecDecoder:
         return StepOutcome(plan=plan, layout=layout, active=active, caps=caps, confidence_logits=conf,
                            commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=syncs)
 
-    def _draft(self, buf: Tensor, lens: Tensor, k: int, sampling: bool, temperature: float,
+    def _draft(self, buf: Tensor, lens: Tensor, dlen: Tensor, k: int, sampling: bool, temperature: float,
                gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor]:
-        """k draft tokens [B, k], their distributions [B, k, V] (sampling) and confidence logits [B, k]."""
-        b = lens.numel()
-        dev = self.device
-        tokens, probs, conf = [], [], []
+        """k draft tokens [B, k], their distributions [B, k, V] (sampling) and confidence logits [B, k].
+
+        One draft forward over the tokens committed since the draft last ran (positions dlen..L-1,
+        ragged; a frozen request re-feeds its root), then the block heads propose all k drafts.
+        """
+        b, dev = lens.numel(), self.device
         if k == 0:
-            empty = torch.zeros(b, 0, dtype=torch.long, device=dev)
-            return empty, None, torch.zeros(b, 0, device=dev)
-        # First draft forward re-feeds the last two committed tokens: covers the bonus token and, when
-        # every draft was accepted, the last draft (never fed); recomputing one KV row is harmless.
-        pos = (lens - 2).to(dev)
-        rows = torch.arange(b, device=dev)
-        x = torch.stack([buf[rows, pos], buf[rows, pos + 1]], 1).reshape(-1)
-        h = self._forward(self.draft, self.dcache, x, self._uniform(b, 2), lens - 2).reshape(b, 2, -1)[:, 1]
-        one = self._uniform(b, 1)
-        for i in range(k):
-            conf.append(self.draft.confidence_logits(h))
-            logits = self.draft.logits(h)
-            if sampling:
-                q = torch.softmax(logits / temperature, -1)
-                t = torch.multinomial(q, 1, generator=gen).squeeze(1)
-                probs.append(q)
-            else:
-                t = logits.argmax(-1)
-            tokens.append(t)
-            if i + 1 < k:
-                h = self._forward(self.draft, self.dcache, t, one, lens + i)
-        return torch.stack(tokens, 1), (torch.stack(probs, 1) if sampling else None), torch.stack(conf, 1)
+            return torch.zeros(b, 0, dtype=torch.long, device=dev), None, torch.zeros(b, 0, device=dev)
+        rows = (lens - dlen).clamp_min(1)
+        prefix = lens - rows
+        layout = RaggedVerifyLayout.from_verify_lens(rows.to(torch.int32).to(dev))
+        real = layout.total_rows
+        pos = layout.positions(prefix.to(dev))[:real]
+        ids = buf[layout.row_slot[:real].long(), pos]
+        h = self._forward(self.draft, self.dcache, ids, layout, prefix)
+        dlen.copy_(lens)
+        logits, conf = self.draft.propose(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
+        if not sampling:
+            return logits.argmax(-1), None, conf
+        q = torch.softmax(logits / temperature, -1)
+        drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k)
+        return drafts, q, conf
 
     def _verify(self, strided: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, w: int) -> Tensor:
         """Target logits of the verify rows, scattered back to strided [B, W, V]."""

@@ -29,11 +29,10 @@ from dspark.engine.decode import GenerateResult, SpecDecoder, check_device
 from dspark.engine.policies import Adaptive, FixedK, Oracle
 from dspark.engine.profile import fit_cost_model, profile_step_costs, row_grid
 from dspark.engine.records import step_records
+from dspark.engine.sts import record_and_fit
 from dspark.engine.train import TrainConfig, corpus, default_cache_dir, load_or_train
 from dspark.planner import VerifyPlanner
 from dspark.telemetry import StepRecord, acceptance, tau_bias, timing
-
-MAX_GAMMA = 8
 
 
 @dataclass
@@ -45,7 +44,7 @@ class DemoConfig:
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
     mode: str = "compact"
     policies: tuple[str, ...] = ("adaptive", "fixed", "oracle")
-    gamma: int = 4
+    gamma: int = 6
     prompt_len: int = 32
     max_new_tokens: int = 48
     repeats: int = 3
@@ -81,8 +80,9 @@ def check_config(cfg: DemoConfig) -> None:
     """Reject bad input before any work, naming the value."""
     check_device(cfg.device)
     VerifyMode.parse(cfg.mode)
-    if isinstance(cfg.gamma, bool) or not isinstance(cfg.gamma, int) or not 1 <= cfg.gamma <= MAX_GAMMA:
-        raise ValueError(f"gamma must be an int in [1, {MAX_GAMMA}], got {cfg.gamma!r}")
+    top = cfg.train.gamma
+    if isinstance(cfg.gamma, bool) or not isinstance(cfg.gamma, int) or not 1 <= cfg.gamma <= top:
+        raise ValueError(f"gamma must be an int in [1, {top}] (the draft's heads), got {cfg.gamma!r}")
     parse_policies(cfg.policies, cfg.gamma)
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
@@ -167,15 +167,20 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     decoder = SpecDecoder(target, draft, cache_tokens=bmax * target.cfg.max_seq_len, device=device)
     prompts = heldout_prompts(bmax, cfg.prompt_len, cfg.seed)
     runs = len(cfg.batch_sizes) * len(names) * cfg.repeats + len(VerifyMode) * len(names)
-    bar = Progress(runs + sum(len(row_grid(b, gamma + 1, 5)) for b in cfg.batch_sizes), show_progress)
+    bar = Progress(runs + 1 + sum(len(row_grid(b, gamma + 1, 5)) for b in cfg.batch_sizes), show_progress)
     samples = profile_step_costs(decoder, prompts, cfg.batch_sizes, gamma, mode=mode,
                                  progress=lambda: bar("profiling step cost"))
-    cost, fit = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}")
+    cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}")
     cost.save(tmp / "cost_model.json")
+    calib = record_and_fit(decoder, heldout_prompts(bmax, cfg.prompt_len, cfg.seed + 1), gamma, cfg.max_new_tokens,
+                           tmp / "sts_shards", sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
+    bar("fitting STS temperatures")
+    calib.save(tmp / "calibration.json")
+    temps = calib.temperatures
     sched = ScheduleConfig(gamma=gamma)
 
     def planner() -> VerifyPlanner:
-        return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax)
+        return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps)
 
     records: dict[tuple[str, int], list[StepRecord]] = {}
     seconds: dict[tuple[str, int], list[float]] = {}
@@ -197,7 +202,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 if rep == 0:
                     lag = cfg.lag if name == "adaptive" else 0
                     records[(name, b)] = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
-                                                      lag=lag)
+                                                      lag=lag, temperatures=temps)
     small = prompts[: min(cfg.batch_sizes)]
     if not cfg.sampling:
         ref = decoder.generate(small, cfg.max_new_tokens // 2, FixedK(0), mode=VerifyMode.STATIC)
@@ -218,16 +223,19 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                     "threads": torch.get_num_threads()},
         "lossless": {"checked_runs": lossless_checks, "greedy": not cfg.sampling,
                      "all_identical_to_target_only": not cfg.sampling},
-        "cost_model": {"path": "cost_model.json", "fit": fit.to_dict(), "samples": [asdict(s) for s in samples]},
+        "cost_model": {"path": "cost_model.json", "kind": cost.kind, "row_bin": row_bin, "fit": fit.to_dict(), "samples": [asdict(s) for s in samples]},
+        "calibration": {"path": "calibration.json", "temperatures": temps, "warnings": calib.warnings},
         "results": rows,
         "tau_bias": tau_bias([r for recs in records.values() for r in recs]),
         "steps": {f"{n}@{b}": [r.to_dict() for r in recs] for (n, b), recs in records.items()},
         "seconds": time.perf_counter() - t_start,
     }
     (tmp / "demo.json").write_text(json.dumps(summary, indent=1))
+    from dspark.calibration_plots import plot_reliability
     from dspark.engine.plots import write_plots
 
     write_plots(tmp, rows, records)
+    plot_reliability(calib, tmp)
     echo(format_table(rows))
     echo(f"greedy losslessness: {lossless_checks} runs identical to target-only greedy decoding"
          if not cfg.sampling else "sampling mode: losslessness is distributional (see tests/test_engine.py)")

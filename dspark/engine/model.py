@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.engine.pending import ConfidenceHead
+from dspark.confidence import ConfidenceHead
 
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (layer, q, k, v) -> out, all [..., H, D]
 
@@ -129,15 +129,30 @@ class TinyLM(nn.Module):
 
 
 class DraftLM(TinyLM):
-    """The draft: a smaller TinyLM plus a ConfidenceHead on the hidden state that predicts each draft.
+    """The draft: a smaller TinyLM whose last hidden state proposes a whole block of gamma drafts at once.
 
-    The confidence for draft k is read from the hidden state at the row whose logits propose draft k,
-    so it never depends on draft k's own token (DESIGN.md 4.4).
+    Head k (a residual MLP) turns the hidden state of the last committed token into `h_k`, which gives
+    the distribution of the token k + 1 places ahead (tied output embedding) and, through the shared
+    ConfidenceHead, draft k's confidence logit. One draft forward per step whatever gamma is, and draft
+    k's confidence never depends on draft k's own token (DESIGN.md 4.4).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, gamma: int):
         super().__init__(cfg)
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"gamma must be a positive int, got {gamma!r}")
+        self.gamma = gamma
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.d_model), nn.GELU())
+            for _ in range(gamma)
+        )
         self.confidence = ConfidenceHead(cfg.d_model)
 
-    def confidence_logits(self, hidden: Tensor) -> Tensor:
-        return self.confidence(hidden).reshape(hidden.shape[:-1])
+    def block_hidden(self, hidden: Tensor, k: int) -> Tensor:
+        """[..., d] -> [..., k, d]: the hidden state of each of the first k draft positions."""
+        return torch.stack([hidden + head(hidden) for head in self.heads[:k]], dim=-2)
+
+    def propose(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Draft logits [B, k, V] and confidence logits [B, k] from the last hidden state [B, d]."""
+        hk = self.block_hidden(hidden, k)
+        return self.logits(hk), self.confidence(hk)

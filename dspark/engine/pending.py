@@ -1,6 +1,6 @@
 """TEMPORARY minimal stand-ins for dspark pieces still being built on other branches.
 
-Each name here is deleted as soon as its real module lands on main (dspark.confidence, dspark.accept);
+Each name here is deleted as soon as its real module lands on main (dspark.accept);
 the engine imports them only through this module so the swap is one line.
 """
 from __future__ import annotations
@@ -8,30 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-
-
-class ConfidenceHead(nn.Module):
-    """One Linear from the draft hidden state to one confidence logit."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.proj = nn.Linear(hidden_size, 1)
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.proj(hidden).squeeze(-1)
-
-
-def soft_accept_target(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
-    """1 - TV(softmax q, softmax p) in float32."""
-    q = torch.softmax(draft_logits.float(), -1)
-    p = torch.softmax(target_logits.float(), -1)
-    return 1 - 0.5 * (q - p).abs().sum(-1)
-
-
-def confidence_loss(logits: Tensor, target: Tensor) -> Tensor:
-    return F.binary_cross_entropy_with_logits(logits.float(), target)
+from torch import Tensor
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The demo's PNGs: throughput vs batch, predicted vs actual tau, verify-length histogram, reliability."""
+"""The demo's PNGs: throughput vs batch, predicted vs actual tau, verify-length histogram.
+
+Reliability diagrams come from dspark.calibration_plots."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,8 +8,7 @@ from pathlib import Path
 from dspark.telemetry import StepRecord
 
 
-def write_plots(out: Path, rows: list[dict], records: dict[tuple[str, int], list[StepRecord]],
-                reliability: dict | None = None) -> list[Path]:
+def write_plots(out: Path, rows: list[dict], records: dict[tuple[str, int], list[StepRecord]]) -> list[Path]:
     """Write the PNGs into `out`; returns their paths (none when matplotlib is missing)."""
     try:
         import matplotlib
@@ -56,12 +57,4 @@ def write_plots(out: Path, rows: list[dict], records: dict[tuple[str, int], list
     ax.legend(fontsize=7)
     save(fig, "verify_length_hist.png")
 
-    if reliability:
-        fig, ax = plt.subplots(figsize=(5, 5))
-        for label, (pred, freq) in reliability.items():
-            ax.plot(pred, freq, "-o", ms=3, label=label)
-        ax.plot([0, 1], [0, 1], "k:", lw=1)
-        ax.set(xlabel="predicted survival", ylabel="observed frequency", title="reliability (held-out)")
-        ax.legend(fontsize=7)
-        save(fig, "reliability.png")
     return paths

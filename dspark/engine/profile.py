@@ -40,7 +40,7 @@ def row_grid(batch: int, width: int, points: int) -> list[int]:
 
 
 def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, batch_sizes: Sequence[int], gamma: int, *,
-                       points: int = 5, tokens: int = 8, mode: VerifyMode = VerifyMode.COMPACT,
+                       points: int = 5, tokens: int = 12, mode: VerifyMode = VerifyMode.COMPACT,
                        progress: Callable[[], None] | None = None) -> list[ProfileSample]:
     """Median whole-step seconds for each B and each M on `row_grid` (one warm-up run per B)."""
     samples = []
@@ -57,6 +57,18 @@ def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, batch_sizes: Seque
     return samples
 
 
-def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str) -> tuple[AdditiveCostModel, FitReport]:
-    """Additive model `bias + alpha(B) + theta(M)` with one M probe per profiled row total."""
-    return AdditiveCostModel.fit(samples, row_bin=1, platform=platform, width=gamma + 1)
+def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str,
+                   row_bins: Sequence[int] = (1, 8, 32, 64)) -> tuple[AdditiveCostModel, FitReport, int]:
+    """Additive model `bias + alpha(B) + theta(M)`: the finest M binning whose fit is valid.
+
+    Noisy timings can make the finest fit predict a non-positive time somewhere (the model refuses
+    that); coarser bins average the noise out. Returns (model, report, row_bin used).
+    """
+    errors = []
+    for row_bin in row_bins:
+        try:
+            model, report = AdditiveCostModel.fit(samples, row_bin=row_bin, platform=platform, width=gamma + 1)
+            return model, report, row_bin
+        except ValueError as e:
+            errors.append(f"row_bin={row_bin}: {e}")
+    raise ValueError("no valid additive cost model fit: " + "; ".join(errors))

@@ -1,12 +1,13 @@
 """Train the tiny target and draft on the Python standard library's own source; cache the weights.
 
 Nothing is downloaded: the corpus is the `.py` files under `sysconfig.get_paths()["stdlib"]`. Every
-tenth file (sorted by name) is held out for prompts. The draft is distilled from the target and its
-ConfidenceHead learns the soft acceptance target `1 - TV(q, p)`.
+tenth file (sorted by name) is held out for prompts. The draft (a block drafter: head k predicts k + 1
+bytes ahead) is distilled from the target and its ConfidenceHead learns the soft target `1 - TV(q, p)`.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import sysconfig
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.engine.model import DraftLM, ModelConfig, TinyLM
-from dspark.engine.pending import confidence_loss, soft_accept_target
+from dspark.confidence import confidence_loss, soft_accept_target
 
 Progress = Callable[[str, int, int, float], None]  # (phase, step, total, loss)
 
@@ -55,15 +56,24 @@ class TrainConfig:
     draft: ModelConfig = field(default_factory=lambda: ModelConfig(d_model=64, n_layers=1, n_heads=2))
     target_steps: int = 300
     draft_steps: int = 200
+    gamma: int = 6                     # draft heads: the largest gamma the engine can run
     batch_size: int = 16
     lr: float = 3e-3
     seed: int = 0
 
+    def target_key(self) -> str:
+        """Cache key of the target's weights (what they depend on)."""
+        return _hash({"target": self.target.to_dict(), "target_steps": self.target_steps,
+                      "batch_size": self.batch_size, "lr": self.lr, "seed": self.seed})
+
     def key(self) -> str:
-        blob = json.dumps({"target": self.target.to_dict(), "draft": self.draft.to_dict(),
-                           "target_steps": self.target_steps, "draft_steps": self.draft_steps,
-                           "batch_size": self.batch_size, "lr": self.lr, "seed": self.seed}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        """Cache key of the draft's weights (they depend on the target too)."""
+        return _hash({"target": self.target_key(), "draft": self.draft.to_dict(), "draft_steps": self.draft_steps,
+                      "gamma": self.gamma, "batch_size": self.batch_size, "lr": self.lr, "seed": self.seed})
+
+
+def _hash(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _batches(data: torch.Tensor, seq: int, batch: int, gen: torch.Generator):
@@ -100,23 +110,31 @@ def train_target(cfg: TrainConfig, data: torch.Tensor, progress: Progress | None
 
 
 def train_draft(cfg: TrainConfig, target: TinyLM, data: torch.Tensor, progress: Progress | None = None) -> DraftLM:
-    """Distil the target's next-byte distribution; train the confidence head on 1 - TV(q, p)."""
+    """Distil the target: head k at position t learns the target's next-byte distribution at t + k.
+
+    The confidence head learns the soft acceptance `1 - TV(q_k, p)` of each head (DeepSpec's target).
+    """
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     torch.manual_seed(cfg.seed + 1)
-    model = DraftLM(cfg.draft)
+    model = DraftLM(cfg.draft, cfg.gamma)
+    g = cfg.gamma
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     batches = _batches(data, cfg.draft.max_seq_len, cfg.batch_size, gen)
     for step in range(cfg.draft_steps):
         x, _ = next(batches)
+        t = x.shape[1] - g + 1
         with torch.no_grad():
             p_logits = target.logits(target.forward_dense(x))
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg.draft_steps, cfg.lr)
-        hidden = model.forward_dense(x)
-        q_logits = model.logits(hidden)
-        distil = F.cross_entropy(q_logits.flatten(0, 1), torch.softmax(p_logits, -1).flatten(0, 1))
-        soft = soft_accept_target(q_logits.detach(), p_logits)
-        conf = confidence_loss(model.confidence_logits(hidden.detach()), soft)
+            p_block = torch.stack([p_logits[:, k: k + t] for k in range(g)], dim=2)  # [b, t, g, V]
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.draft_steps, cfg.lr)
+        hk = model.block_hidden(model.forward_dense(x)[:, :t], g)                   # [b, t, g, d]
+        q_block = model.logits(hk)
+        distil = F.cross_entropy(q_block.flatten(0, 2), torch.softmax(p_block, -1).flatten(0, 2))
+        soft = soft_accept_target(q_block.detach(), p_block).flatten(0, 1)          # [b*t, g]
+        conf_logits = model.confidence(hk.detach().flatten(0, 1))
+        # teacher forcing: each position's label is its own overlap given the true prefix, no decay
+        conf = confidence_loss(conf_logits, soft, torch.ones_like(soft, dtype=torch.bool), math.inf)
         loss = distil + conf
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -127,6 +145,7 @@ def train_draft(cfg: TrainConfig, target: TinyLM, data: torch.Tensor, progress: 
 
 
 def _save_atomic(obj: dict, path: Path) -> None:
+    """torch.save to a temp file in the same folder, then rename: never a half-written cache file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
@@ -144,16 +163,24 @@ def default_cache_dir() -> Path:
 
 def load_or_train(cfg: TrainConfig, cache_dir: Path | None = None, progress: Progress | None = None
                   ) -> tuple[TinyLM, DraftLM, bool]:
-    """(target, draft, trained_now): weights from `cache_dir/engine-<key>.pt`, trained and saved if absent."""
-    path = Path(cache_dir or default_cache_dir()) / f"engine-{cfg.key()}.pt"
-    if path.exists():
-        state = torch.load(path, weights_only=True)
-        target, draft = TinyLM(cfg.target), DraftLM(cfg.draft)
-        target.load_state_dict(state["target"])
-        draft.load_state_dict(state["draft"])
-        return target.eval(), draft.eval(), False
-    data = corpus("train")
-    target = train_target(cfg, data, progress)
-    draft = train_draft(cfg, target, data, progress)
-    _save_atomic({"target": target.state_dict(), "draft": draft.state_dict()}, path)
-    return target, draft, True
+    """(target, draft, trained_now): weights from `cache_dir`, trained and saved (atomically) if absent."""
+    root = Path(cache_dir or default_cache_dir())
+    tpath, dpath = root / f"target-{cfg.target_key()}.pt", root / f"draft-{cfg.key()}.pt"
+    target, draft = TinyLM(cfg.target), DraftLM(cfg.draft, cfg.gamma)
+    trained = False
+    data = None
+    if tpath.exists():
+        target.load_state_dict(torch.load(tpath, weights_only=True))
+    else:
+        data = corpus("train")
+        target = train_target(cfg, data, progress)
+        _save_atomic(target.state_dict(), tpath)
+        trained = True
+    target.eval()
+    if dpath.exists():
+        draft.load_state_dict(torch.load(dpath, weights_only=True))
+    else:
+        draft = train_draft(cfg, target, data if data is not None else corpus("train"), progress)
+        _save_atomic(draft.state_dict(), dpath)
+        trained = True
+    return target, draft.eval(), trained
