@@ -20,7 +20,7 @@ TINY = TrainConfig(target=ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq
 
 def _cfg(tmp_path: Path, **kw) -> DemoConfig:
     base = dict(out=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"), batch_sizes=(1, 3), gamma=2,
-                prompt_len=8, max_new_tokens=6, repeats=1, train=TINY)
+                prompt_len=8, max_new_tokens=6, repeats=1, profile_repeats=1, train=TINY)
     return DemoConfig(**(base | kw))
 
 

@@ -48,6 +48,7 @@ class DemoConfig:
     prompt_len: int = 32
     max_new_tokens: int = 48
     repeats: int = 3
+    profile_repeats: int = 2
     sampling: bool = False
     temperature: float = 1.0
     lag: int = 1
@@ -86,7 +87,7 @@ def check_config(cfg: DemoConfig) -> None:
     parse_policies(cfg.policies, cfg.gamma)
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
-    for name in ("prompt_len", "max_new_tokens", "repeats", "threads"):
+    for name in ("prompt_len", "max_new_tokens", "repeats", "profile_repeats", "threads"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < (3 if name == "prompt_len" else 1):
             raise ValueError(f"{name} must be a positive int (prompt_len >= 3), got {v!r}")
@@ -167,8 +168,9 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     decoder = SpecDecoder(target, draft, cache_tokens=bmax * target.cfg.max_seq_len, device=device)
     prompts = heldout_prompts(bmax, cfg.prompt_len, cfg.seed)
     runs = len(cfg.batch_sizes) * len(names) * cfg.repeats + len(VerifyMode) * len(names)
-    bar = Progress(runs + 1 + sum(len(row_grid(b, gamma + 1, 5)) for b in cfg.batch_sizes), show_progress)
-    samples = profile_step_costs(decoder, prompts, cfg.batch_sizes, gamma, mode=mode,
+    profile_runs = cfg.profile_repeats * sum(len(row_grid(b, gamma + 1, 5)) for b in cfg.batch_sizes)
+    bar = Progress(runs + 1 + profile_runs, show_progress)
+    samples = profile_step_costs(decoder, prompts, cfg.batch_sizes, gamma, mode=mode, repeats=cfg.profile_repeats,
                                  progress=lambda: bar("profiling step cost"))
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}")
     cost.save(tmp / "cost_model.json")

@@ -40,21 +40,26 @@ def row_grid(batch: int, width: int, points: int) -> list[int]:
 
 
 def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, batch_sizes: Sequence[int], gamma: int, *,
-                       points: int = 5, tokens: int = 12, mode: VerifyMode = VerifyMode.COMPACT,
+                       points: int = 5, tokens: int = 12, repeats: int = 2,
+                       mode: VerifyMode = VerifyMode.COMPACT,
                        progress: Callable[[], None] | None = None) -> list[ProfileSample]:
-    """Median whole-step seconds for each B and each M on `row_grid` (one warm-up run per B)."""
-    samples = []
+    """Whole-step seconds for each B and each M on `row_grid`: median over `repeats` interleaved sweeps
+    of each run's median step (one warm-up run per B first; sweeps interleave so bursts of machine
+    load spread over all points instead of biasing one)."""
+    grid = [(b, m) for b in batch_sizes for m in row_grid(b, gamma + 1, points)]
     for b in batch_sizes:
-        batch = prompts[:b]
-        decoder.generate(batch, 2, ForcedRows(gamma, b * (gamma + 1)), mode=mode)
-        for m in row_grid(b, gamma + 1, points):
-            res = decoder.generate(batch, tokens, ForcedRows(gamma, m), mode=mode)
+        decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1)), mode=mode)
+    runs: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
+    for _ in range(repeats):
+        for b, m in grid:
+            res = decoder.generate(prompts[:b], tokens, ForcedRows(gamma, m), mode=mode)
             secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
                                  for s in res.steps], dtype=torch.float64)
-            samples.append(ProfileSample(num_requests=b, rows=m, seconds=float(secs.median())))
+            runs[(b, m)].append(float(secs.median()))
             if progress:
                 progress()
-    return samples
+    return [ProfileSample(num_requests=b, rows=m, seconds=float(torch.tensor(runs[(b, m)]).median()))
+            for b, m in grid]
 
 
 def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str,
