@@ -3,6 +3,7 @@
 The public API, re-exported flat (DESIGN.md section 4b).
 """
 from dspark.allocate import allocate_verify_lens
+from dspark.attention import RaggedVerifyAttention, verify_attention, write_kv
 from dspark.budget import BudgetDecision, choose_budget, expected_commit, greedy_budget, tau_curve
 from dspark.calibration import Calibration, fit_sts, fit_temperatures
 from dspark.calibration_metrics import auroc, brier, ece, nll, top2_margin
@@ -43,6 +44,7 @@ __all__ = [
     "previous_tokens",
     "soft_accept_target",
     "top2_margin",
+    "RaggedVerifyAttention",
     "RaggedVerifyLayout",
     "ScheduleConfig",
     "StepsPerSecondTable",
@@ -59,5 +61,7 @@ __all__ = [
     "monotone_survival",
     "register_cost_model",
     "tau_curve",
+    "verify_attention",
+    "write_kv",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,327 @@
+"""Ragged verify attention over a paged KV cache: Triton kernel, fast torch path, float64 reference.
+
+Packed queries `q [rows, Hq, D]`; slot s owns rows `[qo_start[s], qo_start[s] + slot_lens[s])`, of which the
+first `seqused[s]` are real (ghost slots have seqused 0). Its KV lives in pages `block_table[s, :]` of
+`k_cache / v_cache [num_pages, page_size, Hkv, D]`; kv position p sits at page `block_table[s, p // page_size]`,
+offset `p % page_size`. Real row j of slot s sees kv positions `< prefix_lens[s] + j + 1` (its committed
+prefix plus, causally, the verify rows up to itself). Query head h reads kv head `h // (Hq // Hkv)` (GQA).
+Padding rows (j >= seqused) produce zeros (lse = -inf) and read nothing; nothing past a slot's kv length is read.
+
+The metadata are plain tensors of fixed shape (see `VerifyAttentionMeta`), so one launch can be captured in a
+CUDA / NPU graph and replayed after the metadata are refilled in place (`dspark.attention.RaggedVerifyAttention`).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dspark.kernels import dispatch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LN2 = math.log(2.0)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+class VerifyAttentionMeta(NamedTuple):
+    """Per-slot geometry of one verify step (int32 device tensors of fixed shape, S = slot count)."""
+
+    block_table: Tensor  # [S, max_pages] page ids; entries past a slot's kv length are never read
+    qo_start: Tensor     # [S] first packed row of each slot
+    slot_lens: Tensor    # [S] rows owned by each slot (real rows, then ghost padding rows)
+    seqused: Tensor      # [S] real rows of each slot (0 for ghost slots)
+    prefix_lens: Tensor  # [S] committed kv length before the verify rows (kv length = prefix + seqused)
+    row_slot: Tensor     # [rows] slot of each packed row (used by the torch paths)
+    row_within: Tensor   # [rows] index of each packed row inside its slot
+    max_q: int           # upper bound on slot_lens (static; sizes the padded torch path)
+
+
+def _kv_positions(meta: VerifyAttentionMeta, page_size: int) -> tuple[Tensor, Tensor]:
+    """([S, L] flat cache slot of each kv position (0 where unused), [S, L] kv position), L = pages * page_size."""
+    num_slots, max_pages = meta.block_table.shape
+    pos = torch.arange(max_pages * page_size, device=meta.block_table.device)
+    kv_len = (meta.prefix_lens + meta.seqused).to(torch.int64)
+    used = pos[None, :] < kv_len[:, None]
+    pages = meta.block_table.to(torch.int64).index_select(1, pos // page_size)
+    flat = pages * page_size + (pos % page_size)[None, :]
+    return torch.where(used, flat, torch.zeros_like(flat)), pos.expand(num_slots, -1)
+
+
+def _gather_kv(cache: Tensor, flat: Tensor, visible_any: Tensor) -> Tensor:
+    """[S, L, Hkv, D] cache rows at `flat`, zeroed where no row may see them (no NaN can leak)."""
+    rows = cache.reshape(-1, *cache.shape[2:]).index_select(0, flat.reshape(-1)).reshape(*flat.shape, *cache.shape[2:])
+    return torch.where(visible_any[:, :, None, None], rows, torch.zeros_like(rows))
+
+
+def ragged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
+                         sm_scale: float) -> tuple[Tensor, Tensor]:
+    """Float64 reference, one dense attention per slot. Returns float64 (out [rows, Hq, D], lse [rows, Hq])."""
+    rows, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(rows, hq, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((rows, hq), float("-inf"), dtype=torch.float64, device=q.device)
+    for s in range(meta.seqused.numel()):
+        n, prefix, start = int(meta.seqused[s]), int(meta.prefix_lens[s]), int(meta.qo_start[s])
+        if n == 0:
+            continue
+        pos = torch.arange(prefix + n, device=q.device)
+        pages = meta.block_table[s].to(torch.int64)[pos // page_size]
+        k = k_cache[pages, pos % page_size].to(torch.float64).repeat_interleave(hq // hkv, dim=1)
+        v = v_cache[pages, pos % page_size].to(torch.float64).repeat_interleave(hq // hkv, dim=1)
+        qs = q[start:start + n].to(torch.float64)
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * sm_scale
+        allowed = pos[None, :] < prefix + torch.arange(n, device=q.device)[:, None] + 1
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        lse[start:start + n] = torch.logsumexp(scores, -1).T
+        out[start:start + n] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    return out, lse
+
+
+def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
+                           sm_scale: float, out: Tensor, lse: Tensor | None) -> None:
+    """Fast CPU path: slots padded to `max_q` rows, one masked `scaled_dot_product_attention` call.
+
+    No host sync and no data-dependent control flow (torch.compile friendly); writes `out` (and `lse`).
+    """
+    rows, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    if rows == 0:
+        return
+    flat, pos = _kv_positions(meta, page_size)
+    j = torch.arange(meta.max_q, device=q.device)
+    q_valid = j[None, :] < meta.seqused[:, None]                                           # [S, Mq]
+    limit = meta.prefix_lens[:, None].to(torch.int64) + j[None, :] + 1
+    allowed = (pos[:, None, :] < limit[:, :, None]) & q_valid[:, :, None]                 # [S, Mq, L]
+    visible_any = allowed.any(1)
+    k = _gather_kv(k_cache, flat, visible_any).transpose(1, 2)                             # [S, Hkv, L, D]
+    v = _gather_kv(v_cache, flat, visible_any).transpose(1, 2)
+    src = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, rows - 1)
+    qp = q.index_select(0, src.reshape(-1)).reshape(*src.shape, hq, d).transpose(1, 2)   # [S, Hq, Mq, D]
+    mask = allowed[:, None] | ~q_valid[:, None, :, None]    # padding rows see everything (then zeroed)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
+    rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
+    real = (rw < meta.seqused.to(torch.int64).index_select(0, rs))[:, None]
+    o_rows = o.transpose(1, 2)[rs, rw]                                                     # [rows, Hq, D]
+    out.copy_(torch.where(real[:, :, None], o_rows, torch.zeros_like(o_rows)))
+    if lse is not None:
+        kf = k.to(torch.float32).repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("shqd,shkd->shqk", qp.to(torch.float32), kf) * sm_scale
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        lse_rows = torch.logsumexp(scores, -1).transpose(1, 2)[rs, rw]
+        lse.copy_(torch.where(real, lse_rows, torch.full_like(lse_rows, float("-inf"))))
+
+
+@triton.jit
+def _ragged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr,
+    qo_start_ptr, slot_lens_ptr, seqused_ptr, prefix_ptr,
+    n_items, num_kv_heads, group, head_dim, page_size, qk_scale,
+    stride_qr, stride_qh, stride_qd,
+    stride_kp, stride_ko, stride_kh, stride_kd,
+    stride_vp, stride_vo, stride_vh, stride_vd,
+    stride_os, stride_or, stride_oh, stride_od,
+    stride_ls, stride_lr, stride_lh,
+    stride_bs, stride_bp,
+    HAS_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # One work item = (slot, kv head, kv split). Its query tile packs (row, head-in-group) pairs into
+    # BLOCK_Q * BLOCK_G rows so every kv page is read once per tile for the whole GQA group. With NUM_SPLITS > 1
+    # split s covers one contiguous share of the tile's kv range and writes a partial (out, lse) at o/lse + s *
+    # stride_os / stride_ls, merged by _merge_splits_kernel. qk_scale = sm_scale * log2(e).
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
+    m_row = offs_m // BLOCK_G
+    m_head = offs_m % BLOCK_G
+    head_ok = m_head < group
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
+        split = item % NUM_SPLITS
+        slot = item // NUM_SPLITS // num_kv_heads
+        kvh = item // NUM_SPLITS % num_kv_heads
+        o_base = o_ptr + tl.cast(split, tl.int64) * stride_os
+        lse_base = lse_ptr + tl.cast(split, tl.int64) * stride_ls
+        start = tl.load(qo_start_ptr + slot)
+        n_rows = tl.load(slot_lens_ptr + slot)
+        n_q = tl.load(seqused_ptr + slot)
+        prefix = tl.load(prefix_ptr + slot)
+        bt_row = bt_ptr + tl.cast(slot, tl.int64) * stride_bs
+        heads = (kvh * group + m_head).to(tl.int64)
+        # int64 offsets everywhere: no int32 overflow on large caches (and no interpreter overflow checks)
+        q_cols = heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        o_cols = heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        k_cols = tl.cast(kvh, tl.int64) * stride_kh + offs_d * stride_kd
+        v_cols = tl.cast(kvh, tl.int64) * stride_vh + offs_d * stride_vd
+        for q0 in range(0, n_rows, BLOCK_Q):
+            j = q0 + m_row
+            real = (j < n_q) & head_ok
+            owned = (j < n_rows) & head_ok
+            rows = (start + j).to(tl.int64)
+            q = tl.load(q_ptr + rows[:, None] * stride_qr + q_cols,
+                        mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+            limit = prefix + j + 1
+            kv_end = tl.where(q0 < n_q, prefix + tl.minimum(q0 + BLOCK_Q, n_q), 0)
+            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = split * chunk
+            kv_hi = tl.minimum(kv_end, kv_lo + chunk)
+            m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)
+            l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+            for n0 in range(kv_lo, kv_hi, BLOCK_N):
+                pos = n0 + offs_n
+                pos_ok = pos < kv_hi
+                page = tl.load(bt_row + (pos // page_size) * stride_bp, mask=pos_ok, other=0).to(tl.int64)
+                off = pos % page_size
+                kv_ok = pos_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_ptr + (page * stride_kp + off * stride_ko)[:, None] + k_cols[None, :],
+                            mask=kv_ok, other=0.0).to(DOT_DTYPE)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                s = tl.where((pos[None, :] < limit[:, None]) & real[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + (page * stride_vp + off * stride_vo)[:, None] + v_cols[None, :],
+                            mask=kv_ok, other=0.0).to(DOT_DTYPE)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+                m_i = m_new
+            seen = l_i > 0
+            o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+            tl.store(o_base + rows[:, None] * stride_or + o_cols,
+                     o.to(o_ptr.dtype.element_ty), mask=owned[:, None] & d_ok[None, :])
+            if HAS_LSE:
+                lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                               float("-inf"))
+                tl.store(lse_base + rows * stride_lr + heads * stride_lh, lse, mask=owned)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    po_ptr, pl_ptr, o_ptr, lse_ptr, n_rows, num_heads, head_dim,
+    stride_pos, stride_por, stride_poh, stride_pod, stride_pls, stride_plr, stride_plh,
+    stride_or, stride_oh, stride_od, stride_lr, stride_lh,
+    HAS_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One work item = one packed row, all heads: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s.
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    h_ok = offs_h < num_heads
+    tile_ok = h_ok[:, None] & (offs_d[None, :] < head_dim)
+    po_cols = offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod
+    for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        r = tl.cast(row, tl.int64)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            part = tl.load(pl_ptr + s * stride_pls + r * stride_plr + offs_h * stride_plh, mask=h_ok,
+                           other=float("-inf"))
+            m = tl.maximum(m, part)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        weight = tl.zeros([BLOCK_H], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            part = tl.load(pl_ptr + s * stride_pls + r * stride_plr + offs_h * stride_plh, mask=h_ok,
+                           other=float("-inf"))
+            e = tl.exp(part - m)
+            acc += e[:, None] * tl.load(po_ptr + s * stride_pos + r * stride_por + po_cols, mask=tile_ok, other=0.0)
+            weight += e
+        seen = weight > 0
+        o = tl.where(seen[:, None], acc / tl.where(seen, weight, 1.0)[:, None], 0.0)
+        tl.store(o_ptr + r * stride_or + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(o_ptr.dtype.element_ty), mask=tile_ok)
+        if HAS_LSE:
+            lse = tl.where(seen, m + tl.log(tl.where(seen, weight, 1.0)), float("-inf"))
+            tl.store(lse_ptr + r * stride_lr + offs_h * stride_lh, lse, mask=h_ok)
+
+
+def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -> dict[str, int]:
+    """Static tile sizes: the GQA group and up to 16 verify rows per query tile (>= 16 tile rows for tl.dot,
+    at most 128, or 64 for head_dim 256, when the group allows); 8 warps once the fp32 accumulator tile reaches
+    128 x 128. Untuned first guesses (no GPU was available when they were written).
+
+    Under the interpreter (CPU tensors) wide kv blocks cost nothing and cut the interpreted loop count.
+    """
+    block_g = triton.next_power_of_2(group)
+    max_tile_rows = 128 if head_dim <= 128 else 64
+    block_q = min(triton.next_power_of_2(max(max_q, 1)), 16, max(1, max_tile_rows // block_g))
+    block_q = max(block_q, 16 // min(block_g, 16))
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    if device.type == "cpu":
+        block_n = 256
+    else:
+        block_n = 64 if head_dim <= 128 else 32
+    num_warps = 8 if block_q * block_g * block_d >= 128 * 128 else 4
+    return dict(BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
+
+
+def default_kv_splits(device: torch.device, work_items: int) -> int:
+    """kv splits so that (slot, kv head, split) items reach ~2 waves of CUDA SMs; 1 elsewhere (max 16)."""
+    if device.type != "cuda" or work_items <= 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(16, -(-2 * sms // work_items)))
+
+
+def split_workspace(num_splits: int, rows: int, num_heads: int, head_dim: int,
+                    device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """fp32 partial (out [splits, rows, Hq, D], lse [splits, rows, Hq]) for split-kv, or None for 1 split."""
+    if num_splits <= 1:
+        return None
+    return (torch.empty(num_splits, rows, num_heads, head_dim, dtype=torch.float32, device=device),
+            torch.empty(num_splits, rows, num_heads, dtype=torch.float32, device=device))
+
+
+def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
+                            sm_scale: float, out: Tensor, lse: Tensor | None,
+                            split_kv: tuple[Tensor, Tensor] | None = None) -> None:
+    """Launch over (slot, kv head, split) work items; writes `out` (and `lse`). No host sync.
+
+    split_kv: a `split_workspace` (>= q's rows) to split every kv range in `splits` shares and merge them.
+    """
+    rows, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    splits = split_kv[0].shape[0] if split_kv is not None else 1
+    n_items = meta.seqused.numel() * hkv * splits
+    if n_items == 0 or rows == 0:
+        return
+    if split_kv is not None:
+        dst, dst_lse = split_kv
+        dst_strides, lse_strides = dst.stride(), dst_lse.stride()
+    else:
+        dst, dst_lse = out, (lse if lse is not None else out)
+        dst_strides = (0, *out.stride())
+        lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
+    # the Triton 3.9 interpreter computes bf16 tl.dot wrongly, so interpreted bf16 runs its dots in fp32
+    interpreted_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    dot_dtype = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else _TL_DTYPES[q.dtype]
+    _ragged_attention_kernel[dispatch.grid(n_items, q.device)](
+        q, k_cache, v_cache, dst, dst_lse, meta.block_table,
+        meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens,
+        n_items, hkv, hq // hkv, d, page_size, sm_scale / _LN2,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *dst_strides, *lse_strides,
+        *meta.block_table.stride(),
+        HAS_LSE=lse is not None or split_kv is not None, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # exact fp32; backend default otherwise
+        **kernel_blocks(hq // hkv, d, meta.max_q, q.device),
+    )
+    if split_kv is not None:
+        lse_arg, out_lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
+        _merge_splits_kernel[dispatch.grid(rows, q.device)](
+            dst, dst_lse, out, lse_arg, rows, hq, d, *dst.stride(), *dst_lse.stride(), *out.stride(),
+            *out_lse_strides, HAS_LSE=lse is not None, NUM_SPLITS=splits,
+            BLOCK_H=triton.next_power_of_2(hq), BLOCK_D=triton.next_power_of_2(d),
+        )
+
+
+def ragged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta, sm_scale: float,
+                     out: Tensor, lse: Tensor | None = None, split_kv: tuple[Tensor, Tensor] | None = None) -> None:
+    """Dispatching entry point (Triton on CUDA/NPU, masked SDPA on CPU). Inputs are checked by the caller."""
+    if dispatch.use_triton(q, k_cache, v_cache):
+        ragged_attention_triton(q, k_cache, v_cache, meta, sm_scale, out, lse, split_kv)
+    else:
+        ragged_attention_torch(q, k_cache, v_cache, meta, sm_scale, out, lse)

@@ -1,0 +1,240 @@
+"""Verify-attention benchmark: dspark's paged ragged kernel vs torch SDPA per request, FlexAttention, FlashInfer.
+
+Every request verifies W rows against a committed prefix of P tokens (kv length P + W, causal inside the
+verify block) in a paged cache (`--page-size`). On a GPU each method is timed (CUDA events, median over
+`--repeats`) and the achieved bandwidth is (K + V bytes read + q + out bytes) / time. Baselines:
+  sdpa-per-request  torch scaled_dot_product_attention, one call per request on dense K/V (gathered in advance)
+  flex              torch.compile(flex_attention) on dense [B, Hkv, P+W, D] K/V with a causal-offset block mask
+  flashinfer        BatchPrefillWithPagedKVCacheWrapper (only when flashinfer is installed)
+On the CPU only dspark's torch path (masked SDPA over the gathered pages) runs, at small shapes; that is a
+functional smoke run, not a performance claim. Prints a table and writes JSON to perf/results/.
+
+    python perf/attention_bench.py --device cuda
+    python perf/attention_bench.py --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspark import RaggedVerifyAttention, RaggedVerifyLayout  # noqa: E402
+from dspark.kernels import dispatch  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PACKED_OUTPUT = {"dspark", "flashinfer"}  # [B*W, Hq, D]; the others return [B, Hq, W, D]
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of fn() over repeats."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def make_problem(b: int, w: int, prefix: int, hq: int, hkv: int, d: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device) -> dict:
+    """Uniform verify step: b requests, w rows each, prefix committed tokens, pages shuffled."""
+    gen = torch.Generator(device="cpu").manual_seed(b * 1_000_003 + w * 101 + prefix)
+    kv_len = prefix + w
+    pages_per = math.ceil(kv_len / page_size)
+    num_pages = b * pages_per
+    table = torch.randperm(num_pages, generator=gen).to(torch.int32).reshape(b, pages_per)
+    k_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype).to(device)
+    q = torch.randn(b * w, hq, d, generator=gen).to(dtype).to(device)
+    layout = RaggedVerifyLayout.from_verify_lens([w] * b, width=w)
+    return dict(b=b, w=w, prefix=prefix, kv_len=kv_len, table=table, k_cache=k_cache, v_cache=v_cache, q=q,
+                layout=layout, hq=hq, hkv=hkv, d=d, page_size=page_size, dtype=dtype, device=device)
+
+
+def dense_kv(p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Hkv, P+W, D] K and V gathered out of the pages (baselines get this layout for free)."""
+    pos = torch.arange(p["kv_len"])
+    pages = p["table"].long()[:, pos // p["page_size"]].to(p["device"])
+    offs = (pos % p["page_size"]).to(p["device"])
+    return tuple(c[pages, offs].transpose(1, 2).contiguous() for c in (p["k_cache"], p["v_cache"]))
+
+
+def verify_mask(p: dict) -> torch.Tensor:
+    """[W, P+W] bool: verify row j sees kv positions < prefix + j + 1."""
+    j = torch.arange(p["w"], device=p["device"])[:, None]
+    return torch.arange(p["kv_len"], device=p["device"])[None, :] < p["prefix"] + j + 1
+
+
+def run_dspark(p: dict) -> Callable[[], torch.Tensor]:
+    attn = RaggedVerifyAttention(p["b"] * p["w"], p["b"], p["table"].shape[1], p["hq"], p["hkv"], p["d"],
+                                 p["page_size"], p["device"], p["dtype"], max_verify_len=p["w"])
+    attn.plan(p["layout"], [p["prefix"]] * p["b"], p["table"])
+    out = torch.empty_like(p["q"])
+    return lambda: attn.run(p["q"], p["k_cache"], p["v_cache"], out=out)
+
+
+def run_sdpa(p: dict) -> Callable[[], torch.Tensor]:
+    k, v = dense_kv(p)
+    mask = verify_mask(p)
+    q = p["q"].reshape(p["b"], p["w"], p["hq"], p["d"]).transpose(1, 2)
+    out = torch.empty_like(q)
+    gqa = p["hq"] != p["hkv"]
+
+    def fn() -> torch.Tensor:
+        for r in range(p["b"]):
+            out[r] = torch.nn.functional.scaled_dot_product_attention(
+                q[r:r + 1], k[r:r + 1], v[r:r + 1], attn_mask=mask, enable_gqa=gqa)[0]
+        return out
+    return fn
+
+
+def run_flex(p: dict) -> Callable[[], torch.Tensor]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    k, v = dense_kv(p)
+    q = p["q"].reshape(p["b"], p["w"], p["hq"], p["d"]).transpose(1, 2).contiguous()
+    prefix = p["prefix"]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= prefix + q_idx
+
+    block_mask = create_block_mask(mask_mod, None, None, p["w"], p["kv_len"], device=p["device"])
+    flex = torch.compile(flex_attention, dynamic=False)
+    return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=p["hq"] != p["hkv"])
+
+
+def run_flashinfer(p: dict) -> Callable[[], torch.Tensor]:
+    import flashinfer
+
+    dev = p["device"]
+    workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    pages_per = p["table"].shape[1]
+    qo_indptr = torch.arange(p["b"] + 1, dtype=torch.int32, device=dev) * p["w"]
+    kv_indptr = torch.arange(p["b"] + 1, dtype=torch.int32, device=dev) * pages_per
+    last = p["kv_len"] - (pages_per - 1) * p["page_size"]
+    last_page_len = torch.full((p["b"],), last, dtype=torch.int32, device=dev)
+    wrapper.plan(qo_indptr, kv_indptr, p["table"].reshape(-1).to(dev), last_page_len, p["hq"], p["hkv"], p["d"],
+                 p["page_size"], causal=True, q_data_type=p["dtype"])
+    return lambda: wrapper.run(p["q"], (p["k_cache"], p["v_cache"]))
+
+
+def bytes_moved(p: dict) -> int:
+    elt = torch.tensor([], dtype=p["dtype"]).element_size()
+    kv = 2 * p["b"] * p["kv_len"] * p["hkv"] * p["d"] * elt
+    return kv + 2 * p["q"].numel() * elt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, nargs="+", default=None)
+    ap.add_argument("--width", type=int, nargs="+", default=None, help="verify rows per request (W)")
+    ap.add_argument("--prefix", type=int, nargs="+", default=None)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--max-kv-tokens", type=int, default=4_000_000, help="skip shapes with more cached tokens")
+    ap.add_argument("--peak-gbps", type=float, default=4800.0, help="peak HBM bandwidth (H200: 4800 GB/s)")
+    ap.add_argument("--out", default=str(RESULTS / "attention_bench.json"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    dtype = getattr(torch, args.dtype)
+    batches = args.batch or ([1, 8, 32, 128, 256] if gpu else [1, 4])
+    widths = args.width or ([2, 4, 8, 16] if gpu else [2, 8])
+    prefixes = args.prefix or ([512, 4096, 32768] if gpu else [512, 2048])
+    methods: dict[str, Callable[[dict], Callable[[], torch.Tensor]]] = {"dspark": run_dspark}
+    if gpu:
+        methods["sdpa-per-request"] = run_sdpa
+        methods["flex"] = run_flex
+        try:
+            import flashinfer  # noqa: F401
+            methods["flashinfer"] = run_flashinfer
+        except ImportError:
+            print("flashinfer not installed: skipped")
+    else:
+        print("CPU run: dspark's torch path (masked SDPA over gathered pages) only; no GPU kernel is timed "
+              "and these numbers say nothing about the H200 goal.")
+    print(f"device={device} backend={'triton' if dispatch.use_triton(torch.empty(0, device=device)) else 'torch'} "
+          f"dtype={args.dtype} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} page={args.page_size}")
+    header = f"{'B':>4} {'W':>3} {'prefix':>6} " + " ".join(f"{m + ' us':>22}" for m in methods) + \
+        f" {'dspark GB/s':>11} {'%peak':>6} {'vs best':>7}"
+    print(header)
+    rows = []
+    for b in batches:
+        for w in widths:
+            for prefix in prefixes:
+                if b * (prefix + w) > args.max_kv_tokens:
+                    continue
+                p = make_problem(b, w, prefix, args.q_heads, args.kv_heads, args.head_dim, args.page_size,
+                                 dtype, device)
+                times, errors = {}, {}
+                ref = None
+                for name, make in methods.items():
+                    try:
+                        fn = make(p)
+                        got = fn()
+                        got = got.reshape(b, w, p["hq"], p["d"]) if name in PACKED_OUTPUT else \
+                            got.reshape(b, p["hq"], w, p["d"]).transpose(1, 2)
+                        ref = got if ref is None else ref
+                        errors[name] = float((got.float() - ref.float()).abs().max())
+                        times[name] = timed(fn, device, args.repeats)
+                    except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
+                        times[name], errors[name] = None, f"{type(exc).__name__}: {exc}"[:200]
+                    if gpu:
+                        torch.cuda.empty_cache()
+                t = times["dspark"]
+                gbps = bytes_moved(p) / t / 1e9 if t else None
+                timed_ok = [v for v in times.values() if v]
+                best = min(timed_ok) if len(timed_ok) > 1 else None  # vs best only when there is a comparison
+                row = dict(batch=b, width=w, prefix=prefix, seconds=times, max_abs_diff_vs_dspark=errors,
+                           bytes=bytes_moved(p), dspark_gbps=gbps,
+                           dspark_pct_peak=100 * gbps / args.peak_gbps if gbps and gpu else None,
+                           dspark_vs_best=t / best if t and best else None)
+                rows.append(row)
+                cells = " ".join(f"{v * 1e6:>22.1f}" if v else f"{'n/a':>22}" for v in times.values())
+                pct = f"{row['dspark_pct_peak']:>6.1f}" if row["dspark_pct_peak"] else f"{'-':>6}"
+                ratio = f"{row['dspark_vs_best']:>7.2f}" if row["dspark_vs_best"] else f"{'-':>7}"
+                print(f"{b:>4} {w:>3} {prefix:>6} {cells} {gbps or 0:>11.1f} {pct} {ratio}")
+                del p
+    result = dict(
+        device=str(device), device_name=torch.cuda.get_device_name(device) if gpu else "cpu",
+        gpu_timed=gpu, note=None if gpu else "CPU: dspark torch path only, functional smoke run",
+        torch=torch.__version__, dtype=args.dtype, q_heads=args.q_heads, kv_heads=args.kv_heads,
+        head_dim=args.head_dim, page_size=args.page_size, repeats=args.repeats, peak_gbps=args.peak_gbps,
+        command=" ".join(sys.argv), rows=rows,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
