@@ -21,7 +21,7 @@ from dspark.engine.kv_cache import PagedKVCache
 from dspark.engine.model import DraftLM, TinyLM
 from dspark.engine.pending import accept_greedy, accept_sampling
 from dspark.engine.policies import FixedK, Oracle, PolicyPlan
-from dspark.engine.step_attention import StepAttention
+from dspark.engine.step_attention import StepAttention, batch_attention
 from dspark.layout import RaggedVerifyLayout
 
 DEVICES = ("cpu", "cuda")
@@ -90,7 +90,7 @@ class SpecDecoder:
     # -- forwards -------------------------------------------------------------------------------------
     def _forward(self, model: TinyLM, cache: PagedKVCache, tokens: Tensor, layout: RaggedVerifyLayout,
                  prefix: Tensor) -> Tensor:
-        attend = StepAttention(layout, prefix.to(self.device), cache, self._max_len)
+        attend = StepAttention(self._attn[id(cache)], cache, layout, prefix)
         return model(tokens, attend.positions, attend)
 
     def _uniform(self, b: int, rows: int) -> RaggedVerifyLayout:
@@ -117,6 +117,8 @@ class SpecDecoder:
                     f"the model's max_seq_len {m.cfg.max_seq_len}")
         self.tcache.admit(b, self._max_len)
         self.dcache.admit(b, self._max_len)
+        rows = b * max(p, w)  # the largest forward: the prefill or a full verify
+        self._attn = {id(c): batch_attention(c, rows, b) for c in (self.tcache, self.dcache)}
         gen = torch.Generator(device=self.device).manual_seed(seed)
         buf = torch.zeros(b, self._max_len + w, dtype=torch.long, device=self.device)
         buf[:, :p] = prompts.to(self.device)

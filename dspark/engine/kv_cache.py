@@ -70,20 +70,3 @@ class PagedKVCache:
     def release(self) -> None:
         self.allocator.free(self._owned)
         self._owned = []
-
-    def slot_index(self, request: Tensor, positions: Tensor) -> Tensor:
-        """Flat token slot (`page * page_size + offset`) of each (request, position) pair, int64."""
-        ps = self.page_size
-        page = self.block_table[request.long(), positions // ps].long()
-        return page * ps + positions % ps
-
-    def flat(self, layer: int) -> tuple[Tensor, Tensor]:
-        """K and V of one layer viewed as `[num_pages * page_size, H, D]`."""
-        k, v = self.k[layer], self.v[layer]
-        return k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-
-    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store K/V rows at flat token slots (callers pass real rows only: padding never writes)."""
-        kf, vf = self.flat(layer)
-        kf.index_copy_(0, slots, k.to(kf.dtype))
-        vf.index_copy_(0, slots, v.to(vf.dtype))
