@@ -22,8 +22,12 @@ from dspark.cost import (
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
+from dspark.telemetry import StepRecord, acceptance, tau_bias
 
 __all__ = [
+    "StepRecord",
+    "acceptance",
+    "tau_bias",
     "AdditiveCostModel",
     "BudgetDecision",
     "Calibration",
