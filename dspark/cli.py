@@ -41,6 +41,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lag", type=int, default=1, help="planner survival lag (0 = synchronous greedy scan)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: tiny ops)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the models' dense parts (off by default: on CPU the compile time "
+                        "outweighs the gain in a 5-minute demo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=None, help="model weights cache (default ~/.cache/dspark)")
 
@@ -53,6 +56,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         policies=tuple(x for x in args.policies.split(",") if x), gamma=args.gamma, prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=args.sampling,
         temperature=args.temperature, lag=args.lag, threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
+        compile=args.compile,
     )
     try:
         run_demo(cfg)

@@ -73,10 +73,13 @@ class SpecDecoder:
     """Target + draft with their paged KV caches; runs one policy over a batch of equal-length prompts."""
 
     def __init__(self, target: TinyLM, draft: DraftLM, *, cache_tokens: int = 65536, page_size: int = 16,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", compile: bool = False):
         self.device = check_device(device)
         self.target = target.to(self.device).eval()
         self.draft = draft.to(self.device).eval()
+        if compile:
+            self.target.compile_dense()
+            self.draft.compile_dense()
         pages = -(-cache_tokens // page_size)
         self.tcache = self._cache(target, pages, page_size)
         self.dcache = self._cache(draft, pages, page_size)

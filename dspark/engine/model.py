@@ -77,11 +77,17 @@ class Block(nn.Module):
         )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.finish(x, attend(self.layer, q, k, v))
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [..., H, D] with RoPE applied (dense: the part `compile_dense` compiles)."""
         shape = x.shape[:-1] + (self.cfg.n_heads, self.cfg.head_dim)
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-        q = apply_rope(q.reshape(shape), cos, sin)
-        k = apply_rope(k.reshape(shape), cos, sin)
-        o = attend(self.layer, q, k, v.reshape(shape))
+        return apply_rope(q.reshape(shape), cos, sin), apply_rope(k.reshape(shape), cos, sin), v.reshape(shape)
+
+    def finish(self, x: Tensor, o: Tensor) -> Tensor:
+        """Output projection and MLP after attention (dense)."""
         x = x + self.proj(o.reshape(x.shape))
         return x + self.mlp(self.norm2(x))
 
@@ -126,6 +132,13 @@ class TinyLM(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         return hidden @ self.embed.weight.t()
+
+    def compile_dense(self) -> None:
+        """torch.compile (dynamic shapes) the dense parts of every block; attention stays eager because
+        its plan/run already does no per-step host work and its shapes change every step."""
+        for block in self.blocks:
+            block.project = torch.compile(block.project, dynamic=True)
+            block.finish = torch.compile(block.finish, dynamic=True)
 
 
 class DraftLM(TinyLM):
