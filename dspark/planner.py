@@ -6,7 +6,9 @@ Each `plan` call:
    guard (non-anticipation, DESIGN.md 4.4); with `lag = 0` the greedy scan over live survival;
 3. graph-tier fill (DESIGN.md 4.7): when tiers are given, the padding of the tier the chosen rows will
    replay is already paid for, so the allocation budget grows to the tier top (never across it);
-4. the allocation from live survival (global top-k) and the ragged layout padded to the tier.
+4. the allocation from live survival (global top-k) and the ragged layout padded to the tier;
+5. with `parallel=ParallelConfig(...)`: TP ranks agree on `verify_lens` (hash check or broadcast) and
+   DP ranks on the global tier, idle ranks included (`dspark.distributed`).
 
 Host syncs per step: the budget decision (one) and the layout's row total (one), plus the lag ring's
 slot checks, which read host tensors when slots and generations live on the CPU.
@@ -23,6 +25,7 @@ from dspark.allocate import allocate_verify_lens
 from dspark.budget import BudgetDecision, check_config, choose_budget, greedy_budget
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel
+from dspark.distributed import DpTier, ParallelAgreement, ParallelConfig
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 from dspark.survival import SurvivalLagRing, calibrated_survival, check_temperatures
 
@@ -32,6 +35,7 @@ class VerifyPlan:
     """One step's plan: verify_lens [B] int32, its layout, the budget decision, the live survival.
 
     `budget` is the executed budget (the decision's budget grown to the tier top by graph-tier fill).
+    `dp` is the DP-global tier decision when the planner runs with a DP group.
     """
 
     verify_lens: Tensor
@@ -39,6 +43,7 @@ class VerifyPlan:
     decision: BudgetDecision
     survival: Tensor
     budget: int
+    dp: DpTier | None = None
 
 
 def tier_fill_budget(budget: int, num_requests: int, floor: int, tiers: Sequence[int]) -> int:
@@ -52,13 +57,14 @@ class VerifyPlanner:
 
     num_slots: request-pool slots the ring tracks; temperatures: STS per-position temperatures
     (None = 1); tiers: captured graph token tiers (None = eager, no fill); graph_slots: captured slot
-    count S handed to the layout (None = B + 1 when padding exists).
+    count S handed to the layout (None = B + 1 when padding exists); parallel: TP/DP process groups
+    (start-up compares the cost table's fingerprint across them; a rank with another table is refused).
     """
 
     def __init__(self, cfg: ScheduleConfig, cost_model: CostModel, lag: int = 1,
                  tiers: Sequence[int] | None = None, num_slots: int = 256,
                  temperatures: Tensor | Sequence[float] | None = None, graph_slots: int | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", parallel: ParallelConfig | None = None):
         self.cfg = check_config(cfg)
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
@@ -77,6 +83,12 @@ class VerifyPlanner:
         self.graph_slots = graph_slots
         self.temperatures = None if temperatures is None else check_temperatures(temperatures, cfg.gamma)
         self.ring = SurvivalLagRing(num_slots, cfg.gamma, lag, device) if lag > 0 else None
+        if parallel is not None and not isinstance(parallel, ParallelConfig):
+            raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
+        self.parallel = None if parallel is None else ParallelAgreement(
+            parallel, fingerprint=cost_model.fingerprint(), tiers=self.tiers, slots=graph_slots,
+            width=cfg.width,
+        )
 
     def plan(self, logits: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
         """Plan one verify step for a batch of confidence logits [B, gamma]."""
@@ -91,6 +103,12 @@ class VerifyPlanner:
         b = survival.shape[0]
         budget = tier_fill_budget(decision.budget, b, self.cfg.floor, self.tiers) if self.tiers else decision.budget
         verify_lens = allocate_verify_lens(survival, budget, self.cfg)
-        layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, self.graph_slots,
-                                                     width=self.cfg.width)
-        return VerifyPlan(verify_lens, layout, decision, survival, budget)
+        dp = None
+        if self.parallel is not None:
+            verify_lens = self.parallel.verify_lens(verify_lens)
+        if self.parallel is not None and self.parallel.dp is not None:
+            layout, dp = self.parallel.dp.step(verify_lens)
+        else:
+            layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, self.graph_slots,
+                                                         width=self.cfg.width)
+        return VerifyPlan(verify_lens, layout, decision, survival, budget, dp)

@@ -1,0 +1,191 @@
+"""Tier sweep: profile a verify step over B x rows, fit the 1-D, additive and tiered cost models side by side.
+
+Rows are pinned at every tier top and at tier-2 .. tier+2 (plus B*F and the static point B*W); with
+--dense every row count in [B*F, B*W] is measured too (the oracle `perf/cost_regret.py` judges against).
+The models are fitted on the pinned samples only. Writes to --out (default graphs/):
+  <name>.sweep.json      raw samples (median seconds per point) + the three fitted models + tier-edge errors
+  <name>.<model>.json    each fitted cost model (steps_per_second, additive, tiered, tiered_dense),
+                         loadable with dspark.load_cost_model
+  <name>.tiers.json      the tier manifest of the runner that was profiled (when the adapter has one)
+  <name>.png             measured vs predicted cost per B, tiers marked
+
+  python perf/tier_sweep.py --dense                                  # built-in block verify step, CPU
+  python perf/tier_sweep.py --adapter mypkg.mod:make_adapter --device cuda
+The adapter factory is called as factory(tiers=, width=, max_requests=, device=) and returns a
+`dspark.profiling.StepAdapter` (prepare(num_requests, rows) / step()).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from dspark.blockstep import BlockVerifyAdapter
+from dspark.cost import CostModel, ProfileSample, tier_edge_errors
+from dspark.graphs import write_json_atomic
+from dspark.profiling import CLOCKS, STATS, StepAdapter, dense_rows, fit_cost_models, profile_steps, tier_rows
+
+SWEEP_SCHEMA = "dspark.tier_sweep"
+SWEEP_VERSION = 1
+FILE_STEMS = {"1-D": "steps_per_second"}  # model name -> file stem (default: the name, '-' -> '_')
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def progress_bar(done: int, total: int) -> None:
+    fill = 30 * done // total
+    if done != total and fill == 30 * (done - 1) // total:
+        return
+    sys.stderr.write(f"\r  [{'#' * fill}{'.' * (30 - fill)}] {done}/{total} steps")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def make_adapter(spec: str, args: argparse.Namespace, device: torch.device) -> StepAdapter:
+    """`block` (the built-in transformer-block verify step) or `module:factory` for a user's model."""
+    common = {"tiers": args.tiers, "width": args.width, "max_requests": max(args.batches), "device": device}
+    if spec == "block":
+        return BlockVerifyAdapter(**common, context=args.context, hidden=args.hidden, seed=args.seed)
+    mod, sep, attr = spec.partition(":")
+    if not sep:
+        raise SystemExit(f"--adapter must be 'block' or 'module:factory', got {spec!r}")
+    factory: Callable[..., StepAdapter] = getattr(importlib.import_module(mod), attr)
+    return factory(**common)
+
+
+def sweep_points(tiers: Sequence[int], batches: Sequence[int], width: int, dense: bool) -> tuple[list, set]:
+    pinned = {(b, m) for b in batches for m in tier_rows(tiers, b, width)}
+    every = {(b, m) for b in batches for m in dense_rows(b, width)} if dense else set()
+    return sorted(pinned | every), pinned
+
+
+def plot(path: Path, samples: Sequence[ProfileSample], pinned: set, models: dict[str, CostModel],
+         tiers: Sequence[int], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({s.num_requests for s in samples})
+    cols = min(3, len(batches))
+    nrows = -(-len(batches) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.6 * nrows), squeeze=False)
+    for ax, b in zip(axes.flat, batches):
+        mine = sorted((s for s in samples if s.num_requests == b), key=lambda s: s.rows)
+        rows = torch.tensor([s.rows for s in mine])
+        ax.scatter(rows, [s.seconds * 1e3 for s in mine], s=6, c="0.55", label="measured")
+        pin = [s for s in mine if (s.num_requests, s.rows) in pinned]
+        ax.scatter([s.rows for s in pin], [s.seconds * 1e3 for s in pin], s=16, c="k", marker="x", label="pinned (fit)")
+        dense = torch.arange(int(rows.min()), int(rows.max()) + 1)
+        for name, model in models.items():
+            ax.step(dense, model.step_seconds(b, dense) * 1e3, where="mid", lw=1.2, label=name)
+        for t in tiers:
+            if dense[0] <= t <= dense[-1]:
+                ax.axvline(t, color="0.8", ls=":", lw=0.8)
+        ax.set_title(f"B = {b}")
+        ax.set_xlabel("verify rows M (tiers dotted)")
+        ax.set_ylabel("step ms")
+    for ax in list(axes.flat)[len(batches):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--adapter", default="block", help="'block' or module:factory")
+    ap.add_argument("--tiers", type=ints, default=[8, 16, 24, 32, 48, 64, 80, 96, 112, 128])
+    ap.add_argument("--width", type=int, default=8, help="W = gamma + 1")
+    ap.add_argument("--batches", type=ints, default=[1, 2, 4, 8, 12, 16])
+    ap.add_argument("--dense", action="store_true", help="also measure every row count (the regret oracle)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--inner", type=int, default=1, help="steps per timing (their mean is one repeat)")
+    ap.add_argument("--stat", choices=sorted(STATS), default="median",
+                    help="over repeats: median, or min (contention only slows a step: use on a shared box)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (1: least noise on a shared box)")
+    ap.add_argument("--clock", choices=CLOCKS, default="wall",
+                    help="CPU timer: wall (perf_counter) or thread (thread CPU time; with --threads 1 on a "
+                         "shared box)")
+    ap.add_argument("--context", type=int, default=32, help="block step: cached context per request")
+    ap.add_argument("--hidden", type=int, default=64, help="block step: hidden size")
+    ap.add_argument("--row-bin", type=int, default=64, help="additive model M bin (the profiler default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default=None, help="file stem (default: <adapter name>-<platform>-W<W>)")
+    ap.add_argument("--out", type=Path, default=Path("graphs"))
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    adapter = make_adapter(args.adapter, args, device)
+    name = args.name or f"{adapter.name}-{device.type}-W{args.width}"
+    points, pinned = sweep_points(args.tiers, args.batches, args.width, args.dense)
+    print(f"tier sweep of {adapter.name} on {device}: {len(points)} points ({len(pinned)} pinned) x "
+          f"{args.repeats} repeats of {args.inner}, tiers {args.tiers}, B {args.batches}, W {args.width}, "
+          f"clock {args.clock}, {args.stat} over repeats")
+    t0 = time.perf_counter()
+    samples = profile_steps(adapter, points, warmup=args.warmup, repeats=args.repeats, inner=args.inner,
+                            seed=args.seed, clock=args.clock, stat=args.stat, progress=progress_bar)
+    elapsed = time.perf_counter() - t0
+    fit_on = [s for s in samples if (s.num_requests, s.rows) in pinned]
+    models = fit_cost_models(fit_on, tiers=args.tiers, width=args.width, platform=device.type,
+                             row_bin=args.row_bin)
+    inside = [s for s in samples if s.rows <= args.tiers[-1]]  # past the largest tier a step runs eager
+    edges = {n: tier_edge_errors(m, inside, args.tiers) for n, m in models.items()}
+
+    print(f"\n{'model':<12} {'fit RMS us':>10} {'fit R^2':>8} {'all-pts mean|err|':>18} {'max |err| at tier+-2':>21}")
+    for n, m in models.items():
+        err = [abs(float(m.step_seconds(s.num_requests, s.rows)) / s.seconds - 1) for s in inside]
+        worst = max(abs(e) for per in edges[n].values() for e in per.values())
+        print(f"{n:<12} {m.fit_report.rms * 1e6:>10.2f} {m.fit_report.r2:>8.4f} {sum(err) / len(err):>17.2%} "
+              f"{worst:>20.2%}")
+
+    out = args.out
+    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    record = {
+        "schema": SWEEP_SCHEMA, "version": SWEEP_VERSION, "command": command, "adapter": adapter.name,
+        "platform": device.type, "width": args.width, "tiers": args.tiers, "batches": args.batches,
+        "repeats": args.repeats, "inner": args.inner, "warmup": args.warmup, "stat": args.stat,
+        "threads": args.threads if device.type == "cpu" else None,
+        "clock": args.clock if device.type == "cpu" else "device events",
+        "dense": args.dense, "sweep_seconds": elapsed,
+        "samples": [{"num_requests": s.num_requests, "rows": s.rows, "seconds": s.seconds,
+                     "pinned": (s.num_requests, s.rows) in pinned} for s in samples],
+        "models": {n: m.to_dict() for n, m in models.items()},
+        "tier_edge_error": edges,
+    }
+    written = [write_json_atomic(out / f"{name}.sweep.json", record)]
+    written += [m.save(out / f"{name}.{FILE_STEMS.get(n, n.replace('-', '_'))}.json") for n, m in models.items()]
+    runner = getattr(adapter, "runner", None)
+    if runner is not None:
+        written.append(runner.manifest.save(out / f"{name}.tiers.json"))
+    png = out / f"{name}.png"
+    plot(png, samples, pinned, models, args.tiers,
+         f"{adapter.name} on {device.type}, W={args.width}: measured vs predicted")
+    written.append(png)
+    print(f"\nsweep took {elapsed:.1f} s; wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,290 @@
+"""TP/DP agreement on real torch.distributed (gloo on CPU, ranks spawned here, hard timeouts).
+
+One 4-rank launch runs every multi-process scenario at 4 ranks, then at 2 ranks (a process group of
+ranks 0 and 1), thousands of steps in all; the tests below assert on what the ranks returned. A hang
+fails the launch after LAUNCH_TIMEOUT (workers killed); a stuck collective errors after 60 s.
+In-process tests use a one-rank gloo group.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distributed_workers as w
+from dspark.distributed import (
+    DpTierAgreement,
+    ParallelConfig,
+    TpAgreement,
+    check_cost_table,
+    verify_lens_hash,
+)
+from dspark.config import ScheduleConfig
+from dspark.layout import round_up_to_tier
+from dspark.planner import VerifyPlanner
+from dspark.multiproc import run_local_gloo
+
+STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch runs many steps
+    2: {"verify": 2000, "broadcast": 500, "dp": 100, "planner": 30},
+    4: {"verify": 800, "broadcast": 200, "dp": 50, "planner": 30},
+}
+INJECT = {5: "value", 9: "batch"}
+LAUNCH_TIMEOUT = 150.0
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """One 4-rank launch runs every scenario at 4 ranks, then at 2 (ranks 0 and 1, a sub-group)."""
+    cache: list[list[dict]] = []
+
+    def get(world: int) -> list[dict]:
+        if not cache:
+            cache.append(run_local_gloo(w.scenarios, max(STEPS), args=(STEPS, INJECT), timeout=LAUNCH_TIMEOUT,
+                                        collective_timeout=60.0))
+        ranks = [r[world] for r in cache[0] if world in r]
+        assert len(ranks) == world
+        return ranks
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank gloo world in this process (FileStore in a temp dir: parallel runs never collide)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "s"), 1), rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
+
+
+def _hash_reference(lens: list[int]) -> list[int]:
+    """Python big-int reference of verify_lens_hash."""
+    out = []
+    for p, g in ((2_147_483_647, 48_271), (2_147_483_629, 69_621)):
+        x = [len(lens), *lens]
+        out.append(sum(v * pow(g, k + 1, p) for k, v in enumerate(x)) % p)
+    return out
+
+
+def check_layout(d: dict, width: int, slots: int) -> None:
+    """Invariants of a RaggedVerifyLayout summary (see distributed_workers.layout_summary)."""
+    b, rows = d["requests"], d["graph"]
+    assert d["lens"] == d["slot_lens"][:b] == d["seqused"][:b]
+    assert d["total"] == sum(d["lens"]) and rows >= d["total"]
+    assert len(d["slot_lens"]) == slots and all(0 <= n <= width for n in d["slot_lens"])
+    assert all(u == 0 for u in d["seqused"][b:]), "ghost slots must have seqused 0"
+    assert sum(d["slot_lens"]) == rows and d["slot_qo"][-1] == rows and d["slot_qo"][0] == 0
+    assert d["qo"] == d["slot_qo"][: b + 1]
+    assert len(d["row_slot"]) == len(d["row_within"]) == rows
+    for i, (s, j) in enumerate(zip(d["row_slot"], d["row_within"])):
+        assert d["slot_qo"][s] + j == i and 0 <= j < d["slot_lens"][s]
+    assert d["width"] == width
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_verify_mode_identical_lens_every_step(launches, world):
+    ranks = launches(world)
+    ref = ranks[0]["verify"]["agreed"]
+    assert len(ref) == STEPS[world]["verify"]
+    for r in ranks:
+        assert r["verify"]["agreed"] == ref
+        assert r["verify"]["local"] == r["verify"]["agreed"]
+    for step in range(0, STEPS[world]["verify"], 97):
+        assert ref[step] == w.replicated_lens(step).tolist()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_broadcast_mode_takes_first_rank_lens(launches, world):
+    ranks = launches(world)
+    first = ranks[0]["broadcast"]["local"]
+    assert len(first) == STEPS[world]["broadcast"]
+    for r in ranks:
+        assert r["broadcast"]["agreed"] == first
+    for r in ranks[1:]:
+        differ = sum(a != b for a, b in zip(r["broadcast"]["local"], first))
+        assert differ == len(first), "non-first ranks must start from different lens"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_injected_disagreement_detected_same_step_on_every_rank(launches, world):
+    for r in launches(world):
+        events = r["injected"]
+        assert [e[0] for e in events] == sorted(INJECT)
+        for step, message, bad in events:
+            assert bad == [world - 1]
+            assert f"ranks [{world - 1}] differ from rank 0" in message
+            assert f"ranks {list(range(world - 1))} hold verify_lens hash" in message
+        b_value = w.replicated_lens(9).shape[0]
+        assert f"(B={b_value})" in events[1][1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dp_ranks_agree_on_tier_and_idle_rank_layout_is_valid(launches, world):
+    ranks = launches(world)
+    per_rank = [r["dp"] for r in ranks]
+    assert all(len(p) == STEPS[world]["dp"] for p in per_rank)
+    tiers_seen = set()
+    for step, steps in enumerate(zip(*per_rank)):
+        rows = tuple(sum(s["lens"]) for s in steps)
+        requests = tuple(len(s["lens"]) for s in steps)
+        expect = round_up_to_tier(max(rows), w.TIERS)
+        reason = f"DP rank {rows.index(max(rows))} has {max(rows)} verify rows"
+        short = [r for r in range(world) if expect is not None and expect - rows[r] > (w.SLOTS - requests[r]) * w.WIDTH]
+        if short:  # some rank's padding does not fit its ghost slots: everyone eager
+            reason = f"DP rank {short[0]} needs {expect - rows[short[0]]} padding rows to reach tier {expect}"
+            expect = None
+        for s in steps:
+            assert (s["tier"], s["rows"], s["requests"]) == (expect, rows, requests), f"step {step}"
+            assert s["layout"]["tier"] == expect
+            check_layout(s["layout"], w.WIDTH, w.SLOTS)
+            if expect is None:
+                assert reason in s["eager"] and s["layout"]["eager"] == s["eager"]
+            else:
+                assert s["layout"]["graph"] == expect
+                assert s["forward"] == world * (world + 1) / 2
+        assert world - 1 in steps[0]["idle"]
+        idle = steps[-1]["layout"]
+        assert idle["requests"] == 0 and idle["total"] == 0
+        assert idle["graph"] == (expect if expect is not None else w.SLOTS)
+        if expect is None:
+            assert idle["slot_lens"] == [1] * w.SLOTS
+        tiers_seen.add(expect)
+    assert None in tiers_seen and len(tiers_seen) >= 3, f"scenario must cover eager and tiers: {tiers_seen}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_with_other_cost_table_is_refused_naming_both_hashes(launches, world):
+    same, other = (t.fingerprint() for t in w.cost_tables())
+    for rank, r in enumerate(launches(world)):
+        msg = r["cost"]["message"]
+        assert msg is not None and r["cost"]["ranks"] == [world - 1]
+        assert f"ranks {list(range(world - 1))} have {same}" in msg
+        assert f"ranks [{world - 1}] have {other}" in msg
+        if rank == world - 1:
+            assert f"rank {rank} is refused: its cost table {other} differs from {same} (rank 0)" in msg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_planner_with_parallel_config_agrees_and_matches_a_single_rank_planner(launches, world):
+    ranks = [r["planner"] for r in launches(world)]
+    solo = [VerifyPlanner(ScheduleConfig(gamma=w.GAMMA), w.cost_tables()[0], lag=1, tiers=w.TIERS,
+                          num_slots=16, graph_slots=w.SLOTS) for _ in range(world // 2)]
+    idle_steps = 0
+    for step, steps in enumerate(zip(*ranks)):
+        for replica, planner in enumerate(solo):
+            plan = planner.plan(*w.planner_inputs(replica, step, 16))
+            for peer in (2 * replica, 2 * replica + 1):
+                assert steps[peer]["lens"] == plan.verify_lens.tolist(), f"step {step} rank {peer}"
+        assert len({(s["tier"], s["rows"]) for s in steps}) == 1, f"step {step}: DP ranks disagree"
+        for s in steps:
+            check_layout(s["layout"], w.WIDTH, w.SLOTS)
+            assert s["layout"]["tier"] == s["tier"]
+            idle_steps += not s["lens"]
+    assert idle_steps > 0 if world == 4 else idle_steps == 0
+
+
+def test_launcher_turns_a_hang_into_a_timeout_error():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 1 still running after 3 s"):
+        run_local_gloo(w.hang, 1, timeout=3.0)
+    assert time.monotonic() - t0 < 10
+
+
+@settings(max_examples=50)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=40))
+def test_hash_matches_bigint_reference(lens):
+    got = verify_lens_hash(torch.tensor(lens, dtype=torch.int64))
+    assert got.dtype == torch.int64 and got.tolist() == _hash_reference(lens)
+
+
+def test_hash_on_device_equals_cpu(device):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(1, 9, (257,), generator=g, dtype=torch.int32)
+    assert verify_lens_hash(x.to(device)).cpu().tolist() == verify_lens_hash(x).tolist()
+
+
+def test_hash_separates_every_single_change_and_batch_change():
+    g = torch.Generator().manual_seed(11)
+    seen = set()
+    for _ in range(300):
+        x = torch.randint(1, 9, (int(torch.randint(1, 64, (1,), generator=g)),), generator=g, dtype=torch.int32)
+        base = tuple(verify_lens_hash(x).tolist())
+        seen.add((tuple(x.tolist()), base))
+        i = int(torch.randint(0, x.shape[0], (1,), generator=g))
+        y = x.clone()
+        y[i] = y[i] % 8 + 1
+        assert tuple(verify_lens_hash(y).tolist()) != base
+        assert tuple(verify_lens_hash(x[:-1]).tolist()) != base
+        swapped = x.flip(0)
+        if not torch.equal(swapped, x):
+            assert tuple(verify_lens_hash(swapped).tolist()) != base
+    assert len({h for _, h in seen}) == len({v for v, _ in seen})
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="'both'"):
+        ParallelConfig(tp_mode="both")
+    with pytest.raises(TypeError, match="float32"):
+        verify_lens_hash(torch.ones(3))
+
+
+def test_agreement_needs_an_initialized_process_group(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        TpAgreement(None, "verify")
+
+
+def test_one_rank_group_is_a_no_op_and_validates(one_rank_group):
+    lens = torch.tensor([3, 1, 8], dtype=torch.int32)
+    for mode in ("verify", "broadcast"):
+        assert torch.equal(TpAgreement(None, mode).agree(lens), lens)
+    check_cost_table(None, "anything")
+    with pytest.raises(ValueError, match="''"):
+        check_cost_table(None, "")
+    with pytest.raises(ValueError, match="'sometimes'"):
+        TpAgreement(None, "sometimes")
+    with pytest.raises(ValueError, match="slots .* got 0"):
+        DpTierAgreement(None, w.TIERS, 0, w.WIDTH)
+    with pytest.raises(ValueError, match="width .* got 0"):
+        DpTierAgreement(None, w.TIERS, w.SLOTS, 0)
+    dp = DpTierAgreement(None, w.TIERS, w.SLOTS, w.WIDTH)
+    with pytest.raises(ValueError, match="DP rank 0 has 9 requests"):
+        dp.decide((9,), (9,))
+    with pytest.raises(ValueError, match=r"one \(requests, rows\) per DP rank \(1\), got 2 and 2"):
+        dp.decide((1, 2), (3, 4))
+
+
+@settings(max_examples=40)
+@given(
+    b=st.integers(0, w.SLOTS - 1),
+    tiers=st.sampled_from([(), (8,), (8, 16, 32), (4, 12, 40, 56)]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_rank_layouts_valid_for_any_batch(one_rank_group, b, tiers, seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, w.WIDTH + 1, (b,), generator=g, dtype=torch.int32)
+    layout, dec = DpTierAgreement(None, tiers, w.SLOTS, w.WIDTH).step(lens)
+    d = w.layout_summary(layout)
+    check_layout(d, w.WIDTH, w.SLOTS)
+    total = int(lens.sum())
+    tier = round_up_to_tier(total, tiers) if tiers else None
+    if tier is not None and tier - total > (w.SLOTS - b) * w.WIDTH:
+        tier = None  # the padding does not fit the ghost slots: eager
+    assert dec.tier == layout.tier == tier and dec.rows == (total,) and dec.requests == (b,)
+    assert dec.idle_ranks == ((0,) if b == 0 else ())
+    if tier is not None:
+        assert layout.graph_num_tokens == tier
+    elif b == 0:
+        assert d["slot_lens"] == [1] * w.SLOTS and layout.eager_reason == dec.eager_reason
+    else:
+        assert layout.graph_num_tokens == total
+    assert (dec.eager_reason is not None) == (bool(tiers) and tier is None)
+    assert layout.eager_reason == dec.eager_reason
