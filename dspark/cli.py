@@ -41,6 +41,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lag", type=int, default=1, help="planner survival lag (0 = synchronous greedy scan)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: tiny ops)")
+    p.add_argument("--tiers", type=ints, default=(),
+                   help="comma list of token tiers: compact steps pad to the smallest tier >= rows and the "
+                        "planner uses a TieredCostModel (default: none, eager)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the models' dense parts (off by default: on CPU the compile time "
                         "outweighs the gain in a 5-minute demo)")
@@ -56,7 +59,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         policies=tuple(x for x in args.policies.split(",") if x), gamma=args.gamma, prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=args.sampling,
         temperature=args.temperature, lag=args.lag, threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
-        compile=args.compile,
+        compile=args.compile, tiers=args.tiers,
     )
     try:
         run_demo(cfg)

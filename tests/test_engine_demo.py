@@ -31,6 +31,14 @@ def _one_thread():
     torch.set_num_threads(old)
 
 
+def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
+    summary = run_demo(_cfg(tmp_path, tiers=(4, 8, 9), policies=("adaptive", "oracle")), echo=lambda s: None,
+                       show_progress=False)
+    assert summary["cost_model"]["kind"] == "tiered"
+    steps = [r for k, recs in summary["steps"].items() if k.startswith("adaptive") for r in recs]
+    assert steps and all(r["tier"] in (4, 8, 9) and r["rows"] == r["tier"] for r in steps)
+
+
 def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
     summary = run_demo(_cfg(tmp_path), echo=lambda s: None, show_progress=False)
     out = tmp_path / "out"
@@ -68,6 +76,7 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     (dict(gamma=0), "gamma must be an int in"),
     (dict(gamma=99), "gamma must be an int in"),
     (dict(batch_sizes=(0,)), "batch sizes must be positive"),
+    (dict(tiers=(8, 4)), "strictly increasing"),
 ])
 def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

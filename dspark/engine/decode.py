@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from dspark.engine.model import DraftLM, TinyLM
 from dspark.engine.pending import accept_greedy, accept_sampling
 from dspark.engine.policies import FixedK, Oracle, PolicyPlan
 from dspark.engine.step_attention import StepAttention, batch_attention
-from dspark.layout import RaggedVerifyLayout
+from dspark.layout import RaggedVerifyLayout, check_tiers
 
 DEVICES = ("cpu", "cuda")
 
@@ -73,8 +74,9 @@ class SpecDecoder:
     """Target + draft with their paged KV caches; runs one policy over a batch of equal-length prompts."""
 
     def __init__(self, target: TinyLM, draft: DraftLM, *, cache_tokens: int = 65536, page_size: int = 16,
-                 device: str | torch.device = "cpu", compile: bool = False):
+                 device: str | torch.device = "cpu", compile: bool = False, tiers: Sequence[int] | None = None):
         self.device = check_device(device)
+        self.tiers = check_tiers(tiers)
         self.target = target.to(self.device).eval()
         self.draft = draft.to(self.device).eval()
         if compile:
@@ -95,6 +97,11 @@ class SpecDecoder:
                  prefix: Tensor) -> Tensor:
         attend = StepAttention(self._attn[id(cache)], cache, layout, prefix)
         return model(tokens, attend.positions, attend)
+
+    def graph_slots(self, b: int, width: int) -> int | None:
+        """Slot count of a tier-padded compact step: B real slots plus enough ghost slots (<= W rows each)
+        for the largest possible padding; None without tiers."""
+        return b + -(-self.tiers[-1] // width) if self.tiers else None
 
     def _uniform(self, b: int, rows: int) -> RaggedVerifyLayout:
         return RaggedVerifyLayout.from_verify_lens(torch.full((b,), rows, dtype=torch.int32), width=rows)
@@ -120,8 +127,10 @@ class SpecDecoder:
                     f"the model's max_seq_len {m.cfg.max_seq_len}")
         self.tcache.admit(b, self._max_len)
         self.dcache.admit(b, self._max_len)
-        rows = b * max(p, w)  # the largest forward: the prefill or a full verify
-        self._attn = {id(c): batch_attention(c, rows, b) for c in (self.tcache, self.dcache)}
+        rows = max(b * max(p, w), self.tiers[-1] if self.tiers else 0)  # prefill, full verify or top tier
+        self._slots = self.graph_slots(b, w)
+        slots = self._slots or b + 1
+        self._attn = {id(c): batch_attention(c, rows, slots) for c in (self.tcache, self.dcache)}
         gen = torch.Generator(device=self.device).manual_seed(seed)
         buf = torch.zeros(b, self._max_len + w, dtype=torch.long, device=self.device)
         buf[:, :p] = prompts.to(self.device)
@@ -171,7 +180,8 @@ class SpecDecoder:
         else:
             plan = policy.plan(conf, slots, gens)
         if mode is VerifyMode.COMPACT:
-            layout = plan.layout or RaggedVerifyLayout.from_verify_lens(plan.verify_lens, width=w)
+            layout = plan.layout or RaggedVerifyLayout.from_verify_lens(plan.verify_lens, self.tiers or None,
+                                                                        self._slots, width=w)
             syncs += 1  # verify lengths to the host for the packed layout
         else:
             layout = self._uniform(b, w)

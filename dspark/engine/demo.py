@@ -25,9 +25,10 @@ from typing import Callable, Sequence
 import torch
 
 from dspark.config import ScheduleConfig, VerifyMode
+from dspark.layout import check_tiers
 from dspark.engine.decode import GenerateResult, SpecDecoder, check_device
 from dspark.engine.policies import Adaptive, FixedK, Oracle
-from dspark.engine.profile import fit_cost_model, profile_step_costs, row_grid
+from dspark.engine.profile import fit_cost_model, profile_points, profile_step_costs
 from dspark.engine.records import step_records
 from dspark.engine.sts import record_and_fit
 from dspark.engine.train import TrainConfig, corpus, default_cache_dir, load_or_train
@@ -53,6 +54,7 @@ class DemoConfig:
     temperature: float = 1.0
     lag: int = 1
     threads: int = 1
+    tiers: tuple[int, ...] = ()  # captured token tiers for compact steps (() = eager, no padding)
     compile: bool = False   # torch.compile the dense block parts (CPU: ~18 s compile for small gains; off)
     seed: int = 0
     cache_dir: str | None = None
@@ -86,6 +88,7 @@ def check_config(cfg: DemoConfig) -> None:
     if isinstance(cfg.gamma, bool) or not isinstance(cfg.gamma, int) or not 1 <= cfg.gamma <= top:
         raise ValueError(f"gamma must be an int in [1, {top}] (the draft's heads), got {cfg.gamma!r}")
     parse_policies(cfg.policies, cfg.gamma)
+    check_tiers(cfg.tiers)
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
     for name in ("prompt_len", "max_new_tokens", "repeats", "profile_repeats", "threads"):
@@ -120,9 +123,9 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _make_policy(name: str, gamma: int, planner_factory: Callable[[], VerifyPlanner]):
+def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int], VerifyPlanner]):
     if name == "adaptive":
-        return Adaptive(planner_factory())
+        return Adaptive(planner_factory(b))
     if name == "oracle":
         return Oracle(gamma)
     return FixedK(int(name[6:]))
@@ -167,14 +170,15 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
          f"({Path(cfg.cache_dir or default_cache_dir())}) in {time.perf_counter() - t_start:.0f}s")
     gamma, bmax = cfg.gamma, max(cfg.batch_sizes)
     decoder = SpecDecoder(target, draft, cache_tokens=bmax * target.cfg.max_seq_len, device=device,
-                          compile=cfg.compile)
+                          compile=cfg.compile, tiers=cfg.tiers or None)
     prompts = heldout_prompts(bmax, cfg.prompt_len, cfg.seed)
     runs = len(cfg.batch_sizes) * len(names) * cfg.repeats + len(VerifyMode) * len(names)
-    profile_runs = cfg.profile_repeats * sum(len(row_grid(b, gamma + 1, 5)) for b in cfg.batch_sizes)
-    bar = Progress(runs + 1 + profile_runs, show_progress)
-    samples = profile_step_costs(decoder, prompts, cfg.batch_sizes, gamma, mode=mode, repeats=cfg.profile_repeats,
+    grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
+    bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
+    samples = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
                                  progress=lambda: bar("profiling step cost"))
-    cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}")
+    cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
+                                        tiers=decoder.tiers)
     cost.save(tmp / "cost_model.json")
     calib = record_and_fit(decoder, heldout_prompts(bmax, cfg.prompt_len, cfg.seed + 1), gamma, cfg.max_new_tokens,
                            tmp / "sts_shards", sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
@@ -183,8 +187,9 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     temps = calib.temperatures
     sched = ScheduleConfig(gamma=gamma)
 
-    def planner() -> VerifyPlanner:
-        return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps)
+    def planner(b: int) -> VerifyPlanner:
+        return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps,
+                             tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
 
     records: dict[tuple[str, int], list[StepRecord]] = {}
     seconds: dict[tuple[str, int], list[float]] = {}
@@ -194,7 +199,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         for rep in range(cfg.repeats):
             ref = None
             for name in names:
-                policy = _make_policy(name, gamma, planner)
+                policy = _make_policy(name, gamma, b, planner)
                 res = decoder.generate(batch, cfg.max_new_tokens, policy, mode=mode, sampling=cfg.sampling,
                                        temperature=cfg.temperature, seed=cfg.seed + rep)
                 bar(f"B={b} {name}")
@@ -212,7 +217,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         ref = decoder.generate(small, cfg.max_new_tokens // 2, FixedK(0), mode=VerifyMode.STATIC)
         for m in VerifyMode:
             for name in names:
-                res = decoder.generate(small, cfg.max_new_tokens // 2, _make_policy(name, gamma, planner), mode=m)
+                res = decoder.generate(small, cfg.max_new_tokens // 2,
+                                       _make_policy(name, gamma, small.shape[0], planner), mode=m)
                 _assert_lossless(ref, res, f"{name} ({m.value})")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")

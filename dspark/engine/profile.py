@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from dspark.config import VerifyMode
-from dspark.cost import AdditiveCostModel, FitReport, ProfileSample
+from dspark.cost import AdditiveCostModel, CostModel, FitReport, ProfileSample, TieredCostModel
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import PolicyPlan
+from dspark.profiling import tier_rows
 
 
 class ForcedRows:
@@ -39,14 +40,22 @@ def row_grid(batch: int, width: int, points: int) -> list[int]:
     return sorted({batch + round(i * (top - batch) / (points - 1)) for i in range(points)})
 
 
-def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, batch_sizes: Sequence[int], gamma: int, *,
-                       points: int = 5, tokens: int = 12, repeats: int = 2,
-                       mode: VerifyMode = VerifyMode.COMPACT,
+def profile_points(batch_sizes: Sequence[int], gamma: int, tiers: Sequence[int] = (), points: int = 5
+                   ) -> list[tuple[int, int]]:
+    """(B, M) points: `points` evenly spaced M per B, or with tiers the tier sweep's rows (every tier
+    top and tier-2 .. tier+2 inside [B, B*W]) that fit the largest tier."""
+    if not tiers:
+        return [(b, m) for b in batch_sizes for m in row_grid(b, gamma + 1, points)]
+    return [(b, m) for b in batch_sizes for m in tier_rows(tiers, b, gamma + 1) if m <= tiers[-1]]
+
+
+def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tuple[int, int]], gamma: int, *,
+                       tokens: int = 12, repeats: int = 2, mode: VerifyMode = VerifyMode.COMPACT,
                        progress: Callable[[], None] | None = None) -> list[ProfileSample]:
-    """Whole-step seconds for each B and each M on `row_grid`: median over `repeats` interleaved sweeps
-    of each run's median step (one warm-up run per B first; sweeps interleave so bursts of machine
-    load spread over all points instead of biasing one)."""
-    grid = [(b, m) for b in batch_sizes for m in row_grid(b, gamma + 1, points)]
+    """Whole-step seconds at each (B, M) point: median over `repeats` interleaved sweeps of each run's
+    median step (one warm-up run per B first; sweeps interleave so bursts of machine load spread over
+    all points instead of biasing one)."""
+    batch_sizes = sorted({b for b, _ in grid})
     for b in batch_sizes:
         decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1)), mode=mode)
     runs: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
@@ -62,13 +71,15 @@ def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, batch_sizes: Seque
             for b, m in grid]
 
 
-def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str,
-                   row_bins: Sequence[int] = (1, 8, 32, 64)) -> tuple[AdditiveCostModel, FitReport, int]:
-    """Additive model `bias + alpha(B) + theta(M)`: the finest M binning whose fit is valid.
-
-    Noisy timings can make the finest fit predict a non-positive time somewhere (the model refuses
-    that); coarser bins average the noise out. Returns (model, report, row_bin used).
-    """
+def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, tiers: Sequence[int] = (),
+                   row_bins: Sequence[int] = (1, 8, 32, 64)) -> tuple[CostModel, FitReport, int | None]:
+    """With tiers: TieredCostModel (one value per tier). Without: the additive model
+    `bias + alpha(B) + theta(M)` at the finest M binning whose fit is valid (noisy timings can make the
+    finest fit predict a non-positive time somewhere, which the model refuses; coarser bins average
+    the noise out). Returns (model, report, row_bin used or None)."""
+    if tiers:
+        model, report = TieredCostModel.fit(samples, tiers=tiers, platform=platform, width=gamma + 1)
+        return model, report, None
     errors = []
     for row_bin in row_bins:
         try:

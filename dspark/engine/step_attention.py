@@ -15,10 +15,10 @@ from dspark.engine.kv_cache import PagedKVCache
 from dspark.layout import RaggedVerifyLayout
 
 
-def batch_attention(cache: PagedKVCache, max_rows: int, batch: int) -> RaggedVerifyAttention:
-    """Persistent attention metadata for `batch` admitted requests and forwards of <= max_rows rows."""
+def batch_attention(cache: PagedKVCache, max_rows: int, max_slots: int) -> RaggedVerifyAttention:
+    """Persistent attention metadata for forwards of <= max_rows rows over <= max_slots slots (real + ghost)."""
     _, num_pages, page_size, heads, head_dim = cache.k.shape
-    return RaggedVerifyAttention(max_rows, batch + 1, int(cache.block_table.shape[1]), heads, heads, head_dim,
+    return RaggedVerifyAttention(max_rows, max_slots, int(cache.block_table.shape[1]), heads, heads, head_dim,
                                  page_size, cache.k.device, cache.k.dtype, num_pages=num_pages)
 
 
