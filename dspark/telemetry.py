@@ -21,7 +21,6 @@ class StepRecord:
     mode: str
     sampling: bool
     batch: int                 # B: requests in this planner decision
-    active: int                # requests still decoding (finished ones ride along, uncounted)
     lag: int                   # steps of lag of the survival used for the budget (0 = synchronous)
     tier: int | None           # graph tier replayed (None = eager)
     budget: int | None         # extra verify rows beyond the floor (None when no planner)
@@ -87,7 +86,7 @@ def tau_bias(records: Iterable[StepRecord], by: Sequence[str] = ("batch", "lag",
 
 def acceptance(records: Sequence[StepRecord]) -> dict:
     """AL and the strict acceptance rate with their counts."""
-    req_steps = sum(r.active for r in records)
+    req_steps = sum(r.batch for r in records)
     committed = sum(r.committed for r in records)
     proposed = sum(r.proposed for r in records)
     accepted = sum(r.accepted for r in records)

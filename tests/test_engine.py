@@ -62,7 +62,7 @@ def test_greedy_lossless_every_mode_and_policy(decoder: SpecDecoder) -> None:
         for policy in _policies(3):
             out = decoder.generate(prompts, 16, policy, mode=mode)
             assert torch.equal(out.tokens, ref.tokens), (mode, policy.name)
-            commits = torch.stack([s.commit_lens for s in out.steps])
+            commits = torch.cat([s.commit_lens for s in out.steps])
             accepted_any |= bool((commits > 1).any())
             assert int(commits.max()) <= policy.num_drafts + 1
     assert accepted_any, "the perturbed draft never got a token accepted: the test would not exercise accept"
@@ -97,7 +97,7 @@ def test_sampling_matches_target_distribution(mode: str) -> None:
     exact = _exact_two_token_dist(target, prompt, temp).flatten().double()
     out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, FixedK(3), mode=mode, sampling=True,
                        temperature=temp, seed=7)
-    acc = torch.stack([s.commit_lens for s in out.steps])
+    acc = torch.cat([s.commit_lens for s in out.steps])
     assert bool((acc > 1).any()) and bool((acc == 1).any()), "need both accepts and rejects"
     pair = out.tokens[:, 0] * vocab + out.tokens[:, 1]
     counts = torch.bincount(pair.cpu(), minlength=vocab * vocab).double()

@@ -51,9 +51,9 @@ class StepTimes:
 class StepOutcome:
     """What one step did (device tensors; the caller reads them after the run, no extra syncs)."""
 
+    requests: Tensor               # [B] host ids of the unfinished requests this step ran for
     plan: PolicyPlan
     layout: RaggedVerifyLayout     # the verify forward's layout (static modes: B x W)
-    active: Tensor                 # [B] bool (host): requests still decoding (finished ones are frozen)
     caps: Tensor                   # [B] verify lengths the accept honoured (static: W)
     confidence_logits: Tensor      # [B, k] the draft's raw confidence logits
     commit_lens: Tensor
@@ -94,8 +94,9 @@ class SpecDecoder:
 
     # -- forwards -------------------------------------------------------------------------------------
     def _forward(self, model: TinyLM, cache: PagedKVCache, tokens: Tensor, layout: RaggedVerifyLayout,
-                 prefix: Tensor) -> Tensor:
-        attend = StepAttention(self._attn[id(cache)], cache, layout, prefix)
+                 prefix: Tensor, reqs: Tensor) -> Tensor:
+        """Hidden states of packed rows for requests `reqs` (device ids into the admitted batch)."""
+        attend = StepAttention(self._attn[id(cache)], cache, layout, prefix, cache.block_table[reqs])
         return model(tokens, attend.positions, attend)
 
     def graph_slots(self, b: int, width: int) -> int | None:
@@ -119,7 +120,7 @@ class SpecDecoder:
             raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the draft model has only "
                              f"{self.draft.gamma} heads (gamma must be in [0, {self.draft.gamma}])")
         w = k + 1
-        self._max_len = p + max_new_tokens + 2 * w  # a finished request stays frozen below this
+        self._max_len = p + max_new_tokens + w
         for m in (self.target, self.draft):
             if self._max_len > m.cfg.max_seq_len:
                 raise ValueError(
@@ -135,20 +136,24 @@ class SpecDecoder:
         buf = torch.zeros(b, self._max_len + w, dtype=torch.long, device=self.device)
         buf[:, :p] = prompts.to(self.device)
         zeros = torch.zeros(b, dtype=torch.int64)
-        self._forward(self.target, self.tcache, buf[:, : p - 1].reshape(-1), self._uniform(b, p - 1), zeros)
+        everyone = torch.arange(b, device=self.device)
+        prompt_rows = buf[:, : p - 1].reshape(-1)
+        self._forward(self.target, self.tcache, prompt_rows, self._uniform(b, p - 1), zeros, everyone)
         if k:
-            self._forward(self.draft, self.dcache, buf[:, : p - 1].reshape(-1), self._uniform(b, p - 1), zeros)
+            self._forward(self.draft, self.dcache, prompt_rows, self._uniform(b, p - 1), zeros, everyone)
         lens = torch.full((b,), p, dtype=torch.int64)  # host copy of the committed lengths
         dlen = torch.full((b,), p - 1, dtype=torch.int64)  # host: positions < dlen hold draft KV
-        slots = torch.arange(b, device=self.device)
         self._generation += 1  # a new batch of requests: lagged survival of earlier runs must not leak in
         gens = torch.full((b,), self._generation, dtype=torch.int64, device=self.device)
         result = GenerateResult(tokens=buf)
         end = p + max_new_tokens
-        while int(lens.min()) < end:
-            active = lens < end  # finished requests stay in the batch, frozen: nothing more is committed
-            out = self._step(buf, lens, dlen, active, policy, mode, sampling, temperature, gen, slots, gens)
-            lens += out.commit_lens.cpu() * active  # sync: the next step's positions and the stop test
+        while True:
+            # finished requests leave the batch; the slot id (the lag ring's key) stays the request's
+            reqs = (lens < end).nonzero().squeeze(1)
+            if not reqs.numel():
+                break
+            out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
+            lens[reqs] += out.commit_lens.cpu()  # sync: the next step's positions and the stop test
             out.host_syncs += 1
             result.steps.append(out)
         result.seconds = sum(s.times.draft + s.times.plan + s.times.verify + s.times.accept for s in result.steps)
@@ -157,28 +162,29 @@ class SpecDecoder:
         self.dcache.release()
         return result
 
-    def _step(self, buf: Tensor, lens: Tensor, dlen: Tensor, active: Tensor, policy, mode: VerifyMode, sampling: bool, temperature: float,
-              gen: torch.Generator, slots: Tensor, gens: Tensor) -> StepOutcome:
-        b, k = lens.numel(), policy.num_drafts
+    def _step(self, buf: Tensor, all_lens: Tensor, all_dlen: Tensor, reqs: Tensor, policy, mode: VerifyMode,
+              sampling: bool, temperature: float, gen: torch.Generator, all_gens: Tensor) -> StepOutcome:
+        """One step for the requests `reqs` (host ids of the unfinished requests)."""
+        b, k = reqs.numel(), policy.num_drafts
         w = k + 1
+        lens, dev_reqs = all_lens[reqs], reqs.to(self.device)
         times = StepTimes()
         syncs = 0
         t0 = time.perf_counter()
-        drafts, draft_probs, conf = self._draft(buf, lens, dlen, k, sampling, temperature, gen)
+        drafts, draft_probs, conf = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature, gen)
         t1 = time.perf_counter()
         times.draft = t1 - t0
-        rows = torch.arange(b, device=self.device)
-        root = buf[rows, (lens - 1).to(self.device)]
+        root = buf[dev_reqs, (lens - 1).to(self.device)]
         strided = torch.cat([root[:, None], drafts], 1)
         prefix = lens - 1
         if isinstance(policy, Oracle):
-            full = self._verify(strided, self._uniform(b, w), prefix, w)
+            full = self._verify(strided, self._uniform(b, w), prefix, dev_reqs, w)
             res = self._accept(drafts, draft_probs, full, torch.full((b,), w, dtype=torch.int32,
                                                                      device=self.device), sampling, temperature, gen)
             plan = PolicyPlan(res.commit_lens.to(torch.int32))
             t1 = time.perf_counter()  # the prepass is not charged to the oracle
         else:
-            plan = policy.plan(conf, slots, gens)
+            plan = policy.plan(conf, dev_reqs, all_gens[dev_reqs])
         if mode is VerifyMode.COMPACT:
             layout = plan.layout or RaggedVerifyLayout.from_verify_lens(plan.verify_lens, self.tiers or None,
                                                                         self._slots, width=w)
@@ -187,7 +193,7 @@ class SpecDecoder:
             layout = self._uniform(b, w)
         t2 = time.perf_counter()
         times.plan = t2 - t1
-        logits = self._verify(strided, layout, prefix, w)
+        logits = self._verify(strided, layout, prefix, dev_reqs, w)
         t3 = time.perf_counter()
         times.verify = t3 - t2
         caps = plan.verify_lens if mode is not VerifyMode.STATIC else torch.full(
@@ -195,29 +201,30 @@ class SpecDecoder:
         acc = self._accept(drafts, draft_probs, logits, caps, sampling, temperature, gen)
         if isinstance(policy, Oracle):
             acc = res
-        self._commit(buf, lens, acc.tokens, acc.commit_lens * active.to(self.device))
+        self._commit(buf, dev_reqs, lens, acc.tokens, acc.commit_lens)
         times.accept = time.perf_counter() - t3
-        return StepOutcome(plan=plan, layout=layout, active=active, caps=caps, confidence_logits=conf,
+        return StepOutcome(requests=reqs, plan=plan, layout=layout, caps=caps, confidence_logits=conf,
                            commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=syncs)
 
-    def _draft(self, buf: Tensor, lens: Tensor, dlen: Tensor, k: int, sampling: bool, temperature: float,
-               gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor]:
+    def _draft(self, buf: Tensor, lens: Tensor, all_dlen: Tensor, reqs: Tensor, k: int, sampling: bool,
+               temperature: float, gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor]:
         """k draft tokens [B, k], their distributions [B, k, V] (sampling) and confidence logits [B, k].
 
         One draft forward over the tokens committed since the draft last ran (positions dlen..L-1,
-        ragged; a frozen request re-feeds its root), then the block heads propose all k drafts.
+        ragged), then the block heads propose all k drafts.
         """
         b, dev = lens.numel(), self.device
         if k == 0:
             return torch.zeros(b, 0, dtype=torch.long, device=dev), None, torch.zeros(b, 0, device=dev)
-        rows = (lens - dlen).clamp_min(1)
+        rows = lens - all_dlen[reqs]
         prefix = lens - rows
         layout = RaggedVerifyLayout.from_verify_lens(rows.to(torch.int32).to(dev))
         real = layout.total_rows
         pos = layout.positions(prefix.to(dev))[:real]
-        ids = buf[layout.row_slot[:real].long(), pos]
-        h = self._forward(self.draft, self.dcache, ids, layout, prefix)
-        dlen.copy_(lens)
+        dev_reqs = reqs.to(dev)
+        ids = buf[dev_reqs[layout.row_slot[:real].long()], pos]
+        h = self._forward(self.draft, self.dcache, ids, layout, prefix, dev_reqs)
+        all_dlen[reqs] = lens
         logits, conf = self.draft.propose(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
         if not sampling:
             return logits.argmax(-1), None, conf
@@ -225,10 +232,10 @@ class SpecDecoder:
         drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k)
         return drafts, q, conf
 
-    def _verify(self, strided: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, w: int) -> Tensor:
+    def _verify(self, strided: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, reqs: Tensor, w: int) -> Tensor:
         """Target logits of the verify rows, scattered back to strided [B, W, V]."""
         ids = layout.pack(strided)
-        logits = self.target.logits(self._forward(self.target, self.tcache, ids, layout, prefix))
+        logits = self.target.logits(self._forward(self.target, self.tcache, ids, layout, prefix, reqs))
         return layout.scatter(logits, width=w)
 
     def _accept(self, drafts: Tensor, draft_probs: Tensor | None, logits: Tensor, caps: Tensor, sampling: bool,
@@ -239,15 +246,14 @@ class SpecDecoder:
             return accept_sampling(drafts, q, p, caps, generator=gen)
         return accept_greedy(drafts, logits, caps)
 
-    def _commit(self, buf: Tensor, lens: Tensor, tokens: Tensor, commit_lens: Tensor) -> None:
-        """Write each request's committed tokens after its length (masked columns go past the end)."""
-        b, w = tokens.shape
+    def _commit(self, buf: Tensor, reqs: Tensor, lens: Tensor, tokens: Tensor, commit_lens: Tensor) -> None:
+        """Write each request's committed tokens after its length (columns past commit go to the spare
+        last column, which is never read)."""
+        w = tokens.shape[1]
         cols = torch.arange(w, device=self.device)
         idx = lens.to(self.device)[:, None] + cols[None, :]
         idx = torch.where(cols[None, :] < commit_lens[:, None], idx, buf.shape[1] - 1)
-        keep = buf[:, -1].clone()
-        buf.scatter_(1, idx, tokens)
-        buf[:, -1] = keep
+        buf[reqs[:, None].expand(-1, w), idx] = tokens
 
     def _check_prompts(self, prompts: Tensor, max_new_tokens: int) -> tuple[int, int]:
         if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.dtype != torch.long:

@@ -38,7 +38,7 @@ def write_plots(out: Path, rows: list[dict], records: dict[tuple[str, int], list
     fig, ax = plt.subplots(figsize=(5, 5))
     for (policy, b), recs in records.items():
         if policy == "adaptive":
-            ax.scatter([r.predicted_tau / r.active for r in recs], [r.committed / r.active for r in recs],
+            ax.scatter([r.predicted_tau / r.batch for r in recs], [r.committed / r.batch for r in recs],
                        s=6, alpha=0.5, label=f"B={b}")
     lim = [1, max(2.0, max((r["acceptance_length"] for r in rows), default=2) + 1)]
     ax.plot(lim, lim, "k:", lw=1)

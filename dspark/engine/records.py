@@ -14,26 +14,23 @@ from dspark.telemetry import StepRecord
 
 def step_records(result: GenerateResult, *, policy: str, mode: str, sampling: bool, lag: int,
                  temperatures: Sequence[float] | torch.Tensor | None = None) -> list[StepRecord]:
-    """One StepRecord per step over its active requests; predicted tau from the calibrated survival.
+    """One StepRecord per step; predicted tau from the calibrated survival of the verified drafts.
 
-    Finished requests that are still carried in the batch are left out of every count; the step's rows
-    and times are those of the whole batch.
     temperatures: STS temperatures for positions 0..gamma-1; a policy drafting k tokens uses the first k.
     """
     out = []
     for s in result.steps:
-        act = s.active
-        caps = s.caps.detach().cpu().to(torch.int64)[act]
-        commit = s.commit_lens.detach().cpu().to(torch.int64)[act]
-        n_active, k = int(act.sum()), s.confidence_logits.shape[1]
+        caps = s.caps.detach().cpu().to(torch.int64)
+        commit = s.commit_lens.detach().cpu().to(torch.int64)
+        b, k = s.confidence_logits.shape
         if k:
             temps = None if temperatures is None else torch.as_tensor(temperatures)[:k]
-            survival = calibrated_survival(s.confidence_logits.detach().cpu()[act], temps)
+            survival = calibrated_survival(s.confidence_logits.detach().cpu(), temps)
             predicted = expected_commit(survival, caps, ScheduleConfig(gamma=k))
         else:
-            predicted = float(n_active)
+            predicted = float(b)
         out.append(StepRecord(
-            policy=policy, mode=mode, sampling=sampling, batch=act.numel(), active=n_active, lag=lag, tier=s.layout.tier,
+            policy=policy, mode=mode, sampling=sampling, batch=b, lag=lag, tier=s.layout.tier,
             budget=s.plan.budget, verify_lens=caps.tolist(), rows=s.layout.graph_num_tokens,
             predicted_tau=predicted, committed=int(commit.sum()), proposed=int((caps - 1).sum()),
             accepted=int((commit - 1).sum()), t_draft=s.times.draft, t_plan=s.times.plan,

@@ -26,8 +26,8 @@ class StepAttention:
     """The attention of one forward: plan once, then `(layer, q, k, v) -> out` per layer."""
 
     def __init__(self, attn: RaggedVerifyAttention, cache: PagedKVCache, layout: RaggedVerifyLayout,
-                 prefix_lens: Tensor):
-        attn.plan(layout, prefix_lens, cache.block_table)
+                 prefix_lens: Tensor, block_table: Tensor):
+        attn.plan(layout, prefix_lens, block_table)
         self.attn, self.cache = attn, cache
         self.positions = layout.positions(prefix_lens.to(cache.k.device))
 

@@ -25,11 +25,9 @@ def record_and_fit(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_to
     policy = "sampling" if sampling else "greedy"
     res = decoder.generate(prompts, max_new_tokens, FixedK(gamma), mode=VerifyMode.STATIC, sampling=sampling,
                            temperature=temperature, seed=seed)
-    ids = torch.arange(prompts.shape[0])
     with StsRecorder(shard_dir, gamma=gamma) as rec:
         for step, s in enumerate(res.steps):
-            act = s.active
-            rec.record(s.confidence_logits.cpu()[act], verify_lens=s.caps.cpu()[act], request_ids=ids[act],
-                       correct_len=s.correct_len.cpu()[act], policy=policy, step=step)
+            rec.record(s.confidence_logits.cpu(), verify_lens=s.caps.cpu(), request_ids=s.requests,
+                       correct_len=s.correct_len.cpu(), policy=policy, step=step)
     data = load_sts([shard_dir])
     return fit_sts(data, policy=policy, method="nll", bootstrap=bootstrap, seed=seed)
