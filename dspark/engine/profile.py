@@ -19,17 +19,18 @@ from dspark.profiling import tier_rows
 
 
 class ForcedRows:
-    """Profiling policy: draft gamma tokens, verify exactly `rows` rows spread evenly over the batch."""
+    """Profiling policy: draft gamma tokens, verify `rows` rows for `batch` requests spread evenly (the same
+    rows per request once finished requests have left the batch)."""
 
     prepass = False
     name = "forced-rows"
 
-    def __init__(self, gamma: int, rows: int):
-        self.num_drafts, self.rows = gamma, rows
+    def __init__(self, gamma: int, rows: int, batch: int):
+        self.num_drafts, self.rows, self.batch = gamma, rows, batch
 
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         b = confidence_logits.shape[0]
-        extra = self.rows - b
+        extra = (self.rows - self.batch) * b // self.batch
         lens = 1 + extra // b + (torch.arange(b) < extra % b).to(torch.int32)
         return PolicyPlan(lens.to(torch.int32).to(confidence_logits.device))
 
@@ -53,17 +54,17 @@ def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tup
                        tokens: int = 12, repeats: int = 2, mode: VerifyMode = VerifyMode.COMPACT,
                        progress: Callable[[], None] | None = None) -> list[ProfileSample]:
     """Whole-step seconds at each (B, M) point: median over `repeats` interleaved sweeps of each run's
-    median step (one warm-up run per B first; sweeps interleave so bursts of machine load spread over
+    median step with all B requests still in the batch (one warm-up run per B first; sweeps interleave so bursts of machine load spread over
     all points instead of biasing one)."""
     batch_sizes = sorted({b for b, _ in grid})
     for b in batch_sizes:
-        decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1)), mode=mode)
+        decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1), b), mode=mode)
     runs: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
     for _ in range(repeats):
         for b, m in grid:
-            res = decoder.generate(prompts[:b], tokens, ForcedRows(gamma, m), mode=mode)
+            res = decoder.generate(prompts[:b], tokens, ForcedRows(gamma, m, b), mode=mode)
             secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
-                                 for s in res.steps], dtype=torch.float64)
+                                 for s in res.steps if s.requests.numel() == b], dtype=torch.float64)
             runs[(b, m)].append(float(secs.median()))
             if progress:
                 progress()
