@@ -12,13 +12,7 @@ from dspark.engine.policies import FixedK, Oracle
 MODES = [m.value for m in VerifyMode]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread is far faster than two on a shared 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _models(vocab: int = 256, noise: float = 0.3, seed: int = 0, embed_std: float = 1.0,

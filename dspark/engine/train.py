@@ -89,23 +89,34 @@ def _lr(step: int, total: int, peak: float) -> float:
     return peak * min(1.0, (step + 1) / warm) * max(0.05, 1 - step / total)
 
 
+def _optimize(model: torch.nn.Module, cfg: TrainConfig, steps: int, phase: str,
+              loss_fn: Callable[[], tuple[torch.Tensor, torch.Tensor]], progress: Progress | None) -> None:
+    """AdamW with warm-up and linear decay; loss_fn() -> (loss to minimise, loss to report)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, cfg.lr)
+        loss, shown = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if progress:
+            progress(phase, step + 1, steps, float(shown.detach()))
+
+
 def train_target(cfg: TrainConfig, data: torch.Tensor, progress: Progress | None = None) -> TinyLM:
     """Next-byte cross-entropy on random windows of the corpus."""
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     model = TinyLM(cfg.target)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     batches = _batches(data, cfg.target.max_seq_len, cfg.batch_size, gen)
-    for step in range(cfg.target_steps):
+
+    def loss_fn() -> tuple[torch.Tensor, torch.Tensor]:
         x, y = next(batches)
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, cfg.target_steps, cfg.lr)
         loss = F.cross_entropy(model.logits(model.forward_dense(x)).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if progress:
-            progress("target", step + 1, cfg.target_steps, float(loss.detach()))
+        return loss, loss
+
+    _optimize(model, cfg, cfg.target_steps, "target", loss_fn, progress)
     return model.eval()
 
 
@@ -118,16 +129,14 @@ def train_draft(cfg: TrainConfig, target: TinyLM, data: torch.Tensor, progress: 
     torch.manual_seed(cfg.seed + 1)
     model = DraftLM(cfg.draft, cfg.gamma)
     g = cfg.gamma
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     batches = _batches(data, cfg.draft.max_seq_len, cfg.batch_size, gen)
-    for step in range(cfg.draft_steps):
+
+    def loss_fn() -> tuple[torch.Tensor, torch.Tensor]:
         x, _ = next(batches)
         t = x.shape[1] - g + 1
         with torch.no_grad():
             p_logits = target.logits(target.forward_dense(x))
             p_block = torch.stack([p_logits[:, k: k + t] for k in range(g)], dim=2)  # [b, t, g, V]
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg.draft_steps, cfg.lr)
         hk = model.block_hidden(model.forward_dense(x)[:, :t], g)                   # [b, t, g, d]
         q_block = model.logits(hk)
         distil = F.cross_entropy(q_block.flatten(0, 2), torch.softmax(p_block, -1).flatten(0, 2))
@@ -135,12 +144,9 @@ def train_draft(cfg: TrainConfig, target: TinyLM, data: torch.Tensor, progress: 
         conf_logits = model.confidence(hk.detach().flatten(0, 1))
         # teacher forcing: each position's label is its own overlap given the true prefix, no decay
         conf = confidence_loss(conf_logits, soft, torch.ones_like(soft, dtype=torch.bool), math.inf)
-        loss = distil + conf
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if progress:
-            progress("draft", step + 1, cfg.draft_steps, float(distil.detach()))
+        return distil + conf, distil
+
+    _optimize(model, cfg, cfg.draft_steps, "draft", loss_fn, progress)
     return model.eval()
 
 
