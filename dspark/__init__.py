@@ -2,6 +2,7 @@
 
 The public API, re-exported flat (DESIGN.md section 4b).
 """
+from dspark.accept import AcceptResult, accept_greedy, accept_sampling
 from dspark.allocate import allocate_verify_lens
 from dspark.attention import RaggedVerifyAttention, verify_attention, write_kv
 from dspark.budget import BudgetDecision, choose_budget, expected_commit, greedy_budget, tau_curve
@@ -35,11 +36,13 @@ from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
 from dspark.telemetry import StepRecord, acceptance, tau_bias
+from dspark.verify_inputs import VerifyInputs, build_verify_inputs
 
 __all__ = [
     "StepRecord",
     "acceptance",
     "tau_bias",
+    "AcceptResult",
     "AdditiveCostModel",
     "BudgetDecision",
     "Calibration",
@@ -72,6 +75,7 @@ __all__ = [
     "StepsPerSecondTable",
     "TieredCostModel",
     "SurvivalLagRing",
+    "VerifyInputs",
     "TpAgreement",
     "TpDisagreementError",
     "TierGraphRunner",
@@ -79,7 +83,10 @@ __all__ = [
     "VerifyMode",
     "VerifyPlan",
     "VerifyPlanner",
+    "accept_greedy",
+    "accept_sampling",
     "allocate_verify_lens",
+    "build_verify_inputs",
     "calibrated_survival",
     "check_cost_table",
     "check_cost_model",

@@ -11,7 +11,7 @@ import operator
 
 from torch import Tensor
 
-from dspark.budget import candidate_window
+from dspark.budget import candidate_window, host_survival
 from dspark.config import ScheduleConfig
 from dspark.kernels import topk
 
@@ -32,5 +32,7 @@ def check_budget(budget: object) -> int:
 def allocate_verify_lens(survival: Tensor, budget: int, cfg: ScheduleConfig) -> Tensor:
     """[B] int32 verify lengths in [F, M_max]: F plus the request's share of the global top-`budget`."""
     k = check_budget(budget)
-    s, _, _ = candidate_window(survival, cfg)
+    if isinstance(survival, Tensor) and topk.use_host(survival):
+        return topk.verify_lens_host(host_survival(survival, cfg), k, cfg.floor, cfg.cap, cfg.survival_eps)
+    s, _ = candidate_window(survival, cfg)
     return topk.verify_lens(s.contiguous(), k, cfg.floor, cfg.cap, cfg.survival_eps)

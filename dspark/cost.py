@@ -13,6 +13,8 @@ hashes the canonical JSON so ranks can check they hold the same table.
 from __future__ import annotations
 
 import abc
+import bisect
+import functools
 import hashlib
 import json
 import math
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -127,14 +130,15 @@ def _check_samples(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
     return out
 
 
-def check_probes(name: str, probes: Sequence[object], minimum: int) -> tuple[int, ...]:
-    """Probe points: non-empty, ints >= minimum, strictly increasing (sorted and unique)."""
+def check_probes(name: str, probes: Sequence[object], minimum: int, maximum: int | None = None) -> tuple[int, ...]:
+    """Probe points: non-empty, ints in [minimum, maximum], strictly increasing (sorted and unique)."""
     out = tuple(probes)
     if not out:
         raise ValueError(f"{name} must not be empty")
     for i, p in enumerate(out):
-        if not _is_int(p) or p < minimum:
-            raise ValueError(f"{name}[{i}] must be an int >= {minimum}, got {p!r}")
+        if not _is_int(p) or p < minimum or (maximum is not None and p > maximum):
+            top = "" if maximum is None else f" and <= {maximum}"
+            raise ValueError(f"{name}[{i}] must be an int >= {minimum}{top}, got {p!r}")
     for i in range(1, len(out)):
         if out[i] <= out[i - 1]:
             raise ValueError(f"{name} must be sorted and unique, got {name}[{i - 1}] = {out[i - 1]} "
@@ -183,6 +187,20 @@ def interp(probes: Tensor, values: Tensor, x: Tensor) -> Tensor:
     return (y0 + t * (y1 - y0)).reshape(x.shape)
 
 
+MAX_ROW_PROBE = 1 << 20  # dense per-row tables stay below 8 MiB
+
+
+def dense_rows(lookup, probes: Sequence[int], values: Sequence[float]) -> Tensor:
+    """`lookup(probes, values, M)` evaluated once at every M in [0, probes[-1]] (float64 [probes[-1] + 1])."""
+    p = torch.tensor(probes, dtype=torch.float64)
+    return lookup(p, torch.tensor(values, dtype=torch.float64), torch.arange(probes[-1] + 1, dtype=torch.float64))
+
+
+def dense_lookup(table: Tensor, rows: Tensor) -> Tensor:
+    """table[M] for every row count (held at the last entry past the end): one gather, no search."""
+    return torch.take(table, rows.to(torch.int64).clamp_(0, table.numel() - 1))
+
+
 class CostModel(abc.ABC):
     """Predicted verify-step seconds T(B, M). Subclasses set `kind` and register themselves."""
 
@@ -203,7 +221,7 @@ class CostModel(abc.ABC):
 
     # -- model-specific parts ------------------------------------------------------------------------
     @abc.abstractmethod
-    def _tables(self) -> tuple[Sequence[float], ...]:
+    def _tables(self) -> tuple[Sequence[float] | Tensor, ...]:
         """The numeric tables `_seconds` reads, in a fixed order (cached as float64 per device)."""
 
     @abc.abstractmethod
@@ -232,10 +250,31 @@ class CostModel(abc.ABC):
         x, scalar = _rows_tensor(rows)
         tables = self._cache.get(x.device)
         if tables is None:
-            tables = tuple(torch.tensor(t, dtype=torch.float64, device=x.device) for t in self._tables())
+            tables = tuple(torch.as_tensor(t, dtype=torch.float64, device=x.device) for t in self._tables())
             self._cache[x.device] = tables
         out = self._seconds(num_requests, x, tables)
         return float(out) if scalar else out
+
+    def _dense_rows(self, num_requests: int) -> tuple[Tensor, float] | None:
+        """Optional hook: (seconds per row count M = 0..top on the CPU, offset added for this B)."""
+        return None
+
+    def seconds_curve(self, num_requests: int, first_rows: int, count: int) -> np.ndarray:
+        """float64 host seconds for rows = first_rows .. first_rows + count - 1: the budget's whole curve.
+
+        Equal to `step_seconds` on those rows; models with a dense per-row table answer with one numpy
+        gather instead of a chain of torch ops.
+        """
+        for name, v, lo in (("num_requests", num_requests, 0), ("first_rows", first_rows, 0), ("count", count, 0)):
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        dense = self._dense_rows(num_requests)
+        if dense is None:
+            rows = torch.arange(first_rows, first_rows + count, dtype=torch.float64)
+            return self.step_seconds(num_requests, rows).cpu().numpy()
+        table, offset = dense
+        host = table.numpy()
+        return host[np.minimum(np.arange(first_rows, first_rows + count), host.size - 1)] + offset
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": self.kind,
@@ -309,7 +348,8 @@ class StepsPerSecondTable(CostModel):
     """1-D table: steps/s measured at verify-row probes; T(B, M) = 1 / sps(floor probe <= M).
 
     Below the smallest probe the smallest probe's value is used (a step with fewer rows is taken to
-    cost what the smallest measured step cost). B does not enter.
+    cost what the smallest measured step cost). B does not enter. Lookups read a dense per-row table
+    built once per device (probes up to MAX_ROW_PROBE rows).
     """
 
     kind = "steps_per_second"
@@ -317,15 +357,21 @@ class StepsPerSecondTable(CostModel):
     def __init__(self, rows: Sequence[int], steps_per_second: Sequence[float], *, platform: str = "unknown",
                  width: int | None = None, fit_report: FitReport | None = None):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
-        self.rows = check_probes("rows", rows, 1)
+        self.rows = check_probes("rows", rows, 1, MAX_ROW_PROBE)
         self.steps_per_second = check_values("steps_per_second", steps_per_second, len(self.rows), True)
 
-    def _tables(self) -> tuple[Sequence[float], ...]:
-        return self.rows, tuple(1.0 / v for v in self.steps_per_second)
+    @functools.cached_property
+    def _dense_table(self) -> Tensor:
+        return dense_rows(floor_lookup, self.rows, [1.0 / v for v in self.steps_per_second])
+
+    def _dense_rows(self, num_requests: int) -> tuple[Tensor, float]:
+        return self._dense_table, 0.0
+
+    def _tables(self) -> tuple[Tensor, ...]:
+        return (self._dense_table,)
 
     def _seconds(self, num_requests: int, rows: Tensor, tables: tuple[Tensor, ...]) -> Tensor:
-        probes, seconds = tables
-        return floor_lookup(probes, seconds, rows)
+        return dense_lookup(tables[0], rows)
 
     def _payload(self) -> dict[str, Any]:
         return {"rows": list(self.rows), "steps_per_second": list(self.steps_per_second)}
@@ -361,6 +407,7 @@ class AdditiveCostModel(CostModel):
     """T(B, M) = bias + alpha(B) + theta(M), alpha and theta linearly interpolated between probes.
 
     Outside the probes the end values are held (clamped), so predictions never extrapolate a trend.
+    theta is read from a dense per-row table built once per device (row probes up to MAX_ROW_PROBE).
     Validation requires the predicted step time to be positive at every probe pair, which makes it
     positive everywhere (interpolation stays within the probe values).
     """
@@ -374,7 +421,7 @@ class AdditiveCostModel(CostModel):
         self.bias = check_values("bias", [bias], None, False)[0]
         self.batch_probes = check_probes("batch_probes", batch_probes, 1)
         self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
-        self.row_probes = check_probes("row_probes", row_probes, 0)
+        self.row_probes = check_probes("row_probes", row_probes, 0, MAX_ROW_PROBE)
         self.theta = check_values("theta", theta, len(self.row_probes), False)
         low = self.bias + min(self.alpha) + min(self.theta)
         if not low > 0:
@@ -382,13 +429,27 @@ class AdditiveCostModel(CostModel):
                 f"step time must be > 0 at every probe, but bias + min(alpha) + min(theta) = {low!r}"
             )
 
-    def _tables(self) -> tuple[Sequence[float], ...]:
-        return self.batch_probes, self.alpha, self.row_probes, self.theta
+    @functools.cached_property
+    def _dense_table(self) -> Tensor:
+        return dense_rows(interp, self.row_probes, self.theta)
+
+    def _dense_rows(self, num_requests: int) -> tuple[Tensor, float]:
+        return self._dense_table, self.bias + self.alpha_at(num_requests)
+
+    def _tables(self) -> tuple[Tensor, ...]:
+        return (self._dense_table,)
+
+    def alpha_at(self, num_requests: int) -> float:
+        """alpha(B), linearly interpolated between batch probes (end values held)."""
+        bp, a = self.batch_probes, self.alpha
+        hi = min(max(bisect.bisect_right(bp, num_requests), 1), len(bp) - 1)
+        if len(bp) == 1:
+            return a[0]
+        f = min(max((num_requests - bp[hi - 1]) / (bp[hi] - bp[hi - 1]), 0.0), 1.0)
+        return a[hi - 1] + f * (a[hi] - a[hi - 1])
 
     def _seconds(self, num_requests: int, rows: Tensor, tables: tuple[Tensor, ...]) -> Tensor:
-        bp, alpha, rp, theta = tables
-        b = torch.full((1,), float(num_requests), dtype=torch.float64, device=rows.device)
-        return self.bias + interp(bp, alpha, b) + interp(rp, theta, rows)
+        return dense_lookup(tables[0], rows) + (self.bias + self.alpha_at(num_requests))
 
     def _payload(self) -> dict[str, Any]:
         return {"bias": self.bias, "batch_probes": list(self.batch_probes), "alpha": list(self.alpha),

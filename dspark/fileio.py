@@ -11,19 +11,27 @@ from typing import Callable
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Call `write(temp_path)`, then rename the temp file to `path` (parents created)."""
+    """Call `write(temp_path)`, then rename the temp file to `path` (parents created; the file gets the
+    usual permissions, 0o666 less the umask, not mkstemp's private 0o600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -173,7 +173,7 @@ class RaggedVerifyLayout:
             raise ValueError(
                 f"packed must have at least total_rows={self.total_rows} rows, got {tuple(packed.shape)}"
             )
-        return _k.scatter(packed, self.row_slot, self.row_within, self.num_requests, w, self.total_rows, fill)
+        return _k.scatter(packed, self.qo_indptr, w, self.total_rows, fill)
 
 
 def _as_lens(verify_lens: Tensor | Sequence[int]) -> Tensor:

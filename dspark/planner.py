@@ -91,7 +91,11 @@ class VerifyPlanner:
         )
 
     def plan(self, logits: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
-        """Plan one verify step for a batch of confidence logits [B, gamma]."""
+        """Plan one verify step for a batch of confidence logits [B, gamma].
+
+        slots / generations ([B] integer tensors, best kept on the CPU) key the lag ring; with lag = 0
+        there is no ring and they are not read.
+        """
         survival = calibrated_survival(logits, self.temperatures)
         if survival.shape[1] != self.cfg.gamma:
             raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")

@@ -87,9 +87,15 @@ def _plot(decision: BudgetDecision, plan: VerifyPlan, path: Path) -> bool:
 
 def run(device: str = "cpu", out: str = "demo_out") -> int:
     """Run the demonstration; print the decision table; write planner_demo.{json,png} under `out`."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    if str(device).startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device)
+        except ImportError:
+            raise ValueError("device 'npu' needs torch_npu: pip install 'dspark[npu]'") from None
+    try:
+        dev = torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"device {device!r} is not usable on this machine: {e}") from None
     cfg = ScheduleConfig(gamma=GAMMA)
     cost = illustrative_cost_model()
     planner = VerifyPlanner(cfg, cost, lag=1, tiers=TIERS, num_slots=NUM_REQUESTS, device=dev)

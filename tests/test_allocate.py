@@ -167,3 +167,49 @@ def test_dispatch_runs_the_kernel_when_forced(triton_backend, device):
         with dispatch.launch_policy(*policy):
             assert allocate_verify_lens(s, 2, cfg).tolist() == [3, 1]
             assert allocate_verify_lens(torch.zeros(0, 2, device=device), 2, cfg).shape == (0,)
+
+
+@settings(max_examples=40)
+@given(case=cases(max_b=7, max_gamma=6))
+def test_host_path_and_torch_reference_agree_with_the_global_order(case):
+    cfg, s, budget = case
+    args = (budget, cfg.floor, cfg.cap, cfg.survival_eps)
+    want = global_order_lens(s, budget, cfg)
+    assert topk.verify_lens_ref(s, *args).tolist() == want
+    assert topk.verify_lens_host(s.numpy(), *args).tolist() == want
+
+
+def test_forced_torch_backend_uses_the_reference(torch_backend, device):
+    cfg = ScheduleConfig(gamma=2, survival_eps=0.0)
+    s = torch.tensor([[0.5, 0.5], [0.5, 0.4], [0.5, 0.5]], device=device)
+    assert not topk.use_host(s)
+    assert allocate_verify_lens(s, 4, cfg).tolist() == [3, 2, 2]
+
+
+def test_negative_zero_counts_as_zero(device):
+    cfg = ScheduleConfig(gamma=2, survival_eps=0.0)
+    s = torch.tensor([[-0.0, -0.0], [0.25, 0.0]], device=device)
+    assert allocate_verify_lens(s, 3, cfg).tolist() == [3, 2]
+    for fn in (topk.verify_lens_ref, lambda *a: topk.verify_lens_host(a[0].cpu().numpy(), *a[1:])):
+        assert fn(s, 3, 1, 3, 0.0).tolist() == [3, 2]
+
+
+def test_negative_zero_in_the_kernel(device):
+    s = torch.tensor([[-0.0, -0.0], [0.25, 0.0]], device=device)
+    out = torch.full((2,), -7, dtype=torch.int32, device=device)
+    assert topk.verify_lens_triton(s, 3, 1, 3, 0.0, out=out).tolist() == [3, 2]
+
+
+def test_triton_kernel_across_several_tiles(device):
+    """n = B * C > 1024 candidates: the threshold search loops over more than one tile."""
+    gen = torch.Generator().manual_seed(7)
+    grid = torch.tensor(GRID[1:])
+    s = grid[torch.randint(0, len(GRID) - 1, (170, 7), generator=gen)].sort(dim=1, descending=True).values
+    cfg = ScheduleConfig(gamma=7, survival_eps=0.2)
+    for budget in (333, 1100):
+        _kernel_matches_reference(s.to(device), budget, cfg, ("cores", 3))
+
+
+def test_triton_kernel_with_no_valid_candidate(device):
+    cfg = ScheduleConfig(gamma=3, survival_eps=0.5)
+    _kernel_matches_reference(torch.full((4, 3), 0.25, device=device), 5, cfg, ("work", None))

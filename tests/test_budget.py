@@ -4,7 +4,6 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from dspark import (
     AdditiveCostModel,

@@ -1,6 +1,8 @@
 import json
 import math
+import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -126,7 +128,8 @@ def _write(tmp_path, d):
     ({"rows": [8, 16]}, "one value per probe (2)"),
     ({"steps_per_second": [100.0, -1.0, 20.0]}, "steps_per_second[1] must be finite and > 0, got -1.0"),
     ({"steps_per_second": [100.0, "fast", 20.0]}, "'fast'"),
-    ({"rows": [8, 16.5, 64]}, "rows[1] must be an int >= 1, got 16.5"),
+    ({"rows": [8, 16.5, 64]}, "rows[1] must be an int >= 1 and <= 1048576, got 16.5"),
+    ({"rows": [8, 16, 2**21]}, "rows[2] must be an int >= 1 and <= 1048576, got 2097152"),
     ({"rows": []}, "rows must not be empty"),
     ({"width": 1}, "width"),
     ({"platform": ""}, "platform"),
@@ -216,3 +219,45 @@ def test_fit_report_round_trip():
     assert FitReport.from_dict(json.loads(json.dumps(r.to_dict()))) == r
     with pytest.raises(ValueError, match="missing"):
         FitReport.from_dict({"rms": 1.0})
+
+
+class ConstantForTest(CostModel):
+    """A model without a dense table: seconds_curve falls back to step_seconds."""
+
+    kind = "constant_for_test"
+
+    def _tables(self):
+        return ((0.5,),)
+
+    def _seconds(self, num_requests, rows, tables):
+        return tables[0].expand(rows.shape) + 0.001 * num_requests
+
+    def _payload(self):
+        return {}
+
+    @classmethod
+    def _from_payload(cls, d, **common):
+        return cls(**common)
+
+    @classmethod
+    def fit(cls, samples, **kwargs):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("model", [sps(), additive(), ConstantForTest()], ids=["sps", "additive", "no-dense"])
+def test_seconds_curve_equals_step_seconds(model):
+    for b, first, count in [(4, 0, 10), (3, 60, 80), (9, 120, 0), (1, 5000, 3)]:
+        curve = model.seconds_curve(b, first, count)
+        want = model.step_seconds(b, torch.arange(first, first + count))
+        assert curve.dtype == np.float64 and curve.tolist() == want.tolist()
+    with pytest.raises(ValueError, match="count must be an int >= 0, got -1"):
+        model.seconds_curve(1, 0, -1)
+
+
+def test_atomic_write_uses_the_usual_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = atomic_write(tmp_path / "x.json", lambda p: p.write_text("{}"))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644

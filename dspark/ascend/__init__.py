@@ -1,1 +1,30 @@
-"""Ascend 910C port layer. Imports torch_npu / triton-ascend lazily, only where a device call is made."""
+"""Ascend 910C port layer. Imports torch_npu / triton-ascend lazily, only where a device call is made.
+
+- `runtime`: NPU detection, device name, vector/AI core counts.
+- `AscendVerifyMetadata`: ragged TARGET_VERIFY metadata (and today's static values) from a layout.
+- `NpuGraphBackend`, `VerifyMetadataBuffers`: NPU graph tiers with host-parameter refresh.
+- `launch`: the grid = vector-cores launch policy and the kernel-source checker.
+- `RaggedGraphCapability`, `choose_npu_verify_mode`: compact only for verified configurations.
+"""
+from dspark.ascend import launch, runtime
+from dspark.ascend.capability import (
+    CapabilityStatus,
+    NpuVerifyConfig,
+    RaggedGraphCapability,
+    choose_npu_verify_mode,
+)
+from dspark.ascend.graphs import NpuGraphBackend, VerifyMetadataBuffers
+from dspark.ascend.metadata import AscendVerifyMetadata, CompressedGroups
+
+__all__ = [
+    "AscendVerifyMetadata",
+    "CapabilityStatus",
+    "CompressedGroups",
+    "NpuGraphBackend",
+    "NpuVerifyConfig",
+    "RaggedGraphCapability",
+    "VerifyMetadataBuffers",
+    "choose_npu_verify_mode",
+    "launch",
+    "runtime",
+]

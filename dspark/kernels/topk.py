@@ -1,19 +1,32 @@
-"""Global top-k verify allocation: a Triton threshold search by counting, and its torch reference.
+"""Global top-k verify allocation: a Triton threshold search by counting, a numpy host path for CPU
+tensors, and the torch reference that both must match.
 
 Candidates are the window columns j in [F-1, M_max-2] of a non-increasing survival [B, gamma]; a
 candidate is valid when s >= eps (NaN never is). The best k = min(budget, #valid) valid candidates in
 the global order (survival desc, position asc, request asc) are selected; verify_lens = F + selected
-per request. Flattening the window position-major (index i = j * B + r) makes the tie order simply
-"smaller i first", so the selection is the set
+per request.
+
+The reference and the host path encode that order in unique int64 keys (value bits, then the reversed
+position-major index) and take the k-th largest. The host path exists because at planner sizes a
+torch op costs microseconds of dispatch and the allocation is a dozen of them; numpy does the same
+integer work in a fraction of that (perf/planner_bench.py).
+
+Flattening the window position-major (index i = j * B + r) makes the tie order simply
+"smaller i first", so the kernel's selection is the set
 
     valid & (s > t  or  (s == t and i < cut))
 
-for one threshold value t and one cut index. The kernel finds t by bisection over fp32 bit patterns
-(non-negative floats order like their bits) and cut by bisection over i, each step counting candidates
-with comparisons and int32 sums: O(n (32 + log2 n)) work, no sort, no int64 atomics.
+for one threshold key t and one cut index. Keys are the int32 bit patterns of the fp32 survival
+(non-negative floats order like their bits; invalid candidates get -1). The kernel finds t one hex
+digit at a time (8 passes, each counting the keys at or above 16 candidate prefixes with comparisons
+and int32 sums) and cut the same way over i: O(n (8 + log16 n)) work in one program, no sort, no int64
+atomics, no integer sort. Indices need n = B * C < 2**31.
 """
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,24 +38,40 @@ try:
 except ImportError:  # pragma: no cover - triton is Linux-only
     triton = None
 
+
+def _eps_key(eps: float) -> int:
+    """The smallest valid key: fp32 bits of eps, shifted above the 31 index bits."""
+    return struct.unpack("<i", struct.pack("<f", eps))[0] << 31
+
+
 def verify_lens_ref(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
-    """Torch reference: threshold by topk, ties taken in position-major order. Returns [B] int32."""
+    """Torch reference on non-increasing, NaN-free survival (`monotone_survival`): one topk over the
+    unique int64 keys; keys below eps's key are invalid. Returns [B] int32."""
     b = survival.shape[0]
     cand = survival[:, floor - 1: cap - 1]
     n = cand.numel()
-    out = torch.full((b,), floor, dtype=torch.int32, device=survival.device)
     k = min(budget, n)
     if k == 0:
-        return out
-    valid = cand >= eps
-    v = torch.where(valid, cand, torch.full_like(cand, -1.0))
-    t = torch.topk(v.reshape(-1), k, sorted=False).values.min()
-    above = valid & (v > t)
-    ties = valid & (v == t)
-    need = k - above.sum()
-    tie_rank = ties.t().reshape(-1).cumsum(0).reshape(cand.shape[1], b).t()
-    selected = above | (ties & (tie_rank <= need))
-    return out + selected.sum(1, dtype=torch.int32)
+        return torch.full((b,), floor, dtype=torch.int32, device=survival.device)
+    bits = (cand.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
+    order = torch.arange(n - 1, -1, -1, device=cand.device).view(cand.shape[1], b).t()
+    key = (bits << 31) | order
+    kth = torch.topk(key.reshape(-1), k, sorted=False).values.min().clamp(min=_eps_key(eps))
+    return (key >= kth).sum(1, dtype=torch.int32) + floor
+
+
+def verify_lens_host(survival: np.ndarray, budget: int, floor: int, cap: int, eps: float) -> Tensor:
+    """numpy path of `verify_lens_ref` for float32 survival already on the host (identical results). [B] int32."""
+    cand = survival[:, floor - 1: cap - 1]
+    b, c = cand.shape
+    k = min(budget, b * c)
+    if k == 0:
+        return torch.full((b,), floor, dtype=torch.int32)
+    key = (cand + np.float32(0)).view(np.int32).astype(np.int64)
+    key <<= 31
+    key |= np.arange(b * c - 1, b * (c - 1) - 1, -1)[:, None] - np.arange(0, b * c, b)
+    kth = max(int(np.partition(key, b * c - k, axis=None)[b * c - k]), _eps_key(eps))
+    return torch.from_numpy((key >= kth).sum(1, dtype=np.int32) + np.int32(floor))
 
 
 def candidate_keys(survival: Tensor, floor: int, cap: int, eps: float) -> Tensor:
@@ -68,16 +97,18 @@ if triton is not None:
             for level in tl.static_range(8):
                 counts = tl.zeros((16,), dtype=tl.int32)
                 for start in range(0, n, BLOCK):
-                    u = tl.load(key_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < n,
-                                other=-1)
+                    i = start + tl.arange(0, BLOCK)
+                    u = tl.load(key_ptr + i, mask=i < n, other=-1)
                     ge = (u >> (28 - 4 * level))[:, None] >= (t * 16 + d16)[None, :]
                     counts += tl.sum(((u >= 0)[:, None] & ge).to(tl.int32), axis=0)
                 if level == 0:
                     k_eff = tl.minimum(k, tl.max(counts, axis=0))
-                t = t * 16 + tl.sum((counts >= k_eff).to(tl.int32), axis=0) - 1
+                digit = tl.sum((counts >= k_eff).to(tl.int32), axis=0) - 1
+                t = tl.where(k_eff > 0, t * 16 + digit, t)
             need = k_eff
             for start in range(0, n, BLOCK):
-                u = tl.load(key_ptr + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < n, other=-1)
+                i = start + tl.arange(0, BLOCK)
+                u = tl.load(key_ptr + i, mask=i < n, other=-1)
                 need -= tl.sum((u > t).to(tl.int32), axis=0)
             cut = tl.zeros((), dtype=tl.int32)
             for level in range(key_levels):
@@ -123,8 +154,13 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
     return lens
 
 
+def use_host(survival: Tensor) -> bool:
+    """True when the numpy host path serves: CPU tensors under the `auto` backend."""
+    return survival.device.type == "cpu" and dispatch.backend() == "auto"
+
+
 def verify_lens(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
-    """Dispatch: Triton on CUDA/NPU (or when forced), the torch reference otherwise."""
+    """Dispatch for device survival: Triton on CUDA/NPU (or when forced), the torch reference otherwise."""
     if triton is not None and dispatch.use_triton(survival):
         return verify_lens_triton(survival, budget, floor, cap, eps)
     return verify_lens_ref(survival, budget, floor, cap, eps)

@@ -1,0 +1,158 @@
+"""Launch policy for dspark's Triton kernels on triton-ascend, and a static checker of kernel sources.
+
+On Ascend the grid is bound to physical cores (`coreDim` <= 65535), so dspark launches vector-only
+kernels with grid = vector-core count and every kernel loops persistently over its work items
+(`for item in tl.range(tl.program_id(0), n, tl.num_programs(0))`); `dispatch.grid` applies the policy.
+triton-ascend lacks integer sorts and int64 atomics (ascend.md section 1); `check_kernel_source` flags
+sources that would not port:
+
+- `sort`: `tl.sort` / `tl.topk` (no int sorts on A2/A3; a float sort may be kept with `# ascend: float-sort`
+  on its line);
+- `atomic`: `tl.atomic_*` whose arguments name int64/fp64, or with `sem` other than acq_rel or `scope`
+  other than gpu (the only settings triton-ascend accepts);
+- `persistent`: `tl.program_id` used other than as the start of a `tl.range(pid, n, tl.num_programs(axis))`
+  loop, or on an axis other than 0 (Ascend merges multi-axis grids);
+- `grid`: a kernel launched with a grid that is not `dispatch.grid(...)`.
+
+The checker sees names, not types: an int64 pointer handed to an atomic is caught by the kernel's tests
+under `--device npu`, not here.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from dspark.kernels import dispatch
+
+MAX_GRID = dispatch.MAX_GRID
+FLOAT_SORT_PRAGMA = "# ascend: float-sort"
+_WIDE = ("int64", "uint64", "float64", "fp64")
+
+
+@dataclass(frozen=True)
+class KernelViolation:
+    """One construct that would not run (or not run as written) on triton-ascend."""
+
+    path: str
+    line: int
+    rule: str      # sort | atomic | persistent | grid
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: [{self.rule}] {self.message}"
+
+
+@contextlib.contextmanager
+def npu_launch_policy(device: object = None) -> Iterator[int]:
+    """Launch with grid = the NPU's vector-core count inside the block; yields that count."""
+    from dspark.ascend import runtime
+
+    cores = runtime.vector_core_count(device)
+    with dispatch.launch_policy("cores", cores):
+        yield cores
+
+
+def check_kernel_source(source: str, path: str = "<string>") -> list[KernelViolation]:
+    """Violations of the Ascend kernel rules in one Python source."""
+    tree = ast.parse(source, filename=path)
+    lines = source.splitlines()
+    kernels = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and any(_is_jit(d) for d in n.decorator_list)]
+    out: list[KernelViolation] = []
+    for fn in kernels:
+        out += _check_kernel(fn, lines, path)
+    names = {fn.name for fn in kernels}
+    grids = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and _is_grid_call(n.value)
+             for t in n.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names
+                and not _is_grid_call(node.slice) and not (isinstance(node.slice, ast.Name) and node.slice.id in grids)):
+            out.append(KernelViolation(path, node.lineno, "grid",
+                                       f"{node.value.id} launched with grid {ast.unparse(node.slice)!r}; "
+                                       "use dispatch.grid(n, device)"))
+    return sorted(out, key=lambda v: (v.line, v.rule))
+
+
+def check_kernel_modules(directory: str | Path | None = None) -> dict[str, list[KernelViolation]]:
+    """Violations per module of every `*.py` under `directory` (default: the dspark.kernels package)."""
+    import dspark.kernels
+
+    root = Path(directory) if directory is not None else Path(dspark.kernels.__file__).parent
+    return {str(p): check_kernel_source(p.read_text(), str(p)) for p in sorted(root.glob("*.py"))}
+
+
+def _check_kernel(fn: ast.FunctionDef, lines: list[str], path: str) -> list[KernelViolation]:
+    out: list[KernelViolation] = []
+    persistent = {id(n.iter.args[0]) for n in ast.walk(fn) if _is_persistent_range(n)}
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _tl_name(node.func)
+        if name in ("sort", "topk") and FLOAT_SORT_PRAGMA not in lines[node.lineno - 1]:
+            out.append(KernelViolation(path, node.lineno, "sort",
+                                       f"tl.{name} in {fn.name}: triton-ascend has no int32/int64 sort; "
+                                       f"count-based selection instead, or mark a float sort {FLOAT_SORT_PRAGMA!r}"))
+        elif name is not None and name.startswith("atomic_"):
+            out += _check_atomic(node, name, fn.name, path)
+        elif name == "program_id" and id(node) not in persistent:
+            out.append(KernelViolation(path, node.lineno, "persistent",
+                                       f"tl.program_id in {fn.name} outside a persistent "
+                                       "tl.range(tl.program_id(0), n, tl.num_programs(0)) loop"))
+    return out
+
+
+def _check_atomic(node: ast.Call, name: str, kernel: str, path: str) -> list[KernelViolation]:
+    text = ast.unparse(node)
+    out = []
+    if any(w in text for w in _WIDE):
+        out.append(KernelViolation(path, node.lineno, "atomic",
+                                   f"tl.{name} in {kernel} on a 64-bit value: no int64/fp64 atomics on Ascend"))
+    for kw in node.keywords:
+        want = {"sem": "acq_rel", "scope": "gpu"}.get(kw.arg or "")
+        if want and not (isinstance(kw.value, ast.Constant) and kw.value.value == want):
+            out.append(KernelViolation(path, node.lineno, "atomic",
+                                       f"tl.{name} in {kernel} with {kw.arg}={ast.unparse(kw.value)}: "
+                                       f"triton-ascend accepts only {kw.arg}={want!r}"))
+    return out
+
+
+def _is_persistent_range(node: ast.AST) -> bool:
+    """`tl.range(tl.program_id(0), n, tl.num_programs(0))` (or builtin range) used as a loop iterator."""
+    if not (isinstance(node, ast.For) and isinstance(node.iter, ast.Call)):
+        return False
+    call = node.iter
+    if _tl_name(call.func) != "range" and not (isinstance(call.func, ast.Name) and call.func.id == "range"):
+        return False
+    if len(call.args) != 3:
+        return False
+    start, step = call.args[0], call.args[2]
+    return _is_axis0(start, "program_id") and _is_axis0(step, "num_programs")
+
+
+def _is_axis0(node: ast.AST, fn: str) -> bool:
+    return (isinstance(node, ast.Call) and _tl_name(node.func) == fn and len(node.args) == 1
+            and isinstance(node.args[0], ast.Constant) and node.args[0].value == 0)
+
+
+def _tl_name(func: ast.AST) -> str | None:
+    """`x` for `tl.x` / `triton.language.x`, else None."""
+    if isinstance(func, ast.Attribute):
+        base = ast.unparse(func.value)
+        if base in ("tl", "triton.language", "language"):
+            return func.attr
+    return None
+
+
+def _is_jit(dec: ast.AST) -> bool:
+    target = dec.func if isinstance(dec, ast.Call) else dec
+    text = ast.unparse(target)
+    return text in ("triton.jit", "jit")
+
+
+def _is_grid_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    text = ast.unparse(node.func)
+    return text == "grid" or text.endswith(".grid")

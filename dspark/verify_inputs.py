@@ -1,0 +1,142 @@
+"""One call builds the target's verify forward inputs for any execution mode (DESIGN.md section 2).
+
+- static: every request verifies W = gamma + 1 rows and may accept all of them (caps = W).
+- cap-accept: the same W rows per request, acceptance capped at accept time (caps = verify_lens);
+  the target does the full B*W rows of work.
+- compact: only `verify_lens[r]` rows per request, packed request-major and padded to the captured tier.
+
+Request r's rows are its root token then its drafts, at absolute positions `prefix_lens[r] + i`.
+Padding rows (ghost slots, section 4.8) get input id 0, position 0 and KV write slot -1: a model must skip
+writes to slot -1 (the usual "no slot" convention of paged KV writes), so padding never touches the cache.
+Model code then runs one forward over `input_ids` and hands the logits, `layout` and `caps` to accept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.config import VerifyMode
+from dspark.layout import RaggedVerifyLayout
+
+PAD_SLOT = -1  # KV write slot of padding rows: never written
+
+
+@dataclass(frozen=True)
+class VerifyInputs:
+    """Inputs of one verify forward (rows = layout.graph_num_tokens).
+
+    input_ids [rows] int64: root then drafts per request, 0 for padding rows.
+    positions [rows] int64: absolute positions `prefix_len + i`, 0 for padding rows.
+    kv_slots [rows] int64 or None: paged KV write slot of each row, PAD_SLOT (-1) for padding rows;
+        None when no block table was given.
+    layout: the packed geometry of the forward (static / cap-accept: W rows per request).
+    caps [B] int32: the verify lengths accept uses (static: W; cap-accept and compact: verify_lens).
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    kv_slots: Tensor | None
+    layout: RaggedVerifyLayout
+    caps: Tensor
+
+
+def build_verify_inputs(
+    mode: VerifyMode | str,
+    verify_lens: Tensor,
+    root_tokens: Tensor,
+    draft_tokens: Tensor,
+    prefix_lens: Tensor,
+    *,
+    tiers: Sequence[int] | None = None,
+    slots: int | None = None,
+    block_table: Tensor | None = None,
+    page_size: int | None = None,
+) -> VerifyInputs:
+    """Verify inputs for `mode`: ids, positions, KV write slots, the layout and the accept caps.
+
+    verify_lens [B] int in [1, W]; root_tokens [B]; draft_tokens [B, gamma]; prefix_lens [B] (tokens
+    already in the KV cache, so the root sits at position prefix_len); tiers / slots: captured graph
+    tiers and slot count (padding to the smallest tier >= rows); block_table [B, pages] and page_size:
+    KV slot of (r, pos) = `block_table[r, pos // page_size] * page_size + pos % page_size`.
+    """
+    mode = VerifyMode.parse(mode)
+    b, gamma = _check_tokens(root_tokens, draft_tokens)
+    w = gamma + 1
+    device = draft_tokens.device
+    vl = _check_lens("verify_lens", verify_lens, b, device)
+    if bool(((vl < 1) | (vl > w)).any()):
+        r = int(((vl < 1) | (vl > w)).nonzero()[0])
+        raise ValueError(f"verify_lens[{r}] = {int(vl[r])} is outside [1, W={w}]")
+    prefix = _check_lens("prefix_lens", prefix_lens, b, device).to(torch.int64)
+    if bool((prefix < 0).any()):
+        r = int((prefix < 0).nonzero()[0])
+        raise ValueError(f"prefix_lens[{r}] = {int(prefix[r])} is negative")
+    full = torch.full_like(vl, w)
+    rows_per_request = vl if mode is VerifyMode.COMPACT else full
+    layout = RaggedVerifyLayout.from_verify_lens(rows_per_request, tiers, slots, width=w)
+    tokens = torch.cat([root_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
+    positions = layout.positions(prefix)
+    kv_slots = None
+    if block_table is not None or page_size is not None:
+        _check_block_table(block_table, page_size, b, prefix + rows_per_request)
+        kv_slots = _kv_slots(layout, positions, block_table, page_size)
+    return VerifyInputs(
+        input_ids=layout.pack(tokens, fill=0),
+        positions=positions,
+        kv_slots=kv_slots,
+        layout=layout,
+        caps=full if mode is VerifyMode.STATIC else vl,
+    )
+
+
+def _kv_slots(layout: RaggedVerifyLayout, positions: Tensor, block_table: Tensor, page_size: int) -> Tensor:
+    """Per-row write slot through the block table; ghost rows read a zero row appended for them."""
+    b = layout.num_requests
+    table = torch.cat([block_table.to(torch.int64),
+                       torch.zeros(1, block_table.shape[1], dtype=torch.int64, device=block_table.device)])
+    req = layout.row_slot.to(torch.int64).clamp(max=b)
+    page = table[req, positions // page_size]
+    slots = page * page_size + positions % page_size
+    return torch.where(layout.row_valid, slots, torch.full_like(slots, PAD_SLOT))
+
+
+def _check_tokens(root_tokens: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
+    for name, t, dims in (("draft_tokens", draft_tokens, 2), ("root_tokens", root_tokens, 1)):
+        if not isinstance(t, Tensor) or t.dim() != dims or t.dtype.is_floating_point:
+            shape = "[B, gamma]" if dims == 2 else "[B]"
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else repr(t)
+            raise TypeError(f"{name} must be an integer {shape} tensor, got {got}")
+    b, gamma = draft_tokens.shape
+    if gamma < 1:
+        raise ValueError(f"draft_tokens must hold gamma >= 1 drafts, got shape {tuple(draft_tokens.shape)}")
+    if root_tokens.shape != (b,):
+        raise ValueError(f"root_tokens must be [B={b}], got {tuple(root_tokens.shape)}")
+    return b, gamma
+
+
+def _check_lens(name: str, values: Tensor, b: int, device: torch.device) -> Tensor:
+    if not isinstance(values, Tensor) or values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {values!r}")
+    if values.shape != (b,):
+        raise ValueError(f"{name} must be [B={b}], got {tuple(values.shape)}")
+    return values.to(device=device, dtype=torch.int32)
+
+
+def _check_block_table(block_table: Tensor | None, page_size: int | None, b: int, ends: Tensor) -> None:
+    """Both given, integer table [B, pages], and every written position inside the request's pages."""
+    if block_table is None or page_size is None:
+        raise ValueError("block_table and page_size go together: give both or neither")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype.is_floating_point:
+        raise ValueError(f"block_table must be an integer [B={b}, pages] tensor, got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    capacity = block_table.shape[1] * page_size
+    short = ends > capacity
+    if bool(short.any()):
+        r = int(short.nonzero()[0])
+        raise ValueError(f"request {r} writes positions up to {int(ends[r]) - 1} but its block table row "
+                         f"holds {block_table.shape[1]} pages of {page_size} = {capacity} positions")

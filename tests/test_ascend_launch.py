@@ -1,0 +1,206 @@
+"""Ascend launch policy: static kernel-source rules, grid bound, and identical outputs under both policies."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import dspark.kernels
+from dspark.ascend.launch import MAX_GRID, check_kernel_modules, check_kernel_source
+from dspark.kernels import dispatch
+
+POLICIES = (("work", None), ("cores", 1), ("cores", 3))
+
+
+def test_every_kernel_module_follows_the_ascend_rules() -> None:
+    found = check_kernel_modules()
+    assert any(p.endswith("dispatch.py") for p in found) and any(p.endswith("layout.py") for p in found)
+    bad = [str(v) for vs in found.values() for v in vs]
+    assert bad == []
+
+
+GOOD = textwrap.dedent('''
+    import triton, triton.language as tl
+    from dspark.kernels import dispatch
+
+    @triton.jit
+    def _k(x_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
+        for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+            x = tl.load(x_ptr + item)
+            s = tl.sort(x)  # ascend: float-sort
+            tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+
+    def launch(x, cnt):
+        g = dispatch.grid(x.numel(), x.device)
+        _k[dispatch.grid(x.numel(), x.device)](x, cnt, x.numel(), BLOCK=4)
+        _k[g](x, cnt, x.numel(), BLOCK=4)
+''')
+
+BAD = textwrap.dedent('''
+    import triton, triton.language as tl
+
+    @triton.jit
+    def _k(x_ptr, cnt_ptr, n):
+        pid = tl.program_id(0)
+        for i in tl.range(tl.program_id(1), n, tl.num_programs(1)):
+            v = tl.sort(tl.load(x_ptr + i))
+            tl.atomic_add(cnt_ptr, v.to(tl.int64))
+            tl.atomic_max(cnt_ptr, 1, sem="relaxed")
+
+    def launch(x, cnt):
+        _k[(x.numel(),)](x, cnt, x.numel())
+''')
+
+
+def test_checker_accepts_conforming_source() -> None:
+    assert check_kernel_source(GOOD) == []
+
+
+def test_checker_flags_each_rule() -> None:
+    got = [(v.line, v.rule) for v in check_kernel_source(BAD, "bad.py")]
+    assert got == [(6, "persistent"), (7, "persistent"), (8, "sort"), (9, "atomic"), (10, "atomic"), (13, "grid")]
+    msgs = "\n".join(str(v) for v in check_kernel_source(BAD, "bad.py"))
+    assert "bad.py:9: [atomic]" in msgs and "sem='relaxed'" in msgs and "dispatch.grid" in msgs
+
+
+@pytest.mark.parametrize("policy", [("work", None), ("cores", 100_000)])
+def test_grid_never_exceeds_the_core_dim_limit(policy) -> None:
+    with dispatch.launch_policy(*policy):
+        assert dispatch.grid(10**6, torch.device("cpu")) == (MAX_GRID,)
+        assert dispatch.grid(0, torch.device("cpu")) == (1,)
+
+
+@triton.jit
+def _visit_kernel(x_ptr, out_ptr, visits_ptr, n, BLOCK: tl.constexpr):
+    for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + item * BLOCK + offs)
+        tl.store(out_ptr + item * BLOCK + offs, x * 2.0 + item)
+        tl.atomic_add(visits_ptr + item, 1)
+
+
+def _visit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[0]
+    out = torch.full_like(x, float("nan"))
+    visits = torch.zeros(n, dtype=torch.int32, device=x.device)
+    _visit_kernel[dispatch.grid(n, x.device)](x, out, visits, n, BLOCK=x.shape[1])
+    return out, visits
+
+
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_persistent_loop_same_under_both_policies(device, n) -> None:
+    x = torch.randn(n, 4, device=device)
+    results = {}
+    for policy in POLICIES:
+        with dispatch.launch_policy(*policy):
+            results[policy] = _visit(x)
+    ref_out, ref_visits = results[("work", None)]
+    assert torch.equal(ref_visits, torch.ones(n, dtype=torch.int32, device=device))
+    assert torch.equal(ref_out, x * 2.0 + torch.arange(n, device=device)[:, None])
+    for out, visits in results.values():
+        assert torch.equal(out, ref_out) and torch.equal(visits, ref_visits)
+
+
+# (kernel launch, the exact expected output, or None where only a float reference within tolerance exists:
+# then every policy must give the `work` policy's output bit for bit)
+Case = tuple[Callable[[], torch.Tensor], "torch.Tensor | None"]
+
+
+def _topk_cases(device: torch.device) -> list[Case]:
+    """Global top-k allocation: ties (quantized survival), NaN-free and thresholded, B = 1 and odd B."""
+    from dspark.kernels import topk
+
+    def case(b: int, gamma: int, budget: int, floor: int, seed: int) -> Case:
+        gen = torch.Generator().manual_seed(seed)
+        s = (torch.rand(b, gamma, generator=gen) * 8).round() / 8   # many ties
+        s = torch.cummin(s, dim=1).values.to(device)
+
+        def run() -> torch.Tensor:
+            out = torch.full((b,), -7, dtype=torch.int32, device=device)   # poison
+            return topk.verify_lens_triton(s, budget, floor, gamma + 1, 1e-6, out=out)
+        return run, topk.verify_lens_ref(s, budget, floor, gamma + 1, 1e-6)
+
+    return [case(1, 3, 2, 1, 0), case(5, 4, 7, 1, 1), case(7, 6, 40, 2, 2), case(3, 5, 0, 1, 3)]
+
+
+def _kv_write_cases(device: torch.device) -> list[Case]:
+    """Paged K/V cache write: random slots, some negative (padding rows write nothing); NaN-poisoned caches."""
+    from dspark.kernels import kv_write
+
+    def case(rows: int, page_size: int, seed: int) -> Case:
+        gen = torch.Generator().manual_seed(seed)
+        pages = rows // page_size + 2
+        slots = torch.randperm(pages * page_size, generator=gen)[:rows]
+        slots[torch.rand(rows, generator=gen) < 0.3] = -1
+        slots = slots.to(device)
+        k, v = (torch.randn(rows, 2, 5, generator=gen).to(device) for _ in range(2))
+        poisoned = lambda: torch.full((pages, page_size, 2, 5), float("nan"), device=device)  # noqa: E731
+        want_k, want_v = poisoned(), poisoned()
+        kv_write.write_kv_ref(k, v, want_k, want_v, slots)
+
+        def run() -> torch.Tensor:
+            kc, vc = poisoned(), poisoned()
+            kv_write.write_kv_triton(k, v, kc, vc, slots.to(torch.int32))
+            return torch.stack([kc, vc]).nan_to_num(-1e9)
+        return run, torch.stack([want_k, want_v]).nan_to_num(-1e9)
+
+    return [case(0, 4, 0), case(1, 1, 1), case(13, 3, 2)]
+
+
+def _attention_cases(device: torch.device) -> list[Case]:
+    """Ragged verify attention (one kv split and three, which adds the merge kernel), with a ghost slot."""
+    from dspark.attention import RaggedVerifyAttention
+    from dspark.layout import RaggedVerifyLayout
+
+    def case(splits: int, seed: int) -> Case:
+        gen = torch.Generator().manual_seed(seed)
+        layout = RaggedVerifyLayout.from_verify_lens(torch.tensor([2, 3, 1], dtype=torch.int32, device=device),
+                                                     tiers=[8], slots=4, width=3)
+        prefix, page_size, hkv, hq, d = torch.tensor([5, 0, 9]), 4, 2, 4, 8
+        table = torch.randperm(12, generator=gen, dtype=torch.int32)[:12].reshape(3, 4).to(device)
+        kc, vc = (torch.randn(12, page_size, hkv, d, generator=gen).to(device) for _ in range(2))
+        q = torch.randn(8, hq, d, generator=gen).to(device)
+        attn = RaggedVerifyAttention(8, 4, 4, hq, hkv, d, page_size, device, torch.float32, num_kv_splits=splits)
+        attn.plan(layout, prefix, table)
+
+        def run() -> torch.Tensor:
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full(q.shape[:2], float("nan"), device=device)
+            attn.run(q, kc, vc, out=out, lse=lse)
+            return torch.cat([out.flatten(), lse.flatten()])
+        return run, None
+
+    return [case(1, 0), case(3, 1)]
+
+
+# kernel module -> cases (a zero-argument launch and the reference output); every module that defines a
+# Triton kernel must appear here so that it runs under both launch policies.
+KERNEL_CASES: dict[str, Callable[[torch.device], list[Case]]] = {
+    "topk": _topk_cases,
+    "kv_write": _kv_write_cases,
+    "ragged_attention": _attention_cases,
+}
+
+
+def test_every_kernel_module_has_cross_policy_cases() -> None:
+    root = Path(dspark.kernels.__file__).parent
+    with_kernels = {p.stem for p in root.glob("*.py") if "@triton.jit" in p.read_text()}
+    missing = sorted(with_kernels - set(KERNEL_CASES))
+    assert not missing, f"add cross-policy cases for {missing} to KERNEL_CASES in tests/test_ascend_launch.py"
+
+
+@pytest.mark.parametrize("module", sorted(KERNEL_CASES))
+def test_kernels_identical_under_both_policies(device, module, triton_backend) -> None:
+    for run, want in KERNEL_CASES[module](device):
+        for policy in POLICIES:
+            with dispatch.launch_policy(*policy):
+                out = run()
+            if want is None:
+                want = out
+                assert not out.isnan().any(), (module, "NaN in the output")
+            assert torch.equal(out, want), (module, policy, out, want)

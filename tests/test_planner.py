@@ -1,0 +1,199 @@
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark import (
+    AdditiveCostModel,
+    ScheduleConfig,
+    VerifyPlanner,
+    allocate_verify_lens,
+    calibrated_survival,
+    choose_budget,
+    greedy_budget,
+)
+from dspark.cli import main as cli_main
+from dspark.layout import round_up_to_tier
+
+GAMMA = 5
+
+
+def cost(width=None) -> AdditiveCostModel:
+    """Rows get steadily dearer: the argmax lands inside a tier, not at its top."""
+    return AdditiveCostModel(2e-3, [1, 16], [0.0, 1e-3], [0, 8, 40], [0.0, 0.4e-3, 8e-3], width=width)
+
+
+def logits(b, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, GAMMA, generator=gen) * 2 + 1.5).to(device)
+
+
+def ids(b):
+    return torch.arange(b), torch.zeros(b, dtype=torch.int64)
+
+
+def test_lag_one_budget_comes_from_the_previous_step(device):
+    cfg = ScheduleConfig(gamma=GAMMA)
+    planner = VerifyPlanner(cfg, cost(), lag=1, num_slots=8, device=device)
+    slots, gens = ids(6)
+    z0, z1, z2 = logits(6, 0, device), logits(6, 1, device), logits(6, 2, device)
+    s0, s1 = calibrated_survival(z0), calibrated_survival(z1)
+
+    first = planner.plan(z0, slots, gens)
+    assert first.decision.budget == choose_budget(torch.ones(6, GAMMA), cost(), cfg).budget
+    assert torch.equal(first.verify_lens, allocate_verify_lens(s0, first.decision.budget, cfg))
+
+    second = planner.plan(z1, slots, gens)
+    want = choose_budget(s0, cost(), cfg)
+    assert (second.decision.budget, second.decision.tau) == (want.budget, want.tau)
+    assert torch.equal(second.verify_lens, allocate_verify_lens(s1, second.decision.budget, cfg))
+    assert torch.equal(second.survival, s1)
+
+    gens_reused = gens.clone()
+    gens_reused[0] = 1  # slot 0 now holds a new request: its lagged survival is all ones
+    third = planner.plan(z2, slots, gens_reused)
+    lagged = s1.clone()
+    lagged[0] = 1.0
+    assert third.decision.budget == choose_budget(lagged, cost(), cfg).budget
+    assert third.decision.tau == pytest.approx(choose_budget(lagged, cost(), cfg).tau)
+
+
+def test_lag_two_reads_two_steps_back(device):
+    cfg = ScheduleConfig(gamma=GAMMA)
+    planner = VerifyPlanner(cfg, cost(), lag=2, num_slots=4, device=device)
+    slots, gens = ids(4)
+    zs = [logits(4, seed, device) for seed in range(3)]
+    plans = [planner.plan(z, slots, gens) for z in zs]
+    want = choose_budget(calibrated_survival(zs[0]), cost(), cfg)
+    assert plans[2].decision.budget == want.budget and plans[2].decision.tau == pytest.approx(want.tau)
+
+
+def test_lag_zero_uses_the_greedy_scan_on_live_survival(device):
+    cfg = ScheduleConfig(gamma=GAMMA)
+    planner = VerifyPlanner(cfg, cost(), lag=0)
+    z = logits(5, 3, device)
+    plan = planner.plan(z, *ids(5))
+    s = calibrated_survival(z)
+    assert planner.ring is None
+    assert plan.decision.budget == greedy_budget(s, cost(), cfg).budget
+    assert torch.equal(plan.verify_lens, allocate_verify_lens(s, plan.decision.budget, cfg))
+
+
+def test_temperatures_reach_the_live_survival(device):
+    cfg = ScheduleConfig(gamma=GAMMA)
+    temps = [0.5, 1.0, 2.0, 1.5, 0.8]
+    plan = VerifyPlanner(cfg, cost(), lag=0, temperatures=temps).plan(logits(3, 4, device), *ids(3))
+    assert torch.equal(plan.survival, calibrated_survival(logits(3, 4, device), temps))
+
+
+@settings(max_examples=20)
+@given(b=st.integers(1, 9), seed=st.integers(0, 2**31 - 1), lag=st.integers(0, 1),
+       tiers=st.sampled_from([(8, 16, 24, 32, 48), (4, 12), (64,), (10, 11, 12, 13, 14, 15, 16)]))
+def test_tier_fill_fills_the_paid_tier_and_never_crosses_it(b, seed, lag, tiers, device):
+    cfg = ScheduleConfig(gamma=GAMMA, min_verify_len=2, max_verify_len=5)
+    planner = VerifyPlanner(cfg, cost(), lag=lag, tiers=tiers, num_slots=16, graph_slots=24, device=device)
+    slots, gens = ids(b)
+    planner.plan(logits(b, seed + 1, device), slots, gens)
+    plan = planner.plan(logits(b, seed, device), slots, gens)
+    decided_rows = b * cfg.floor + plan.decision.budget
+    tier = round_up_to_tier(decided_rows, tiers)
+    plain = allocate_verify_lens(plan.survival, plan.decision.budget, cfg)
+    assert bool((plan.verify_lens >= plain).all())
+    assert torch.equal(plan.verify_lens, allocate_verify_lens(plan.survival, plan.budget, cfg))
+    total = int(plan.verify_lens.sum())
+    assert plan.layout.total_rows == total
+    if tier is None:
+        assert plan.budget == plan.decision.budget and total <= decided_rows
+        assert (plan.layout.tier is None) == (plan.layout.eager_reason is not None)
+    else:
+        assert plan.budget == tier - b * cfg.floor
+        assert total <= tier and plan.layout.graph_num_tokens == plan.layout.tier <= tier
+        n_valid = int((plan.survival[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum())
+        assert total == b * cfg.floor + min(plan.budget, n_valid)
+
+
+def test_tier_fill_example(device):
+    cfg = ScheduleConfig(gamma=GAMMA)
+    cliff = AdditiveCostModel(1e-3, [1], [0.0], [0, 10, 11, 40], [0.0, 0.2e-3, 10e-3, 12e-3])
+    planner = VerifyPlanner(cfg, cliff, lag=0, tiers=(16, 32), graph_slots=8)
+    z = torch.full((4, GAMMA), 6.0, device=device)  # confident: every candidate is valid
+    plan = planner.plan(z, *ids(4))
+    assert plan.decision.budget == 6 and plan.decision.rows == 10 and plan.budget == 12
+    assert int(plan.verify_lens.sum()) == 16 and plan.layout.tier == 16 and plan.layout.num_padding_rows == 0
+    assert plan.layout.num_slots == 8
+
+
+def test_nan_logits_and_empty_batch(device):
+    cfg = ScheduleConfig(gamma=GAMMA)
+    planner = VerifyPlanner(cfg, cost(), lag=1, num_slots=4, device=device)
+    z = torch.full((2, GAMMA), 5.0, device=device)
+    z[0, 1] = math.nan
+    z[1, 0] = -math.inf
+    plan = planner.plan(z, *ids(2))
+    assert int(plan.verify_lens[0]) <= 2 and int(plan.verify_lens[1]) == 1
+    empty = planner.plan(torch.zeros(0, GAMMA, device=device), *ids(0))
+    assert empty.verify_lens.shape == (0,) and empty.decision.budget == 0
+
+
+@pytest.mark.parametrize("kwargs, exc, needle", [
+    ({"cost_model": cost(width=9)}, ValueError, "W=9"),
+    ({"lag": -1}, ValueError, "-1"),
+    ({"lag": 1.5}, ValueError, "1.5"),
+    ({"temperatures": [1.0, 0.0, 1.0, 1.0, 1.0]}, ValueError, r"temperatures\[1\] = 0.0"),
+    ({"graph_slots": 0}, ValueError, "graph_slots"),
+    ({"tiers": (16, 8)}, ValueError, r"\[16, 8\]"),
+    ({"cost_model": "table.json"}, TypeError, "str"),
+    ({"cfg": {"gamma": 5}}, TypeError, "dict"),
+    ({"num_slots": 0}, ValueError, "num_slots"),
+])
+def test_bad_planner_arguments(kwargs, exc, needle):
+    args = {"cfg": ScheduleConfig(gamma=GAMMA), "cost_model": cost(), **kwargs}
+    with pytest.raises(exc, match=needle):
+        VerifyPlanner(**args)
+
+
+def test_bad_plan_inputs(device):
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), lag=1, num_slots=4, device=device)
+    with pytest.raises(ValueError, match=r"gamma=5.*\(2, 4\)"):
+        planner.plan(torch.zeros(2, 4, device=device), *ids(2))
+    with pytest.raises(ValueError, match="slots must lie in"):
+        planner.plan(torch.zeros(2, GAMMA, device=device), torch.tensor([0, 9]), torch.zeros(2, dtype=torch.int64))
+
+
+def test_plan_demo_writes_json_and_png(tmp_path, capsys):
+    assert cli_main(["plan-demo", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "planner_demo.json").read_text())
+    assert (tmp_path / "planner_demo.png").stat().st_size > 1000
+    assert record["theta_curve"][record["budget"]] == max(record["theta_curve"])
+    assert "ILLUSTRATIVE" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_demo_reports_an_unusable_device(tmp_path, capsys):
+    assert cli_main(["demo", "--device", "nosuchdevice", "--out", str(tmp_path)]) == 2
+    assert "nosuchdevice" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.cuda
+def test_host_syncs_on_cuda(device):
+    """The allocation never waits for the device; the budget waits once (its survival copy)."""
+    cfg = ScheduleConfig(gamma=GAMMA)
+    s = calibrated_survival(logits(64, 0, device))
+    allocate_verify_lens(s, 10, cfg)
+    choose_budget(s, cost(), cfg)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            allocate_verify_lens(s, 100, cfg)
+            in_allocation = len(seen)
+            choose_budget(s, cost(), cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert in_allocation == 0 and len(seen) - in_allocation <= 1, [str(w.message) for w in seen]
