@@ -17,13 +17,14 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark.accept import accept_greedy, accept_sampling
 from dspark.config import VerifyMode
 from dspark.engine.kv_cache import PagedKVCache
 from dspark.engine.model import DraftLM, TinyLM
-from dspark.engine.pending import accept_greedy, accept_sampling
 from dspark.engine.policies import FixedK, Oracle, PolicyPlan
 from dspark.engine.step_attention import StepAttention, batch_attention
 from dspark.layout import RaggedVerifyLayout, check_tiers
+from dspark.verify_inputs import build_verify_inputs
 
 DEVICES = ("cpu", "cuda")
 
@@ -166,45 +167,54 @@ class SpecDecoder:
               sampling: bool, temperature: float, gen: torch.Generator, all_gens: Tensor) -> StepOutcome:
         """One step for the requests `reqs` (host ids of the unfinished requests)."""
         b, k = reqs.numel(), policy.num_drafts
-        w = k + 1
         lens, dev_reqs = all_lens[reqs], reqs.to(self.device)
+        prefix = lens - 1  # the root sits at position prefix
+        root = buf[dev_reqs, prefix.to(self.device)]
+        if k == 0:
+            return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen)
         times = StepTimes()
-        syncs = 0
         t0 = time.perf_counter()
         drafts, draft_probs, conf = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature, gen)
         t1 = time.perf_counter()
         times.draft = t1 - t0
-        root = buf[dev_reqs, (lens - 1).to(self.device)]
-        strided = torch.cat([root[:, None], drafts], 1)
-        prefix = lens - 1
         if isinstance(policy, Oracle):
-            full = self._verify(strided, self._uniform(b, w), prefix, dev_reqs, w)
-            res = self._accept(drafts, draft_probs, full, torch.full((b,), w, dtype=torch.int32,
-                                                                     device=self.device), sampling, temperature, gen)
-            plan = PolicyPlan(res.commit_lens.to(torch.int32))
+            full = torch.full((b,), k + 1, dtype=torch.int32, device=self.device)
+            pre = self._verify(VerifyMode.STATIC, full, root, drafts, draft_probs, prefix, dev_reqs, sampling,
+                               temperature, gen)
+            plan = PolicyPlan(pre.commit_lens.to(torch.int32))
             t1 = time.perf_counter()  # the prepass is not charged to the oracle
         else:
             plan = policy.plan(conf, dev_reqs, all_gens[dev_reqs])
-        if mode is VerifyMode.COMPACT:
-            layout = plan.layout or RaggedVerifyLayout.from_verify_lens(plan.verify_lens, self.tiers or None,
-                                                                        self._slots, width=w)
-            syncs += 1  # verify lengths to the host for the packed layout
-        else:
-            layout = self._uniform(b, w)
-        t2 = time.perf_counter()
-        times.plan = t2 - t1
-        logits = self._verify(strided, layout, prefix, dev_reqs, w)
-        t3 = time.perf_counter()
-        times.verify = t3 - t2
-        caps = plan.verify_lens if mode is not VerifyMode.STATIC else torch.full(
-            (b,), w, dtype=torch.int32, device=self.device)
-        acc = self._accept(drafts, draft_probs, logits, caps, sampling, temperature, gen)
+        times.plan = time.perf_counter() - t1
+        acc, layout, caps, times.verify, times.accept = self._verify(
+            mode, plan.verify_lens, root, drafts, draft_probs, prefix, dev_reqs, sampling, temperature, gen,
+            timed=True)
         if isinstance(policy, Oracle):
-            acc = res
+            acc = pre  # sampling: the outcome the prepass drew (greedy: identical anyway)
+        t3 = time.perf_counter()
         self._commit(buf, dev_reqs, lens, acc.tokens, acc.commit_lens)
-        times.accept = time.perf_counter() - t3
+        times.accept += time.perf_counter() - t3
         return StepOutcome(requests=reqs, plan=plan, layout=layout, caps=caps, confidence_logits=conf,
-                           commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=syncs)
+                           commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1)
+
+    def _plain_step(self, buf: Tensor, reqs: Tensor, lens: Tensor, root: Tensor, sampling: bool,
+                    temperature: float, gen: torch.Generator) -> StepOutcome:
+        """Target-only decoding (fixed-0): one row per request, its argmax or a sample is committed."""
+        b, dev_reqs = reqs.numel(), reqs.to(self.device)
+        t0 = time.perf_counter()
+        layout = self._uniform(b, 1)
+        logits = self.target.logits(self._forward(self.target, self.tcache, root, layout, lens - 1, dev_reqs))
+        t1 = time.perf_counter()
+        if sampling:
+            token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+        else:
+            token = logits.argmax(-1, keepdim=True)
+        ones = torch.ones(b, dtype=torch.int32, device=self.device)
+        self._commit(buf, dev_reqs, lens, token, ones)
+        times = StepTimes(verify=t1 - t0, accept=time.perf_counter() - t1)
+        return StepOutcome(requests=reqs, plan=PolicyPlan(ones), layout=layout, caps=ones,
+                           confidence_logits=torch.zeros(b, 0, device=self.device), commit_lens=ones,
+                           correct_len=ones - 1, times=times, host_syncs=0)
 
     def _draft(self, buf: Tensor, lens: Tensor, all_dlen: Tensor, reqs: Tensor, k: int, sampling: bool,
                temperature: float, gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -232,19 +242,27 @@ class SpecDecoder:
         drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k)
         return drafts, q, conf
 
-    def _verify(self, strided: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, reqs: Tensor, w: int) -> Tensor:
-        """Target logits of the verify rows, scattered back to strided [B, W, V]."""
-        ids = layout.pack(strided)
-        logits = self.target.logits(self._forward(self.target, self.tcache, ids, layout, prefix, reqs))
-        return layout.scatter(logits, width=w)
+    def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
+                draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,
+                gen: torch.Generator, timed: bool = False):
+        """Verify forward in `mode` (dspark.build_verify_inputs) and accept on its packed rows.
 
-    def _accept(self, drafts: Tensor, draft_probs: Tensor | None, logits: Tensor, caps: Tensor, sampling: bool,
-                temperature: float, gen: torch.Generator):
+        Returns the AcceptResult, or with `timed` also the layout, the caps and the verify / accept
+        seconds. Building the layout reads the verify lengths on the host (the step's first sync).
+        """
+        t0 = time.perf_counter()
+        vin = build_verify_inputs(mode, verify_lens, root, drafts, prefix.to(self.device),
+                                  tiers=self.tiers or None, slots=self._slots)
+        logits = self.target.logits(self._forward(self.target, self.tcache, vin.input_ids, vin.layout, prefix, reqs))
+        t1 = time.perf_counter()
         if sampling:
             p = torch.softmax(logits / temperature, -1)
-            q = draft_probs if draft_probs is not None else p[:, :0]
-            return accept_sampling(drafts, q, p, caps, generator=gen)
-        return accept_greedy(drafts, logits, caps)
+            acc = accept_sampling(drafts, draft_probs, p, vin.caps, generator=gen, layout=vin.layout)
+        else:
+            acc = accept_greedy(drafts, logits, vin.caps, layout=vin.layout)
+        if not timed:
+            return acc
+        return acc, vin.layout, vin.caps, t1 - t0, time.perf_counter() - t1
 
     def _commit(self, buf: Tensor, reqs: Tensor, lens: Tensor, tokens: Tensor, commit_lens: Tensor) -> None:
         """Write each request's committed tokens after its length (columns past commit go to the spare
