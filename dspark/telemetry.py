@@ -81,7 +81,8 @@ def tau_bias(records: Iterable[StepRecord], by: Sequence[str] = ("batch", "lag",
             continue
         key = tuple(getattr(r, f) for f in by)
         buckets.setdefault(key, Bucket()).add(r.committed, r.predicted_tau)
-    return [dict(zip(by, key)) | buckets[key].summary() for key in sorted(buckets, key=repr)]
+    order = sorted(buckets, key=lambda k: tuple((v is None, str(type(v)), v if v is not None else 0) for v in k))
+    return [dict(zip(by, key)) | buckets[key].summary() for key in order]
 
 
 def acceptance(records: Sequence[StepRecord]) -> dict:
