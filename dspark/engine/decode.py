@@ -6,7 +6,10 @@ runs one forward over the verify rows (root at position L-1, drafts after it), a
 committed tokens, and only the lengths move: KV rows of rejected drafts are simply overwritten later.
 
 Host syncs per step are the ones the design needs, counted in the telemetry: the verify lengths
-(to build the layout) and the commit lengths (the next step's positions and the stop test).
+(to build the layout) and the commit lengths (the next step's positions and the stop test); a
+target-only step needs only the second. Input validation at dspark's API boundaries (verify inputs,
+accept, attention plan) also reads device values; on the CPU that costs nothing, on a GPU it would be
+the next thing to trim.
 """
 from __future__ import annotations
 
