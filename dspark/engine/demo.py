@@ -248,11 +248,12 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         "seconds": time.perf_counter() - t_start,
     }
     (tmp / "demo.json").write_text(json.dumps(summary, indent=1))
-    from dspark.calibration_plots import plot_reliability
     from dspark.engine.plots import write_plots
 
-    write_plots(tmp, rows, records)
-    plot_reliability(calib, tmp)
+    if write_plots(tmp, rows, records):  # empty when matplotlib is not installed
+        from dspark.calibration_plots import plot_reliability
+
+        plot_reliability(calib, tmp)
     echo(format_table(rows))
     echo(f"greedy losslessness: {lossless_checks} runs identical to target-only greedy decoding"
          if not cfg.sampling else "sampling mode: losslessness is distributional (see tests/test_engine.py)")
