@@ -111,7 +111,7 @@ class SpecDecoder:
     def _uniform(self, b: int, rows: int) -> RaggedVerifyLayout:
         return RaggedVerifyLayout.from_verify_lens(torch.full((b,), rows, dtype=torch.int32), width=rows)
 
-    # -- one step -------------------------------------------------------------------------------------
+    # -- decoding --------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Tensor, max_new_tokens: int, policy: FixedK | Oracle | object, *,
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
