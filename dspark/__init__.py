@@ -35,9 +35,13 @@ from dspark.graphs import GraphBackend, StepBuffers, TierGraphRunner, TierManife
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlan, VerifyPlanner
 from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
+from dspark.telemetry import StepRecord, acceptance, tau_bias
 from dspark.verify_inputs import VerifyInputs, build_verify_inputs
 
 __all__ = [
+    "StepRecord",
+    "acceptance",
+    "tau_bias",
     "AcceptResult",
     "AdditiveCostModel",
     "BudgetDecision",

@@ -26,6 +26,49 @@ def _device_and_out(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo_out", help="output folder (default: demo_out/)")
 
 
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    _device_and_out(p)
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    p.add_argument("--batch-sizes", type=ints, default=(1, 4, 16, 64), help="comma list (default 1,4,16,64)")
+    p.add_argument("--mode", default="compact", help="verify mode: static, cap-accept or compact (default)")
+    p.add_argument("--policies", default="adaptive,fixed,oracle",
+                   help="comma list of adaptive, oracle, fixed (= fixed-0..fixed-gamma), fixed-K")
+    p.add_argument("--gamma", type=int, default=6, help="drafts per step, at most the draft's 6 heads (default 6)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per (policy, batch); median reported")
+    p.add_argument("--sampling", action="store_true", help="rejection sampling instead of greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lag", type=int, default=1, help="planner survival lag (0 = synchronous greedy scan)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: tiny ops)")
+    p.add_argument("--tiers", type=ints, default=(),
+                   help="comma list of token tiers: compact steps pad to the smallest tier >= rows and the "
+                        "planner uses a TieredCostModel (default: none, eager)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the models' dense parts (off by default: on CPU the compile time "
+                        "outweighs the gain in a 5-minute demo)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=None, help="model weights cache (default ~/.cache/dspark)")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from dspark.engine.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        device=args.device, out=args.out, batch_sizes=args.batch_sizes, mode=args.mode,
+        policies=tuple(x for x in args.policies.split(",") if x), gamma=args.gamma, prompt_len=args.prompt_len,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=args.sampling,
+        temperature=args.temperature, lag=args.lag, threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
+        compile=args.compile, tiers=args.tiers,
+    )
+    try:
+        run_demo(cfg)
+    except ValueError as e:
+        print(f"dspark demo: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _run_plan_demo(args: argparse.Namespace) -> int:
     from dspark.planner_demo import run
 
@@ -33,8 +76,8 @@ def _run_plan_demo(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: list[Subcommand] = [
-    Subcommand("demo", "the main demonstration (for now: the planner demonstration)", _device_and_out,
-               _run_plan_demo),
+    Subcommand("demo", "end-to-end demo: tiny target + draft, every policy side by side, lossless check, "
+               "table + JSON + PNGs", _demo_arguments, _run_demo),
     Subcommand("plan-demo", "planner demonstration: budget decision table, tau/T/theta plot, JSON",
                _device_and_out, _run_plan_demo),
     Subcommand("calibrate", calibrate_cli.HELP, calibrate_cli.add_arguments, calibrate_cli.run),

@@ -58,3 +58,14 @@ def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 def torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """Force the torch reference paths."""
     monkeypatch.setenv("DSPARK_KERNEL_BACKEND", "torch")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-wait."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

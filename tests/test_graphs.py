@@ -15,13 +15,7 @@ W = 4
 SLOTS = 8  # 5 requests + 2 ghost slots hold any padding of these tiers, with one to spare
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-wait."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_runner(device, tiers=TIERS, slots=SLOTS, backend=None):

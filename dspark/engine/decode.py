@@ -1,0 +1,287 @@
+"""The speculative decode loop: draft -> plan -> layout -> verify forward -> accept -> commit.
+
+Per step and request, with `L` committed tokens (the last one is the root, whose target KV is not yet
+written): the draft proposes a block of k tokens in one forward, the policy picks verify lengths, the target
+runs one forward over the verify rows (root at position L-1, drafts after it), accept decides the
+committed tokens, and only the lengths move: KV rows of rejected drafts are simply overwritten later.
+
+Host syncs per step are the ones the design needs, counted in the telemetry: the verify lengths
+(to build the layout) and the commit lengths (the next step's positions and the stop test); a
+target-only step needs only the second. Input validation at dspark's API boundaries (verify inputs,
+accept, attention plan) also reads device values; on the CPU that costs nothing, on a GPU it would be
+the next thing to trim.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.accept import accept_greedy, accept_sampling
+from dspark.config import VerifyMode
+from dspark.engine.kv_cache import PagedKVCache
+from dspark.engine.model import DraftLM, TinyLM
+from dspark.engine.policies import FixedK, Oracle, PolicyPlan
+from dspark.engine.step_attention import StepAttention, batch_attention
+from dspark.layout import RaggedVerifyLayout, check_tiers
+from dspark.verify_inputs import build_verify_inputs
+
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """`cpu` or `cuda` (the latter only when available)."""
+    name = str(device)
+    if name.split(":")[0] not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    return dev
+
+
+@dataclass
+class StepTimes:
+    draft: float = 0.0
+    plan: float = 0.0
+    verify: float = 0.0
+    accept: float = 0.0
+
+
+@dataclass
+class StepOutcome:
+    """What one step did (device tensors; the caller reads them after the run, no extra syncs)."""
+
+    requests: Tensor               # [B] host ids of the unfinished requests this step ran for
+    plan: PolicyPlan
+    layout: RaggedVerifyLayout     # the verify forward's layout (static modes: B x W)
+    caps: Tensor                   # [B] verify lengths the accept honoured (static: W)
+    confidence_logits: Tensor      # [B, k] the draft's raw confidence logits
+    commit_lens: Tensor
+    correct_len: Tensor
+    times: StepTimes
+    host_syncs: int
+
+
+@dataclass
+class GenerateResult:
+    tokens: Tensor                 # [B, max_new_tokens] committed tokens after the prompt
+    steps: list[StepOutcome] = field(default_factory=list)
+    seconds: float = 0.0           # charged time: sum of the steps' draft+plan+verify+accept (no prefill,
+                                   # no oracle prepass)
+
+
+class SpecDecoder:
+    """Target + draft with their paged KV caches; runs one policy over a batch of equal-length prompts."""
+
+    def __init__(self, target: TinyLM, draft: DraftLM, *, cache_tokens: int = 65536, page_size: int = 16,
+                 device: str | torch.device = "cpu", compile: bool = False, tiers: Sequence[int] | None = None):
+        self.device = check_device(device)
+        self.tiers = check_tiers(tiers)
+        self.target = target.to(self.device).eval()
+        self.draft = draft.to(self.device).eval()
+        if compile:
+            self.target.compile_dense()
+            self.draft.compile_dense()
+        pages = -(-cache_tokens // page_size)
+        self.tcache = self._cache(target, pages, page_size)
+        self.dcache = self._cache(draft, pages, page_size)
+        self._generation = 0
+
+    def _cache(self, model: TinyLM, pages: int, page_size: int) -> PagedKVCache:
+        c = model.cfg
+        return PagedKVCache(num_layers=c.n_layers, num_heads=c.n_heads, head_dim=c.head_dim, num_pages=pages,
+                            page_size=page_size, device=self.device)
+
+    # -- forwards -------------------------------------------------------------------------------------
+    def _forward(self, model: TinyLM, cache: PagedKVCache, tokens: Tensor, layout: RaggedVerifyLayout,
+                 prefix: Tensor, reqs: Tensor) -> Tensor:
+        """Hidden states of packed rows for requests `reqs` (device ids into the admitted batch)."""
+        attend = StepAttention(self._attn[id(cache)], cache, layout, prefix, cache.block_table[reqs])
+        return model(tokens, attend.positions, attend)
+
+    def graph_slots(self, b: int, width: int) -> int | None:
+        """Slot count of a tier-padded compact step: B real slots plus enough ghost slots (<= W rows each)
+        for the largest possible padding; None without tiers."""
+        return b + -(-self.tiers[-1] // width) if self.tiers else None
+
+    def _uniform(self, b: int, rows: int) -> RaggedVerifyLayout:
+        return RaggedVerifyLayout.from_verify_lens(torch.full((b,), rows, dtype=torch.int32), width=rows)
+
+    # -- decoding --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Tensor, max_new_tokens: int, policy: FixedK | Oracle | object, *,
+                 mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
+                 seed: int = 0) -> GenerateResult:
+        """Decode `max_new_tokens` after each prompt ([B, P] int64, P >= 3) with one policy."""
+        mode = VerifyMode.parse(mode)
+        b, p = self._check_prompts(prompts, max_new_tokens)
+        k = policy.num_drafts
+        if k > self.draft.gamma:
+            raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the draft model has only "
+                             f"{self.draft.gamma} heads (gamma must be in [0, {self.draft.gamma}])")
+        w = k + 1
+        self._max_len = p + max_new_tokens + w
+        for m in (self.target, self.draft):
+            if self._max_len > m.cfg.max_seq_len:
+                raise ValueError(
+                    f"prompt {p} + max_new_tokens {max_new_tokens} + verify width {w} = {self._max_len} exceeds "
+                    f"the model's max_seq_len {m.cfg.max_seq_len}")
+        self.tcache.admit(b, self._max_len)
+        self.dcache.admit(b, self._max_len)
+        rows = max(b * max(p, w), self.tiers[-1] if self.tiers else 0)  # prefill, full verify or top tier
+        self._slots = self.graph_slots(b, w)
+        slots = self._slots or b + 1
+        self._attn = {id(c): batch_attention(c, rows, slots) for c in (self.tcache, self.dcache)}
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        buf = torch.zeros(b, self._max_len + w, dtype=torch.long, device=self.device)
+        buf[:, :p] = prompts.to(self.device)
+        zeros = torch.zeros(b, dtype=torch.int64)
+        everyone = torch.arange(b, device=self.device)
+        prompt_rows = buf[:, : p - 1].reshape(-1)
+        self._forward(self.target, self.tcache, prompt_rows, self._uniform(b, p - 1), zeros, everyone)
+        if k:
+            self._forward(self.draft, self.dcache, prompt_rows, self._uniform(b, p - 1), zeros, everyone)
+        lens = torch.full((b,), p, dtype=torch.int64)  # host copy of the committed lengths
+        dlen = torch.full((b,), p - 1, dtype=torch.int64)  # host: positions < dlen hold draft KV
+        self._generation += 1  # a new batch of requests: lagged survival of earlier runs must not leak in
+        gens = torch.full((b,), self._generation, dtype=torch.int64, device=self.device)
+        result = GenerateResult(tokens=buf)
+        end = p + max_new_tokens
+        while True:
+            # finished requests leave the batch; the slot id (the lag ring's key) stays the request's
+            reqs = (lens < end).nonzero().squeeze(1)
+            if not reqs.numel():
+                break
+            out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
+            lens[reqs] += out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+            out.host_syncs += 1
+            result.steps.append(out)
+        result.seconds = sum(s.times.draft + s.times.plan + s.times.verify + s.times.accept for s in result.steps)
+        result.tokens = buf[:, p: p + max_new_tokens].clone()
+        self.tcache.release()
+        self.dcache.release()
+        return result
+
+    def _step(self, buf: Tensor, all_lens: Tensor, all_dlen: Tensor, reqs: Tensor, policy, mode: VerifyMode,
+              sampling: bool, temperature: float, gen: torch.Generator, all_gens: Tensor) -> StepOutcome:
+        """One step for the requests `reqs` (host ids of the unfinished requests)."""
+        b, k = reqs.numel(), policy.num_drafts
+        lens, dev_reqs = all_lens[reqs], reqs.to(self.device)
+        prefix = lens - 1  # the root sits at position prefix
+        root = buf[dev_reqs, prefix.to(self.device)]
+        if k == 0:
+            return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen)
+        times = StepTimes()
+        t0 = time.perf_counter()
+        drafts, draft_probs, conf = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature, gen)
+        t1 = time.perf_counter()
+        times.draft = t1 - t0
+        if isinstance(policy, Oracle):
+            full = torch.full((b,), k + 1, dtype=torch.int32, device=self.device)
+            pre = self._verify(VerifyMode.STATIC, full, root, drafts, draft_probs, prefix, dev_reqs, sampling,
+                               temperature, gen)
+            plan = PolicyPlan(pre.commit_lens.to(torch.int32))
+            t1 = time.perf_counter()  # the prepass is not charged to the oracle
+        else:
+            plan = policy.plan(conf, dev_reqs, all_gens[dev_reqs])
+        times.plan = time.perf_counter() - t1
+        acc, layout, caps, times.verify, times.accept = self._verify(
+            mode, plan.verify_lens, root, drafts, draft_probs, prefix, dev_reqs, sampling, temperature, gen,
+            timed=True)
+        if isinstance(policy, Oracle):
+            acc = pre  # sampling: the outcome the prepass drew (greedy: identical anyway)
+        t3 = time.perf_counter()
+        self._commit(buf, dev_reqs, lens, acc.tokens, acc.commit_lens)
+        times.accept += time.perf_counter() - t3
+        return StepOutcome(requests=reqs, plan=plan, layout=layout, caps=caps, confidence_logits=conf,
+                           commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1)
+
+    def _plain_step(self, buf: Tensor, reqs: Tensor, lens: Tensor, root: Tensor, sampling: bool,
+                    temperature: float, gen: torch.Generator) -> StepOutcome:
+        """Target-only decoding (fixed-0): one row per request, its argmax or a sample is committed."""
+        b, dev_reqs = reqs.numel(), reqs.to(self.device)
+        t0 = time.perf_counter()
+        layout = self._uniform(b, 1)
+        logits = self.target.logits(self._forward(self.target, self.tcache, root, layout, lens - 1, dev_reqs))
+        t1 = time.perf_counter()
+        if sampling:
+            token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+        else:
+            token = logits.argmax(-1, keepdim=True)
+        ones = torch.ones(b, dtype=torch.int32, device=self.device)
+        self._commit(buf, dev_reqs, lens, token, ones)
+        times = StepTimes(verify=t1 - t0, accept=time.perf_counter() - t1)
+        return StepOutcome(requests=reqs, plan=PolicyPlan(ones), layout=layout, caps=ones,
+                           confidence_logits=torch.zeros(b, 0, device=self.device), commit_lens=ones,
+                           correct_len=ones - 1, times=times, host_syncs=0)
+
+    def _draft(self, buf: Tensor, lens: Tensor, all_dlen: Tensor, reqs: Tensor, k: int, sampling: bool,
+               temperature: float, gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor]:
+        """k draft tokens [B, k], their distributions [B, k, V] (sampling) and confidence logits [B, k].
+
+        One draft forward over the tokens committed since the draft last ran (positions dlen..L-1,
+        ragged), then the block heads propose all k drafts.
+        """
+        b, dev = lens.numel(), self.device
+        if k == 0:
+            return torch.zeros(b, 0, dtype=torch.long, device=dev), None, torch.zeros(b, 0, device=dev)
+        rows = lens - all_dlen[reqs]
+        prefix = lens - rows
+        layout = RaggedVerifyLayout.from_verify_lens(rows.to(torch.int32).to(dev))
+        real = layout.total_rows
+        pos = layout.positions(prefix.to(dev))[:real]
+        dev_reqs = reqs.to(dev)
+        ids = buf[dev_reqs[layout.row_slot[:real].long()], pos]
+        h = self._forward(self.draft, self.dcache, ids, layout, prefix, dev_reqs)
+        all_dlen[reqs] = lens
+        logits, conf = self.draft.propose(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
+        if not sampling:
+            return logits.argmax(-1), None, conf
+        q = torch.softmax(logits / temperature, -1)
+        drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k)
+        return drafts, q, conf
+
+    def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
+                draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,
+                gen: torch.Generator, timed: bool = False):
+        """Verify forward in `mode` (dspark.build_verify_inputs) and accept on its packed rows.
+
+        Returns the AcceptResult, or with `timed` also the layout, the caps and the verify / accept
+        seconds. Building the layout reads the verify lengths on the host (the step's first sync).
+        """
+        t0 = time.perf_counter()
+        vin = build_verify_inputs(mode, verify_lens, root, drafts, prefix.to(self.device),
+                                  tiers=self.tiers or None, slots=self._slots)
+        logits = self.target.logits(self._forward(self.target, self.tcache, vin.input_ids, vin.layout, prefix, reqs))
+        t1 = time.perf_counter()
+        if sampling:
+            p = torch.softmax(logits / temperature, -1)
+            acc = accept_sampling(drafts, draft_probs, p, vin.caps, generator=gen, layout=vin.layout)
+        else:
+            acc = accept_greedy(drafts, logits, vin.caps, layout=vin.layout)
+        if not timed:
+            return acc
+        return acc, vin.layout, vin.caps, t1 - t0, time.perf_counter() - t1
+
+    def _commit(self, buf: Tensor, reqs: Tensor, lens: Tensor, tokens: Tensor, commit_lens: Tensor) -> None:
+        """Write each request's committed tokens after its length (columns past commit go to the spare
+        last column, which is never read)."""
+        w = tokens.shape[1]
+        cols = torch.arange(w, device=self.device)
+        idx = lens.to(self.device)[:, None] + cols[None, :]
+        idx = torch.where(cols[None, :] < commit_lens[:, None], idx, buf.shape[1] - 1)
+        buf[reqs[:, None].expand(-1, w), idx] = tokens
+
+    def _check_prompts(self, prompts: Tensor, max_new_tokens: int) -> tuple[int, int]:
+        if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.dtype != torch.long:
+            raise ValueError(f"prompts must be an int64 tensor [B, P], got {getattr(prompts, 'shape', prompts)}")
+        b, p = prompts.shape
+        if b < 1 or p < 3:
+            raise ValueError(f"need at least one prompt of >= 3 tokens, got shape {tuple(prompts.shape)}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        return b, p

@@ -1,0 +1,300 @@
+"""`dspark demo`: the whole mission end to end on a tiny model, measured side by side.
+
+1. train (first run) or load the tiny byte-level target + draft (stdlib source, cached);
+2. profile this machine's step cost T(B, M) with the real decode loop and fit a cost model;
+3. record the draft's confidence against realised acceptance and fit STS temperatures;
+4. run every policy (adaptive, fixed-k for k = 0..gamma, oracle) over the same held-out prompts at each
+   batch size, asserting in greedy mode that every policy and every verify mode commits exactly the
+   tokens of plain target-only greedy decoding;
+5. print one table and write JSON + PNGs into the output folder, atomically (a temp folder renamed at
+   the end: an interrupted demo leaves no half-written outputs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from dspark.config import ScheduleConfig, VerifyMode
+from dspark.layout import check_tiers
+from dspark.engine.decode import GenerateResult, SpecDecoder, check_device
+from dspark.engine.policies import Adaptive, FixedK, Oracle
+from dspark.engine.profile import fit_cost_model, profile_points, profile_step_costs
+from dspark.engine.records import step_records
+from dspark.engine.sts import record_and_fit
+from dspark.engine.train import TrainConfig, corpus, default_cache_dir, load_or_train
+from dspark.planner import VerifyPlanner
+from dspark.telemetry import StepRecord, acceptance, tau_bias, timing
+
+
+@dataclass
+class DemoConfig:
+    """Everything the demo does is decided here (no environment variables)."""
+
+    device: str = "cpu"
+    out: str = "demo_out"
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    mode: str = "compact"
+    policies: tuple[str, ...] = ("adaptive", "fixed", "oracle")
+    gamma: int = 6
+    prompt_len: int = 32
+    max_new_tokens: int = 48
+    repeats: int = 3
+    profile_repeats: int = 2
+    sampling: bool = False
+    temperature: float = 1.0
+    lag: int = 1
+    threads: int = 1
+    tiers: tuple[int, ...] = ()  # captured token tiers for compact steps (() = eager, no padding)
+    compile: bool = False   # torch.compile the dense block parts (CPU: ~18 s compile for small gains; off)
+    seed: int = 0
+    cache_dir: str | None = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def parse_policies(names: Sequence[str], gamma: int) -> list[str]:
+    """Expand `fixed` to fixed-0..fixed-gamma; validate every name (fixed-k needs 0 <= k <= gamma)."""
+    out: list[str] = []
+    for name in names:
+        if name == "fixed":
+            out += [f"fixed-{k}" for k in range(gamma + 1)]
+        elif name in ("adaptive", "oracle"):
+            out.append(name)
+        elif name.startswith("fixed-") and name[6:].isdigit():
+            k = int(name[6:])
+            if k > gamma:
+                raise ValueError(f"policy {name!r}: k = {k} is outside [0, gamma = {gamma}]")
+            out.append(name)
+        else:
+            raise ValueError(f"unknown policy {name!r}; choose from adaptive, oracle, fixed, fixed-K (0 <= K <= gamma)")
+    # fixed-0 (no speculation) always runs first: the speed baseline and the losslessness reference
+    return ["fixed-0"] + [n for n in dict.fromkeys(out) if n != "fixed-0"]
+
+
+def check_config(cfg: DemoConfig) -> None:
+    """Reject bad input before any work, naming the value."""
+    check_device(cfg.device)
+    VerifyMode.parse(cfg.mode)
+    top = cfg.train.gamma
+    if isinstance(cfg.gamma, bool) or not isinstance(cfg.gamma, int) or not 1 <= cfg.gamma <= top:
+        raise ValueError(f"gamma must be an int in [1, {top}] (the draft's heads), got {cfg.gamma!r}")
+    parse_policies(cfg.policies, cfg.gamma)
+    check_tiers(cfg.tiers)
+    if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
+        raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
+    for name in ("prompt_len", "max_new_tokens", "repeats", "profile_repeats", "threads"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (3 if name == "prompt_len" else 1):
+            raise ValueError(f"{name} must be a positive int (prompt_len >= 3), got {v!r}")
+
+
+def heldout_prompts(n: int, length: int, seed: int) -> torch.Tensor:
+    """n byte windows of the held-out stdlib files (never trained on), [n, length] int64."""
+    data = corpus("heldout")
+    starts = torch.randint(0, data.numel() - length, (n,), generator=torch.Generator().manual_seed(seed))
+    return torch.stack([data[s: s + length] for s in starts.tolist()]).long()
+
+
+class Progress:
+    """A one-line text progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+
+    def __call__(self, label: str = "") -> None:
+        self.done += 1
+        if self.enabled:
+            n = 30 * self.done // max(self.total, 1)
+            el = time.perf_counter() - self.t0
+            sys.stderr.write(f"\r[{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {el:5.0f}s {label:<28}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int], VerifyPlanner]):
+    if name == "adaptive":
+        return Adaptive(planner_factory(b))
+    if name == "oracle":
+        return Oracle(gamma)
+    return FixedK(int(name[6:]))
+
+
+def _assert_lossless(ref: GenerateResult, out: GenerateResult, what: str) -> None:
+    if not torch.equal(ref.tokens, out.tokens):
+        bad = int((ref.tokens != out.tokens).any(1).nonzero()[0])
+        raise AssertionError(f"losslessness violated by {what}: request {bad} differs from target-only greedy")
+
+
+def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progress: bool = True) -> dict:
+    """Run the demo; returns the JSON summary (also written to cfg.out)."""
+    check_config(cfg)
+    device = check_device(cfg.device)
+    mode = VerifyMode.parse(cfg.mode)
+    names = parse_policies(cfg.policies, cfg.gamma)
+    torch.set_num_threads(cfg.threads)
+    out_dir = Path(cfg.out)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        summary = _run(cfg, device, mode, names, tmp, echo, show_progress)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+        return summary
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[str], tmp: Path,
+         echo: Callable[[str], None], show_progress: bool) -> dict:
+    t_start = time.perf_counter()
+    train_bar = Progress(cfg.train.target_steps + cfg.train.draft_steps, show_progress)
+    target, draft, trained = load_or_train(cfg.train, Path(cfg.cache_dir) if cfg.cache_dir else None,
+                                           lambda phase, step, total, loss: train_bar(f"train {phase} loss {loss:.2f}"))
+    if trained:
+        train_bar.close()
+    echo(f"models: {'trained now' if trained else 'loaded from cache'} "
+         f"({Path(cfg.cache_dir or default_cache_dir())}) in {time.perf_counter() - t_start:.0f}s")
+    gamma, bmax = cfg.gamma, max(cfg.batch_sizes)
+    decoder = SpecDecoder(target, draft, cache_tokens=bmax * target.cfg.max_seq_len, device=device,
+                          compile=cfg.compile, tiers=cfg.tiers or None)
+    prompts = heldout_prompts(bmax, cfg.prompt_len, cfg.seed)
+    runs = len(cfg.batch_sizes) * len(names) * (cfg.repeats + 1) + len(VerifyMode) * len(names)
+    grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
+    bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
+    samples = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
+                                 progress=lambda: bar("profiling step cost"))
+    cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
+                                        tiers=decoder.tiers)
+    cost.save(tmp / "cost_model.json")
+    calib = record_and_fit(decoder, heldout_prompts(bmax, cfg.prompt_len, cfg.seed + 1), gamma, cfg.max_new_tokens,
+                           tmp / "sts_shards", sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
+    bar("fitting STS temperatures")
+    calib.save(tmp / "calibration.json")
+    temps = calib.temperatures
+    sched = ScheduleConfig(gamma=gamma)
+
+    def planner(b: int) -> VerifyPlanner:
+        return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps,
+                             tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
+
+    records: dict[tuple[str, int], list[StepRecord]] = {}
+    seconds: dict[tuple[str, int], list[float]] = {}
+    lossless_checks = 0
+    for b in cfg.batch_sizes:
+        batch = prompts[:b]
+        for name in names:  # untimed warm-up at this batch size: the first runs at new shapes are slow
+            decoder.generate(batch, max(2, cfg.max_new_tokens // 4), _make_policy(name, gamma, b, planner),
+                             mode=mode, sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
+            bar(f"B={b} warm-up {name}")
+        ref = None  # rep 0 runs fixed-0 (target-only) first: the reference of every later run at this B
+        for rep in range(cfg.repeats):
+            order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
+            for name in order:
+                policy = _make_policy(name, gamma, b, planner)
+                res = decoder.generate(batch, cfg.max_new_tokens, policy, mode=mode, sampling=cfg.sampling,
+                                       temperature=cfg.temperature, seed=cfg.seed + rep)
+                bar(f"B={b} {name}")
+                if not cfg.sampling:
+                    if ref is None:
+                        ref = res
+                    else:
+                        _assert_lossless(ref, res, f"{name} ({mode.value}, B={b})")
+                        lossless_checks += 1
+                seconds.setdefault((name, b), []).append(res.seconds)
+                if rep == 0:
+                    lag = cfg.lag if name == "adaptive" else 0
+                    records[(name, b)] = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
+                                                      lag=lag, temperatures=temps)
+    small = prompts[: min(4, bmax)]  # every mode x every policy, asserted equal to target-only greedy
+    if not cfg.sampling:
+        ref = decoder.generate(small, cfg.max_new_tokens // 2, FixedK(0), mode=VerifyMode.STATIC)
+        for m in VerifyMode:
+            for name in names:
+                res = decoder.generate(small, cfg.max_new_tokens // 2,
+                                       _make_policy(name, gamma, small.shape[0], planner), mode=m)
+                _assert_lossless(ref, res, f"{name} ({m.value})")
+                lossless_checks += 1
+                bar(f"lossless {m.value} {name}")
+    bar.close()
+    rows = _table_rows(cfg, names, records, seconds)
+    summary = {
+        "config": {**{k: v for k, v in asdict(cfg).items() if k != "train"}, "policies": names,
+                   "train": {"key": cfg.train.key(), "target": cfg.train.target.to_dict(),
+                             "draft": cfg.train.draft.to_dict(), "target_steps": cfg.train.target_steps,
+                             "draft_steps": cfg.train.draft_steps}},
+        "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__,
+                    "threads": torch.get_num_threads()},
+        "lossless": {"checked_runs": lossless_checks, "greedy": not cfg.sampling,
+                     "all_identical_to_target_only": not cfg.sampling},
+        "cost_model": {"path": "cost_model.json", "kind": cost.kind, "row_bin": row_bin, "fit": fit.to_dict(), "samples": [asdict(s) for s in samples]},
+        "calibration": {"path": "calibration.json", "temperatures": temps, "warnings": calib.warnings},
+        "results": rows,
+        "tau_bias": tau_bias([r for recs in records.values() for r in recs]),
+        "steps": {f"{n}@{b}": [r.to_dict() for r in recs] for (n, b), recs in records.items()},
+        "seconds": time.perf_counter() - t_start,
+    }
+    (tmp / "demo.json").write_text(json.dumps(summary, indent=1))
+    from dspark.engine.plots import write_plots
+
+    if write_plots(tmp, rows, records):  # empty when matplotlib is not installed
+        from dspark.calibration_plots import plot_reliability
+
+        plot_reliability(calib, tmp)
+    echo(format_table(rows))
+    echo(f"greedy losslessness: {lossless_checks} runs identical to target-only greedy decoding"
+         if not cfg.sampling else "sampling mode: losslessness is distributional (see tests/test_engine.py)")
+    echo(f"wrote {cfg.out}/ (demo.json, cost_model.json, PNGs) in {summary['seconds']:.0f}s")
+    return summary
+
+
+def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict) -> list[dict]:
+    rows = []
+    for b in cfg.batch_sizes:
+        tps = {n: b * cfg.max_new_tokens / float(torch.tensor(seconds[(n, b)]).median()) for n in names}
+        fixed = {n: v for n, v in tps.items() if n.startswith("fixed-")}
+        best_fixed = max(fixed, key=fixed.get)
+        for n in names:
+            recs = records[(n, b)]
+            acc, tm = acceptance(recs), timing(recs)
+            bias = tau_bias(recs, by=())  # the whole run: one bucket
+            rows.append({
+                "batch": b, "policy": n, "tokens_per_s": tps[n],
+                "acceptance_length": acc["acceptance_length"], "acceptance_rate": acc["acceptance_rate"],
+                "proposed_drafts": acc["proposed_drafts"], "accepted_drafts": acc["accepted_drafts"],
+                "rows_per_step": tm["rows_per_step"], "host_syncs_per_step": tm["host_syncs_per_step"],
+                "tau_bias": bias[0]["bias"] if bias else None,
+                "tau_relative_bias": bias[0]["relative_bias"] if bias else None,
+                "speedup_vs_no_spec": tps[n] / tps["fixed-0"],
+                "speedup_vs_best_fixed": tps[n] / tps[best_fixed], "best_fixed": best_fixed,
+                "seconds_median": float(torch.tensor(seconds[(n, b)]).median()),
+                "phase_seconds": {k: tm[k] for k in ("draft_s", "plan_s", "verify_s", "accept_s")},
+            })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'B':>4} {'policy':<9} {'tok/s':>8} {'AL':>5} {'acc.rate':>15} {'rows/step':>9} "
+            f"{'tau bias':>8} {'vs k=0':>7} {'vs best k':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        rate = ("n/a" if r["acceptance_rate"] is None
+                else f"{r['acceptance_rate']:.2f} ({r['accepted_drafts']}/{r['proposed_drafts']})")
+        bias = "n/a" if r["tau_relative_bias"] is None else f"{100 * r['tau_relative_bias']:+.1f}%"
+        lines.append(f"{r['batch']:>4} {r['policy']:<9} {r['tokens_per_s']:>8.0f} {r['acceptance_length']:>5.2f} "
+                     f"{rate:>15} {r['rows_per_step']:>9.1f} {bias:>8} {r['speedup_vs_no_spec']:>6.2f}x "
+                     f"{r['speedup_vs_best_fixed']:>6.2f}x ({r['best_fixed']})")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""The demo's PNGs: throughput vs batch, predicted vs actual tau, verify-length histogram.
+
+Reliability diagrams come from dspark.calibration_plots."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark.telemetry import StepRecord
+
+
+def write_plots(out: Path, rows: list[dict], records: dict[tuple[str, int], list[StepRecord]]) -> list[Path]:
+    """Write the PNGs into `out`; returns their paths (none when matplotlib is missing)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = [(r["batch"], r["tokens_per_s"]) for r in rows if r["policy"] == policy]
+        style = "-o" if policy in ("adaptive", "oracle") else "--."
+        ax.plot(*zip(*pts), style, label=policy, lw=2 if policy == "adaptive" else 1)
+    ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="committed tokens / s",
+           title="throughput vs batch size")
+    ax.legend(fontsize=7, ncol=2)
+    save(fig, "throughput_vs_batch.png")
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    for (policy, b), recs in records.items():
+        if policy == "adaptive":
+            ax.scatter([r.predicted_tau / r.batch for r in recs], [r.committed / r.batch for r in recs],
+                       s=6, alpha=0.5, label=f"B={b}")
+    lim = [1, max(2.0, max((r["acceptance_length"] for r in rows), default=2) + 1)]
+    ax.plot(lim, lim, "k:", lw=1)
+    ax.set(xlabel="predicted tau / B", ylabel="committed tokens / B", title="adaptive: predicted vs actual tau")
+    ax.legend(fontsize=7)
+    save(fig, "tau_predicted_vs_actual.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (policy, b), recs in records.items():
+        if policy == "adaptive":
+            lens = [v for r in recs for v in r.verify_lens]
+            top = max(lens, default=1)
+            ax.hist(lens, bins=[x - 0.5 for x in range(1, top + 2)], histtype="step", density=True, label=f"B={b}")
+    ax.set(xlabel="verify length (rows, root included)", ylabel="fraction of request-steps",
+           title="adaptive: verify-length histogram")
+    ax.legend(fontsize=7)
+    save(fig, "verify_length_hist.png")
+
+    return paths

@@ -1,0 +1,127 @@
+"""Reference engine: losslessness, sampling distribution, bad input (tiny untrained models, short runs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.config import VerifyMode
+from dspark.engine.decode import SpecDecoder, check_device
+from dspark.engine.model import DraftLM, ModelConfig, TinyLM
+from dspark.engine.policies import FixedK, Oracle
+
+MODES = [m.value for m in VerifyMode]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _models(vocab: int = 256, noise: float = 0.3, seed: int = 0, embed_std: float = 1.0,
+            gamma: int = 4) -> tuple[TinyLM, DraftLM]:
+    """A tiny target and a draft = perturbed copy of it with near-identity heads (partial, varied acceptance)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, vocab_size=vocab)
+    target = TinyLM(cfg)
+    with torch.no_grad():
+        target.embed.weight.normal_(0, embed_std)  # std 1: peaked, greedy agreement is meaningful
+    draft = DraftLM(cfg, gamma)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    with torch.no_grad():
+        for p in draft.blocks.parameters():
+            p.add_(noise * torch.randn_like(p) * p.std().clamp_min(1e-3))
+        for p in draft.heads.parameters():
+            p.mul_(0.1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def decoder(device) -> SpecDecoder:
+    target, draft = _models()
+    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+
+
+def _prompts(b: int, p: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (b, p), generator=torch.Generator().manual_seed(seed))
+
+
+def _policies(gamma: int) -> list:
+    return [FixedK(k) for k in range(gamma + 1)] + [Oracle(gamma)]
+
+
+def test_greedy_lossless_every_mode_and_policy(decoder: SpecDecoder) -> None:
+    prompts = _prompts(5, 6)
+    ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
+    assert len(ref.steps) == 16  # target-only: one token per step
+    accepted_any = False
+    for mode in MODES:
+        for policy in _policies(3):
+            out = decoder.generate(prompts, 16, policy, mode=mode)
+            assert torch.equal(out.tokens, ref.tokens), (mode, policy.name)
+            commits = torch.cat([s.commit_lens for s in out.steps])
+            accepted_any |= bool((commits > 1).any())
+            assert int(commits.max()) <= policy.num_drafts + 1
+    assert accepted_any, "the perturbed draft never got a token accepted: the test would not exercise accept"
+
+
+def test_oracle_verifies_only_accepted_rows(decoder: SpecDecoder) -> None:
+    out = decoder.generate(_prompts(4, 5), 12, Oracle(3), mode="compact")
+    for s in out.steps:
+        assert torch.equal(s.plan.verify_lens.long(), s.commit_lens.long())
+        assert s.layout.total_rows == int(s.commit_lens.sum())
+
+
+def _exact_two_token_dist(target: TinyLM, prompt: torch.Tensor, temperature: float) -> torch.Tensor:
+    """p(t1, t2 | prompt) by enumeration with the dense forward: [V, V]."""
+    v = target.cfg.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(target.logits(target.forward_dense(prompt[None]))[0, -1] / temperature, -1)
+        ctx = torch.cat([prompt[None].expand(v, -1), torch.arange(v)[:, None]], 1)
+        p2 = torch.softmax(target.logits(target.forward_dense(ctx))[:, -1] / temperature, -1)
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sampling_matches_target_distribution(mode: str) -> None:
+    """Chi-square of the emitted (t1, t2) pairs against the exact target distribution, on a small vocab."""
+    vocab, n, temp = 6, 3000, 4.0
+    target, _ = _models(vocab=vocab, seed=3, embed_std=0.3)
+    torch.manual_seed(4)
+    draft = DraftLM(target.cfg, 3)  # independent weights: both accepts and rejects happen
+    dec = SpecDecoder(target, draft, cache_tokens=n * 16, page_size=8)
+    prompt = torch.tensor([1, 4, 2, 5, 0])
+    exact = _exact_two_token_dist(target, prompt, temp).flatten().double()
+    out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, FixedK(3), mode=mode, sampling=True,
+                       temperature=temp, seed=7)
+    acc = torch.cat([s.commit_lens for s in out.steps])
+    assert bool((acc > 1).any()) and bool((acc == 1).any()), "need both accepts and rejects"
+    pair = out.tokens[:, 0] * vocab + out.tokens[:, 1]
+    counts = torch.bincount(pair.cpu(), minlength=vocab * vocab).double()
+    expected = exact * n
+    mask = expected > 5
+    chi2 = float((((counts - expected) ** 2) / expected)[mask].sum())
+    df = int(mask.sum()) - 1
+    assert df >= 10, f"too few populated cells ({df + 1}) for a meaningful test"
+    assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
+    # the test can fail: the draft's own distribution is far from the target's
+    with torch.no_grad():
+        h = draft.forward_dense(prompt[None])[0, -1]
+        q1 = torch.softmax(draft.propose(h[None], 1)[0][0, 0] / temp, -1).double()
+    q_counts = torch.bincount(out.tokens[:, 0].cpu(), minlength=vocab).double()
+    chi2_q = float(((q_counts - q1 * n) ** 2 / (q1 * n)).sum())
+    assert chi2_q > chi2
+
+
+def test_bad_input(decoder: SpecDecoder) -> None:
+    with pytest.raises(ValueError, match="tpu"):
+        check_device("tpu")
+    with pytest.raises(ValueError, match="meta"):
+        check_device(torch.device("meta"))
+    with pytest.raises(ValueError, match="unknown verify mode 'fast'"):
+        decoder.generate(_prompts(2, 5), 4, FixedK(1), mode="fast")
+    with pytest.raises(ValueError, match="KV pages"):
+        decoder.generate(_prompts(600, 5), 4, FixedK(1))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        decoder.generate(_prompts(2, 50), 20, FixedK(1))
+    with pytest.raises(ValueError, match="k >= 0"):
+        FixedK(-1)
+    with pytest.raises(ValueError, match=r"gamma must be in \[0, 4\]"):
+        decoder.generate(_prompts(2, 5), 4, Oracle(5))

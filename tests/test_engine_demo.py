@@ -1,0 +1,93 @@
+"""The demo end to end on a tiny, few-step model: outputs written atomically, bad input rejected."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.cli import main
+from dspark.engine import demo as demo_mod
+from dspark.engine.demo import DemoConfig, parse_policies, run_demo
+from dspark.engine.model import ModelConfig
+from dspark.engine.train import TrainConfig
+
+TINY = TrainConfig(target=ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64),
+                   draft=ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=64),
+                   target_steps=3, draft_steps=3, batch_size=4, gamma=2)
+
+
+def _cfg(tmp_path: Path, **kw) -> DemoConfig:
+    base = dict(out=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"), batch_sizes=(1, 3), gamma=2,
+                prompt_len=8, max_new_tokens=6, repeats=1, profile_repeats=1, train=TINY)
+    return DemoConfig(**(base | kw))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    yield
+    torch.set_num_threads(old)
+
+
+def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
+    summary = run_demo(_cfg(tmp_path, tiers=(4, 8, 9), policies=("adaptive", "oracle")), echo=lambda s: None,
+                       show_progress=False)
+    assert summary["cost_model"]["kind"] == "tiered"
+    steps = [r for k, recs in summary["steps"].items() if k.startswith("adaptive") for r in recs]
+    assert steps and all(r["tier"] in (4, 8, 9) and r["rows"] == r["tier"] for r in steps)
+
+
+def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
+    summary = run_demo(_cfg(tmp_path), echo=lambda s: None, show_progress=False)
+    out = tmp_path / "out"
+    data = json.loads((out / "demo.json").read_text())
+    assert data["lossless"]["checked_runs"] == summary["lossless"]["checked_runs"] > 0
+    assert {r["policy"] for r in data["results"]} == {"fixed-0", "fixed-1", "fixed-2", "adaptive", "oracle"}
+    assert (out / "cost_model.json").exists()
+    assert list(tmp_path.glob(".out.*")) == []  # no temp folder left behind
+    # second run: weights come from the cache
+    lines: list[str] = []
+    run_demo(_cfg(tmp_path), echo=lines.append, show_progress=False)
+    assert "loaded from cache" in lines[0]
+
+
+def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "demo.json").write_text("previous run")
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_mod, "_table_rows", boom)
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(_cfg(tmp_path), echo=lambda s: None, show_progress=False)
+    assert (out / "demo.json").read_text() == "previous run"  # the old output is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out"]  # no half-written folder
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(device="tpu"), "unknown device 'tpu'"),
+    (dict(mode="fast"), "unknown verify mode 'fast'"),
+    (dict(policies=("greedy",)), "unknown policy 'greedy'"),
+    (dict(policies=("fixed-3",)), "k = 3 is outside"),
+    (dict(gamma=0), "gamma must be an int in"),
+    (dict(gamma=99), "gamma must be an int in"),
+    (dict(batch_sizes=(0,)), "batch sizes must be positive"),
+    (dict(tiers=(8, 4)), "strictly increasing"),
+])
+def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        run_demo(_cfg(tmp_path, **kw), echo=lambda s: None, show_progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["demo", "--device", "tpu", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_parse_policies_puts_baseline_first() -> None:
+    assert parse_policies(["adaptive", "fixed"], 2) == ["fixed-0", "adaptive", "fixed-1", "fixed-2"]
