@@ -111,7 +111,7 @@ class RaggedVerifyAttention:
         host["row_slot"][:rows] = layout.row_slot.cpu()
         host["row_within"][:rows] = layout.row_within.cpu()
         host["kv_slots"].fill_(-1)
-        host["kv_slots"][:rows] = _row_kv_slots(layout, prefix, table, self.page_size)
+        host["kv_slots"][:rows] = layout.kv_slots(layout.positions(prefix), table, self.page_size)
         for name, t in self._buffers().items():
             t.copy_(host[name])
         self.num_rows = rows
@@ -185,18 +185,6 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: T
     if kv_slots.shape != (k.shape[0],) or kv_slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kv_slots must be int32/int64 [{k.shape[0]}], got {kv_slots.dtype} {tuple(kv_slots.shape)}")
     _kv.write_kv(k, v, k_cache, v_cache, kv_slots)
-
-
-def _row_kv_slots(layout: RaggedVerifyLayout, prefix: Tensor, table: Tensor, page_size: int) -> Tensor:
-    """[graph_num_tokens] int64 flat cache slot of each real row's K/V; -1 for padding rows."""
-    row_slot = layout.row_slot.cpu().to(torch.int64)
-    real = row_slot < layout.num_requests
-    req = torch.where(real, row_slot, torch.zeros_like(row_slot))
-    if not bool(real.any()):
-        return torch.full_like(row_slot, -1)
-    pos = torch.where(real, prefix[req] + layout.row_within.cpu().to(torch.int64), torch.zeros_like(req))
-    slots = table[req, pos // page_size] * page_size + pos % page_size
-    return torch.where(real, slots, torch.full_like(slots, -1))
 
 
 def _check_kv_lens(kv_len: Tensor, table: Tensor, page_size: int, num_pages: int | None) -> None:

@@ -18,6 +18,8 @@ from dspark.kernels import layout as _k
 
 log = logging.getLogger(__name__)
 
+PAD_SLOT = -1  # KV write slot of padding rows: never written
+
 
 def check_tiers(tiers: Sequence[int] | None) -> tuple[int, ...]:
     """Captured token tiers: strictly increasing positive ints (empty when None)."""
@@ -146,8 +148,26 @@ class RaggedVerifyLayout:
             )
         pad = torch.zeros(self.num_slots - self.num_requests, dtype=torch.int64, device=prefix_lens.device)
         per_slot = torch.cat([prefix_lens.to(torch.int64), pad])
-        pos = per_slot.index_select(0, self.row_slot.to(torch.int64)) + self.row_within.to(torch.int64)
-        return torch.where(self.row_valid.to(pos.device), pos, torch.zeros_like(pos))
+        device = prefix_lens.device
+        pos = (per_slot.index_select(0, self.row_slot.to(device=device, dtype=torch.int64))
+               + self.row_within.to(device=device, dtype=torch.int64))
+        return torch.where(self.row_valid.to(device), pos, torch.zeros_like(pos))
+
+    def kv_slots(self, positions: Tensor, block_table: Tensor, page_size: int) -> Tensor:
+        """[graph_num_tokens] int64 flat KV write slot of each row, PAD_SLOT (-1) for padding rows.
+
+        positions: `self.positions(prefix_lens)`. A row of request r at position pos writes slot
+        `block_table[r, pos // page_size] * page_size + pos % page_size`. Computed on block_table's device
+        without a sync; the caller checks that every real row's position fits its block-table row.
+        """
+        device = block_table.device
+        # one zero row and column appended so padding rows (and empty tables) index something
+        table = torch.nn.functional.pad(block_table.to(torch.int64), (0, 1, 0, 1))
+        valid = self.row_valid.to(device)
+        req = torch.where(valid, self.row_slot.to(device=device, dtype=torch.int64), self.num_requests)
+        pos = torch.where(valid, positions.to(device=device, dtype=torch.int64), 0)
+        slots = table[req, pos // page_size] * page_size + pos % page_size
+        return torch.where(valid, slots, torch.full_like(slots, PAD_SLOT))
 
     def pack(self, strided: Tensor, fill: float = 0) -> Tensor:
         """`[B, W, ...] -> [graph_num_tokens, ...]` (padding rows = fill)."""

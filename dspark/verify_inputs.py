@@ -19,9 +19,7 @@ import torch
 from torch import Tensor
 
 from dspark.config import VerifyMode
-from dspark.layout import RaggedVerifyLayout
-
-PAD_SLOT = -1  # KV write slot of padding rows: never written
+from dspark.layout import PAD_SLOT, RaggedVerifyLayout  # noqa: F401  (PAD_SLOT: re-exported)
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def build_verify_inputs(
     kv_slots = None
     if block_table is not None or page_size is not None:
         _check_block_table(block_table, page_size, b, prefix + rows_per_request)
-        kv_slots = _kv_slots(layout, positions, block_table, page_size)
+        kv_slots = layout.kv_slots(positions, block_table, page_size)
     return VerifyInputs(
         input_ids=layout.pack(tokens, fill=0),
         positions=positions,
@@ -90,17 +88,6 @@ def build_verify_inputs(
         layout=layout,
         caps=full if mode is VerifyMode.STATIC else vl,
     )
-
-
-def _kv_slots(layout: RaggedVerifyLayout, positions: Tensor, block_table: Tensor, page_size: int) -> Tensor:
-    """Per-row write slot through the block table; ghost rows read a zero row appended for them."""
-    b = layout.num_requests
-    table = torch.cat([block_table.to(torch.int64),
-                       torch.zeros(1, block_table.shape[1], dtype=torch.int64, device=block_table.device)])
-    req = layout.row_slot.to(torch.int64).clamp(max=b)
-    page = table[req, positions // page_size]
-    slots = page * page_size + positions % page_size
-    return torch.where(layout.row_valid, slots, torch.full_like(slots, PAD_SLOT))
 
 
 def _check_tokens(root_tokens: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
