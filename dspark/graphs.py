@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int
 from dspark.fileio import atomic_write_text
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
@@ -169,7 +170,7 @@ class TierManifest:
         tiers = check_tiers(self.tiers)
         if not tiers:
             raise ValueError("a tier manifest needs at least one tier")
-        _check_positive_int("width", self.width)
+        check_int("width", self.width, 1)
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if not isinstance(self.model_id, str) or not isinstance(self.device_name, str):
@@ -178,7 +179,7 @@ class TierManifest:
         if len(slots) != len(tiers):
             raise ValueError(f"need one slot count per tier: tiers {list(tiers)}, slots {list(slots)}")
         for t, s in zip(tiers, slots):
-            _check_positive_int(f"slots for tier {t}", s)
+            check_int(f"slots for tier {t}", s, 1)
             if s * self.width < t:
                 raise ValueError(
                     f"tier {t} cannot be filled: {s} slots x width {self.width} = {s * self.width} rows"
@@ -437,11 +438,6 @@ def _slice_rows(out: StepOutput, n: int) -> StepOutput:
     if isinstance(out, Tensor):
         return out[:n]
     return {k: v[:n] for k, v in out.items()}
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _device_name(device: torch.device) -> str:

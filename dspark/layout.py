@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int, check_verify_lens, int_tensor
 from dspark.kernels import layout as _k
 
 log = logging.getLogger(__name__)
@@ -94,20 +95,14 @@ class RaggedVerifyLayout:
         """
         vl = _as_lens(verify_lens)
         b = vl.numel()
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
-            raise ValueError(f"width must be a positive int, got {width!r}")
+        if width is not None:
+            check_int("width", width, 1)
         if on_overflow not in ("eager", "error"):
             raise ValueError(f"on_overflow must be 'eager' or 'error', got {on_overflow!r}")
         tiers_t = check_tiers(tiers)
         lens_host = vl.cpu()
         if b:
-            lo, hi = int(lens_host.min()), int(lens_host.max())
-            top = width if width is not None else hi
-            if lo < 1 or hi > top:
-                bad = int(((lens_host < 1) | (lens_host > top)).nonzero()[0])
-                raise ValueError(
-                    f"verify_lens[{bad}] = {int(lens_host[bad])} is outside [1, W={top}]"
-                )
+            check_verify_lens(lens_host, width if width is not None else int(lens_host.max()))
         total = int(lens_host.sum())
         tier, reason = None, None
         if tiers_t:
@@ -197,17 +192,10 @@ class RaggedVerifyLayout:
 
 
 def _as_lens(verify_lens: Tensor | Sequence[int]) -> Tensor:
-    if isinstance(verify_lens, Tensor):
-        if verify_lens.dtype.is_floating_point or verify_lens.dtype == torch.bool:
-            raise TypeError(f"verify_lens must be an integer tensor, got dtype {verify_lens.dtype}")
-        if verify_lens.dim() != 1:
-            raise ValueError(f"verify_lens must be 1-D [B], got shape {tuple(verify_lens.shape)}")
-        return verify_lens.to(torch.int32)
-    vals = list(verify_lens)
-    for v in vals:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"verify_lens must hold ints, got {v!r}")
-    return torch.tensor(vals, dtype=torch.int32)
+    vl = int_tensor("verify_lens", verify_lens, torch.int32)
+    if vl.dim() != 1:
+        raise ValueError(f"verify_lens must be 1-D [B], got shape {tuple(vl.shape)}")
+    return vl
 
 
 def _slot_count(b: int, slots: int | None, leftover: int, width: int | None) -> int:

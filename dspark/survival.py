@@ -11,6 +11,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int
+
 
 def _check_matrix(name: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
@@ -75,8 +77,7 @@ class SurvivalLagRing:
 
     def __init__(self, num_slots: int, gamma: int, lag: int = 1, device: torch.device | str = "cpu"):
         for name, v, lo in (("num_slots", num_slots, 1), ("gamma", gamma, 1), ("lag", lag, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            check_int(name, v, lo)
         self.num_slots, self.gamma, self.lag = num_slots, gamma, lag
         self._values = torch.ones(lag, num_slots, gamma, dtype=torch.float32, device=device)
         self._stamps = torch.full((lag, num_slots), -1, dtype=torch.int64, device=device)

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int, check_kv_fits, check_nonnegative, check_verify_lens
 from dspark.config import VerifyMode
 from dspark.layout import PAD_SLOT, RaggedVerifyLayout  # noqa: F401  (PAD_SLOT: re-exported)
 
@@ -65,13 +66,9 @@ def build_verify_inputs(
     w = gamma + 1
     device = draft_tokens.device
     vl = _check_lens("verify_lens", verify_lens, b, device)
-    if bool(((vl < 1) | (vl > w)).any()):
-        r = int(((vl < 1) | (vl > w)).nonzero()[0])
-        raise ValueError(f"verify_lens[{r}] = {int(vl[r])} is outside [1, W={w}]")
+    check_verify_lens(vl, w)
     prefix = _check_lens("prefix_lens", prefix_lens, b, device).to(torch.int64)
-    if bool((prefix < 0).any()):
-        r = int((prefix < 0).nonzero()[0])
-        raise ValueError(f"prefix_lens[{r}] = {int(prefix[r])} is negative")
+    check_nonnegative("prefix_lens", prefix)
     full = torch.full_like(vl, w)
     rows_per_request = vl if mode is VerifyMode.COMPACT else full
     layout = RaggedVerifyLayout.from_verify_lens(rows_per_request, tiers, slots, width=w)
@@ -116,14 +113,8 @@ def _check_block_table(block_table: Tensor | None, page_size: int | None, b: int
     """Both given, integer table [B, pages], and every written position inside the request's pages."""
     if block_table is None or page_size is None:
         raise ValueError("block_table and page_size go together: give both or neither")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    check_int("page_size", page_size, 1)
     if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype.is_floating_point:
         raise ValueError(f"block_table must be an integer [B={b}, pages] tensor, got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
-    capacity = block_table.shape[1] * page_size
-    short = ends > capacity
-    if bool(short.any()):
-        r = int(short.nonzero()[0])
-        raise ValueError(f"request {r} writes positions up to {int(ends[r]) - 1} but its block table row "
-                         f"holds {block_table.shape[1]} pages of {page_size} = {capacity} positions")
+    check_kv_fits(ends, block_table.shape[1], page_size)
