@@ -164,13 +164,17 @@ class RaggedVerifyLayout:
         slots = table[req, pos // page_size] * page_size + pos % page_size
         return torch.where(valid, slots, torch.full_like(slots, PAD_SLOT))
 
+    def _fits(self, width: int) -> bool:
+        """width >= every verify length; no device read when the layout's W (an upper bound) decides it."""
+        return (self.width is not None and width >= self.width) or width >= int(self.verify_lens.max())
+
     def pack(self, strided: Tensor, fill: float = 0) -> Tensor:
         """`[B, W, ...] -> [graph_num_tokens, ...]` (padding rows = fill)."""
         if strided.dim() < 2 or strided.shape[0] != self.num_requests:
             raise ValueError(
                 f"strided must be [B={self.num_requests}, W, ...], got {tuple(strided.shape)}"
             )
-        if self.num_requests and strided.shape[1] < int(self.verify_lens.max()):
+        if self.num_requests and not self._fits(strided.shape[1]):
             raise ValueError(
                 f"strided width {strided.shape[1]} is below the longest verify length "
                 f"{int(self.verify_lens.max())}"
@@ -182,7 +186,7 @@ class RaggedVerifyLayout:
         w = width if width is not None else self.width
         if w is None:
             raise ValueError("scatter needs width=W (the layout was built without a width)")
-        if self.num_requests and w < int(self.verify_lens.max()):
+        if self.num_requests and not self._fits(w):
             raise ValueError(f"width {w} is below the longest verify length {int(self.verify_lens.max())}")
         if packed.dim() < 1 or packed.shape[0] < self.total_rows:
             raise ValueError(

@@ -95,32 +95,41 @@ class SurvivalLagRing:
             raise ValueError(
                 f"survival must be [{slots.numel()}, {self.gamma}], got {tuple(survival.shape)}"
             )
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
-            raise ValueError(
-                f"slots must lie in [0, {self.num_slots}), got min {int(slots.min())} max {int(slots.max())}"
-            )
-        if slots.numel() and int(generations.min()) < 0:
-            raise ValueError(f"generations must be >= 0, got {int(generations.min())}")
+        if not slots.numel():
+            return
+        lo, hi, gen = torch.stack([slots.min().long(), slots.max().long(),  # one device read
+                                   generations.min().long().to(slots.device)]).tolist()
+        if lo < 0 or hi >= self.num_slots:
+            raise ValueError(f"slots must lie in [0, {self.num_slots}), got min {lo} max {hi}")
+        if gen < 0:
+            raise ValueError(f"generations must be >= 0, got {gen}")
 
     def read(self, slots: Tensor, generations: Tensor) -> Tensor:
         """Lagged survival [B, gamma] for these slots (all-ones where stale or reused)."""
         self._check(slots, generations, None)
+        return self._read(slots, generations)
+
+    def write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
+        """Store live survival for these slots, stamped with their generation, and advance one step."""
+        self._check(slots, generations, survival)
+        self._write(slots, generations, survival)
+
+    def exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
+        """read() then write() with one validation: the lagged survival for this step, the live one stored."""
+        self._check(slots, generations, survival)
+        lagged = self._read(slots, generations)
+        self._write(slots, generations, survival)
+        return lagged
+
+    def _read(self, slots: Tensor, generations: Tensor) -> Tensor:
         slots = slots.to(self._values.device, torch.long)
         gens = generations.to(self._values.device, torch.int64)
         vals = self._values[self._cursor].index_select(0, slots)
         fresh = self._stamps[self._cursor].index_select(0, slots) == gens
         return torch.where(fresh.unsqueeze(1), vals, torch.ones_like(vals))
 
-    def write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
-        """Store live survival for these slots, stamped with their generation, and advance one step."""
-        self._check(slots, generations, survival)
+    def _write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
         slots = slots.to(self._values.device, torch.long)
         self._values[self._cursor].index_copy_(0, slots, survival.to(self._values))
         self._stamps[self._cursor].index_copy_(0, slots, generations.to(self._stamps))
         self._cursor = (self._cursor + 1) % self.lag
-
-    def exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
-        """read() then write(): the lagged survival for this step, with the live one stored."""
-        lagged = self.read(slots, generations)
-        self.write(slots, generations, survival)
-        return lagged
