@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int
+from dspark._validate import check_int, int_tensor
 from dspark.fileio import atomic_write_text
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
@@ -343,9 +343,9 @@ class TierGraphRunner:
         """The layout a step with these verify lengths runs: padded to its tier with that tier's slots,
         or eager (unpadded, `eager_reason` set) past the largest tier or the tier's slot count. A list
         becomes a tensor on the runner's device (validation syncs once, at this boundary)."""
-        lens = verify_lens if isinstance(verify_lens, Tensor) else _int_lens(verify_lens, self.device)
-        integral = isinstance(lens, Tensor) and not (lens.dtype.is_floating_point or lens.dtype == torch.bool)
-        if integral and lens.dim() == 1:
+        lens = int_tensor("verify_lens", verify_lens, torch.int32)
+        lens = lens if isinstance(verify_lens, Tensor) else lens.to(self.device)
+        if lens.dim() == 1:
             total, b = int(lens.sum()), int(lens.numel())
             tier = round_up_to_tier(total, self.tiers)
             if tier is not None:
@@ -416,14 +416,6 @@ class TierGraphRunner:
 
     def synchronize(self) -> None:
         self.backend.synchronize()
-
-
-def _int_lens(values: Sequence[int], device: torch.device) -> Tensor | list:
-    """An int32 tensor on `device` when every value is an int; else the list, for the layout to reject."""
-    vals = list(values)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
-        return torch.tensor(vals, dtype=torch.int32, device=device)
-    return vals
 
 
 def _load_layout(bufs: StepBuffers, layout: RaggedVerifyLayout) -> None:
