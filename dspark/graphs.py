@@ -14,7 +14,6 @@ Tier manifests (`TierManifest`) record what was captured and live as JSON under 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dspark._validate import check_int, int_tensor
-from dspark.fileio import atomic_write_text
+from dspark.fileio import read_json, write_json_atomic
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
 log = logging.getLogger(__name__)
@@ -234,20 +233,6 @@ class TierManifest:
             raise ValueError(f"{path}: {err}") from err
         manifest.check_compatible(width=width, platform=platform, model_id=model_id)
         return manifest
-
-
-def read_json(path: str | os.PathLike) -> object:
-    """Parse a JSON file; corrupt JSON -> ValueError naming the file and position."""
-    text = Path(path).read_text()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from err
-
-
-def write_json_atomic(path: str | os.PathLike, obj: object) -> Path:
-    """Write JSON atomically (temp file + rename): never a half-written file."""
-    return atomic_write_text(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
 class TierGraphRunner:

@@ -28,8 +28,7 @@ import torch
 
 from dspark.blockstep import BlockVerifyAdapter
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
-from dspark.fileio import atomic_write
-from dspark.graphs import write_json_atomic
+from dspark.fileio import atomic_write, write_json_atomic
 from dspark.profiling import CLOCKS, STATS, StepAdapter, dense_rows, fit_cost_models, profile_steps, tier_rows
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
