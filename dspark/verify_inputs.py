@@ -66,17 +66,19 @@ def build_verify_inputs(
     w = gamma + 1
     device = draft_tokens.device
     vl = _check_lens("verify_lens", verify_lens, b, device)
-    check_verify_lens(vl, w)
     prefix = _check_lens("prefix_lens", prefix_lens, b, device).to(torch.int64)
-    check_nonnegative("prefix_lens", prefix)
+    host_vl, host_prefix = torch.stack([vl.to(torch.int64), prefix]).cpu()  # one device read for the checks
+    check_verify_lens(host_vl, w)
+    check_nonnegative("prefix_lens", host_prefix)
     full = torch.full_like(vl, w)
-    rows_per_request = vl if mode is VerifyMode.COMPACT else full
+    compact = mode is VerifyMode.COMPACT
+    rows_per_request = vl if compact else full
     layout = RaggedVerifyLayout.from_verify_lens(rows_per_request, tiers, slots, width=w)
     tokens = torch.cat([root_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
     positions = layout.positions(prefix)
     kv_slots = None
     if block_table is not None or page_size is not None:
-        _check_block_table(block_table, page_size, b, prefix + rows_per_request)
+        _check_block_table(block_table, page_size, b, host_prefix + (host_vl if compact else w))
         kv_slots = layout.kv_slots(positions, block_table, page_size)
     return VerifyInputs(
         input_ids=layout.pack(tokens, fill=0),
