@@ -132,7 +132,9 @@ class SpecDecoder:
                     f"the model's max_seq_len {m.cfg.max_seq_len}")
         self.tcache.admit(b, self._max_len)
         self.dcache.admit(b, self._max_len)
-        rows = max(b * max(p, w), self.tiers[-1] if self.tiers else 0)  # prefill, full verify or top tier
+        # prefill, full verify, a draft catch-up after plain steps (<= probe_every + W rows), or top tier
+        catch_up = w + getattr(policy, "probe_every", 0) if getattr(policy, "speculate", None) else w
+        rows = max(b * max(p, catch_up), self.tiers[-1] if self.tiers else 0)
         self._slots = self.graph_slots(b, w)
         slots = self._slots or b + 1
         self._attn = {id(c): batch_attention(c, rows, slots) for c in (self.tcache, self.dcache)}
@@ -174,8 +176,13 @@ class SpecDecoder:
         prefix = lens - 1  # the root sits at position prefix
         root = buf[dev_reqs, prefix.to(self.device)]
         if k == 0:
-            return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen)
-        times = StepTimes()
+            return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, 0.0)
+        speculate = getattr(policy, "speculate", None)
+        t0 = time.perf_counter()
+        if speculate is not None and not speculate(dev_reqs, all_gens[dev_reqs]):
+            decided = time.perf_counter() - t0
+            return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, decided)
+        times = StepTimes(plan=time.perf_counter() - t0)
         t0 = time.perf_counter()
         drafts, draft_probs, conf = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature, gen)
         t1 = time.perf_counter()
@@ -188,7 +195,7 @@ class SpecDecoder:
             t1 = time.perf_counter()  # the prepass is not charged to the oracle
         else:
             plan = policy.plan(conf, dev_reqs, all_gens[dev_reqs])
-        times.plan = time.perf_counter() - t1
+        times.plan += time.perf_counter() - t1
         acc, layout, caps, times.verify, times.accept = self._verify(
             mode, plan.verify_lens, root, drafts, draft_probs, prefix, dev_reqs, sampling, temperature, gen,
             timed=True)
@@ -201,8 +208,9 @@ class SpecDecoder:
                            commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1)
 
     def _plain_step(self, buf: Tensor, reqs: Tensor, lens: Tensor, root: Tensor, sampling: bool,
-                    temperature: float, gen: torch.Generator) -> StepOutcome:
-        """Target-only decoding (fixed-0): one row per request, its argmax or a sample is committed."""
+                    temperature: float, gen: torch.Generator, plan_seconds: float) -> StepOutcome:
+        """Target-only decoding (fixed-0, or the adaptive policy's choice, whose decision took
+        `plan_seconds`): one row per request, its argmax or a sample is committed."""
         b, dev_reqs = reqs.numel(), reqs.to(self.device)
         t0 = time.perf_counter()
         layout = self._uniform(b, 1)
@@ -214,7 +222,7 @@ class SpecDecoder:
             token = logits.argmax(-1, keepdim=True)
         ones = torch.ones(b, dtype=torch.int32, device=self.device)
         self._commit(buf, dev_reqs, lens, token, ones)
-        times = StepTimes(verify=t1 - t0, accept=time.perf_counter() - t1)
+        times = StepTimes(plan=plan_seconds, verify=t1 - t0, accept=time.perf_counter() - t1)
         return StepOutcome(requests=reqs, plan=PolicyPlan(ones), layout=layout, caps=ones,
                            confidence_logits=torch.zeros(b, 0, device=self.device), commit_lens=ones,
                            correct_len=ones - 1, times=times, host_syncs=0)

@@ -1,8 +1,9 @@
 """Verify-budget policies: how many drafts to propose and how many rows each request verifies.
 
 - `FixedK(k)`: draft k tokens, verify all of them (k = 0 is plain target-only decoding).
-- `Adaptive(planner)`: draft gamma tokens, let dspark's VerifyPlanner pick per-request verify lengths
-  from the calibrated confidence (lagged budget, live allocation, tier fill).
+- `Adaptive(planner, plain_seconds, probe_every)`: draft gamma tokens, let dspark's VerifyPlanner pick
+  per-request verify lengths from the calibrated confidence (lagged budget, live allocation, tier fill).
+  Given the profiled plain-step time it first decides whether to speculate at all (see `speculate`).
 - `Oracle(gamma)`: draft gamma tokens, verify exactly the rows that turn out to be accepted. The
   acceptance is found by a full static verify that is run *outside* the timed step (`prepass`), so its
   time is an upper bound on what any budget policy could reach with this draft and target.
@@ -10,10 +11,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
+from dspark.budget import choose_budget
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlanner
 
@@ -46,14 +49,48 @@ class FixedK:
 
 
 class Adaptive:
-    """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation."""
+    """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation.
+
+    Speculate or not: with `plain_seconds` (B -> seconds of a target-only step, profiled like the
+    planner's cost model, which covers the whole speculative step: draft + plan + verify + accept),
+    each step first compares the best speculative throughput the planner predicts from the *lagged*
+    survival, theta* = max_b tau(b) / T(B, rows(b)), with the plain step's B / T_plain(B). When plain
+    wins the decoder runs a target-only step (no draft forward). Plain steps produce no new survival,
+    so after `probe_every` plain steps in a row the next step speculates anyway (a probe) to refresh
+    the lagged survival. The decision reads only survival of earlier steps (non-anticipating). One
+    policy object serves one `generate` run (the probe counter is per run). Without `plain_seconds`
+    every step speculates.
+    """
 
     prepass = False
     name = "adaptive"
 
-    def __init__(self, planner: VerifyPlanner):
+    def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
+                 probe_every: int = 8):
+        if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
+            raise ValueError(f"probe_every must be an int >= 1, got {probe_every!r}")
+        if plain_seconds is not None and planner.ring is None:
+            raise ValueError("speculate-or-not reads the lagged survival: the planner needs lag >= 1 "
+                             "(or pass plain_seconds=None)")
         self.planner = planner
         self.num_drafts = planner.cfg.gamma
+        self.plain_seconds = plain_seconds
+        self.probe_every = probe_every
+        self._plain_run = 0  # plain steps since the last speculative step
+
+    def speculate(self, slots: Tensor, generations: Tensor) -> bool:
+        """Before drafting: True to run a speculative step for these requests, False for a plain one."""
+        if self.plain_seconds is None or self._plain_run >= self.probe_every:
+            self._plain_run = 0
+            return True
+        lagged = self.planner.ring.read(slots, generations)
+        best = choose_budget(lagged, self.planner.cost_model, self.planner.cfg)
+        b = slots.numel()
+        if best.theta > b / self.plain_seconds(b):
+            self._plain_run = 0
+            return True
+        self._plain_run += 1
+        return False
 
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)

@@ -1,0 +1,89 @@
+"""The adaptive policy's speculate-or-not decision: follows the costs, probes every N plain steps, lossless."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.config import ScheduleConfig, VerifyMode
+from dspark.cost import StepsPerSecondTable
+from dspark.engine.decode import SpecDecoder
+from dspark.engine.policies import Adaptive, FixedK
+from dspark.engine.profile import PlainStepCost
+from dspark.planner import VerifyPlanner
+from tests.test_engine import _models, _prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GAMMA = 3
+STEP = 0.01  # the speculative step costs 10 ms whatever the rows
+
+
+def _planner(lag: int = 1) -> VerifyPlanner:
+    cost = StepsPerSecondTable([1], [1 / STEP], width=GAMMA + 1)
+    return VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, lag=lag, num_slots=8)
+
+
+@pytest.fixture(scope="module")
+def decoder(device) -> SpecDecoder:
+    target, draft = _models(gamma=GAMMA)
+    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+
+
+def _speculated(out) -> list[bool]:
+    return [s.confidence_logits.shape[1] > 0 for s in out.steps]
+
+
+def test_decision_compares_lagged_theta_with_plain_throughput() -> None:
+    policy = Adaptive(_planner(), plain_seconds=lambda b: b / 400.0)  # plain: 400 tokens/s
+    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+    # stale ring (no survival yet) reads all-ones: tau = 2 * 4 = 8 per 10 ms beats 400 tokens/s
+    assert policy.speculate(slots, gens)
+    policy.planner.ring.write(slots, gens, torch.full((2, GAMMA), 0.9))   # tau ~ 7.4: 740 tokens/s
+    assert policy.speculate(slots, gens)
+    policy.planner.ring.write(slots, gens, torch.zeros(2, GAMMA))         # tau = 2: 200 tokens/s
+    assert not policy.speculate(slots, gens)
+
+
+def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
+    n = 3
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n)  # plain always wins
+    out = decoder.generate(_prompts(3, 5), 14, policy, mode="compact")
+    spec = _speculated(out)
+    assert spec[:n] == [False] * n and spec[n]  # n plain steps, then one probe
+    runs = "".join("s" if x else "p" for x in spec).split("s")
+    assert all(len(r) == n for r in runs[:-1]) and len(runs[-1]) <= n
+    assert all(s.times.plan > 0 for s in out.steps)  # the decision's time is charged
+
+
+def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 10.0)  # plain: 10 s per step
+    out = decoder.generate(_prompts(3, 5), 10, policy, mode="compact")
+    assert all(_speculated(out))
+
+
+@pytest.mark.parametrize("mode", [m.value for m in VerifyMode])
+@pytest.mark.parametrize("plain", [1e-6, 0.02, 10.0])
+def test_lossless_whatever_the_decision(decoder: SpecDecoder, mode: str, plain: float) -> None:
+    prompts = _prompts(4, 6, seed=3)
+    ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
+    out = decoder.generate(prompts, 16, Adaptive(_planner(), lambda b: plain * b, probe_every=2), mode=mode)
+    assert torch.equal(out.tokens, ref.tokens), (mode, plain)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="probe_every"):
+        Adaptive(_planner(), lambda b: 1.0, probe_every=0)
+    with pytest.raises(ValueError, match="lag >= 1"):
+        Adaptive(_planner(lag=0), lambda b: 1.0)
+    assert Adaptive(_planner(lag=0)).speculate(torch.tensor([0]), torch.tensor([1]))  # no plain cost: always
+
+
+def test_plain_step_cost_interpolates() -> None:
+    cost = PlainStepCost((1, 4, 16), (0.004, 0.005, 0.011))
+    assert cost.step_seconds(1) == 0.004 and cost.step_seconds(16) == 0.011
+    assert cost.step_seconds(10) == pytest.approx(0.008)
+    assert cost.step_seconds(32) == pytest.approx(0.022)  # beyond the largest: proportional to B
+    with pytest.raises(ValueError, match="increasing"):
+        PlainStepCost((4, 1), (0.1, 0.2))
+    with pytest.raises(ValueError, match="positive"):
+        PlainStepCost((1, 4), (0.1, 0.0))
