@@ -36,7 +36,9 @@ def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
                        show_progress=False)
     assert summary["cost_model"]["kind"] == "tiered"
     steps = [r for k, recs in summary["steps"].items() if k.startswith("adaptive") for r in recs]
-    assert steps and all(r["tier"] in (4, 8, 9) and r["rows"] == r["tier"] for r in steps)
+    spec = [r for r in steps if r["speculated"]]  # plain steps (the policy's choice) run eager, 1 row each
+    assert spec and all(r["tier"] in (4, 8, 9) and r["rows"] == r["tier"] for r in spec)
+    assert all(r["rows"] == r["batch"] for r in steps if not r["speculated"])
 
 
 def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
