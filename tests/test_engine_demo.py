@@ -79,6 +79,8 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     (dict(gamma=99), "gamma must be an int in"),
     (dict(batch_sizes=(0,)), "batch sizes must be positive"),
     (dict(tiers=(8, 4)), "strictly increasing"),
+    (dict(probe_every=8, max_probe_every=4), "max_probe_every = 4 must be >= probe_every = 8"),
+    (dict(probe_every=0), "probe_every must be a positive int"),
 ])
 def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

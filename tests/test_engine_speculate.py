@@ -44,15 +44,25 @@ def test_decision_compares_lagged_theta_with_plain_throughput() -> None:
     assert not policy.speculate(slots, gens)
 
 
+def _plain_runs(out) -> list[int]:
+    """Lengths of the runs of plain steps between speculative steps."""
+    return [len(r) for r in "".join("s" if x else "p" for x in _speculated(out)).split("s")]
+
+
 def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
     n = 3
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n)  # plain always wins
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n)  # plain wins
     out = decoder.generate(_prompts(3, 5), 14, policy, mode="compact")
-    spec = _speculated(out)
-    assert spec[:n] == [False] * n and spec[n]  # n plain steps, then one probe
-    runs = "".join("s" if x else "p" for x in spec).split("s")
-    assert all(len(r) == n for r in runs[:-1]) and len(runs[-1]) <= n
+    runs = _plain_runs(out)
+    assert runs[0] == n and all(r == n for r in runs[:-1]) and len(runs) >= 3 and runs[-1] <= n
     assert all(s.times.plan > 0 for s in out.steps)  # the decision's time is charged
+
+
+def test_probe_interval_backs_off_while_plain_keeps_winning(decoder: SpecDecoder) -> None:
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8)
+    out = decoder.generate(_prompts(2, 5), 40, policy, mode="compact")
+    runs = _plain_runs(out)
+    assert runs[:4] == [2, 4, 8, 8]
 
 
 def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
@@ -73,6 +83,8 @@ def test_lossless_whatever_the_decision(decoder: SpecDecoder, mode: str, plain: 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="probe_every"):
         Adaptive(_planner(), lambda b: 1.0, probe_every=0)
+    with pytest.raises(ValueError, match="max_probe_every"):
+        Adaptive(_planner(), lambda b: 1.0, probe_every=4, max_probe_every=2)
     with pytest.raises(ValueError, match="lag >= 1"):
         Adaptive(_planner(lag=0), lambda b: 1.0)
     assert Adaptive(_planner(lag=0)).speculate(torch.tensor([0]), torch.tensor([1]))  # no plain cost: always

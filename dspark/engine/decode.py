@@ -132,8 +132,8 @@ class SpecDecoder:
                     f"the model's max_seq_len {m.cfg.max_seq_len}")
         self.tcache.admit(b, self._max_len)
         self.dcache.admit(b, self._max_len)
-        # prefill, full verify, a draft catch-up after plain steps (<= probe_every + W rows), or top tier
-        catch_up = w + getattr(policy, "probe_every", 0) if getattr(policy, "speculate", None) else w
+        # prefill, full verify, a draft catch-up after plain steps (<= max_probe_every + W rows), or top tier
+        catch_up = w + getattr(policy, "max_probe_every", 0) if getattr(policy, "speculate", None) else w
         rows = max(b * max(p, catch_up), self.tiers[-1] if self.tiers else 0)
         self._slots = self.graph_slots(b, w)
         slots = self._slots or b + 1

@@ -55,7 +55,8 @@ class DemoConfig:
     sampling: bool = False
     temperature: float = 1.0
     lag: int = 1
-    probe_every: int = 8  # adaptive: after this many plain steps in a row, speculate once to refresh survival
+    probe_every: int = 8        # adaptive: plain steps in a row before a probe (a speculative step) ...
+    max_probe_every: int = 64   # ... doubling while probes keep confirming plain, up to this
     threads: int = 1
     tiers: tuple[int, ...] = ()  # captured token tiers for compact steps (() = eager, no padding)
     compile: bool = False   # torch.compile the dense block parts (CPU: ~18 s compile for small gains; off)
@@ -94,10 +95,13 @@ def check_config(cfg: DemoConfig) -> None:
     check_tiers(cfg.tiers)
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
-    for name in ("prompt_len", "max_new_tokens", "repeats", "profile_repeats", "threads", "probe_every"):
+    for name in ("prompt_len", "max_new_tokens", "repeats", "profile_repeats", "threads", "probe_every",
+                 "max_probe_every"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < (3 if name == "prompt_len" else 1):
             raise ValueError(f"{name} must be a positive int (prompt_len >= 3), got {v!r}")
+    if cfg.max_probe_every < cfg.probe_every:
+        raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
 
 
 def heldout_prompts(n: int, length: int, seed: int) -> torch.Tensor:
@@ -127,11 +131,11 @@ class Progress:
 
 
 def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int], VerifyPlanner],
-                 plain: PlainStepCost | None = None, probe_every: int = 8):
+                 plain: PlainStepCost | None = None, probe: tuple[int, int] = (8, 64)):
     if name == "adaptive":
         planner = planner_factory(b)
         use_plain = plain is not None and planner.ring is not None  # lag 0: always speculate
-        return Adaptive(planner, plain.step_seconds if use_plain else None, probe_every)
+        return Adaptive(planner, plain.step_seconds if use_plain else None, *probe)
     if name == "oracle":
         return Oracle(gamma)
     return FixedK(int(name[6:]))
@@ -199,13 +203,14 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps,
                              tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
 
+    probe = (cfg.probe_every, cfg.max_probe_every)
     records: dict[tuple[str, int], list[StepRecord]] = {}
     seconds: dict[tuple[str, int], list[float]] = {}
     lossless_checks = 0
     for b in cfg.batch_sizes:
         batch = prompts[:b]
         def make(name: str, b: int = b):
-            return _make_policy(name, gamma, b, planner, plain, cfg.probe_every)
+            return _make_policy(name, gamma, b, planner, plain, probe)
 
         for name in names:  # untimed warm-up at this batch size: the first runs at new shapes are slow
             decoder.generate(batch, max(2, cfg.max_new_tokens // 4), make(name),
@@ -236,8 +241,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         for m in VerifyMode:
             for name in names:
                 res = decoder.generate(small, cfg.max_new_tokens // 2,
-                                       _make_policy(name, gamma, small.shape[0], planner, plain,
-                                                    cfg.probe_every), mode=m)
+                                       _make_policy(name, gamma, small.shape[0], planner, plain, probe),
+                                       mode=m)
                 _assert_lossless(ref, res, f"{name} ({m.value})")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")

@@ -57,37 +57,44 @@ class Adaptive:
     survival, theta* = max_b tau(b) / T(B, rows(b)), with the plain step's B / T_plain(B). When plain
     wins the decoder runs a target-only step (no draft forward). Plain steps produce no new survival,
     so after `probe_every` plain steps in a row the next step speculates anyway (a probe) to refresh
-    the lagged survival. The decision reads only survival of earlier steps (non-anticipating). One
-    policy object serves one `generate` run (the probe counter is per run). Without `plain_seconds`
-    every step speculates.
+    the lagged survival. A probe costs a speculative step, so while probes keep confirming plain the
+    interval doubles, up to `max_probe_every`; a step that speculates on its merits resets it
+    (`max_probe_every = probe_every` probes at a fixed interval). The decision reads only survival of
+    earlier steps (non-anticipating). One policy object serves one `generate` run (the probe state is
+    per run). Without `plain_seconds` every step speculates.
     """
 
     prepass = False
     name = "adaptive"
 
     def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
-                 probe_every: int = 8):
-        if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
-            raise ValueError(f"probe_every must be an int >= 1, got {probe_every!r}")
+                 probe_every: int = 8, max_probe_every: int = 64):
+        for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if plain_seconds is not None and planner.ring is None:
             raise ValueError("speculate-or-not reads the lagged survival: the planner needs lag >= 1 "
                              "(or pass plain_seconds=None)")
         self.planner = planner
         self.num_drafts = planner.cfg.gamma
         self.plain_seconds = plain_seconds
-        self.probe_every = probe_every
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self._plain_run = 0  # plain steps since the last speculative step
+        self._interval = probe_every  # plain steps before the next probe
 
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
         """Before drafting: True to run a speculative step for these requests, False for a plain one."""
-        if self.plain_seconds is None or self._plain_run >= self.probe_every:
+        if self.plain_seconds is None:
+            return True
+        if self._plain_run >= self._interval:  # probe
             self._plain_run = 0
+            self._interval = min(2 * self._interval, self.max_probe_every)
             return True
         lagged = self.planner.ring.read(slots, generations)
         best = choose_budget(lagged, self.planner.cost_model, self.planner.cfg)
         b = slots.numel()
         if best.theta > b / self.plain_seconds(b):
-            self._plain_run = 0
+            self._plain_run, self._interval = 0, self.probe_every
             return True
         self._plain_run += 1
         return False
