@@ -48,6 +48,7 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
     assert data["lossless"]["checked_runs"] == summary["lossless"]["checked_runs"] > 0
     assert {r["policy"] for r in data["results"]} == {"fixed-0", "fixed-1", "fixed-2", "adaptive", "oracle"}
     assert (out / "cost_model.json").exists()
+    assert len(data["plain_step_seconds"]["seconds"]) == 2  # T_plain(B) profiled at B = 1, 3
     assert list(tmp_path.glob(".out.*")) == []  # no temp folder left behind
     # second run: weights come from the cache
     lines: list[str] = []

@@ -29,8 +29,7 @@ from dspark.config import ScheduleConfig, VerifyMode
 from dspark.layout import check_tiers
 from dspark.engine.decode import GenerateResult, SpecDecoder, check_device
 from dspark.engine.policies import Adaptive, FixedK, Oracle
-from dspark.engine.profile import (PlainStepCost, fit_cost_model, profile_plain_costs, profile_points,
-                                   profile_step_costs)
+from dspark.engine.profile import PlainStepCost, fit_cost_model, profile_points, profile_step_costs
 from dspark.engine.records import step_records
 from dspark.engine.sts import record_and_fit
 from dspark.engine.train import TrainConfig, corpus, default_cache_dir, load_or_train
@@ -184,11 +183,9 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     prompts = heldout_prompts(bmax, cfg.prompt_len, cfg.seed)
     runs = len(cfg.batch_sizes) * len(names) * (cfg.repeats + 1) + len(VerifyMode) * len(names)
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
-    bar = Progress(runs + 1 + cfg.profile_repeats * (len(grid) + len(cfg.batch_sizes)), show_progress)
-    samples = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
-                                 progress=lambda: bar("profiling step cost"))
-    plain = profile_plain_costs(decoder, prompts, cfg.batch_sizes, repeats=cfg.profile_repeats,
-                                progress=lambda: bar("profiling plain steps"))
+    bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
+    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
+                                        progress=lambda: bar("profiling step cost"))
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
     cost.save(tmp / "cost_model.json")

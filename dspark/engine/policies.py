@@ -81,6 +81,7 @@ class Adaptive:
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self._plain_run = 0  # plain steps since the last speculative step
         self._interval = probe_every  # plain steps before the next probe
+        self._decided: tuple[int, bool] | None = None  # (B, speculate) until the lag ring changes
 
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
         """Before drafting: True to run a speculative step for these requests, False for a plain one."""
@@ -90,10 +91,13 @@ class Adaptive:
             self._plain_run = 0
             self._interval = min(2 * self._interval, self.max_probe_every)
             return True
-        lagged = self.planner.ring.read(slots, generations)
-        best = choose_budget(lagged, self.planner.cost_model, self.planner.cfg)
         b = slots.numel()
-        if best.theta > b / self.plain_seconds(b):
+        if self._decided is None or self._decided[0] != b:
+            # requests only leave a run, so the same B means the same requests and the same lagged survival
+            lagged = self.planner.ring.read(slots, generations)
+            best = choose_budget(lagged, self.planner.cost_model, self.planner.cfg)
+            self._decided = (b, best.theta > b / self.plain_seconds(b))
+        if self._decided[1]:
             self._plain_run, self._interval = 0, self.probe_every
             return True
         self._plain_run += 1
@@ -101,6 +105,7 @@ class Adaptive:
 
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
+        self._decided = None  # the lag ring holds new survival
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
 
 

@@ -62,25 +62,6 @@ def _median_step(decoder: SpecDecoder, prompts: Tensor, policy: object, tokens: 
     return float(secs.median())
 
 
-def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tuple[int, int]], gamma: int, *,
-                       tokens: int = 12, repeats: int = 2, mode: VerifyMode = VerifyMode.COMPACT,
-                       progress: Callable[[], None] | None = None) -> list[ProfileSample]:
-    """Whole-step seconds at each (B, M) point: median over `repeats` interleaved sweeps of each run's
-    median step with all B requests still in the batch (one warm-up run per B first; sweeps interleave so bursts of machine load spread over
-    all points instead of biasing one)."""
-    batch_sizes = sorted({b for b, _ in grid})
-    for b in batch_sizes:
-        decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1), b), mode=mode)
-    runs: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
-    for _ in range(repeats):
-        for b, m in grid:
-            runs[(b, m)].append(_median_step(decoder, prompts[:b], ForcedRows(gamma, m, b), tokens, mode))
-            if progress:
-                progress()
-    return [ProfileSample(num_requests=b, rows=m, seconds=float(torch.tensor(runs[(b, m)]).median()))
-            for b, m in grid]
-
-
 @dataclass(frozen=True)
 class PlainStepCost:
     """T_plain(B): seconds of one target-only step, profiled at a few batch sizes.
@@ -115,17 +96,32 @@ class PlainStepCost:
         return {"batch_sizes": list(self.batch_sizes), "seconds": list(self.seconds)}
 
 
-def profile_plain_costs(decoder: SpecDecoder, prompts: Tensor, batch_sizes: Sequence[int], *, tokens: int = 12,
-                        repeats: int = 2, progress: Callable[[], None] | None = None) -> PlainStepCost:
-    """T_plain(B) at each batch size: median over `repeats` sweeps of each run's median plain step."""
-    sizes = sorted(set(batch_sizes))
-    runs: dict[int, list[float]] = {b: [] for b in sizes}
+def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tuple[int, int]], gamma: int, *,
+                       tokens: int = 12, repeats: int = 2, mode: VerifyMode = VerifyMode.COMPACT,
+                       progress: Callable[[], None] | None = None) -> tuple[list[ProfileSample], PlainStepCost]:
+    """Whole-step seconds of a speculative step at each (B, M) point and of a plain step at each B.
+
+    Each value is the median over `repeats` sweeps of each run's median step with all B requests still
+    in the batch (one warm-up run per B first). A sweep visits, per B, the plain step and then every M,
+    so bursts of machine load spread over all points (and over both sides of the speculate-or-not
+    comparison) instead of biasing one.
+    """
+    batch_sizes = sorted({b for b, _ in grid})
+    for b in batch_sizes:
+        decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1), b), mode=mode)
+    runs: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
+    plain: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for _ in range(repeats):
-        for b in sizes:
-            runs[b].append(_median_step(decoder, prompts[:b], FixedK(0), tokens, VerifyMode.STATIC))
-            if progress:
-                progress()
-    return PlainStepCost(tuple(sizes), tuple(float(torch.tensor(runs[b]).median()) for b in sizes))
+        for b in batch_sizes:
+            plain[b].append(_median_step(decoder, prompts[:b], FixedK(0), tokens, VerifyMode.STATIC))
+            for m in (m for bb, m in grid if bb == b):
+                runs[(b, m)].append(_median_step(decoder, prompts[:b], ForcedRows(gamma, m, b), tokens, mode))
+                if progress:
+                    progress()
+    samples = [ProfileSample(num_requests=b, rows=m, seconds=float(torch.tensor(runs[(b, m)]).median()))
+               for b, m in grid]
+    return samples, PlainStepCost(tuple(batch_sizes), tuple(float(torch.tensor(plain[b]).median())
+                                                            for b in batch_sizes))
 
 
 def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, tiers: Sequence[int] = (),
