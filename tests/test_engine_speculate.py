@@ -47,6 +47,26 @@ def test_decision_compares_lagged_theta_with_plain_throughput() -> None:
     assert not decide()
 
 
+def test_realised_acceptance_feedback_turns_speculation_off() -> None:
+    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+    policy = Adaptive(_planner(), plain_seconds=lambda b: b / 400.0)  # plain: 400 tokens/s
+    confident = torch.full((2, GAMMA), 8.0)  # survival ~1 at every position
+    assert policy.speculate(slots, gens)
+    plan = policy.plan(confident, slots, gens)
+    assert torch.equal(plan.verify_lens, torch.full((2,), GAMMA + 1, dtype=torch.int32))
+    policy.observe(torch.tensor([GAMMA + 1, GAMMA + 1]))  # every draft accepted: confidence was right
+    assert torch.allclose(policy.survival_scale(slots), torch.ones(2, dtype=torch.float64), atol=1e-3)
+    assert policy.speculate(slots, gens)
+    policy.plan(confident, slots, gens)
+    policy.observe(torch.tensor([1, 1]))  # nothing accepted: the EMA halves the accepted count
+    assert torch.allclose(policy.survival_scale(slots), torch.full((2,), 0.5, dtype=torch.float64), atol=1e-3)
+    policy.plan(confident, slots, gens)
+    policy.observe(torch.tensor([1, 1]))  # scale 0.25: tau ~ 2 + 6 * 0.25 per 10 ms < 400 tokens/s
+    assert not policy.speculate(slots, gens)
+    off = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=None)
+    assert off.speculate(slots, gens)  # the same lagged survival without the correction speculates
+
+
 def _plain_runs(out) -> list[int]:
     """Lengths of the runs of plain steps between speculative steps."""
     return [len(r) for r in "".join("s" if x else "p" for x in _speculated(out)).split("s")]
@@ -86,6 +106,8 @@ def test_lossless_whatever_the_decision(decoder: SpecDecoder, mode: str, plain: 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="probe_every"):
         Adaptive(_planner(), lambda b: 1.0, probe_every=0)
+    with pytest.raises(ValueError, match="feedback_decay"):
+        Adaptive(_planner(), lambda b: 1.0, feedback_decay=1.0)
     with pytest.raises(ValueError, match="max_probe_every"):
         Adaptive(_planner(), lambda b: 1.0, probe_every=4, max_probe_every=2)
     with pytest.raises(ValueError, match="lag >= 1"):

@@ -153,13 +153,19 @@ class SpecDecoder:
         gens = torch.full((b,), self._generation, dtype=torch.int64, device=self.device)
         result = GenerateResult(tokens=buf)
         end = p + max_new_tokens
+        observe = getattr(policy, "observe", None)
         while True:
             # finished requests leave the batch; the slot id (the lag ring's key) stays the request's
             reqs = (lens < end).nonzero().squeeze(1)
             if not reqs.numel():
                 break
             out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
-            lens[reqs] += out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+            commit = out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+            lens[reqs] += commit
+            if observe is not None:  # the adaptive policy's realised-acceptance feedback, charged to plan
+                t0 = time.perf_counter()
+                observe(commit)
+                out.times.plan += time.perf_counter() - t0
             out.host_syncs += 1
             result.steps.append(out)
         result.seconds = sum(s.times.draft + s.times.plan + s.times.verify + s.times.accept for s in result.steps)
