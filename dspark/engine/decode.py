@@ -115,8 +115,13 @@ class SpecDecoder:
     @torch.no_grad()
     def generate(self, prompts: Tensor, max_new_tokens: int, policy: FixedK | Oracle | object, *,
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
-                 seed: int = 0) -> GenerateResult:
-        """Decode `max_new_tokens` after each prompt ([B, P] int64, P >= 3) with one policy."""
+                 seed: int = 0, reserve_new_tokens: int | None = None) -> GenerateResult:
+        """Decode `max_new_tokens` after each prompt ([B, P] int64, P >= 3) with one policy.
+
+        reserve_new_tokens: size the KV pages (and so the attention's per-request page span, which the
+        CPU attention path reads whole every layer) for this many new tokens when larger; profiling
+        uses it to time short runs with the geometry of the timed ones.
+        """
         mode = VerifyMode.parse(mode)
         b, p = self._check_prompts(prompts, max_new_tokens)
         k = policy.num_drafts
@@ -124,11 +129,15 @@ class SpecDecoder:
             raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the draft model has only "
                              f"{self.draft.gamma} heads (gamma must be in [0, {self.draft.gamma}])")
         w = k + 1
-        self._max_len = p + max_new_tokens + w
+        if reserve_new_tokens is not None and (isinstance(reserve_new_tokens, bool)
+                                               or not isinstance(reserve_new_tokens, int) or reserve_new_tokens < 1):
+            raise ValueError(f"reserve_new_tokens must be a positive int or None, got {reserve_new_tokens!r}")
+        max_new_tokens_reserved = max(max_new_tokens, reserve_new_tokens or 0)
+        self._max_len = p + max_new_tokens_reserved + w
         for m in (self.target, self.draft):
             if self._max_len > m.cfg.max_seq_len:
                 raise ValueError(
-                    f"prompt {p} + max_new_tokens {max_new_tokens} + verify width {w} = {self._max_len} exceeds "
+                    f"prompt {p} + max_new_tokens {max_new_tokens_reserved} + verify width {w} = {self._max_len} exceeds "
                     f"the model's max_seq_len {m.cfg.max_seq_len}")
         self.tcache.admit(b, self._max_len)
         self.dcache.admit(b, self._max_len)

@@ -185,6 +185,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
     bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
     samples, plain = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
+                                        reserve_new_tokens=cfg.max_new_tokens,
                                         progress=lambda: bar("profiling step cost"))
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)

@@ -53,10 +53,11 @@ def profile_points(batch_sizes: Sequence[int], gamma: int, tiers: Sequence[int] 
     return [(b, m) for b in batch_sizes for m in tier_rows(tiers, b, gamma + 1) if m <= tiers[-1]]
 
 
-def _median_step(decoder: SpecDecoder, prompts: Tensor, policy: object, tokens: int, mode: VerifyMode) -> float:
+def _median_step(decoder: SpecDecoder, prompts: Tensor, policy: object, tokens: int, mode: VerifyMode,
+                 reserve: int | None) -> float:
     """Median seconds of one run's steps that still had every request in the batch."""
     b = prompts.shape[0]
-    res = decoder.generate(prompts, tokens, policy, mode=mode)
+    res = decoder.generate(prompts, tokens, policy, mode=mode, reserve_new_tokens=reserve)
     secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
                          for s in res.steps if s.requests.numel() == b], dtype=torch.float64)
     return float(secs.median())
@@ -98,13 +99,15 @@ class PlainStepCost:
 
 def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tuple[int, int]], gamma: int, *,
                        tokens: int = 12, repeats: int = 2, mode: VerifyMode = VerifyMode.COMPACT,
-                       progress: Callable[[], None] | None = None) -> tuple[list[ProfileSample], PlainStepCost]:
+                       reserve_new_tokens: int | None = None, progress: Callable[[], None] | None = None
+                       ) -> tuple[list[ProfileSample], PlainStepCost]:
     """Whole-step seconds of a speculative step at each (B, M) point and of a plain step at each B.
 
     Each value is the median over `repeats` sweeps of each run's median step with all B requests still
     in the batch (one warm-up run per B first). A sweep visits, per B, the plain step and then every M,
     so bursts of machine load spread over all points (and over both sides of the speculate-or-not
-    comparison) instead of biasing one.
+    comparison) instead of biasing one. `reserve_new_tokens`: the timed runs' max_new_tokens, so the
+    profiled steps see the KV geometry (pages per request) of the steps they predict.
     """
     batch_sizes = sorted({b for b, _ in grid})
     for b in batch_sizes:
@@ -113,9 +116,11 @@ def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tup
     plain: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for _ in range(repeats):
         for b in batch_sizes:
-            plain[b].append(_median_step(decoder, prompts[:b], FixedK(0), tokens, VerifyMode.STATIC))
+            plain[b].append(_median_step(decoder, prompts[:b], FixedK(0), tokens, VerifyMode.STATIC,
+                                         reserve_new_tokens))
             for m in (m for bb, m in grid if bb == b):
-                runs[(b, m)].append(_median_step(decoder, prompts[:b], ForcedRows(gamma, m, b), tokens, mode))
+                runs[(b, m)].append(_median_step(decoder, prompts[:b], ForcedRows(gamma, m, b), tokens, mode,
+                                                 reserve_new_tokens))
                 if progress:
                     progress()
     samples = [ProfileSample(num_requests=b, rows=m, seconds=float(torch.tensor(runs[(b, m)]).median()))
