@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dspark._validate import check_verify_lens
 from dspark.kernels import accept as _k
 from dspark.layout import RaggedVerifyLayout
 
@@ -117,7 +118,7 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
     if not isinstance(verify_lens, Tensor) or verify_lens.shape != (b,) or verify_lens.dtype.is_floating_point:
         raise ValueError(f"verify_lens must be an integer [B={b}] tensor, got {_desc(verify_lens)}")
     vl = verify_lens.to(device=draft.device, dtype=torch.int32)
-    _check_range("verify_lens", vl, 1, w)
+    check_verify_lens(vl, w)
     if layout is None:
         if target.dim() != 3 or target.shape[:2] != (b, w):
             raise ValueError(f"strided {name} must be [B={b}, W={w}, V], got {tuple(target.shape)}"
@@ -143,13 +144,6 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
         r, i = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"draft_tokens[{r}, {i}] = {int(draft[r, i])} is outside the vocabulary [0, {vocab})")
     return vl, row_start
-
-
-def _check_range(name: str, values: Tensor, lo: int, hi: int) -> None:
-    bad = (values < lo) | (values > hi)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(f"{name}[{i}] = {int(values[i])} is outside [{lo}, W={hi}]")
 
 
 def _row_stats(probs: Tensor, row_start: Tensor | None, w: int) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int, check_kv_fits, check_nonnegative, int_tensor
 from dspark.kernels import kv_write as _kv
 from dspark.kernels import ragged_attention as _k
 from dspark.layout import RaggedVerifyLayout
@@ -35,15 +36,15 @@ class RaggedVerifyAttention:
         for name, value in (("max_rows", max_rows), ("max_slots", max_slots),
                             ("max_pages_per_slot", max_pages_per_slot), ("num_q_heads", num_q_heads),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("page_size", page_size)):
-            _check_count(name, value, minimum=0 if name in ("max_rows", "max_slots") else 1)
+            check_int(name, value, 0 if name in ("max_rows", "max_slots") else 1)
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if max_verify_len is not None:
-            _check_count("max_verify_len", max_verify_len, minimum=1)
+            check_int("max_verify_len", max_verify_len, 1)
         if num_pages is not None:
-            _check_count("num_pages", num_pages, minimum=1)
+            check_int("num_pages", num_pages, 1)
         if num_kv_splits is not None:
-            _check_count("num_kv_splits", num_kv_splits, minimum=1)
+            check_int("num_kv_splits", num_kv_splits, 1)
         _check_dtype("dtype", dtype)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -93,9 +94,7 @@ class RaggedVerifyAttention:
         if self.max_verify_len is not None and longest > self.max_verify_len:
             raise ValueError(f"a slot has {longest} rows > max_verify_len={self.max_verify_len}")
         prefix = _host_ints("prefix_lens", prefix_lens, (b,))
-        if b and int(prefix.min()) < 0:
-            bad = int((prefix < 0).nonzero()[0])
-            raise ValueError(f"prefix_lens[{bad}] = {int(prefix[bad])} is negative")
+        check_nonnegative("prefix_lens", prefix)
         table = _host_ints("block_table", block_table, None)
         if table.dim() != 2 or table.shape[0] != b or table.shape[1] > self.max_pages_per_slot:
             raise ValueError(f"block_table must be [B={b}, P<={self.max_pages_per_slot}], got {tuple(table.shape)}")
@@ -111,7 +110,7 @@ class RaggedVerifyAttention:
         host["row_slot"][:rows] = layout.row_slot.cpu()
         host["row_within"][:rows] = layout.row_within.cpu()
         host["kv_slots"].fill_(-1)
-        host["kv_slots"][:rows] = _row_kv_slots(layout, prefix, table, self.page_size)
+        host["kv_slots"][:rows] = layout.kv_slots(layout.positions(prefix), table, self.page_size)
         for name, t in self._buffers().items():
             t.copy_(host[name])
         self.num_rows = rows
@@ -187,25 +186,8 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: T
     _kv.write_kv(k, v, k_cache, v_cache, kv_slots)
 
 
-def _row_kv_slots(layout: RaggedVerifyLayout, prefix: Tensor, table: Tensor, page_size: int) -> Tensor:
-    """[graph_num_tokens] int64 flat cache slot of each real row's K/V; -1 for padding rows."""
-    row_slot = layout.row_slot.cpu().to(torch.int64)
-    real = row_slot < layout.num_requests
-    req = torch.where(real, row_slot, torch.zeros_like(row_slot))
-    if not bool(real.any()):
-        return torch.full_like(row_slot, -1)
-    pos = torch.where(real, prefix[req] + layout.row_within.cpu().to(torch.int64), torch.zeros_like(req))
-    slots = table[req, pos // page_size] * page_size + pos % page_size
-    return torch.where(real, slots, torch.full_like(slots, -1))
-
-
 def _check_kv_lens(kv_len: Tensor, table: Tensor, page_size: int, num_pages: int | None) -> None:
-    capacity = table.shape[1] * page_size
-    over = kv_len > capacity
-    if bool(over.any()):
-        r = int(over.nonzero()[0])
-        raise ValueError(f"request {r}: kv length {int(kv_len[r])} (prefix + verify) exceeds the block table "
-                         f"capacity {table.shape[1]} pages x page_size {page_size} = {capacity}")
+    check_kv_fits(kv_len, table.shape[1], page_size)
     used = torch.arange(table.shape[1])[None, :] * page_size < kv_len[:, None]
     bad = used & ((table < 0) | (table >= num_pages if num_pages is not None else table < 0))
     if bool(bad.any()):
@@ -215,23 +197,10 @@ def _check_kv_lens(kv_len: Tensor, table: Tensor, page_size: int, num_pages: int
 
 
 def _host_ints(name: str, value: Tensor | Sequence[int], shape: tuple[int, ...] | None) -> Tensor:
-    if not isinstance(value, Tensor):
-        vals = list(value)
-        for v in vals:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must hold integers, got {v!r}")
-        value = torch.tensor(vals, dtype=torch.int64)
-    t = value
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+    t = int_tensor(name, value).cpu()
     if shape is not None and tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    return t.cpu().to(torch.int64)
-
-
-def _check_count(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return t
 
 
 def _check_dtype(name: str, dtype: torch.dtype) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dspark._validate import check_int
 from dspark.graphs import GraphBackend, RowSpec, StepBuffers, TierGraphRunner
 
 
@@ -26,8 +27,7 @@ class BlockVerifyStep:
                  dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
         for name, v in (("width", width), ("num_slots", num_slots), ("max_context", max_context),
                         ("hidden", hidden), ("heads", heads), ("vocab", vocab)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            check_int(name, v, 1)
         if hidden % heads:
             raise ValueError(f"hidden {hidden} must be a multiple of heads {heads}")
         gen = torch.Generator().manual_seed(seed)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark._validate import check_verify_lens
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel
 from dspark.survival import _check_matrix, monotone_survival
@@ -158,10 +159,7 @@ def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) 
     if tuple(verify_lens.shape) != (s.shape[0],):
         raise ValueError(f"verify_lens must be [B={s.shape[0]}], got shape {tuple(verify_lens.shape)}")
     vl = verify_lens.to(s.device, torch.int64)
-    bad = (vl < 1) | (vl > cfg.width)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(f"verify_lens[{i}] = {int(vl[i])} is outside [1, W={cfg.width}]")
+    check_verify_lens(vl, cfg.width)
     cols = torch.arange(cfg.gamma, device=s.device)
     verified = cols.unsqueeze(0) < (vl - 1).unsqueeze(1)
     return float(s.shape[0] + torch.where(verified, s, torch.zeros_like(s)).to(torch.float64).sum())

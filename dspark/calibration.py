@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int
 from dspark.calibration_metrics import (Sample, bin_index, bootstrap_interval, ece_noise_floor, metric_functions,
                                         occupied_bins)
 from dspark.calibration_recorder import POLICIES, StsData
@@ -65,8 +66,7 @@ class Calibration:
     def __post_init__(self) -> None:
         if self.schema != SCHEMA:
             raise ValueError(f"calibration schema must be {SCHEMA!r}, got {self.schema!r}")
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
+        check_int("gamma", self.gamma, 1)
         if not isinstance(self.temperatures, (list, tuple)) or not all(
                 isinstance(t, (int, float)) and not isinstance(t, bool) for t in self.temperatures):
             raise ValueError(f"temperatures must be a list of numbers, got {self.temperatures!r}")
@@ -340,8 +340,7 @@ def fit_sts(data: StsData, *, policy: str | None = None, method: str = "nll",
     data = data.select(data.policy == POLICIES.index(policy))
     if data.num_rows == 0:
         raise ValueError(f"no rows recorded under policy {policy!r} (present: {present})")
-    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
-        raise ValueError(f"bootstrap must be an int >= 0, got {bootstrap!r}")
+    check_int("bootstrap", bootstrap, 0)
     if not (isinstance(level, float) and 0.0 < level < 1.0):
         raise ValueError(f"level must be a float in (0, 1), got {level!r}")
     held = split_by_request(data.request_ids, holdout_fraction, seed)

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int
+
 NLL_EPS = 1.0e-12  # probabilities are clamped to [eps, 1 - eps] before the log (documented, finite NLL)
 
 
@@ -31,9 +33,7 @@ def _pair(probs: Tensor, labels: Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_num_bins(num_bins: int) -> int:
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
-    return num_bins
+    return check_int("num_bins", num_bins, 1)
 
 
 def bin_index(probs: np.ndarray, num_bins: int) -> np.ndarray:

@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int
 from dspark.fileio import atomic_write
 from dspark.calibration_metrics import top2_margin
 from dspark.confidence import check_prefix_mask
@@ -130,8 +131,7 @@ class StsRecorder:
     def __init__(self, out_dir: str | os.PathLike, *, gamma: int, rank: int = 0, shard_rows: int = 65536,
                  prefix: str = "sts"):
         for name, v, lo in (("gamma", gamma, 1), ("rank", rank, 0), ("shard_rows", shard_rows, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            check_int(name, v, lo)
         if not prefix or not re.fullmatch(r"[A-Za-z0-9_.]+", prefix):
             raise ValueError(f"prefix must be a non-empty [A-Za-z0-9_.] name, got {prefix!r}")
         self.out_dir = Path(out_dir)

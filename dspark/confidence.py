@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dspark._validate import check_int
+
 
 def previous_tokens(anchor_tokens: Tensor, draft_tokens: Tensor) -> Tensor:
     """Token preceding each draft position: [anchor, d_0, ..., d_{gamma-2}] -> [B, gamma]."""
@@ -32,8 +34,7 @@ class ConfidenceHead(nn.Module):
     def __init__(self, hidden_size: int, markov_rank: int = 0, vocab_size: int | None = None):
         super().__init__()
         for name, v, lo in (("hidden_size", hidden_size, 1), ("markov_rank", markov_rank, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            check_int(name, v, lo)
         if markov_rank > 0 and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"markov_rank={markov_rank} needs vocab_size as an int >= 1, got {vocab_size!r}")
         self.hidden_size, self.markov_rank = hidden_size, markov_rank

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.fileio import atomic_write_text
+from dspark.fileio import atomic_write_text, read_json
 
 SCHEMA_VERSION = 1
 
@@ -313,11 +313,7 @@ class CostModel(abc.ABC):
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CostModel":
         """Read and validate a saved model; every error names the file and what is wrong."""
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        d = read_json(path)
         try:
             return cls.from_dict(d)
         except (ValueError, TypeError) as e:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dspark._validate import check_int
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
 TP_MODES = ("verify", "broadcast")
@@ -210,10 +211,9 @@ class DpTierAgreement:
         backend = str(dist.get_backend(cpu_group)).lower()
         if not any(name in backend for name in ("gloo", "mpi", "ucc")):
             raise ValueError(f"the DP tier group must be a CPU (gloo) group, got backend {backend!r}")
-        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
-            raise ValueError(f"slots must be a positive int, got {slots!r}")
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
-            raise ValueError(f"width must be a positive int, got {width!r}")
+        for name, v in (("slots", slots), ("width", width)):
+            if v is not None:
+                check_int(name, v, 1)
         self.group = cpu_group
         self.tiers = check_tiers(tiers)
         self.slots = slots

@@ -1,9 +1,10 @@
-"""Atomic file writes: write a temp file in the target folder, then rename it over the target.
+"""Atomic file writes (a temp file in the target folder renamed over the target) and JSON files.
 
 A reader never sees a half-written file, and a failed write leaves nothing behind.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -37,3 +38,17 @@ def _umask() -> int:
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write `text` atomically."""
     return atomic_write(path, lambda p: p.write_text(text))
+
+
+def write_json_atomic(path: str | os.PathLike, obj: object) -> Path:
+    """Write strict JSON (no NaN) atomically."""
+    return atomic_write_text(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> object:
+    """Parse a JSON file; corrupt JSON -> ValueError naming the file and position."""
+    text = Path(path).read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from err

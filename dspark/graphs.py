@@ -14,7 +14,6 @@ Tier manifests (`TierManifest`) record what was captured and live as JSON under 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import torch
 from torch import Tensor
 
-from dspark.fileio import atomic_write_text
+from dspark._validate import check_int, int_tensor
+from dspark.fileio import read_json, write_json_atomic
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class TierManifest:
         tiers = check_tiers(self.tiers)
         if not tiers:
             raise ValueError("a tier manifest needs at least one tier")
-        _check_positive_int("width", self.width)
+        check_int("width", self.width, 1)
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if not isinstance(self.model_id, str) or not isinstance(self.device_name, str):
@@ -178,7 +178,7 @@ class TierManifest:
         if len(slots) != len(tiers):
             raise ValueError(f"need one slot count per tier: tiers {list(tiers)}, slots {list(slots)}")
         for t, s in zip(tiers, slots):
-            _check_positive_int(f"slots for tier {t}", s)
+            check_int(f"slots for tier {t}", s, 1)
             if s * self.width < t:
                 raise ValueError(
                     f"tier {t} cannot be filled: {s} slots x width {self.width} = {s * self.width} rows"
@@ -233,20 +233,6 @@ class TierManifest:
             raise ValueError(f"{path}: {err}") from err
         manifest.check_compatible(width=width, platform=platform, model_id=model_id)
         return manifest
-
-
-def read_json(path: str | os.PathLike) -> object:
-    """Parse a JSON file; corrupt JSON -> ValueError naming the file and position."""
-    text = Path(path).read_text()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from err
-
-
-def write_json_atomic(path: str | os.PathLike, obj: object) -> Path:
-    """Write JSON atomically (temp file + rename): never a half-written file."""
-    return atomic_write_text(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
 class TierGraphRunner:
@@ -342,9 +328,9 @@ class TierGraphRunner:
         """The layout a step with these verify lengths runs: padded to its tier with that tier's slots,
         or eager (unpadded, `eager_reason` set) past the largest tier or the tier's slot count. A list
         becomes a tensor on the runner's device (validation syncs once, at this boundary)."""
-        lens = verify_lens if isinstance(verify_lens, Tensor) else _int_lens(verify_lens, self.device)
-        integral = isinstance(lens, Tensor) and not (lens.dtype.is_floating_point or lens.dtype == torch.bool)
-        if integral and lens.dim() == 1:
+        lens = int_tensor("verify_lens", verify_lens, torch.int32)
+        lens = lens if isinstance(verify_lens, Tensor) else lens.to(self.device)
+        if lens.dim() == 1:
             total, b = int(lens.sum()), int(lens.numel())
             tier = round_up_to_tier(total, self.tiers)
             if tier is not None:
@@ -417,14 +403,6 @@ class TierGraphRunner:
         self.backend.synchronize()
 
 
-def _int_lens(values: Sequence[int], device: torch.device) -> Tensor | list:
-    """An int32 tensor on `device` when every value is an int; else the list, for the layout to reject."""
-    vals = list(values)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
-        return torch.tensor(vals, dtype=torch.int32, device=device)
-    return vals
-
-
 def _load_layout(bufs: StepBuffers, layout: RaggedVerifyLayout) -> None:
     bufs.slot_lens.copy_(layout.slot_lens)
     bufs.seqused.copy_(layout.seqused)
@@ -437,11 +415,6 @@ def _slice_rows(out: StepOutput, n: int) -> StepOutput:
     if isinstance(out, Tensor):
         return out[:n]
     return {k: v[:n] for k, v in out.items()}
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _device_name(device: torch.device) -> str:

@@ -14,9 +14,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int, check_verify_lens, int_tensor
 from dspark.kernels import layout as _k
 
 log = logging.getLogger(__name__)
+
+PAD_SLOT = -1  # KV write slot of padding rows: never written
 
 
 def check_tiers(tiers: Sequence[int] | None) -> tuple[int, ...]:
@@ -92,20 +95,14 @@ class RaggedVerifyLayout:
         """
         vl = _as_lens(verify_lens)
         b = vl.numel()
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
-            raise ValueError(f"width must be a positive int, got {width!r}")
+        if width is not None:
+            check_int("width", width, 1)
         if on_overflow not in ("eager", "error"):
             raise ValueError(f"on_overflow must be 'eager' or 'error', got {on_overflow!r}")
         tiers_t = check_tiers(tiers)
         lens_host = vl.cpu()
         if b:
-            lo, hi = int(lens_host.min()), int(lens_host.max())
-            top = width if width is not None else hi
-            if lo < 1 or hi > top:
-                bad = int(((lens_host < 1) | (lens_host > top)).nonzero()[0])
-                raise ValueError(
-                    f"verify_lens[{bad}] = {int(lens_host[bad])} is outside [1, W={top}]"
-                )
+            check_verify_lens(lens_host, width if width is not None else int(lens_host.max()))
         total = int(lens_host.sum())
         tier, reason = None, None
         if tiers_t:
@@ -146,8 +143,30 @@ class RaggedVerifyLayout:
             )
         pad = torch.zeros(self.num_slots - self.num_requests, dtype=torch.int64, device=prefix_lens.device)
         per_slot = torch.cat([prefix_lens.to(torch.int64), pad])
-        pos = per_slot.index_select(0, self.row_slot.to(torch.int64)) + self.row_within.to(torch.int64)
-        return torch.where(self.row_valid.to(pos.device), pos, torch.zeros_like(pos))
+        device = prefix_lens.device
+        pos = (per_slot.index_select(0, self.row_slot.to(device=device, dtype=torch.int64))
+               + self.row_within.to(device=device, dtype=torch.int64))
+        return torch.where(self.row_valid.to(device), pos, torch.zeros_like(pos))
+
+    def kv_slots(self, positions: Tensor, block_table: Tensor, page_size: int) -> Tensor:
+        """[graph_num_tokens] int64 flat KV write slot of each row, PAD_SLOT (-1) for padding rows.
+
+        positions: `self.positions(prefix_lens)`. A row of request r at position pos writes slot
+        `block_table[r, pos // page_size] * page_size + pos % page_size`. Computed on block_table's device
+        without a sync; the caller checks that every real row's position fits its block-table row.
+        """
+        device = block_table.device
+        # one zero row and column appended so padding rows (and empty tables) index something
+        table = torch.nn.functional.pad(block_table.to(torch.int64), (0, 1, 0, 1))
+        valid = self.row_valid.to(device)
+        req = torch.where(valid, self.row_slot.to(device=device, dtype=torch.int64), self.num_requests)
+        pos = torch.where(valid, positions.to(device=device, dtype=torch.int64), 0)
+        slots = table[req, pos // page_size] * page_size + pos % page_size
+        return torch.where(valid, slots, torch.full_like(slots, PAD_SLOT))
+
+    def _fits(self, width: int) -> bool:
+        """width >= every verify length; no device read when the layout's W (an upper bound) decides it."""
+        return (self.width is not None and width >= self.width) or width >= int(self.verify_lens.max())
 
     def pack(self, strided: Tensor, fill: float = 0) -> Tensor:
         """`[B, W, ...] -> [graph_num_tokens, ...]` (padding rows = fill)."""
@@ -155,7 +174,7 @@ class RaggedVerifyLayout:
             raise ValueError(
                 f"strided must be [B={self.num_requests}, W, ...], got {tuple(strided.shape)}"
             )
-        if self.num_requests and strided.shape[1] < int(self.verify_lens.max()):
+        if self.num_requests and not self._fits(strided.shape[1]):
             raise ValueError(
                 f"strided width {strided.shape[1]} is below the longest verify length "
                 f"{int(self.verify_lens.max())}"
@@ -167,7 +186,7 @@ class RaggedVerifyLayout:
         w = width if width is not None else self.width
         if w is None:
             raise ValueError("scatter needs width=W (the layout was built without a width)")
-        if self.num_requests and w < int(self.verify_lens.max()):
+        if self.num_requests and not self._fits(w):
             raise ValueError(f"width {w} is below the longest verify length {int(self.verify_lens.max())}")
         if packed.dim() < 1 or packed.shape[0] < self.total_rows:
             raise ValueError(
@@ -177,17 +196,10 @@ class RaggedVerifyLayout:
 
 
 def _as_lens(verify_lens: Tensor | Sequence[int]) -> Tensor:
-    if isinstance(verify_lens, Tensor):
-        if verify_lens.dtype.is_floating_point or verify_lens.dtype == torch.bool:
-            raise TypeError(f"verify_lens must be an integer tensor, got dtype {verify_lens.dtype}")
-        if verify_lens.dim() != 1:
-            raise ValueError(f"verify_lens must be 1-D [B], got shape {tuple(verify_lens.shape)}")
-        return verify_lens.to(torch.int32)
-    vals = list(verify_lens)
-    for v in vals:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"verify_lens must hold ints, got {v!r}")
-    return torch.tensor(vals, dtype=torch.int32)
+    vl = int_tensor("verify_lens", verify_lens, torch.int32)
+    if vl.dim() != 1:
+        raise ValueError(f"verify_lens must be 1-D [B], got shape {tuple(vl.shape)}")
+    return vl
 
 
 def _slot_count(b: int, slots: int | None, leftover: int, width: int | None) -> int:

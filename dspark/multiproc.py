@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dspark._validate import check_int
 from dspark.fileio import atomic_write
 
 
@@ -34,8 +35,7 @@ def run_local_gloo(
     `TimeoutError` naming the ranks still running after `timeout` seconds, and `RuntimeError` with the
     worker's traceback when a rank raised.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_int("world_size", world_size, 1)
     if timeout <= 0 or collective_timeout <= 0:
         raise ValueError(f"timeouts must be positive, got {timeout!r}, {collective_timeout!r}")
     ctx = mp.get_context("spawn")

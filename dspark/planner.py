@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int
 from dspark.allocate import allocate_verify_lens
 from dspark.budget import BudgetDecision, check_config, choose_budget, greedy_budget
 from dspark.config import ScheduleConfig
@@ -72,11 +73,9 @@ class VerifyPlanner:
             raise ValueError(
                 f"cost model was profiled at W={cost_model.width}, but the config has W = gamma + 1 = {cfg.width}"
             )
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
-            raise ValueError(f"lag must be an int >= 0, got {lag!r}")
-        if graph_slots is not None and (isinstance(graph_slots, bool) or not isinstance(graph_slots, int)
-                                        or graph_slots < 1):
-            raise ValueError(f"graph_slots must be a positive int or None, got {graph_slots!r}")
+        check_int("lag", lag, 0)
+        if graph_slots is not None:
+            check_int("graph_slots", graph_slots, 1)
         self.cost_model = cost_model
         self.lag = lag
         self.tiers = check_tiers(tiers)

@@ -23,6 +23,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int
 from dspark.budget import choose_budget, tau_curve
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel, CostModel, ProfileSample, StepsPerSecondTable, TieredCostModel
@@ -48,8 +49,7 @@ class StepAdapter(Protocol):
 
 def _row_range(num_requests: int, width: int, floor: int) -> tuple[int, int]:
     for name, v in (("num_requests", num_requests), ("width", width), ("floor", floor)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_int(name, v, 1)
     if floor > width:
         raise ValueError(f"floor {floor} exceeds width W={width}")
     return num_requests * floor, num_requests * width

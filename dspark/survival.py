@@ -11,6 +11,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int
+
 
 def _check_matrix(name: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
@@ -75,8 +77,7 @@ class SurvivalLagRing:
 
     def __init__(self, num_slots: int, gamma: int, lag: int = 1, device: torch.device | str = "cpu"):
         for name, v, lo in (("num_slots", num_slots, 1), ("gamma", gamma, 1), ("lag", lag, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+            check_int(name, v, lo)
         self.num_slots, self.gamma, self.lag = num_slots, gamma, lag
         self._values = torch.ones(lag, num_slots, gamma, dtype=torch.float32, device=device)
         self._stamps = torch.full((lag, num_slots), -1, dtype=torch.int64, device=device)
@@ -94,32 +95,41 @@ class SurvivalLagRing:
             raise ValueError(
                 f"survival must be [{slots.numel()}, {self.gamma}], got {tuple(survival.shape)}"
             )
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
-            raise ValueError(
-                f"slots must lie in [0, {self.num_slots}), got min {int(slots.min())} max {int(slots.max())}"
-            )
-        if slots.numel() and int(generations.min()) < 0:
-            raise ValueError(f"generations must be >= 0, got {int(generations.min())}")
+        if not slots.numel():
+            return
+        lo, hi, gen = torch.stack([slots.min().long(), slots.max().long(),  # one device read
+                                   generations.min().long().to(slots.device)]).tolist()
+        if lo < 0 or hi >= self.num_slots:
+            raise ValueError(f"slots must lie in [0, {self.num_slots}), got min {lo} max {hi}")
+        if gen < 0:
+            raise ValueError(f"generations must be >= 0, got {gen}")
 
     def read(self, slots: Tensor, generations: Tensor) -> Tensor:
         """Lagged survival [B, gamma] for these slots (all-ones where stale or reused)."""
         self._check(slots, generations, None)
+        return self._read(slots, generations)
+
+    def write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
+        """Store live survival for these slots, stamped with their generation, and advance one step."""
+        self._check(slots, generations, survival)
+        self._write(slots, generations, survival)
+
+    def exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
+        """read() then write() with one validation: the lagged survival for this step, the live one stored."""
+        self._check(slots, generations, survival)
+        lagged = self._read(slots, generations)
+        self._write(slots, generations, survival)
+        return lagged
+
+    def _read(self, slots: Tensor, generations: Tensor) -> Tensor:
         slots = slots.to(self._values.device, torch.long)
         gens = generations.to(self._values.device, torch.int64)
         vals = self._values[self._cursor].index_select(0, slots)
         fresh = self._stamps[self._cursor].index_select(0, slots) == gens
         return torch.where(fresh.unsqueeze(1), vals, torch.ones_like(vals))
 
-    def write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
-        """Store live survival for these slots, stamped with their generation, and advance one step."""
-        self._check(slots, generations, survival)
+    def _write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
         slots = slots.to(self._values.device, torch.long)
         self._values[self._cursor].index_copy_(0, slots, survival.to(self._values))
         self._stamps[self._cursor].index_copy_(0, slots, generations.to(self._stamps))
         self._cursor = (self._cursor + 1) % self.lag
-
-    def exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
-        """read() then write(): the lagged survival for this step, with the live one stored."""
-        lagged = self.read(slots, generations)
-        self.write(slots, generations, survival)
-        return lagged

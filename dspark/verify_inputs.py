@@ -18,10 +18,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int, check_kv_fits, check_nonnegative, check_verify_lens
 from dspark.config import VerifyMode
-from dspark.layout import RaggedVerifyLayout
-
-PAD_SLOT = -1  # KV write slot of padding rows: never written
+from dspark.layout import PAD_SLOT, RaggedVerifyLayout  # noqa: F401  (PAD_SLOT: re-exported)
 
 
 @dataclass(frozen=True)
@@ -67,22 +66,20 @@ def build_verify_inputs(
     w = gamma + 1
     device = draft_tokens.device
     vl = _check_lens("verify_lens", verify_lens, b, device)
-    if bool(((vl < 1) | (vl > w)).any()):
-        r = int(((vl < 1) | (vl > w)).nonzero()[0])
-        raise ValueError(f"verify_lens[{r}] = {int(vl[r])} is outside [1, W={w}]")
     prefix = _check_lens("prefix_lens", prefix_lens, b, device).to(torch.int64)
-    if bool((prefix < 0).any()):
-        r = int((prefix < 0).nonzero()[0])
-        raise ValueError(f"prefix_lens[{r}] = {int(prefix[r])} is negative")
+    host_vl, host_prefix = torch.stack([vl.to(torch.int64), prefix]).cpu()  # one device read for the checks
+    check_verify_lens(host_vl, w)
+    check_nonnegative("prefix_lens", host_prefix)
     full = torch.full_like(vl, w)
-    rows_per_request = vl if mode is VerifyMode.COMPACT else full
+    compact = mode is VerifyMode.COMPACT
+    rows_per_request = vl if compact else full
     layout = RaggedVerifyLayout.from_verify_lens(rows_per_request, tiers, slots, width=w)
     tokens = torch.cat([root_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
     positions = layout.positions(prefix)
     kv_slots = None
     if block_table is not None or page_size is not None:
-        _check_block_table(block_table, page_size, b, prefix + rows_per_request)
-        kv_slots = _kv_slots(layout, positions, block_table, page_size)
+        _check_block_table(block_table, page_size, b, host_prefix + (host_vl if compact else w))
+        kv_slots = layout.kv_slots(positions, block_table, page_size)
     return VerifyInputs(
         input_ids=layout.pack(tokens, fill=0),
         positions=positions,
@@ -90,17 +87,6 @@ def build_verify_inputs(
         layout=layout,
         caps=full if mode is VerifyMode.STATIC else vl,
     )
-
-
-def _kv_slots(layout: RaggedVerifyLayout, positions: Tensor, block_table: Tensor, page_size: int) -> Tensor:
-    """Per-row write slot through the block table; ghost rows read a zero row appended for them."""
-    b = layout.num_requests
-    table = torch.cat([block_table.to(torch.int64),
-                       torch.zeros(1, block_table.shape[1], dtype=torch.int64, device=block_table.device)])
-    req = layout.row_slot.to(torch.int64).clamp(max=b)
-    page = table[req, positions // page_size]
-    slots = page * page_size + positions % page_size
-    return torch.where(layout.row_valid, slots, torch.full_like(slots, PAD_SLOT))
 
 
 def _check_tokens(root_tokens: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
@@ -129,14 +115,8 @@ def _check_block_table(block_table: Tensor | None, page_size: int | None, b: int
     """Both given, integer table [B, pages], and every written position inside the request's pages."""
     if block_table is None or page_size is None:
         raise ValueError("block_table and page_size go together: give both or neither")
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    check_int("page_size", page_size, 1)
     if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype.is_floating_point:
         raise ValueError(f"block_table must be an integer [B={b}, pages] tensor, got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
-    capacity = block_table.shape[1] * page_size
-    short = ends > capacity
-    if bool(short.any()):
-        r = int(short.nonzero()[0])
-        raise ValueError(f"request {r} writes positions up to {int(ends[r]) - 1} but its block table row "
-                         f"holds {block_table.shape[1]} pages of {page_size} = {capacity} positions")
+    check_kv_fits(ends, block_table.shape[1], page_size)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark import RaggedVerifyAttention, RaggedVerifyLayout  # noqa: E402
+from dspark.fileio import atomic_write_text  # noqa: E402
 from dspark.kernels import dispatch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -228,12 +228,7 @@ def main() -> None:
         head_dim=args.head_dim, page_size=args.page_size, repeats=args.repeats, peak_gbps=args.peak_gbps,
         command=" ".join(sys.argv), rows=rows,
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    print(f"wrote {atomic_write_text(args.out, json.dumps(result, indent=2))}")
 
 
 if __name__ == "__main__":

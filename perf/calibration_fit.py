@@ -13,12 +13,12 @@ import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from dspark.calibration import evaluate, fit_temperatures, split_by_request
 from dspark.calibration_recorder import StsRecorder, load_sts
+from dspark.fileio import atomic_write_text
 
 
 def synthetic_steps(rows: int, temps: torch.Tensor, batch: int, seed: int):
@@ -94,11 +94,9 @@ def main() -> None:
         lo, hi = p["ece_after_ci"]
         print(f"{p['position']:>3} {p['heldout_rows']:>13} {p['ece_before']:>11.4f} {p['ece_after']:>16.4f} "
               f"{f'[{lo:.4f}, {hi:.4f}]':>18} {p['ece_floor']:>10.4f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "true_temperatures": temps.tolist(), "rows": data.num_rows,
-                               "record_ms_median": statistics.median(record_s) * 1e3, "load_s": load_s,
-                               "methods": rows}, indent=1))
+    out = atomic_write_text(args.out, json.dumps({
+        "args": vars(args), "true_temperatures": temps.tolist(), "rows": data.num_rows,
+        "record_ms_median": statistics.median(record_s) * 1e3, "load_s": load_s, "methods": rows}, indent=1))
     print(f"wrote {out}")
 
 

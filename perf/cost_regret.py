@@ -30,7 +30,7 @@ from torch import Tensor
 
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, ProfileSample
-from dspark.graphs import read_json, write_json_atomic
+from dspark.fileio import read_json, write_json_atomic
 from dspark.layout import round_up_to_tier
 from dspark.profiling import budget_regret, dense_rows, fit_cost_models, tier_rows
 

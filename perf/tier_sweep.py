@@ -28,7 +28,7 @@ import torch
 
 from dspark.blockstep import BlockVerifyAdapter
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
-from dspark.graphs import write_json_atomic
+from dspark.fileio import atomic_write, write_json_atomic
 from dspark.profiling import CLOCKS, STATS, StepAdapter, dense_rows, fit_cost_models, profile_steps, tier_rows
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
@@ -102,10 +102,8 @@ def plot(path: Path, samples: Sequence[ProfileSample], pinned: set, models: dict
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
-    tmp.replace(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -178,9 +178,70 @@ def _attention_cases(device: torch.device) -> list[Case]:
     return [case(1, 0), case(3, 1)]
 
 
+def _accept_cases(device: torch.device) -> list[Case]:
+    """Greedy and rejection-sampling accept, strided and packed rows, B = 1 and odd B; poisoned outputs."""
+    from dspark.kernels import accept
+    from dspark.layout import RaggedVerifyLayout
+
+    def case(b: int, gamma: int, vocab: int, packed: bool, sampling: bool, seed: int) -> Case:
+        gen = torch.Generator().manual_seed(seed)
+        vl = torch.randint(1, gamma + 2, (b,), generator=gen, dtype=torch.int32)
+        strided = torch.rand(b, gamma + 1, vocab, generator=gen)
+        strided = strided / strided.sum(-1, keepdim=True)
+        q = torch.rand(b, gamma, vocab, generator=gen)
+        q = (q / q.sum(-1, keepdim=True)).to(device)
+        draft = torch.where(torch.rand(b, gamma, generator=gen) < 0.6, strided[:, :gamma].argmax(-1),
+                            torch.randint(0, vocab, (b, gamma), generator=gen)).to(device)
+        target, row_start = strided, None
+        if packed:
+            lay = RaggedVerifyLayout.from_verify_lens(vl, tiers=[int(vl.sum()) + 2], width=gamma + 1)
+            target, row_start = lay.pack(strided, fill=float("nan")), lay.qo_indptr[:-1].to(device)
+        target, vl = target.to(device), vl.to(device)
+        u = torch.rand(b, gamma + 1, generator=gen).to(device)
+        args = (draft, q, target, vl, row_start, u) if sampling else (draft, target, vl, row_start)
+
+        def run() -> torch.Tensor:
+            outs = (torch.full((b,), -7, dtype=torch.int32, device=device),
+                    torch.full((b,), -7, dtype=torch.int64, device=device))
+            kernel = accept.sampling_triton if sampling else accept.greedy_triton
+            correct, bonus = kernel(*args, *outs)
+            return torch.cat([correct.long(), bonus])
+        # a device may sum the sampling CDF in another order than the reference: compare across policies
+        want = None if sampling else torch.cat([t.long() for t in accept.greedy_ref(*args)])
+        return run, want
+
+    return [case(1, 3, 7, False, False, 0), case(5, 4, 37, True, False, 1),
+            case(1, 2, 5, True, True, 2), case(7, 5, 37, False, True, 3)]
+
+
+def _layout_cases(device: torch.device) -> list[Case]:
+    """qo_indptr, row maps, pack and scatter-back over a tier-padded layout with ghost rows; poisoned outputs."""
+    from dspark.kernels import layout as k
+
+    lens = torch.tensor([3, 1, 4, 2, 0, 5], dtype=torch.int32, device=device)   # a zero-length (ghost) slot
+    rows, qo = int(lens.sum()), torch.tensor([0, 3, 4, 8, 10], dtype=torch.int32, device=device)
+    row_slot, row_within = k.row_maps_ref(lens, rows)
+    strided = torch.randn(4, 4, 3, generator=torch.Generator().manual_seed(0)).to(device)
+    packed = k.pack_ref(strided, row_slot, row_within, 10, float("nan"))
+
+    def poison(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.full(shape, -7, dtype=dtype, device=device)
+
+    return [
+        (lambda: k.qo_indptr_triton(lens, poison(lens.numel() + 1)), k.qo_indptr_ref(lens)),
+        (lambda: torch.cat(k.row_maps_triton(lens, poison(rows), poison(rows))), torch.cat([row_slot, row_within])),
+        (lambda: k.pack_triton(strided, row_slot, row_within, 10, float("nan"), poison(rows, 3, dtype=torch.float32))
+         .nan_to_num(-1e9), packed.nan_to_num(-1e9)),
+        (lambda: k.scatter_triton(packed, qo, 4, -1.0, poison(4, 4, 3, dtype=torch.float32)),
+         k.scatter_ref(packed, qo, 4, 10, -1.0)),
+    ]
+
+
 # kernel module -> cases (a zero-argument launch and the reference output); every module that defines a
 # Triton kernel must appear here so that it runs under both launch policies.
 KERNEL_CASES: dict[str, Callable[[torch.device], list[Case]]] = {
+    "accept": _accept_cases,
+    "layout": _layout_cases,
     "topk": _topk_cases,
     "kv_write": _kv_write_cases,
     "ragged_attention": _attention_cases,

@@ -144,7 +144,7 @@ def test_load_validation_names_the_problem(tmp_path, change, needle):
 def test_load_errors_for_corrupt_files(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"kind": "steps_per_')
-    with pytest.raises(ValueError, match=r"bad\.json: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad\.json is not valid JSON"):
         load_cost_model(path)
     d = sps().to_dict()
     del d["steps_per_second"]

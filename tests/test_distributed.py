@@ -1,7 +1,7 @@
 """TP/DP agreement on real torch.distributed (gloo on CPU, ranks spawned here, hard timeouts).
 
 One 4-rank launch runs every multi-process scenario at 4 ranks, then at 2 ranks (a process group of
-ranks 0 and 1), thousands of steps in all; the tests below assert on what the ranks returned. A hang
+ranks 0 and 1), over a thousand steps in all; the tests below assert on what the ranks returned. A hang
 fails the launch after LAUNCH_TIMEOUT (workers killed); a stuck collective errors after 60 s.
 In-process tests use a one-rank gloo group.
 """
@@ -31,8 +31,8 @@ from dspark.planner import VerifyPlanner
 from dspark.multiproc import run_local_gloo
 
 STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch runs many steps
-    2: {"verify": 2000, "broadcast": 500, "dp": 100, "planner": 30},
-    4: {"verify": 800, "broadcast": 200, "dp": 50, "planner": 30},
+    2: {"verify": 600, "broadcast": 200, "dp": 60, "planner": 30},
+    4: {"verify": 300, "broadcast": 100, "dp": 30, "planner": 30},
 }
 INJECT = {5: "value", 9: "batch"}
 LAUNCH_TIMEOUT = 150.0

@@ -146,7 +146,7 @@ def test_run_rejects_foreign_layouts(device):
     (dict(slots=(2, 2)), "one slot count per tier"),
     (dict(slots=(1, 1, 3)), "tier 8 cannot be filled"),
     (dict(platform="tpu"), "platform must be one of"),
-    (dict(width=0), "width must be a positive int"),
+    (dict(width=0), "width must be an int >= 1"),
 ])
 def test_bad_manifests(kwargs, needle):
     base = dict(tiers=TIERS, slots=(8, 8, 8), width=W, platform="cpu", model_id="toy")

@@ -4,6 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dspark import RaggedVerifyLayout
+from dspark.layout import PAD_SLOT
 
 
 def test_worked_example_padded_to_tier():
@@ -57,3 +58,23 @@ def test_pack_scatter_roundtrip(b, w, extra, seed, device):
     mask = torch.arange(w, device=device)[None, :] < vl.to(device)[:, None]
     assert torch.equal(back[mask], strided[mask])
     assert bool((back[~mask] == -7.0).all())
+
+
+@given(b=st.integers(0, 9), w=st.integers(1, 6), extra=st.integers(0, 7), page_size=st.integers(1, 5),
+       seed=st.integers(0, 1000))
+def test_kv_slots_match_the_block_table_formula(b, w, extra, page_size, seed, device):
+    """Real row i of request r writes block_table[r, pos // page_size] * page_size + pos % page_size at
+    pos = prefix_lens[r] + i; padding rows write PAD_SLOT; an empty block table works when B = 0."""
+    gen = torch.Generator().manual_seed(seed)
+    vl = torch.randint(1, w + 1, (b,), generator=gen, dtype=torch.int32)
+    total = int(vl.sum())
+    lay = RaggedVerifyLayout.from_verify_lens(vl.to(device), tiers=[total + extra + 1], width=w)
+    prefix = torch.randint(0, 12, (b,), generator=gen)
+    pages = -(-(12 + w) // page_size) if b else 0
+    table = torch.randperm(max(b * pages, 1), generator=gen)[: b * pages].view(b, pages)
+    got = lay.kv_slots(lay.positions(prefix.to(device)), table.to(device), page_size).cpu()
+    want = [table[r, (prefix[r] + i) // page_size] * page_size + (prefix[r] + i) % page_size
+            for r in range(b) for i in range(int(vl[r]))]
+    assert got.dtype == torch.int64 and got.shape == (lay.graph_num_tokens,)
+    assert got[:total].tolist() == [int(x) for x in want]
+    assert bool((got[total:] == PAD_SLOT).all()) and lay.num_padding_rows == extra + 1

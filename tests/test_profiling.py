@@ -26,7 +26,7 @@ def test_pinned_and_dense_rows():
     assert dense_rows(3, 4, floor=2) == list(range(6, 13))
     with pytest.raises(ValueError, match="floor 5 exceeds width W=4"):
         dense_rows(1, 4, floor=5)
-    with pytest.raises(ValueError, match="num_requests must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="num_requests must be an int >= 1, got 0"):
         tier_rows(TIERS, 0, 4)
     with pytest.raises(ValueError, match="strictly increasing"):
         tier_rows((16, 8), 1, 8)

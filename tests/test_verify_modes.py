@@ -137,7 +137,7 @@ def test_worked_example(device):
         (dict(prefix_lens=[0, -3, 1]), ValueError, "prefix_lens[1] = -3 is negative"),
         (dict(root_tokens=[1, 2]), ValueError, "root_tokens must be [B=3]"),
         (dict(page_size=None), ValueError, "give both or neither"),
-        (dict(page_size=0), ValueError, "page_size must be a positive int, got 0"),
+        (dict(page_size=0), ValueError, "page_size must be an int >= 1, got 0"),
         (dict(block_table=torch.zeros(3, 1, dtype=torch.int64)), ValueError, "request 2 writes positions up to 12"),
         (dict(mode="ragged"), ValueError, "unknown verify mode 'ragged'"),
     ],

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dspark.config import VerifyMode
-from dspark.fileio import atomic_write_text
+from dspark.fileio import atomic_write_text, read_json
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class RaggedGraphCapability:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "RaggedGraphCapability":
-        return cls.from_json(json.loads(Path(path).read_text()))
+        return cls.from_json(read_json(path))
 
 
 def choose_npu_verify_mode(requested_mode: VerifyMode | str, capability: CapabilityStatus) -> tuple[VerifyMode, str]:

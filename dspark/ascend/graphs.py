@@ -20,6 +20,7 @@ from typing import Callable
 
 from torch import Tensor
 
+from dspark._validate import check_int
 from dspark.ascend import runtime
 from dspark.ascend.capability import NpuVerifyConfig, RaggedGraphCapability
 from dspark.ascend.metadata import AscendVerifyMetadata
@@ -49,8 +50,7 @@ class NpuGraphBackend:
 
     def __init__(self, device: object = None, warmup: int = 1,
                  capability: RaggedGraphCapability | None = None) -> None:
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        check_int("warmup", warmup, 0)
         self.device = device
         self.warmup = warmup
         self.capability = capability if capability is not None else RaggedGraphCapability()

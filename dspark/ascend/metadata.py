@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark._validate import check_int, int_tensor
 from dspark.layout import RaggedVerifyLayout
 
 INT32_MAX = 2**31 - 1
@@ -80,8 +81,7 @@ class AscendVerifyMetadata:
 
     def block_table_width(self, page_size: int) -> int:
         """Pages per request row of the block table (`ceil(max(L + v) / page_size)`)."""
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        check_int("page_size", page_size, 1)
         return -(-self.max_seq_len_kv // page_size)
 
     def write_locs(self, out_cache_loc: Tensor) -> Tensor:
@@ -163,9 +163,7 @@ class AscendVerifyMetadata:
         device: torch.device | str | None = None,
     ) -> "AscendVerifyMetadata":
         """Today's fixed-width values: every request verifies N = draft_token_num rows at stride N."""
-        n = draft_token_num
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"draft_token_num must be a positive int, got {n!r}")
+        n = check_int("draft_token_num", draft_token_num, 1)
         ratios = _check_ratios(compress_ratios)
         if device is None:
             device = live_seq_lens.device if isinstance(live_seq_lens, Tensor) else "cpu"
@@ -257,18 +255,9 @@ def _check_ratios(ratios: Sequence[int]) -> tuple[int, ...]:
 
 def _check_live(live: Tensor | Sequence[int], b: int | None, device: torch.device) -> Tensor:
     """Live (pre-step) KV lengths as int64 [B] on `device` (values are checked on the host copy)."""
-    if isinstance(live, Tensor):
-        if live.dtype.is_floating_point or live.dtype.is_complex or live.dtype == torch.bool:
-            raise TypeError(f"live_seq_lens must be an integer tensor, got dtype {live.dtype}")
-        if live.dim() != 1:
-            raise ValueError(f"live_seq_lens must be 1-D [B], got shape {tuple(live.shape)}")
-        out = live.to(device=device, dtype=torch.int64)
-    else:
-        vals = list(live)
-        for x in vals:
-            if isinstance(x, bool) or not isinstance(x, int):
-                raise TypeError(f"live_seq_lens must hold ints, got {x!r}")
-        out = torch.tensor(vals, dtype=torch.int64, device=device)
+    out = int_tensor("live_seq_lens", live).to(device)
+    if out.dim() != 1:
+        raise ValueError(f"live_seq_lens must be 1-D [B], got shape {tuple(out.shape)}")
     if b is not None and out.numel() != b:
         raise ValueError(f"live_seq_lens has {out.numel()} entries but the layout has {b} requests")
     return out

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The prepared GPU check: the whole suite on --device cuda, then the GPU benchmarks, in one run
+# (sized for about 8 minutes on one H200). Uses the machine's own python3 (torch + triton); nothing is
+# installed. Logs and JSON go to $OUT (default perf/results/device/): 7 files
+# (env, pytest, attention bench log + JSON, tier sweep log, demo log + demo.json); the tier sweep's
+# tables land in graphs/device-cuda.*.
+#   usage: bash perf/device_check.sh            (from the repository root, on a CUDA machine)
+set -uo pipefail
+OUT=${OUT:-perf/results/device}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+status=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, remember failures
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "== $name: exit $rc"
+  [ $rc -eq 0 ] || status=1
+}
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+  | tee "$OUT/env.log"
+step pytest_cuda 300 $PY -m pytest -q --device cuda -p no:cacheprovider tests
+step attention_bench 120 $PY perf/attention_bench.py --device cuda --out "$OUT/attention_bench.json"
+step tier_sweep 90 $PY perf/tier_sweep.py --device cuda --repeats 5 --name device-cuda
+step demo 150 $PY -m dspark.cli demo --device cuda --out /tmp/dspark_device_demo
+cp /tmp/dspark_device_demo/demo.json "$OUT/demo.json" 2>/dev/null
+exit $status

@@ -1,0 +1,38 @@
+"""dspark._validate: the shared boundary checks name the offending value."""
+import pytest
+import torch
+
+from dspark._validate import check_int, check_kv_fits, check_nonnegative, check_verify_lens, int_tensor
+
+
+def test_check_int():
+    assert check_int("n", 3, 1) == 3 and check_int("n", 0) == 0
+    for bad in (0, -2, 1.0, True, "1", None):
+        with pytest.raises(ValueError, match=f"n must be an int >= 1, got {bad!r}"):
+            check_int("n", bad, 1)
+
+
+def test_int_tensor():
+    assert int_tensor("x", [3, -1]).tolist() == [3, -1] and int_tensor("x", [2], torch.int32).dtype == torch.int32
+    assert int_tensor("x", torch.tensor([5], dtype=torch.int16)).dtype == torch.int64
+    with pytest.raises(TypeError, match="x must hold ints, got 2.0"):
+        int_tensor("x", [1, 2.0])
+    with pytest.raises(TypeError, match="x must hold ints, got True"):
+        int_tensor("x", [True])
+    with pytest.raises(TypeError, match="x must be an integer tensor, got dtype torch.float32"):
+        int_tensor("x", torch.ones(2))
+
+
+def test_tensor_value_checks_name_the_first_offender():
+    check_verify_lens(torch.tensor([1, 4, 2]), 4)
+    with pytest.raises(ValueError, match=r"verify_lens\[1\] = 5 is outside \[1, W=4\]"):
+        check_verify_lens(torch.tensor([1, 5, 0]), 4)
+    with pytest.raises(ValueError, match=r"lens\[2\] = 0 is outside \[1, W=4\]"):
+        check_verify_lens(torch.tensor([1, 2, 0]), 4, name="lens")
+    check_nonnegative("p", torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"p\[1\] = -3 is negative"):
+        check_nonnegative("p", torch.tensor([0, -3, -1]))
+    check_kv_fits(torch.tensor([8, 3]), 2, 4)
+    with pytest.raises(ValueError, match="request 1 writes positions up to 8 but its block table row holds 2 pages "
+                                         "of 4 = 8 positions"):
+        check_kv_fits(torch.tensor([8, 9]), 2, 4)
