@@ -40,6 +40,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling", action="store_true", help="rejection sampling instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lag", type=int, default=1, help="planner survival lag (0 = synchronous greedy scan)")
+    p.add_argument("--probe-every", type=int, default=8,
+                   help="adaptive: after this many plain steps in a row, speculate once (default 8)")
+    p.add_argument("--max-probe-every", type=int, default=64,
+                   help="adaptive: the probe interval doubles while plain keeps winning, up to this (default 64)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: tiny ops)")
     p.add_argument("--tiers", type=ints, default=(),
                    help="comma list of token tiers: compact steps pad to the smallest tier >= rows and the "
@@ -58,7 +62,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         device=args.device, out=args.out, batch_sizes=args.batch_sizes, mode=args.mode,
         policies=tuple(x for x in args.policies.split(",") if x), gamma=args.gamma, prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, sampling=args.sampling,
-        temperature=args.temperature, lag=args.lag, threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
+        temperature=args.temperature, lag=args.lag, probe_every=args.probe_every, max_probe_every=args.max_probe_every,
+        threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
         compile=args.compile, tiers=args.tiers,
     )
     try:

@@ -35,6 +35,7 @@ class StepRecord:
     t_verify: float
     t_accept: float
     host_syncs: int
+    speculated: bool = True    # False: a target-only step (fixed-0, or the adaptive policy chose plain)
 
     @property
     def seconds(self) -> float:
@@ -104,7 +105,7 @@ def acceptance(records: Sequence[StepRecord]) -> dict:
 
 
 def timing(records: Sequence[StepRecord]) -> dict:
-    """Total seconds per phase, rows per step, and host syncs per step."""
+    """Total seconds per phase, rows per step, host syncs per step and the share of speculative steps."""
     n = max(len(records), 1)
     return {
         "seconds": sum(r.seconds for r in records),
@@ -114,4 +115,5 @@ def timing(records: Sequence[StepRecord]) -> dict:
         "accept_s": sum(r.t_accept for r in records),
         "rows_per_step": sum(r.rows for r in records) / n,
         "host_syncs_per_step": sum(r.host_syncs for r in records) / n,
+        "speculative_step_share": sum(r.speculated for r in records) / n,
     }

@@ -125,3 +125,32 @@ def test_bad_input(decoder: SpecDecoder) -> None:
         FixedK(-1)
     with pytest.raises(ValueError, match=r"gamma must be in \[0, 4\]"):
         decoder.generate(_prompts(2, 5), 4, Oracle(5))
+
+
+def test_block_hidden_batches_the_heads_exactly() -> None:
+    """The batched draft heads compute what the k head modules compute one by one."""
+    torch.manual_seed(2)
+    draft = DraftLM(ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16), 4)
+    with torch.no_grad():
+        for p in draft.heads.parameters():
+            p.normal_()
+    for shape, k in (((3, 32), 4), ((2, 5, 32), 2), ((1, 32), 1)):
+        h = torch.randn(shape)
+        ref = torch.stack([h + head(h) for head in draft.heads[:k]], dim=-2)
+        torch.testing.assert_close(draft.block_hidden(h, k), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_reserve_new_tokens_sizes_the_cache_not_the_output(decoder: SpecDecoder) -> None:
+    prompts = _prompts(2, 5)
+    ref = decoder.generate(prompts, 6, FixedK(2))
+    out = decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=30)
+    assert torch.equal(out.tokens, ref.tokens) and out.tokens.shape == (2, 6)
+    small = SpecDecoder(decoder.target, decoder.draft, cache_tokens=32, page_size=8,
+                        device=decoder.device)  # 2 x 2 pages of 8
+    small.generate(prompts, 6, FixedK(2))  # 5 + 6 + 3 = 14 tokens per request fit
+    with pytest.raises(ValueError, match="KV pages"):  # 5 + 30 + 3 = 38 do not: the reservation is real
+        small.generate(prompts, 6, FixedK(2), reserve_new_tokens=30)
+    with pytest.raises(ValueError, match="reserve_new_tokens must be a positive int"):
+        decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=0)
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len"):
+        decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=100)

@@ -36,7 +36,9 @@ def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
                        show_progress=False)
     assert summary["cost_model"]["kind"] == "tiered"
     steps = [r for k, recs in summary["steps"].items() if k.startswith("adaptive") for r in recs]
-    assert steps and all(r["tier"] in (4, 8, 9) and r["rows"] == r["tier"] for r in steps)
+    spec = [r for r in steps if r["speculated"]]  # plain steps (the policy's choice) run eager, 1 row each
+    assert spec and all(r["tier"] in (4, 8, 9) and r["rows"] == r["tier"] for r in spec)
+    assert all(r["rows"] == r["batch"] for r in steps if not r["speculated"])
 
 
 def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
@@ -46,6 +48,7 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
     assert data["lossless"]["checked_runs"] == summary["lossless"]["checked_runs"] > 0
     assert {r["policy"] for r in data["results"]} == {"fixed-0", "fixed-1", "fixed-2", "adaptive", "oracle"}
     assert (out / "cost_model.json").exists()
+    assert len(data["plain_step_seconds"]["seconds"]) == 2  # T_plain(B) profiled at B = 1, 3
     assert list(tmp_path.glob(".out.*")) == []  # no temp folder left behind
     # second run: weights come from the cache
     lines: list[str] = []
@@ -77,6 +80,8 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     (dict(gamma=99), "gamma must be an int in"),
     (dict(batch_sizes=(0,)), "batch sizes must be positive"),
     (dict(tiers=(8, 4)), "strictly increasing"),
+    (dict(probe_every=8, max_probe_every=4), "max_probe_every = 4 must be >= probe_every = 8"),
+    (dict(probe_every=0), "probe_every must be a positive int"),
 ])
 def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -5,7 +5,8 @@
 - `train`: training on the standard library's own source, weights cached atomically.
 - `kv_cache`: paged K/V buffers and the page allocator.
 - `step_attention`: per-forward `dspark.RaggedVerifyAttention` plan + KV writes.
-- `policies`: fixed-k, adaptive (`dspark.VerifyPlanner`), oracle.
+- `policies`: fixed-k, adaptive (`dspark.VerifyPlanner`, plus the speculate-or-not decision), oracle.
 - `decode`: the decode loop (draft -> plan -> verify inputs -> verify forward -> accept -> commit).
-- `profile`, `sts`, `records`, `plots`, `demo`: the pieces of `dspark demo`.
+- `profile`: speculative step cost T(B, M) and plain step cost T_plain(B) of this machine.
+- `sts`, `records`, `plots`, `demo`: the other pieces of `dspark demo`.
 """

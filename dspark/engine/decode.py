@@ -115,8 +115,13 @@ class SpecDecoder:
     @torch.no_grad()
     def generate(self, prompts: Tensor, max_new_tokens: int, policy: FixedK | Oracle | object, *,
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
-                 seed: int = 0) -> GenerateResult:
-        """Decode `max_new_tokens` after each prompt ([B, P] int64, P >= 3) with one policy."""
+                 seed: int = 0, reserve_new_tokens: int | None = None) -> GenerateResult:
+        """Decode `max_new_tokens` after each prompt ([B, P] int64, P >= 3) with one policy.
+
+        reserve_new_tokens: size the KV pages (and so the attention's per-request page span, which the
+        CPU attention path reads whole every layer) for this many new tokens when larger; profiling
+        uses it to time short runs with the geometry of the timed ones.
+        """
         mode = VerifyMode.parse(mode)
         b, p = self._check_prompts(prompts, max_new_tokens)
         k = policy.num_drafts
@@ -124,15 +129,21 @@ class SpecDecoder:
             raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the draft model has only "
                              f"{self.draft.gamma} heads (gamma must be in [0, {self.draft.gamma}])")
         w = k + 1
-        self._max_len = p + max_new_tokens + w
+        if reserve_new_tokens is not None and (isinstance(reserve_new_tokens, bool)
+                                               or not isinstance(reserve_new_tokens, int) or reserve_new_tokens < 1):
+            raise ValueError(f"reserve_new_tokens must be a positive int or None, got {reserve_new_tokens!r}")
+        max_new_tokens_reserved = max(max_new_tokens, reserve_new_tokens or 0)
+        self._max_len = p + max_new_tokens_reserved + w
         for m in (self.target, self.draft):
             if self._max_len > m.cfg.max_seq_len:
                 raise ValueError(
-                    f"prompt {p} + max_new_tokens {max_new_tokens} + verify width {w} = {self._max_len} exceeds "
+                    f"prompt {p} + max_new_tokens {max_new_tokens_reserved} + verify width {w} = {self._max_len} exceeds "
                     f"the model's max_seq_len {m.cfg.max_seq_len}")
         self.tcache.admit(b, self._max_len)
         self.dcache.admit(b, self._max_len)
-        rows = max(b * max(p, w), self.tiers[-1] if self.tiers else 0)  # prefill, full verify or top tier
+        # prefill, full verify, a draft catch-up after plain steps (<= max_probe_every + W rows), or top tier
+        catch_up = w + getattr(policy, "max_probe_every", 0) if getattr(policy, "speculate", None) else w
+        rows = max(b * max(p, catch_up), self.tiers[-1] if self.tiers else 0)
         self._slots = self.graph_slots(b, w)
         slots = self._slots or b + 1
         self._attn = {id(c): batch_attention(c, rows, slots) for c in (self.tcache, self.dcache)}
@@ -151,13 +162,19 @@ class SpecDecoder:
         gens = torch.full((b,), self._generation, dtype=torch.int64, device=self.device)
         result = GenerateResult(tokens=buf)
         end = p + max_new_tokens
+        observe = getattr(policy, "observe", None)
         while True:
             # finished requests leave the batch; the slot id (the lag ring's key) stays the request's
             reqs = (lens < end).nonzero().squeeze(1)
             if not reqs.numel():
                 break
             out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
-            lens[reqs] += out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+            commit = out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+            lens[reqs] += commit
+            if observe is not None:  # the adaptive policy's realised-acceptance feedback, charged to plan
+                t0 = time.perf_counter()
+                observe(commit)
+                out.times.plan += time.perf_counter() - t0
             out.host_syncs += 1
             result.steps.append(out)
         result.seconds = sum(s.times.draft + s.times.plan + s.times.verify + s.times.accept for s in result.steps)
@@ -174,8 +191,13 @@ class SpecDecoder:
         prefix = lens - 1  # the root sits at position prefix
         root = buf[dev_reqs, prefix.to(self.device)]
         if k == 0:
-            return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen)
-        times = StepTimes()
+            return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, 0.0)
+        speculate = getattr(policy, "speculate", None)
+        t0 = time.perf_counter()
+        if speculate is not None and not speculate(dev_reqs, all_gens[dev_reqs]):
+            decided = time.perf_counter() - t0
+            return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, decided)
+        times = StepTimes(plan=time.perf_counter() - t0)
         t0 = time.perf_counter()
         drafts, draft_probs, conf = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature, gen)
         t1 = time.perf_counter()
@@ -188,7 +210,7 @@ class SpecDecoder:
             t1 = time.perf_counter()  # the prepass is not charged to the oracle
         else:
             plan = policy.plan(conf, dev_reqs, all_gens[dev_reqs])
-        times.plan = time.perf_counter() - t1
+        times.plan += time.perf_counter() - t1
         acc, layout, caps, times.verify, times.accept = self._verify(
             mode, plan.verify_lens, root, drafts, draft_probs, prefix, dev_reqs, sampling, temperature, gen,
             timed=True)
@@ -201,8 +223,9 @@ class SpecDecoder:
                            commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1)
 
     def _plain_step(self, buf: Tensor, reqs: Tensor, lens: Tensor, root: Tensor, sampling: bool,
-                    temperature: float, gen: torch.Generator) -> StepOutcome:
-        """Target-only decoding (fixed-0): one row per request, its argmax or a sample is committed."""
+                    temperature: float, gen: torch.Generator, plan_seconds: float) -> StepOutcome:
+        """Target-only decoding (fixed-0, or the adaptive policy's choice, whose decision took
+        `plan_seconds`): one row per request, its argmax or a sample is committed."""
         b, dev_reqs = reqs.numel(), reqs.to(self.device)
         t0 = time.perf_counter()
         layout = self._uniform(b, 1)
@@ -214,7 +237,7 @@ class SpecDecoder:
             token = logits.argmax(-1, keepdim=True)
         ones = torch.ones(b, dtype=torch.int32, device=self.device)
         self._commit(buf, dev_reqs, lens, token, ones)
-        times = StepTimes(verify=t1 - t0, accept=time.perf_counter() - t1)
+        times = StepTimes(plan=plan_seconds, verify=t1 - t0, accept=time.perf_counter() - t1)
         return StepOutcome(requests=reqs, plan=PolicyPlan(ones), layout=layout, caps=ones,
                            confidence_logits=torch.zeros(b, 0, device=self.device), commit_lens=ones,
                            correct_len=ones - 1, times=times, host_syncs=0)

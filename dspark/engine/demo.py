@@ -1,7 +1,8 @@
 """`dspark demo`: the whole mission end to end on a tiny model, measured side by side.
 
 1. train (first run) or load the tiny byte-level target + draft (stdlib source, cached);
-2. profile this machine's step cost T(B, M) with the real decode loop and fit a cost model;
+2. profile this machine's speculative step cost T(B, M) and plain step cost T_plain(B) with the real
+   decode loop and fit a cost model;
 3. record the draft's confidence against realised acceptance and fit STS temperatures;
 4. run every policy (adaptive, fixed-k for k = 0..gamma, oracle) over the same held-out prompts at each
    batch size, asserting in greedy mode that every policy and every verify mode commits exactly the
@@ -28,7 +29,7 @@ from dspark.config import ScheduleConfig, VerifyMode
 from dspark.layout import check_tiers
 from dspark.engine.decode import GenerateResult, SpecDecoder, check_device
 from dspark.engine.policies import Adaptive, FixedK, Oracle
-from dspark.engine.profile import fit_cost_model, profile_points, profile_step_costs
+from dspark.engine.profile import PlainStepCost, fit_cost_model, profile_points, profile_step_costs
 from dspark.engine.records import step_records
 from dspark.engine.sts import record_and_fit
 from dspark.engine.train import TrainConfig, corpus, default_cache_dir, load_or_train
@@ -53,6 +54,8 @@ class DemoConfig:
     sampling: bool = False
     temperature: float = 1.0
     lag: int = 1
+    probe_every: int = 8        # adaptive: plain steps in a row before a probe (a speculative step) ...
+    max_probe_every: int = 64   # ... doubling while probes keep confirming plain, up to this
     threads: int = 1
     tiers: tuple[int, ...] = ()  # captured token tiers for compact steps (() = eager, no padding)
     compile: bool = False   # torch.compile the dense block parts (CPU: ~18 s compile for small gains; off)
@@ -91,10 +94,13 @@ def check_config(cfg: DemoConfig) -> None:
     check_tiers(cfg.tiers)
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
-    for name in ("prompt_len", "max_new_tokens", "repeats", "profile_repeats", "threads"):
+    for name in ("prompt_len", "max_new_tokens", "repeats", "profile_repeats", "threads", "probe_every",
+                 "max_probe_every"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < (3 if name == "prompt_len" else 1):
             raise ValueError(f"{name} must be a positive int (prompt_len >= 3), got {v!r}")
+    if cfg.max_probe_every < cfg.probe_every:
+        raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
 
 
 def heldout_prompts(n: int, length: int, seed: int) -> torch.Tensor:
@@ -123,9 +129,12 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int], VerifyPlanner]):
+def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int], VerifyPlanner],
+                 plain: PlainStepCost | None = None, probe: tuple[int, int] = (8, 64)):
     if name == "adaptive":
-        return Adaptive(planner_factory(b))
+        planner = planner_factory(b)
+        use_plain = plain is not None and planner.ring is not None  # lag 0: always speculate
+        return Adaptive(planner, plain.step_seconds if use_plain else None, *probe)
     if name == "oracle":
         return Oracle(gamma)
     return FixedK(int(name[6:]))
@@ -175,8 +184,9 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     runs = len(cfg.batch_sizes) * len(names) * (cfg.repeats + 1) + len(VerifyMode) * len(names)
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
     bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
-    samples = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
-                                 progress=lambda: bar("profiling step cost"))
+    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
+                                        reserve_new_tokens=cfg.max_new_tokens,
+                                        progress=lambda: bar("profiling step cost"))
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
     cost.save(tmp / "cost_model.json")
@@ -191,20 +201,24 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps,
                              tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
 
+    probe = (cfg.probe_every, cfg.max_probe_every)
     records: dict[tuple[str, int], list[StepRecord]] = {}
     seconds: dict[tuple[str, int], list[float]] = {}
     lossless_checks = 0
     for b in cfg.batch_sizes:
         batch = prompts[:b]
+        def make(name: str, b: int = b):
+            return _make_policy(name, gamma, b, planner, plain, probe)
+
         for name in names:  # untimed warm-up at this batch size: the first runs at new shapes are slow
-            decoder.generate(batch, max(2, cfg.max_new_tokens // 4), _make_policy(name, gamma, b, planner),
+            decoder.generate(batch, max(2, cfg.max_new_tokens // 4), make(name),
                              mode=mode, sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
             bar(f"B={b} warm-up {name}")
         ref = None  # rep 0 runs fixed-0 (target-only) first: the reference of every later run at this B
         for rep in range(cfg.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
             for name in order:
-                policy = _make_policy(name, gamma, b, planner)
+                policy = make(name)
                 res = decoder.generate(batch, cfg.max_new_tokens, policy, mode=mode, sampling=cfg.sampling,
                                        temperature=cfg.temperature, seed=cfg.seed + rep)
                 bar(f"B={b} {name}")
@@ -225,7 +239,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         for m in VerifyMode:
             for name in names:
                 res = decoder.generate(small, cfg.max_new_tokens // 2,
-                                       _make_policy(name, gamma, small.shape[0], planner), mode=m)
+                                       _make_policy(name, gamma, small.shape[0], planner, plain, probe),
+                                       mode=m)
                 _assert_lossless(ref, res, f"{name} ({m.value})")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")
@@ -241,6 +256,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         "lossless": {"checked_runs": lossless_checks, "greedy": not cfg.sampling,
                      "all_identical_to_target_only": not cfg.sampling},
         "cost_model": {"path": "cost_model.json", "kind": cost.kind, "row_bin": row_bin, "fit": fit.to_dict(), "samples": [asdict(s) for s in samples]},
+        "plain_step_seconds": plain.to_dict(),
         "calibration": {"path": "calibration.json", "temperatures": temps, "warnings": calib.warnings},
         "results": rows,
         "tau_bias": tau_bias([r for recs in records.values() for r in recs]),
@@ -276,6 +292,7 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict)
                 "acceptance_length": acc["acceptance_length"], "acceptance_rate": acc["acceptance_rate"],
                 "proposed_drafts": acc["proposed_drafts"], "accepted_drafts": acc["accepted_drafts"],
                 "rows_per_step": tm["rows_per_step"], "host_syncs_per_step": tm["host_syncs_per_step"],
+                "speculative_step_share": tm["speculative_step_share"],
                 "tau_bias": bias[0]["bias"] if bias else None,
                 "tau_relative_bias": bias[0]["relative_bias"] if bias else None,
                 "speedup_vs_no_spec": tps[n] / tps["fixed-0"],
@@ -288,13 +305,13 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict)
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'B':>4} {'policy':<9} {'tok/s':>8} {'AL':>5} {'acc.rate':>15} {'rows/step':>9} "
-            f"{'tau bias':>8} {'vs k=0':>7} {'vs best k':>10}")
+            f"{'spec%':>5} {'tau bias':>8} {'vs k=0':>7} {'vs best k':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rate = ("n/a" if r["acceptance_rate"] is None
                 else f"{r['acceptance_rate']:.2f} ({r['accepted_drafts']}/{r['proposed_drafts']})")
         bias = "n/a" if r["tau_relative_bias"] is None else f"{100 * r['tau_relative_bias']:+.1f}%"
         lines.append(f"{r['batch']:>4} {r['policy']:<9} {r['tokens_per_s']:>8.0f} {r['acceptance_length']:>5.2f} "
-                     f"{rate:>15} {r['rows_per_step']:>9.1f} {bias:>8} {r['speedup_vs_no_spec']:>6.2f}x "
+                     f"{rate:>15} {r['rows_per_step']:>9.1f} {100 * r['speculative_step_share']:>5.0f} {bias:>8} {r['speedup_vs_no_spec']:>6.2f}x "
                      f"{r['speedup_vs_best_fixed']:>6.2f}x ({r['best_fixed']})")
     return "\n".join(lines)

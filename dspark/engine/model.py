@@ -162,8 +162,17 @@ class DraftLM(TinyLM):
         self.confidence = ConfidenceHead(cfg.d_model)
 
     def block_hidden(self, hidden: Tensor, k: int) -> Tensor:
-        """[..., d] -> [..., k, d]: the hidden state of each of the first k draft positions."""
-        return torch.stack([hidden + head(hidden) for head in self.heads[:k]], dim=-2)
+        """[..., d] -> [..., k, d]: the hidden state of each of the first k draft positions.
+
+        All k heads in one batched pass (one layer norm, one batched matmul) instead of k module calls:
+        the same math, a fraction of the per-step host overhead.
+        """
+        norms, linears = [h[0] for h in self.heads[:k]], [h[1] for h in self.heads[:k]]
+        x = F.layer_norm(hidden, (self.cfg.d_model,), eps=norms[0].eps).unsqueeze(-2)        # [..., 1, d]
+        x = x * torch.stack([n.weight for n in norms]) + torch.stack([n.bias for n in norms])  # [..., k, d]
+        w = torch.stack([lin.weight for lin in linears])                                       # [k, out, in]
+        y = (x.unsqueeze(-2) @ w.transpose(1, 2)).squeeze(-2) + torch.stack([lin.bias for lin in linears])
+        return hidden.unsqueeze(-2) + F.gelu(y)
 
     def propose(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Draft logits [B, k, V] and confidence logits [B, k] from the last hidden state [B, d]."""

@@ -1,8 +1,9 @@
 """Verify-budget policies: how many drafts to propose and how many rows each request verifies.
 
 - `FixedK(k)`: draft k tokens, verify all of them (k = 0 is plain target-only decoding).
-- `Adaptive(planner)`: draft gamma tokens, let dspark's VerifyPlanner pick per-request verify lengths
-  from the calibrated confidence (lagged budget, live allocation, tier fill).
+- `Adaptive(planner, plain_seconds, probe_every)`: draft gamma tokens, let dspark's VerifyPlanner pick
+  per-request verify lengths from the calibrated confidence (lagged budget, live allocation, tier fill).
+  Given the profiled plain-step time it first decides whether to speculate at all (see `speculate`).
 - `Oracle(gamma)`: draft gamma tokens, verify exactly the rows that turn out to be accepted. The
   acceptance is found by a full static verify that is run *outside* the timed step (`prepass`), so its
   time is an upper bound on what any budget policy could reach with this draft and target.
@@ -10,10 +11,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
+from dspark.budget import choose_budget
+from dspark.survival import monotone_survival
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlanner
 
@@ -46,18 +50,106 @@ class FixedK:
 
 
 class Adaptive:
-    """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation."""
+    """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation.
+
+    Speculate or not: with `plain_seconds` (B -> seconds of a target-only step, profiled like the
+    planner's cost model, which covers the whole speculative step: draft + plan + verify + accept),
+    each step first compares the best speculative throughput the planner predicts from the *lagged*
+    survival, theta* = max_b tau(b) / T(B, rows(b)), with the plain step's B / T_plain(B). When plain
+    wins the decoder runs a target-only step (no draft forward). Plain steps produce no new survival,
+    so after `probe_every` plain steps in a row the next step speculates anyway (a probe) to refresh
+    the lagged survival. A probe costs a speculative step, so while probes keep confirming plain the
+    interval doubles, up to `max_probe_every`; a step that speculates on its merits resets it
+    (`max_probe_every = probe_every` probes at a fixed interval). The decision reads only survival of
+    earlier steps (non-anticipating). One policy object serves one `generate` run (the probe state is
+    per run). Without `plain_seconds` every step speculates.
+
+    Realised-acceptance feedback: calibration is fitted over all requests, so the survival of the hard
+    requests that stay in a batch longest is overconfident (measured 1.2-3x the accepted drafts on the
+    demo's stragglers), which would keep speculation on where it loses. After each speculative step the
+    decoder reports the committed lengths (`observe`); per slot the policy keeps an exponential moving
+    average (weight `feedback_decay` on the past) of accepted drafts and of the drafts its live survival
+    predicted within the verified rows, and the decision scales each slot's lagged survival by their
+    ratio (capped at 1). Only outcomes of earlier steps enter (non-anticipating); `feedback_decay=None`
+    turns the correction off. The planner's own budget and allocation are unchanged.
+    """
 
     prepass = False
     name = "adaptive"
 
-    def __init__(self, planner: VerifyPlanner):
+    def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
+                 probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.5):
+        for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+        if feedback_decay is not None and not (isinstance(feedback_decay, (int, float)) and 0 <= feedback_decay < 1):
+            raise ValueError(f"feedback_decay must be in [0, 1) or None, got {feedback_decay!r}")
+        if plain_seconds is not None and planner.ring is None:
+            raise ValueError("speculate-or-not reads the lagged survival: the planner needs lag >= 1 "
+                             "(or pass plain_seconds=None)")
         self.planner = planner
         self.num_drafts = planner.cfg.gamma
+        self.plain_seconds = plain_seconds
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self._plain_run = 0  # plain steps since the last speculative step
+        self._interval = probe_every  # plain steps before the next probe
+        self._decided: tuple[int, bool] | None = None  # (B, speculate) until the lag ring changes
+        self.feedback_decay = feedback_decay
+        slots = planner.ring.num_slots if planner.ring is not None else 0
+        self._accepted = torch.zeros(slots, dtype=torch.float64)   # EMA of accepted drafts per slot
+        self._predicted = torch.zeros(slots, dtype=torch.float64)  # EMA of predicted accepted drafts per slot
+        self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # (slots, predicted, verify_lens) of the step
+
+    def speculate(self, slots: Tensor, generations: Tensor) -> bool:
+        """Before drafting: True to run a speculative step for these requests, False for a plain one."""
+        if self.plain_seconds is None:
+            return True
+        if self._plain_run >= self._interval:  # probe
+            self._plain_run = 0
+            self._interval = min(2 * self._interval, self.max_probe_every)
+            return True
+        b = slots.numel()
+        if self._decided is None or self._decided[0] != b:
+            # requests only leave a run, so the same B means the same requests and the same lagged survival
+            lagged = self.planner.ring.read(slots, generations).cpu()
+            if self.feedback_decay is not None:
+                lagged = lagged * self.survival_scale(slots.cpu())[:, None].to(lagged.dtype)
+            best = choose_budget(lagged, self.planner.cost_model, self.planner.cfg)
+            self._decided = (b, best.theta > b / self.plain_seconds(b))
+        if self._decided[1]:
+            self._plain_run, self._interval = 0, self.probe_every
+            return True
+        self._plain_run += 1
+        return False
 
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
+        self._decided = None  # the lag ring holds new survival
+        if self.plain_seconds is not None and self.feedback_decay is not None:
+            s = monotone_survival(p.survival.detach()).cpu().to(torch.float64)
+            vl = p.verify_lens.cpu().to(torch.int64)
+            verified = torch.arange(s.shape[1])[None, :] < (vl - 1)[:, None]
+            self._pending = (slots.cpu().long(), (s * verified).sum(1), vl)
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
+
+
+    def survival_scale(self, slots: Tensor) -> Tensor:
+        """[B] factor in [0, 1] per slot: accepted / predicted drafts (moving averages; 1 before any data)."""
+        acc, pred = self._accepted[slots], self._predicted[slots]
+        return torch.where(pred > 0, (acc / pred.clamp_min(1e-9)).clamp(max=1.0), torch.ones_like(pred))
+
+    def observe(self, commit_lens: Tensor) -> None:
+        """After a speculative step: host commit lengths [B] of the step's requests (the decoder's sync)."""
+        if self._pending is None:
+            return
+        slots, predicted, vl = self._pending
+        self._pending = None
+        accepted = (torch.minimum(commit_lens.to(torch.int64), vl) - 1).to(torch.float64)  # within the verified rows
+        d = self.feedback_decay
+        fresh = self._predicted[slots] == 0
+        self._accepted[slots] = torch.where(fresh, accepted, d * self._accepted[slots] + (1 - d) * accepted)
+        self._predicted[slots] = torch.where(fresh, predicted, d * self._predicted[slots] + (1 - d) * predicted)
+        self._decided = None
 
 
 class Oracle:

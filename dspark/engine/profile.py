@@ -2,10 +2,13 @@
 
 A step's cost is what the planner trades against expected progress: drafting gamma tokens (depends on
 B), the verify forward over M rows, and the accept. Each sample runs the real decode loop with a
-profiling policy that forces exactly M verify rows, and takes the median step time.
+profiling policy that forces exactly M verify rows, and takes the median step time. The plain
+(target-only) step T_plain(B) is profiled the same way: the adaptive policy compares the two to decide
+whether to speculate at all.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -14,7 +17,7 @@ from torch import Tensor
 from dspark.config import VerifyMode
 from dspark.cost import AdditiveCostModel, CostModel, FitReport, ProfileSample, TieredCostModel
 from dspark.engine.decode import SpecDecoder
-from dspark.engine.policies import PolicyPlan
+from dspark.engine.policies import FixedK, PolicyPlan
 from dspark.profiling import tier_rows
 
 
@@ -50,26 +53,80 @@ def profile_points(batch_sizes: Sequence[int], gamma: int, tiers: Sequence[int] 
     return [(b, m) for b in batch_sizes for m in tier_rows(tiers, b, gamma + 1) if m <= tiers[-1]]
 
 
+def _median_step(decoder: SpecDecoder, prompts: Tensor, policy: object, tokens: int, mode: VerifyMode,
+                 reserve: int | None) -> float:
+    """Median seconds of one run's steps that still had every request in the batch."""
+    b = prompts.shape[0]
+    res = decoder.generate(prompts, tokens, policy, mode=mode, reserve_new_tokens=reserve)
+    secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
+                         for s in res.steps if s.requests.numel() == b], dtype=torch.float64)
+    return float(secs.median())
+
+
+@dataclass(frozen=True)
+class PlainStepCost:
+    """T_plain(B): seconds of one target-only step, profiled at a few batch sizes.
+
+    Between profiled sizes the time is interpolated linearly in B; below the smallest it is the smallest's
+    time (small steps are overhead-bound), above the largest it grows in proportion to B.
+    """
+
+    batch_sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or len(self.batch_sizes) != len(self.seconds):
+            raise ValueError(f"need one time per batch size, got {self.batch_sizes} / {self.seconds}")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch sizes must be distinct, increasing and >= 1, got {self.batch_sizes}")
+        if not all(s > 0 for s in self.seconds):
+            raise ValueError(f"plain step times must be positive, got {self.seconds}")
+
+    def step_seconds(self, num_requests: int) -> float:
+        """Seconds of a plain step over `num_requests` requests."""
+        bs, ts = self.batch_sizes, self.seconds
+        if num_requests <= bs[0]:
+            return ts[0]
+        if num_requests >= bs[-1]:
+            return ts[-1] * num_requests / bs[-1]
+        i = next(i for i, b in enumerate(bs) if b >= num_requests)
+        f = (num_requests - bs[i - 1]) / (bs[i] - bs[i - 1])
+        return ts[i - 1] + f * (ts[i] - ts[i - 1])
+
+    def to_dict(self) -> dict:
+        return {"batch_sizes": list(self.batch_sizes), "seconds": list(self.seconds)}
+
+
 def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tuple[int, int]], gamma: int, *,
                        tokens: int = 12, repeats: int = 2, mode: VerifyMode = VerifyMode.COMPACT,
-                       progress: Callable[[], None] | None = None) -> list[ProfileSample]:
-    """Whole-step seconds at each (B, M) point: median over `repeats` interleaved sweeps of each run's
-    median step with all B requests still in the batch (one warm-up run per B first; sweeps interleave so bursts of machine load spread over
-    all points instead of biasing one)."""
+                       reserve_new_tokens: int | None = None, progress: Callable[[], None] | None = None
+                       ) -> tuple[list[ProfileSample], PlainStepCost]:
+    """Whole-step seconds of a speculative step at each (B, M) point and of a plain step at each B.
+
+    Each value is the median over `repeats` sweeps of each run's median step with all B requests still
+    in the batch (one warm-up run per B first). A sweep visits, per B, the plain step and then every M,
+    so bursts of machine load spread over all points (and over both sides of the speculate-or-not
+    comparison) instead of biasing one. `reserve_new_tokens`: the timed runs' max_new_tokens, so the
+    profiled steps see the KV geometry (pages per request) of the steps they predict.
+    """
     batch_sizes = sorted({b for b, _ in grid})
     for b in batch_sizes:
         decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1), b), mode=mode)
     runs: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
+    plain: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for _ in range(repeats):
-        for b, m in grid:
-            res = decoder.generate(prompts[:b], tokens, ForcedRows(gamma, m, b), mode=mode)
-            secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
-                                 for s in res.steps if s.requests.numel() == b], dtype=torch.float64)
-            runs[(b, m)].append(float(secs.median()))
-            if progress:
-                progress()
-    return [ProfileSample(num_requests=b, rows=m, seconds=float(torch.tensor(runs[(b, m)]).median()))
-            for b, m in grid]
+        for b in batch_sizes:
+            plain[b].append(_median_step(decoder, prompts[:b], FixedK(0), tokens, VerifyMode.STATIC,
+                                         reserve_new_tokens))
+            for m in (m for bb, m in grid if bb == b):
+                runs[(b, m)].append(_median_step(decoder, prompts[:b], ForcedRows(gamma, m, b), tokens, mode,
+                                                 reserve_new_tokens))
+                if progress:
+                    progress()
+    samples = [ProfileSample(num_requests=b, rows=m, seconds=float(torch.tensor(runs[(b, m)]).median()))
+               for b, m in grid]
+    return samples, PlainStepCost(tuple(batch_sizes), tuple(float(torch.tensor(plain[b]).median())
+                                                            for b in batch_sizes))
 
 
 def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, tiers: Sequence[int] = (),

@@ -1,0 +1,126 @@
+"""The adaptive policy's speculate-or-not decision: follows the costs, probes every N plain steps, lossless."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.config import ScheduleConfig, VerifyMode
+from dspark.cost import StepsPerSecondTable
+from dspark.engine.decode import SpecDecoder
+from dspark.engine.policies import Adaptive, FixedK
+from dspark.engine.profile import PlainStepCost
+from dspark.planner import VerifyPlanner
+from tests.test_engine import _models, _prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GAMMA = 3
+STEP = 0.01  # the speculative step costs 10 ms whatever the rows
+
+
+def _planner(lag: int = 1) -> VerifyPlanner:
+    cost = StepsPerSecondTable([1], [1 / STEP], width=GAMMA + 1)
+    return VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, lag=lag, num_slots=8)
+
+
+@pytest.fixture(scope="module")
+def decoder(device) -> SpecDecoder:
+    target, draft = _models(gamma=GAMMA)
+    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+
+
+def _speculated(out) -> list[bool]:
+    return [s.confidence_logits.shape[1] > 0 for s in out.steps]
+
+
+def test_decision_compares_lagged_theta_with_plain_throughput() -> None:
+    planner = _planner()
+    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+
+    def decide() -> bool:  # a fresh policy each time: one policy caches its decision until it plans
+        return Adaptive(planner, plain_seconds=lambda b: b / 400.0).speculate(slots, gens)  # plain: 400 tok/s
+
+    assert decide()  # stale ring (no survival yet) reads all-ones: tau = 2 * 4 = 8 per 10 ms beats 400 tok/s
+    planner.ring.write(slots, gens, torch.full((2, GAMMA), 0.9))   # tau ~ 7.4: 740 tokens/s
+    assert decide()
+    planner.ring.write(slots, gens, torch.zeros(2, GAMMA))         # tau = 2: 200 tokens/s
+    assert not decide()
+
+
+def test_realised_acceptance_feedback_turns_speculation_off() -> None:
+    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+    policy = Adaptive(_planner(), plain_seconds=lambda b: b / 400.0)  # plain: 400 tokens/s
+    confident = torch.full((2, GAMMA), 8.0)  # survival ~1 at every position
+    assert policy.speculate(slots, gens)
+    plan = policy.plan(confident, slots, gens)
+    assert torch.equal(plan.verify_lens, torch.full((2,), GAMMA + 1, dtype=torch.int32))
+    policy.observe(torch.tensor([GAMMA + 1, GAMMA + 1]))  # every draft accepted: confidence was right
+    assert torch.allclose(policy.survival_scale(slots), torch.ones(2, dtype=torch.float64), atol=1e-3)
+    assert policy.speculate(slots, gens)
+    policy.plan(confident, slots, gens)
+    policy.observe(torch.tensor([1, 1]))  # nothing accepted: the EMA halves the accepted count
+    assert torch.allclose(policy.survival_scale(slots), torch.full((2,), 0.5, dtype=torch.float64), atol=1e-3)
+    policy.plan(confident, slots, gens)
+    policy.observe(torch.tensor([1, 1]))  # scale 0.25: tau ~ 2 + 6 * 0.25 per 10 ms < 400 tokens/s
+    assert not policy.speculate(slots, gens)
+    off = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=None)
+    assert off.speculate(slots, gens)  # the same lagged survival without the correction speculates
+
+
+def _plain_runs(out) -> list[int]:
+    """Lengths of the runs of plain steps between speculative steps."""
+    return [len(r) for r in "".join("s" if x else "p" for x in _speculated(out)).split("s")]
+
+
+def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
+    n = 3
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n)  # plain wins
+    out = decoder.generate(_prompts(3, 5), 14, policy, mode="compact")
+    runs = _plain_runs(out)
+    assert runs[0] == n and all(r == n for r in runs[:-1]) and len(runs) >= 3 and runs[-1] <= n
+    assert all(s.times.plan > 0 for s in out.steps)  # the decision's time is charged
+
+
+def test_probe_interval_backs_off_while_plain_keeps_winning(decoder: SpecDecoder) -> None:
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8)
+    out = decoder.generate(_prompts(2, 5), 40, policy, mode="compact")
+    runs = _plain_runs(out)
+    assert runs[:4] == [2, 4, 8, 8]
+
+
+def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 10.0)  # plain: 10 s per step
+    out = decoder.generate(_prompts(3, 5), 10, policy, mode="compact")
+    assert all(_speculated(out))
+
+
+@pytest.mark.parametrize("mode", [m.value for m in VerifyMode])
+@pytest.mark.parametrize("plain", [1e-6, 0.02, 10.0])
+def test_lossless_whatever_the_decision(decoder: SpecDecoder, mode: str, plain: float) -> None:
+    prompts = _prompts(4, 6, seed=3)
+    ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
+    out = decoder.generate(prompts, 16, Adaptive(_planner(), lambda b: plain * b, probe_every=2), mode=mode)
+    assert torch.equal(out.tokens, ref.tokens), (mode, plain)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="probe_every"):
+        Adaptive(_planner(), lambda b: 1.0, probe_every=0)
+    with pytest.raises(ValueError, match="feedback_decay"):
+        Adaptive(_planner(), lambda b: 1.0, feedback_decay=1.0)
+    with pytest.raises(ValueError, match="max_probe_every"):
+        Adaptive(_planner(), lambda b: 1.0, probe_every=4, max_probe_every=2)
+    with pytest.raises(ValueError, match="lag >= 1"):
+        Adaptive(_planner(lag=0), lambda b: 1.0)
+    assert Adaptive(_planner(lag=0)).speculate(torch.tensor([0]), torch.tensor([1]))  # no plain cost: always
+
+
+def test_plain_step_cost_interpolates() -> None:
+    cost = PlainStepCost((1, 4, 16), (0.004, 0.005, 0.011))
+    assert cost.step_seconds(1) == 0.004 and cost.step_seconds(16) == 0.011
+    assert cost.step_seconds(10) == pytest.approx(0.008)
+    assert cost.step_seconds(32) == pytest.approx(0.022)  # beyond the largest: proportional to B
+    with pytest.raises(ValueError, match="increasing"):
+        PlainStepCost((4, 1), (0.1, 0.2))
+    with pytest.raises(ValueError, match="positive"):
+        PlainStepCost((1, 4), (0.1, 0.0))
