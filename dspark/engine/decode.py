@@ -49,6 +49,11 @@ class StepTimes:
     plan: float = 0.0
     verify: float = 0.0
     accept: float = 0.0
+    prefill: float = 0.0  # admitting (prefilling) requests into slots freed just before this step
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.plan + self.verify + self.accept + self.prefill
 
 
 @dataclass
@@ -64,14 +69,22 @@ class StepOutcome:
     correct_len: Tensor
     times: StepTimes
     host_syncs: int
+    useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)
 
 
 @dataclass
 class GenerateResult:
-    tokens: Tensor                 # [B, max_new_tokens] committed tokens after the prompt
+    tokens: Tensor                 # [N, max_new_tokens] committed tokens after each request's prompt
     steps: list[StepOutcome] = field(default_factory=list)
-    seconds: float = 0.0           # charged time: sum of the steps' draft+plan+verify+accept (no prefill,
-                                   # no oracle prepass)
+    seconds: float = 0.0           # charged time: the first admission's prefill + every step's
+                                   # draft+plan+verify+accept+refill prefill (no oracle prepass)
+    startup_seconds: float = 0.0   # prefill of the first admission (all slots at once)
+    slots: int = 0                 # B: requests decoding at once
+
+    def steady(self) -> tuple[int, float]:
+        """(tokens, seconds) of the steady-state window: steps with every slot busy, refills included."""
+        busy = [s for s in self.steps if s.requests.numel() == self.slots]
+        return sum(s.useful for s in busy), sum(s.times.total for s in busy)
 
 
 class SpecDecoder:
@@ -115,15 +128,23 @@ class SpecDecoder:
     @torch.no_grad()
     def generate(self, prompts: Tensor, max_new_tokens: int, policy: FixedK | Oracle | object, *,
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
-                 seed: int = 0, reserve_new_tokens: int | None = None) -> GenerateResult:
-        """Decode `max_new_tokens` after each prompt ([B, P] int64, P >= 3) with one policy.
+                 seed: int = 0, reserve_new_tokens: int | None = None, slots: int | None = None) -> GenerateResult:
+        """Decode `max_new_tokens` after each prompt ([N, P] int64, P >= 3) with one policy.
 
+        slots: continuous batching. At most `slots` requests (default: all N) decode at once; when a
+        request reaches max_new_tokens its slot is refilled at once with the next queued prompt (prefilled,
+        timed, with a new generation number so the lag ring never hands it the old request's survival).
+        The run ends when the queue is drained. Request i always gets prompt i, so result.tokens[i] is
+        comparable across policies and slot counts.
         reserve_new_tokens: size the KV pages (and so the attention's per-request page span, which the
         CPU attention path reads whole every layer) for this many new tokens when larger; profiling
         uses it to time short runs with the geometry of the timed ones.
         """
         mode = VerifyMode.parse(mode)
-        b, p = self._check_prompts(prompts, max_new_tokens)
+        n, p = self._check_prompts(prompts, max_new_tokens)
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+            raise ValueError(f"slots must be a positive int or None, got {slots!r}")
+        b = min(n, slots or n)
         k = policy.num_drafts
         if k > self.draft.gamma:
             raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the draft model has only "
@@ -145,31 +166,37 @@ class SpecDecoder:
         catch_up = w + getattr(policy, "max_probe_every", 0) if getattr(policy, "speculate", None) else w
         rows = max(b * max(p, catch_up), self.tiers[-1] if self.tiers else 0)
         self._slots = self.graph_slots(b, w)
-        slots = self._slots or b + 1
-        self._attn = {id(c): batch_attention(c, rows, slots) for c in (self.tcache, self.dcache)}
+        self._attn = {id(c): batch_attention(c, rows, self._slots or b + 1) for c in (self.tcache, self.dcache)}
         gen = torch.Generator(device=self.device).manual_seed(seed)
         buf = torch.zeros(b, self._max_len + w, dtype=torch.long, device=self.device)
-        buf[:, :p] = prompts.to(self.device)
-        zeros = torch.zeros(b, dtype=torch.int64)
-        everyone = torch.arange(b, device=self.device)
-        prompt_rows = buf[:, : p - 1].reshape(-1)
-        self._forward(self.target, self.tcache, prompt_rows, self._uniform(b, p - 1), zeros, everyone)
-        if k:
-            self._forward(self.draft, self.dcache, prompt_rows, self._uniform(b, p - 1), zeros, everyone)
-        lens = torch.full((b,), p, dtype=torch.int64)  # host copy of the committed lengths
-        dlen = torch.full((b,), p - 1, dtype=torch.int64)  # host: positions < dlen hold draft KV
-        self._generation += 1  # a new batch of requests: lagged survival of earlier runs must not leak in
-        gens = torch.full((b,), self._generation, dtype=torch.int64, device=self.device)
-        result = GenerateResult(tokens=buf)
+        lens = torch.zeros(b, dtype=torch.int64)  # host copy of the committed lengths per slot
+        dlen = torch.zeros(b, dtype=torch.int64)  # host: positions < dlen hold draft KV
+        gens = torch.zeros(b, dtype=torch.int64, device=self.device)
+        owner = torch.full((b,), -1, dtype=torch.int64)  # request id decoding in each slot (-1: idle)
+        result = GenerateResult(tokens=torch.zeros(n, max_new_tokens, dtype=torch.long, device=self.device))
         end = p + max_new_tokens
         observe = getattr(policy, "observe", None)
+        queued = 0  # next request id to admit
+        prefill = 0.0
         while True:
-            # finished requests leave the batch; the slot id (the lag ring's key) stays the request's
-            reqs = (lens < end).nonzero().squeeze(1)
+            done = ((owner >= 0) & (lens >= end)).nonzero().squeeze(1)
+            if done.numel():
+                result.tokens[owner[done].to(self.device)] = buf[done.to(self.device), p:end]
+                owner[done] = -1
+            free = (owner < 0).nonzero().squeeze(1)[: n - queued]
+            if free.numel():
+                t0 = time.perf_counter()
+                self._admit(buf, lens, dlen, gens, free, prompts[queued: queued + free.numel()], k, policy)
+                owner[free] = torch.arange(queued, queued + free.numel())
+                queued += free.numel()
+                prefill = time.perf_counter() - t0
+            reqs = (owner >= 0).nonzero().squeeze(1)
             if not reqs.numel():
                 break
             out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
             commit = out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+            out.useful = int((torch.clamp(lens[reqs] + commit, max=end) - lens[reqs]).sum())
+            out.times.prefill, prefill = prefill, 0.0
             lens[reqs] += commit
             if observe is not None:  # the adaptive policy's realised-acceptance feedback, charged to plan
                 t0 = time.perf_counter()
@@ -177,11 +204,33 @@ class SpecDecoder:
                 out.times.plan += time.perf_counter() - t0
             out.host_syncs += 1
             result.steps.append(out)
-        result.seconds = sum(s.times.draft + s.times.plan + s.times.verify + s.times.accept for s in result.steps)
-        result.tokens = buf[:, p: p + max_new_tokens].clone()
+        result.slots = b
+        result.startup_seconds = result.steps[0].times.prefill
+        result.steps[0].times.prefill = 0.0
+        result.seconds = result.startup_seconds + sum(s.times.total for s in result.steps)
         self.tcache.release()
         self.dcache.release()
         return result
+
+    def _admit(self, buf: Tensor, lens: Tensor, dlen: Tensor, gens: Tensor, slots: Tensor, prompts: Tensor, k: int,
+               policy: object) -> None:
+        """Admit new requests into free `slots` (host ids): write their prompts, prefill target (and draft when
+        the policy drafts) KV over positions 0..P-2, and give them a fresh generation number."""
+        dev_slots, p = slots.to(self.device), prompts.shape[1]
+        buf[dev_slots] = 0
+        buf[dev_slots, :p] = prompts.to(self.device)
+        rows = buf[dev_slots, : p - 1].reshape(-1)
+        zeros = torch.zeros(slots.numel(), dtype=torch.int64)
+        layout = self._uniform(slots.numel(), p - 1)
+        self._forward(self.target, self.tcache, rows, layout, zeros, dev_slots)
+        if k:
+            self._forward(self.draft, self.dcache, rows, layout, zeros, dev_slots)
+        lens[slots], dlen[slots] = p, p - 1
+        self._generation += 1  # new requests: lagged survival of the slot's earlier requests must not leak in
+        gens[dev_slots] = self._generation
+        admit = getattr(policy, "admit", None)
+        if admit is not None:
+            admit(slots)
 
     def _step(self, buf: Tensor, all_lens: Tensor, all_dlen: Tensor, reqs: Tensor, policy, mode: VerifyMode,
               sampling: bool, temperature: float, gen: torch.Generator, all_gens: Tensor) -> StepOutcome:

@@ -110,7 +110,7 @@ class Adaptive:
             return True
         b = slots.numel()
         if self._decided is None or self._decided[0] != b:
-            # requests only leave a run, so the same B means the same requests and the same lagged survival
+            # same B since the last decision and no admission (`admit`): same requests, same lagged survival
             lagged = self.planner.ring.read(slots, generations).cpu()
             if self.feedback_decay is not None:
                 lagged = lagged * self.survival_scale(slots.cpu())[:, None].to(lagged.dtype)
@@ -132,6 +132,13 @@ class Adaptive:
             self._pending = (slots.cpu().long(), (s * verified).sum(1), vl)
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
 
+
+    def admit(self, slots: Tensor) -> None:
+        """New requests took `slots` (host ids; continuous batching): forget the old requests' acceptance
+        feedback there and re-decide (the lag ring's generation guard already gives them all-ones)."""
+        self._accepted[slots] = 0.0
+        self._predicted[slots] = 0.0
+        self._decided = None
 
     def survival_scale(self, slots: Tensor) -> Tensor:
         """[B] factor in [0, 1] per slot: accepted / predicted drafts (moving averages; 1 before any data)."""

@@ -1,0 +1,110 @@
+"""Continuous batching: a queue of N requests on B slots, freed slots refilled at once (tiny untrained models)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.config import VerifyMode
+from dspark.engine.decode import SpecDecoder
+from dspark.engine.policies import Adaptive, FixedK, Oracle
+from tests.test_engine import _prompts
+from tests.test_engine_speculate import GAMMA, _planner
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N, SLOTS, NEW = 7, 3, 12
+
+
+@pytest.fixture(scope="module")
+def decoder(device) -> SpecDecoder:
+    from tests.test_engine import _models
+
+    target, draft = _models(gamma=GAMMA)
+    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+
+
+@pytest.fixture(scope="module")
+def reference(decoder: SpecDecoder) -> torch.Tensor:
+    """Target-only greedy, every prompt at once (no slot reuse)."""
+    return decoder.generate(_prompts(N, 6, seed=5), NEW, FixedK(0), mode="static").tokens
+
+
+class Recording(Adaptive):
+    """Adaptive policy that records admissions and what the lag ring hands each planned request."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.admitted: list[list[int]] = []
+        self.plans: list[tuple[list[int], list[int], torch.Tensor, torch.Tensor]] = []
+        self._last: dict[int, int] = {}  # slot -> generation it was last planned under
+
+    def admit(self, slots: torch.Tensor) -> None:
+        self.admitted.append(slots.tolist())
+        super().admit(slots)
+
+    def plan(self, confidence_logits, slots, generations):
+        ring = self.planner.ring
+        guarded = ring.read(slots, generations).cpu()
+        previous = torch.tensor([self._last.get(s, g) for s, g in zip(slots.tolist(), generations.tolist())])
+        stored = ring.read(slots, previous.to(generations.device)).cpu()  # under the slot's previous request
+        self._last.update(zip(slots.tolist(), generations.tolist()))
+        self.plans.append((slots.tolist(), generations.tolist(), guarded, stored))
+        return super().plan(confidence_logits, slots, generations)
+
+
+@pytest.mark.parametrize("mode", [m.value for m in VerifyMode])
+def test_lossless_with_slot_reuse(decoder: SpecDecoder, reference: torch.Tensor, mode: str) -> None:
+    prompts = _prompts(N, 6, seed=5)
+    for policy in (FixedK(GAMMA), Oracle(GAMMA), Adaptive(_planner(), lambda b: 0.004 * b, probe_every=2)):
+        out = decoder.generate(prompts, NEW, policy, mode=mode, slots=SLOTS)
+        assert torch.equal(out.tokens, reference), (mode, policy.name)
+        assert max(s.requests.numel() for s in out.steps) == SLOTS
+
+
+def test_queue_drained_exactly(decoder: SpecDecoder, reference: torch.Tensor) -> None:
+    policy = Recording(_planner(), None)
+    out = decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", slots=SLOTS)
+    assert torch.equal(out.tokens, reference)
+    admitted = [s for batch in policy.admitted for s in batch]
+    assert policy.admitted[0] == list(range(SLOTS)) and len(admitted) == N  # each request admitted once
+    assert sum(s.useful for s in out.steps) == N * NEW  # every request committed exactly max_new_tokens
+    sizes = [s.requests.numel() for s in out.steps]
+    assert sizes[-1] < SLOTS and sizes == sorted(sizes, reverse=True)  # full until the queue empties, then drains
+    tokens, seconds = out.steady()
+    busy = [s for s in out.steps if s.requests.numel() == SLOTS]
+    assert tokens == sum(s.useful for s in busy) and 0 < tokens < N * NEW
+    assert seconds > 0 and out.seconds == pytest.approx(out.startup_seconds + sum(s.times.total for s in out.steps))
+    assert sum(s.times.prefill > 0 for s in out.steps) == len(policy.admitted) - 1  # each refill timed once
+
+
+def test_refilled_slot_gets_fresh_generation_and_all_ones(decoder: SpecDecoder) -> None:
+    policy = Recording(_planner(), None)
+    decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", slots=SLOTS)
+    last_gen: dict[int, int] = {}
+    refills = 0
+    for slots, gens, guarded, stored in policy.plans:
+        for i, (slot, g) in enumerate(zip(slots, gens)):
+            if slot in last_gen and g != last_gen[slot]:  # first step of a new request in a reused slot
+                refills += 1
+                assert g > last_gen[slot]
+                assert torch.equal(guarded[i], torch.ones(GAMMA))  # not the old request's survival ...
+                assert not torch.equal(stored[i], torch.ones(GAMMA))  # ... which the ring still holds
+            elif slot in last_gen:
+                assert torch.equal(guarded[i], stored[i])  # same request: its own lagged survival
+            last_gen[slot] = g
+    assert refills == N - SLOTS
+
+
+def test_adaptive_forgets_feedback_of_the_slots_old_request() -> None:
+    policy = Adaptive(_planner(), lambda b: 0.004 * b)
+    policy._accepted[:] = 0.0
+    policy._predicted[:] = 2.0
+    assert torch.equal(policy.survival_scale(torch.tensor([0, 1])), torch.zeros(2))
+    policy.admit(torch.tensor([1]))
+    assert torch.equal(policy.survival_scale(torch.tensor([0, 1])), torch.tensor([0.0, 1.0], dtype=torch.float64))
+
+
+def test_bad_slots(decoder: SpecDecoder) -> None:
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="slots"):
+            decoder.generate(_prompts(2, 6), 4, FixedK(1), slots=bad)
