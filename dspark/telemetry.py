@@ -36,10 +36,12 @@ class StepRecord:
     t_accept: float
     host_syncs: int
     speculated: bool = True    # False: a target-only step (fixed-0, or the adaptive policy chose plain)
+    t_prefill: float = 0.0     # continuous batching: prefill of requests admitted right before this step
+    useful: int | None = None  # committed tokens within max_new_tokens (None: not recorded)
 
     @property
     def seconds(self) -> float:
-        return self.t_draft + self.t_plan + self.t_verify + self.t_accept
+        return self.t_draft + self.t_plan + self.t_verify + self.t_accept + self.t_prefill
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,6 +115,7 @@ def timing(records: Sequence[StepRecord]) -> dict:
         "plan_s": sum(r.t_plan for r in records),
         "verify_s": sum(r.t_verify for r in records),
         "accept_s": sum(r.t_accept for r in records),
+        "prefill_s": sum(r.t_prefill for r in records),
         "rows_per_step": sum(r.rows for r in records) / n,
         "host_syncs_per_step": sum(r.host_syncs for r in records) / n,
         "speculative_step_share": sum(r.speculated for r in records) / n,

@@ -4,9 +4,11 @@
 2. profile this machine's speculative step cost T(B, M) and plain step cost T_plain(B) with the real
    decode loop and fit a cost model;
 3. record the draft's confidence against realised acceptance and fit STS temperatures;
-4. run every policy (adaptive, fixed-k for k = 0..gamma, oracle) over the same held-out prompts at each
-   batch size, asserting in greedy mode that every policy and every verify mode commits exactly the
-   tokens of plain target-only greedy decoding;
+4. serve the same queue of held-out prompts (N = requests_per_slot x B) with every policy (adaptive,
+   fixed-k for k = 0..gamma, oracle) at each batch size B by continuous batching: B slots, a finished
+   request's slot is refilled at once (prefill timed); reported are committed tokens/s over the whole
+   queue (ramp-up and drain tail included) and over the steady state (every slot busy). In greedy mode
+   every policy and every verify mode must commit exactly the tokens of target-only greedy decoding;
 5. print one table and write JSON + PNGs into the output folder, atomically (a temp folder renamed at
    the end: an interrupted demo leaves no half-written outputs).
 """
@@ -48,8 +50,9 @@ class DemoConfig:
     policies: tuple[str, ...] = ("adaptive", "fixed", "oracle")
     gamma: int = 6
     prompt_len: int = 32
-    max_new_tokens: int = 48
-    repeats: int = 3
+    max_new_tokens: int = 32
+    requests_per_slot: int = 3  # queue length N = requests_per_slot * B (continuous batching on B slots)
+    repeats: int = 2
     profile_repeats: int = 2
     sampling: bool = False
     temperature: float = 1.0
@@ -94,7 +97,7 @@ def check_config(cfg: DemoConfig) -> None:
     check_tiers(cfg.tiers)
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
-    for name in ("prompt_len", "max_new_tokens", "repeats", "profile_repeats", "threads", "probe_every",
+    for name in ("prompt_len", "max_new_tokens", "requests_per_slot", "repeats", "profile_repeats", "threads", "probe_every",
                  "max_probe_every"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < (3 if name == "prompt_len" else 1):
@@ -180,7 +183,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     gamma, bmax = cfg.gamma, max(cfg.batch_sizes)
     decoder = SpecDecoder(target, draft, cache_tokens=bmax * target.cfg.max_seq_len, device=device,
                           compile=cfg.compile, tiers=cfg.tiers or None)
-    prompts = heldout_prompts(bmax, cfg.prompt_len, cfg.seed)
+    prompts = heldout_prompts(cfg.requests_per_slot * bmax, cfg.prompt_len, cfg.seed)
     runs = len(cfg.batch_sizes) * len(names) * (cfg.repeats + 1) + len(VerifyMode) * len(names)
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
     bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
@@ -204,14 +207,15 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     probe = (cfg.probe_every, cfg.max_probe_every)
     records: dict[tuple[str, int], list[StepRecord]] = {}
     seconds: dict[tuple[str, int], list[float]] = {}
+    steady: dict[tuple[str, int], list[float]] = {}  # steady-state committed tokens / s per timed run
     lossless_checks = 0
     for b in cfg.batch_sizes:
-        batch = prompts[:b]
+        queue = prompts[: cfg.requests_per_slot * b]
         def make(name: str, b: int = b):
             return _make_policy(name, gamma, b, planner, plain, probe)
 
         for name in names:  # untimed warm-up at this batch size: the first runs at new shapes are slow
-            decoder.generate(batch, max(2, cfg.max_new_tokens // 4), make(name),
+            decoder.generate(queue[:b], max(2, cfg.max_new_tokens // 4), make(name),
                              mode=mode, sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
             bar(f"B={b} warm-up {name}")
         ref = None  # rep 0 runs fixed-0 (target-only) first: the reference of every later run at this B
@@ -219,8 +223,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
             for name in order:
                 policy = make(name)
-                res = decoder.generate(batch, cfg.max_new_tokens, policy, mode=mode, sampling=cfg.sampling,
-                                       temperature=cfg.temperature, seed=cfg.seed + rep)
+                res = decoder.generate(queue, cfg.max_new_tokens, policy, mode=mode, sampling=cfg.sampling,
+                                       temperature=cfg.temperature, seed=cfg.seed + rep, slots=b)
                 bar(f"B={b} {name}")
                 if not cfg.sampling:
                     if ref is None:
@@ -229,23 +233,25 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                         _assert_lossless(ref, res, f"{name} ({mode.value}, B={b})")
                         lossless_checks += 1
                 seconds.setdefault((name, b), []).append(res.seconds)
+                tokens, busy_seconds = res.steady()
+                steady.setdefault((name, b), []).append(tokens / busy_seconds)
                 if rep == 0:
                     lag = cfg.lag if name == "adaptive" else 0
                     records[(name, b)] = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
                                                       lag=lag, temperatures=temps)
-    small = prompts[: min(4, bmax)]  # every mode x every policy, asserted equal to target-only greedy
+    small = prompts[:6]  # every mode x every policy on 2 reused slots, equal to target-only greedy (no reuse)
     if not cfg.sampling:
         ref = decoder.generate(small, cfg.max_new_tokens // 2, FixedK(0), mode=VerifyMode.STATIC)
         for m in VerifyMode:
             for name in names:
                 res = decoder.generate(small, cfg.max_new_tokens // 2,
-                                       _make_policy(name, gamma, small.shape[0], planner, plain, probe),
-                                       mode=m)
+                                       _make_policy(name, gamma, 2, planner, plain, probe), mode=m, slots=2)
                 _assert_lossless(ref, res, f"{name} ({m.value})")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")
     bar.close()
-    rows = _table_rows(cfg, names, records, seconds)
+    rows = _table_rows(cfg, names, records, seconds, steady)
+    goals = goal_check(rows)
     summary = {
         "config": {**{k: v for k, v in asdict(cfg).items() if k != "train"}, "policies": names,
                    "train": {"key": cfg.train.key(), "target": cfg.train.target.to_dict(),
@@ -259,6 +265,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         "plain_step_seconds": plain.to_dict(),
         "calibration": {"path": "calibration.json", "temperatures": temps, "warnings": calib.warnings},
         "results": rows,
+        "goals": goals,
         "tau_bias": tau_bias([r for recs in records.values() for r in recs]),
         "steps": {f"{n}@{b}": [r.to_dict() for r in recs] for (n, b), recs in records.items()},
         "seconds": time.perf_counter() - t_start,
@@ -271,47 +278,96 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
 
         plot_reliability(calib, tmp)
     echo(format_table(rows))
+    echo(format_goals(goals))
     echo(f"greedy losslessness: {lossless_checks} runs identical to target-only greedy decoding"
          if not cfg.sampling else "sampling mode: losslessness is distributional (see tests/test_engine.py)")
     echo(f"wrote {cfg.out}/ (demo.json, cost_model.json, PNGs) in {summary['seconds']:.0f}s")
     return summary
 
 
-def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict) -> list[dict]:
+def _median(xs: list[float]) -> float:
+    return float(torch.tensor(xs, dtype=torch.float64).median())
+
+
+def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict, steady: dict) -> list[dict]:
     rows = []
     for b in cfg.batch_sizes:
-        tps = {n: b * cfg.max_new_tokens / float(torch.tensor(seconds[(n, b)]).median()) for n in names}
-        fixed = {n: v for n, v in tps.items() if n.startswith("fixed-")}
-        best_fixed = max(fixed, key=fixed.get)
+        tps = {n: cfg.requests_per_slot * b * cfg.max_new_tokens / _median(seconds[(n, b)]) for n in names}
+        sps = {n: _median(steady[(n, b)]) for n in names}
+        best_fixed = max((n for n in names if n.startswith("fixed-")), key=sps.get)
+        best_fixed_queue = max((n for n in names if n.startswith("fixed-")), key=tps.get)
         for n in names:
             recs = records[(n, b)]
             acc, tm = acceptance(recs), timing(recs)
             bias = tau_bias(recs, by=())  # the whole run: one bucket
             rows.append({
-                "batch": b, "policy": n, "tokens_per_s": tps[n],
+                "batch": b, "policy": n, "requests": cfg.requests_per_slot * b, "tokens_per_s": tps[n],
+                "steady_tokens_per_s": sps[n],
                 "acceptance_length": acc["acceptance_length"], "acceptance_rate": acc["acceptance_rate"],
                 "proposed_drafts": acc["proposed_drafts"], "accepted_drafts": acc["accepted_drafts"],
                 "rows_per_step": tm["rows_per_step"], "host_syncs_per_step": tm["host_syncs_per_step"],
                 "speculative_step_share": tm["speculative_step_share"],
                 "tau_bias": bias[0]["bias"] if bias else None,
                 "tau_relative_bias": bias[0]["relative_bias"] if bias else None,
-                "speedup_vs_no_spec": tps[n] / tps["fixed-0"],
-                "speedup_vs_best_fixed": tps[n] / tps[best_fixed], "best_fixed": best_fixed,
-                "seconds_median": float(torch.tensor(seconds[(n, b)]).median()),
-                "phase_seconds": {k: tm[k] for k in ("draft_s", "plan_s", "verify_s", "accept_s")},
+                "speedup_vs_no_spec": sps[n] / sps["fixed-0"],
+                "speedup_vs_best_fixed": sps[n] / sps[best_fixed], "best_fixed": best_fixed,
+                "queue_speedup_vs_no_spec": tps[n] / tps["fixed-0"],
+                "queue_speedup_vs_best_fixed": tps[n] / tps[best_fixed_queue], "queue_best_fixed": best_fixed_queue,
+                "seconds_median": _median(seconds[(n, b)]),
+                "phase_seconds": {k: tm[k] for k in ("draft_s", "plan_s", "verify_s", "accept_s", "prefill_s")},
             })
     return rows
 
 
+def goal_check(rows: list[dict]) -> list[dict]:
+    """Issue 9's goals per batch size, on steady-state tokens/s: adaptive within 1 % of the best fixed k,
+    within 10 % of the oracle, |tau bias| <= 5 %; and whether adaptive beats the best fixed k at the largest B."""
+    out = []
+    top = max(r["batch"] for r in rows)
+    for r in rows:
+        if r["policy"] != "adaptive":
+            continue
+        oracle = next((o for o in rows if o["batch"] == r["batch"] and o["policy"] == "oracle"), None)
+        vs_oracle = r["steady_tokens_per_s"] / oracle["steady_tokens_per_s"] if oracle else None
+        bias = r["tau_relative_bias"]
+        out.append({
+            "batch": r["batch"], "vs_best_fixed": r["speedup_vs_best_fixed"], "vs_oracle": vs_oracle,
+            "tau_relative_bias": bias,
+            "no_worse_than_best_fixed": r["speedup_vs_best_fixed"] >= 0.99,
+            "within_10pct_of_oracle": vs_oracle is not None and vs_oracle >= 0.9,
+            "tau_bias_within_5pct": bias is not None and abs(bias) <= 0.05,
+            **({"faster_than_best_fixed_at_largest_batch": r["speedup_vs_best_fixed"] > 1.0}
+               if r["batch"] == top else {}),
+        })
+    return out
+
+
+def format_goals(goals: list[dict]) -> str:
+    lines = ["adaptive vs issue 9 goals (steady-state tok/s):"]
+    for g in goals:
+        ok = lambda flag: "met" if flag else "MISSED"  # noqa: E731
+        oracle = "n/a" if g["vs_oracle"] is None else f"{g['vs_oracle']:.2f}x"
+        bias = "n/a" if g["tau_relative_bias"] is None else f"{100 * g['tau_relative_bias']:+.1f}%"
+        line = (f"  B={g['batch']:<3} vs best fixed {g['vs_best_fixed']:.2f}x (>= 0.99: "
+                f"{ok(g['no_worse_than_best_fixed'])}), vs oracle {oracle} (>= 0.90: {ok(g['within_10pct_of_oracle'])}), "
+                f"tau bias {bias} (<= 5%: {ok(g['tau_bias_within_5pct'])})")
+        if "faster_than_best_fixed_at_largest_batch" in g:
+            line += f", faster than best fixed: {ok(g['faster_than_best_fixed_at_largest_batch'])}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'B':>4} {'policy':<9} {'tok/s':>8} {'AL':>5} {'acc.rate':>15} {'rows/step':>9} "
-            f"{'spec%':>5} {'tau bias':>8} {'vs k=0':>7} {'vs best k':>10}")
+    head = (f"{'B':>4} {'policy':<9} {'tok/s':>7} {'steady':>7} {'AL':>5} {'acc.rate':>15} {'rows/step':>9} "
+            f"{'spec%':>5} {'tau bias':>8} {'vs k=0':>7} {'vs best k':>10} {'queue vs best k':>15}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rate = ("n/a" if r["acceptance_rate"] is None
                 else f"{r['acceptance_rate']:.2f} ({r['accepted_drafts']}/{r['proposed_drafts']})")
         bias = "n/a" if r["tau_relative_bias"] is None else f"{100 * r['tau_relative_bias']:+.1f}%"
-        lines.append(f"{r['batch']:>4} {r['policy']:<9} {r['tokens_per_s']:>8.0f} {r['acceptance_length']:>5.2f} "
-                     f"{rate:>15} {r['rows_per_step']:>9.1f} {100 * r['speculative_step_share']:>5.0f} {bias:>8} {r['speedup_vs_no_spec']:>6.2f}x "
-                     f"{r['speedup_vs_best_fixed']:>6.2f}x ({r['best_fixed']})")
+        lines.append(f"{r['batch']:>4} {r['policy']:<9} {r['tokens_per_s']:>7.0f} {r['steady_tokens_per_s']:>7.0f} "
+                     f"{r['acceptance_length']:>5.2f} {rate:>15} {r['rows_per_step']:>9.1f} "
+                     f"{100 * r['speculative_step_share']:>5.0f} {bias:>8} {r['speedup_vs_no_spec']:>6.2f}x "
+                     f"{r['speedup_vs_best_fixed']:>6.2f}x ({r['best_fixed']}) "
+                     f"{r['queue_speedup_vs_best_fixed']:>6.2f}x ({r['queue_best_fixed']})")
     return "\n".join(lines)
