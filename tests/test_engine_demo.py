@@ -49,6 +49,12 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
     assert {r["policy"] for r in data["results"]} == {"fixed-0", "fixed-1", "fixed-2", "adaptive", "oracle"}
     assert (out / "cost_model.json").exists()
     assert len(data["plain_step_seconds"]["seconds"]) == 2  # T_plain(B) profiled at B = 1, 3
+    for r in data["results"]:  # continuous batching: a queue of 3B requests, both throughputs reported
+        assert r["requests"] == 3 * r["batch"] and r["tokens_per_s"] > 0 and r["steady_tokens_per_s"] > 0
+        assert r["phase_seconds"]["prefill_s"] > 0  # refills are timed
+    for key, steps in data["steps"].items():
+        assert sum(s["useful"] for s in steps) == 3 * int(key.split("@")[1]) * 6  # queue drained exactly
+    assert {g["batch"] for g in data["goals"]} == {1, 3} and "faster_than_best_fixed_at_largest_batch" in data["goals"][-1]
     assert list(tmp_path.glob(".out.*")) == []  # no temp folder left behind
     # second run: weights come from the cache
     lines: list[str] = []
@@ -82,6 +88,7 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     (dict(tiers=(8, 4)), "strictly increasing"),
     (dict(probe_every=8, max_probe_every=4), "max_probe_every = 4 must be >= probe_every = 8"),
     (dict(probe_every=0), "probe_every must be a positive int"),
+    (dict(requests_per_slot=0), "requests_per_slot must be a positive int"),
 ])
 def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
