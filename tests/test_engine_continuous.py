@@ -104,6 +104,22 @@ def test_adaptive_forgets_feedback_of_the_slots_old_request() -> None:
     assert torch.equal(policy.survival_scale(torch.tensor([0, 1])), torch.tensor([0.0, 1.0], dtype=torch.float64))
 
 
+def test_new_request_borrows_the_batchs_survival_in_the_decision() -> None:
+    planner = _planner()
+    slots, gens = torch.tensor([0, 1, 2]), torch.tensor([1, 1, 2])
+    planner.ring.write(slots[:2], gens[:2], torch.zeros(2, GAMMA))  # old requests: nothing survives
+    plain = lambda b: b / 400.0  # noqa: E731  plain: 400 tok/s; speculative step 10 ms
+
+    def decide(admit: bool) -> bool:
+        policy = Adaptive(planner, plain)
+        if admit:
+            policy.admit(torch.tensor([2]))
+        return policy.speculate(slots, gens)
+
+    assert decide(admit=False)  # slot 2's stale all-ones row alone: tau = 3 + 3 = 6 per 10 ms > 400 tok/s
+    assert not decide(admit=True)  # new request: the others' mean survival (0): tau = 3 per 10 ms < 400 tok/s
+
+
 def test_bad_slots(decoder: SpecDecoder) -> None:
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="slots"):

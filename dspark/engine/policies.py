@@ -72,6 +72,12 @@ class Adaptive:
     predicted within the verified rows, and the decision scales each slot's lagged survival by their
     ratio (capped at 1). Only outcomes of earlier steps enter (non-anticipating); `feedback_decay=None`
     turns the correction off. The planner's own budget and allocation are unchanged.
+
+    Continuous batching: a request admitted into a slot (`admit`) has no survival yet, and the lag ring's
+    generation guard reads all-ones for it, as good as a perfect draft. With slots refilled every few
+    steps that optimism would keep speculation on whatever the others' survival says, so until a new
+    request has `lag` survival rows of its own the decision uses the mean (feedback-scaled) lagged
+    survival of the batch's other requests in its place (all-ones only when every request is new).
     """
 
     prepass = False
@@ -99,6 +105,7 @@ class Adaptive:
         self._accepted = torch.zeros(slots, dtype=torch.float64)   # EMA of accepted drafts per slot
         self._predicted = torch.zeros(slots, dtype=torch.float64)  # EMA of predicted accepted drafts per slot
         self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # (slots, predicted, verify_lens) of the step
+        self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
         """Before drafting: True to run a speculative step for these requests, False for a plain one."""
@@ -114,6 +121,9 @@ class Adaptive:
             lagged = self.planner.ring.read(slots, generations).cpu()
             if self.feedback_decay is not None:
                 lagged = lagged * self.survival_scale(slots.cpu())[:, None].to(lagged.dtype)
+            new = self._unseen[slots.cpu()] > 0
+            if new.any() and not new.all():
+                lagged[new] = lagged[~new].mean(0)
             best = choose_budget(lagged, self.planner.cost_model, self.planner.cfg)
             self._decided = (b, best.theta > b / self.plain_seconds(b))
         if self._decided[1]:
@@ -125,6 +135,8 @@ class Adaptive:
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
         self._decided = None  # the lag ring holds new survival
+        if self.planner.ring is not None:
+            self._unseen[slots.cpu()] = (self._unseen[slots.cpu()] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_decay is not None:
             s = monotone_survival(p.survival.detach()).cpu().to(torch.float64)
             vl = p.verify_lens.cpu().to(torch.int64)
@@ -135,9 +147,11 @@ class Adaptive:
 
     def admit(self, slots: Tensor) -> None:
         """New requests took `slots` (host ids; continuous batching): forget the old requests' acceptance
-        feedback there and re-decide (the lag ring's generation guard already gives them all-ones)."""
+        feedback there, mark them new (no survival of their own yet) and re-decide."""
         self._accepted[slots] = 0.0
         self._predicted[slots] = 0.0
+        if self.planner.ring is not None:
+            self._unseen[slots] = self.planner.ring.lag
         self._decided = None
 
     def survival_scale(self, slots: Tensor) -> Tensor:
