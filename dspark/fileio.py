@@ -29,6 +29,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     return path
 
 
+def temp_dir_beside(path: str | os.PathLike) -> Path:
+    """A fresh folder next to `path` (same file system, so it can be renamed onto `path` atomically),
+    with the usual permissions (0o777 less the umask, not mkdtemp's private 0o700)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -19,7 +19,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from dspark.engine.profile import PlainStepCost, fit_cost_model, profile_points,
 from dspark.engine.records import step_records
 from dspark.engine.sts import record_and_fit
 from dspark.engine.train import TrainConfig, corpus, default_cache_dir, load_or_train
+from dspark.fileio import temp_dir_beside
 from dspark.planner import VerifyPlanner
 from dspark.telemetry import StepRecord, acceptance, tau_bias, timing
 
@@ -157,8 +157,7 @@ def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progr
     names = parse_policies(cfg.policies, cfg.gamma)
     torch.set_num_threads(cfg.threads)
     out_dir = Path(cfg.out)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = temp_dir_beside(out_dir)
     try:
         summary = _run(cfg, device, mode, names, tmp, echo, show_progress)
         if out_dir.exists():
