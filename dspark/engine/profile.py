@@ -8,6 +8,7 @@ whether to speculate at all.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -15,10 +16,19 @@ import torch
 from torch import Tensor
 
 from dspark.config import VerifyMode
-from dspark.cost import AdditiveCostModel, CostModel, FitReport, ProfileSample, TieredCostModel
+from dspark.cost import (
+    AdditiveCostModel,
+    CostModel,
+    FitReport,
+    ProfileSample,
+    StepsPerSecondTable,
+    TieredCostModel,
+)
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import FixedK, PolicyPlan
 from dspark.profiling import tier_rows
+
+log = logging.getLogger(__name__)
 
 
 class ForcedRows:
@@ -134,7 +144,8 @@ def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, 
     """With tiers: TieredCostModel (one value per tier). Without: the additive model
     `bias + alpha(B) + theta(M)` at the finest M binning whose fit is valid (noisy timings can make the
     finest fit predict a non-positive time somewhere, which the model refuses; coarser bins average
-    the noise out). Returns (model, report, row_bin used or None)."""
+    the noise out); when no binning gives a valid fit (very noisy timings), the 1-D steps/s table fitted
+    on the same samples, with a logged warning. Returns (model, report, row_bin used or None)."""
     if tiers:
         model, report = TieredCostModel.fit(samples, tiers=tiers, platform=platform, width=gamma + 1)
         return model, report, None
@@ -145,4 +156,7 @@ def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, 
             return model, report, row_bin
         except ValueError as e:
             errors.append(f"row_bin={row_bin}: {e}")
-    raise ValueError("no valid additive cost model fit: " + "; ".join(errors))
+    log.warning("no valid additive cost model fit (%s); falling back to the 1-D steps/s table",
+                "; ".join(errors))
+    model, report = StepsPerSecondTable.fit(samples, platform=platform, width=gamma + 1)
+    return model, report, None
