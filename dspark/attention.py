@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from dspark._validate import check_int, check_kv_fits, check_nonnegative, int_tensor
+from dspark.kernels import dispatch
 from dspark.kernels import kv_write as _kv
 from dspark.kernels import ragged_attention as _k
 from dspark.layout import RaggedVerifyLayout
@@ -64,6 +65,7 @@ class RaggedVerifyAttention:
         self._row_slot, self._row_within = buf(max_rows), buf(max_rows)
         self._kv_slots = buf(max_rows, dtype=torch.int64)
         self._meta: _k.VerifyAttentionMeta | None = None
+        self._torch_plan: _k.TorchAttentionPlan | None = None
         self.num_rows = 0
 
     @property
@@ -114,12 +116,16 @@ class RaggedVerifyAttention:
         for name, t in self._buffers().items():
             t.copy_(host[name])
         self.num_rows = rows
-        self._meta = _k.VerifyAttentionMeta(
+        meta = _k.VerifyAttentionMeta(
             block_table=self._block_table, qo_start=self._qo_start, slot_lens=self._slot_lens,
             seqused=self._seqused, prefix_lens=self._prefix, row_slot=self._row_slot[:rows],
             row_within=self._row_within[:rows],
             max_q=self.max_verify_len if self.max_verify_len is not None else max(longest, 1),
         )
+        self._meta = meta
+        # the torch path's gather indices and mask depend only on the plan: built here once, reused per run
+        self._torch_plan = None if dispatch.use_triton(self._block_table) else \
+            _k.plan_torch_attention(meta, self.page_size, int(kv_len.max()) if b else 0)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
             lse: Tensor | None = None) -> Tensor:
@@ -140,7 +146,8 @@ class RaggedVerifyAttention:
             _check_tensor("out", out, expect_q, self.dtype, self.device)
         if lse is not None:
             _check_tensor("lse", lse, expect_q[:2], torch.float32, self.device)
-        _k.ragged_attention(q, k_cache, v_cache, self._meta, self.sm_scale, out, lse, self._split_kv)
+        _k.ragged_attention(q, k_cache, v_cache, self._meta, self.sm_scale, out, lse, self._split_kv,
+                             self._torch_plan)
         return out
 
     def _buffers(self) -> dict[str, Tensor]:
