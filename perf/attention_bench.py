@@ -29,9 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark import RaggedVerifyAttention, RaggedVerifyLayout  # noqa: E402
+from dspark.accept import accept_greedy  # noqa: E402
 from dspark.attention import write_kv  # noqa: E402
 from dspark.fileio import atomic_write_text  # noqa: E402
 from dspark.kernels import dispatch  # noqa: E402
+from dspark.verify_inputs import build_verify_inputs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PACKED_OUTPUT = {"dspark", "flashinfer"}  # [B*W, Hq, D]; the others return [B, Hq, W, D]
@@ -147,13 +149,17 @@ def bytes_moved(p: dict) -> int:
     return kv + 2 * p["q"].numel() * elt
 
 
+STEP_CALLS = ("build_verify_inputs", "accept_greedy", "plan", "write_kv", "run")
+
+
 def cpu_step(args: argparse.Namespace) -> None:
-    """Per-call CPU cost of the engine-like verify step (1 thread, fp32): plan, write_kv and run medians."""
+    """Per-call CPU cost of an engine-like verify step (1 thread, fp32), medians of each call in STEP_CALLS
+    (accept_greedy on [B * W, 256] packed logits; run = one layer's attention)."""
     torch.set_num_threads(1)
     batches, widths, prefixes = args.batch or [4, 64], args.width or [7], args.prefix or [100]
     hq, hkv, d, ps, span = args.q_heads, args.kv_heads, args.head_dim, args.page_size, args.table_pages
     print(f"CPU verify step: 1 thread, float32, Hq={hq} Hkv={hkv} D={d} page={ps} block-table span={span} pages")
-    print(f"{'B':>4} {'W':>3} {'prefix':>6} {'plan us':>10} {'write_kv us':>12} {'run us':>10}")
+    print(f"{'B':>4} {'W':>3} {'prefix':>6} " + " ".join(f"{k + ' us':>{len(k) + 3}}" for k in STEP_CALLS))
     rows = []
     for b in batches:
         for w in widths:
@@ -164,15 +170,22 @@ def cpu_step(args: argparse.Namespace) -> None:
                                              num_pages=p["k_cache"].shape[0])
                 prefix_lens = torch.full((b,), prefix, dtype=torch.int32)
                 new_k = torch.randn(b * w, hkv, d)
+                drafts = torch.randint(0, 256, (b, w - 1))
+                lens = torch.full((b,), w, dtype=torch.int32)
+                logits = torch.randn(b * w, 256)
                 times = dict(
+                    build_verify_inputs=timed(lambda: build_verify_inputs(
+                        "static", lens, drafts[:, 0], drafts, prefix_lens, block_table=table, page_size=ps),
+                        p["device"], args.repeats),
+                    accept_greedy=timed(lambda: accept_greedy(drafts, logits, lens, p["layout"]), p["device"],
+                                        args.repeats),
                     plan=timed(lambda: attn.plan(p["layout"], prefix_lens, table), p["device"], args.repeats),
                     write_kv=timed(lambda: write_kv(new_k, new_k, p["k_cache"], p["v_cache"], attn.kv_slots),
                                    p["device"], args.repeats),
                     run=timed(lambda: attn.run(p["q"], p["k_cache"], p["v_cache"]), p["device"], args.repeats),
                 )
                 rows.append(dict(batch=b, width=w, prefix=prefix, seconds=times))
-                print(f"{b:>4} {w:>3} {prefix:>6} {times['plan'] * 1e6:>10.1f} {times['write_kv'] * 1e6:>12.1f} "
-                      f"{times['run'] * 1e6:>10.1f}")
+                print(f"{b:>4} {w:>3} {prefix:>6} " + " ".join(f"{v * 1e6:>{len(k) + 3}.1f}" for k, v in times.items()))
     result = dict(device="cpu", threads=1, dtype="float32", q_heads=hq, kv_heads=hkv, head_dim=d, page_size=ps,
                   table_pages=span, repeats=args.repeats, torch=torch.__version__, command=" ".join(sys.argv),
                   rows=rows)
