@@ -137,7 +137,7 @@ class RaggedVerifyAttention:
         self._meta = meta
         # the torch path's gather indices and mask depend only on the plan: built here once, reused per run
         self._torch_plan = None if dispatch.use_triton(self._block_table) else \
-            _k.plan_torch_attention(meta, self.page_size, int(kv_len.max()) if b else 0)
+            _k.plan_torch_attention(meta, self.page_size, self.dtype, int(kv_len.max()) if b else 0)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
             lse: Tensor | None = None) -> Tensor:

@@ -47,12 +47,14 @@ class TorchAttentionPlan(NamedTuple):
 
     kv_index: Tensor   # [S * L] flat cache row of each gathered kv position (the slot's position 0 if unused)
     q_index: Tensor    # [S * Mq] packed q row of each padded query (clamped for padding)
-    mask: Tensor       # [S, 1, Mq, L] bool: query j may see kv position p (padding queries see everything)
+    mask: Tensor       # [S, 1, Mq, L] additive: 0 where query j may see kv position p (padding queries see
+                       # everything), -inf elsewhere; in the attention dtype so SDPA uses it as is
     out_index: Tensor  # [rows] padded query (slot * Mq + j) of each packed row
     pad: Tensor        # [rows, 1] bool: padding row (written as zeros, lse -inf)
 
 
-def plan_torch_attention(meta: VerifyAttentionMeta, page_size: int, kv_extent: int | None = None) -> TorchAttentionPlan:
+def plan_torch_attention(meta: VerifyAttentionMeta, page_size: int, dtype: torch.dtype,
+                         kv_extent: int | None = None) -> TorchAttentionPlan:
     """Gather indices and mask of `ragged_attention_torch`. kv_extent (>= every slot's kv length; default the
     whole block-table span) bounds the gathered positions, so short prefixes in a wide table read little.
 
@@ -71,7 +73,8 @@ def plan_torch_attention(meta: VerifyAttentionMeta, page_size: int, kv_extent: i
     j = torch.arange(meta.max_q, device=device)
     q_valid = j[None, :] < meta.seqused[:, None]                                            # [S, Mq]
     limit = meta.prefix_lens[:, None].to(torch.int64) + j[None, :] + 1
-    mask = (pos[None, None, :] < limit[:, :, None]) | ~q_valid[:, :, None]                # [S, Mq, L]
+    seen = (pos[None, None, :] < limit[:, :, None]) | ~q_valid[:, :, None]                # [S, Mq, L]
+    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
     q_index = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, max(rows - 1, 0))
     rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
     pad = rw >= meta.seqused.to(torch.int64).index_select(0, rs)
@@ -120,7 +123,7 @@ def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Ve
     rows, hq, d = q.shape
     if rows == 0:
         return
-    plan = plan if plan is not None else plan_torch_attention(meta, k_cache.shape[1])
+    plan = plan if plan is not None else plan_torch_attention(meta, k_cache.shape[1], q.dtype)
     num_slots = meta.seqused.numel()
     k = _gather_kv(k_cache, plan.kv_index, num_slots)                                     # [S, Hkv, L, D]
     v = _gather_kv(v_cache, plan.kv_index, num_slots)
@@ -131,7 +134,7 @@ def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Ve
     if lse is not None:
         kf = k.to(torch.float32).repeat_interleave(hq // k_cache.shape[2], dim=1)
         scores = torch.einsum("shqd,shkd->shqk", qp.to(torch.float32), kf) * sm_scale
-        scores = scores.masked_fill(~plan.mask, float("-inf"))
+        scores = scores + plan.mask
         lse_rows = torch.logsumexp(scores, -1).transpose(1, 2).reshape(-1, hq).index_select(0, plan.out_index)
         lse.copy_(lse_rows.masked_fill_(plan.pad, float("-inf")))
 
