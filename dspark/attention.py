@@ -162,6 +162,7 @@ class RaggedVerifyAttention:
                              self._torch_plan)
         return out
 
+
 def verify_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: RaggedVerifyLayout,
                      prefix_lens: Tensor | Sequence[int], block_table: Tensor, *, sm_scale: float | None = None,
                      return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
