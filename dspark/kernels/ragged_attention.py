@@ -71,10 +71,9 @@ def plan_torch_attention(meta: VerifyAttentionMeta, page_size: int, dtype: torch
     first = torch.where(kv_len > 0, table[:, 0] * page_size, 0)                           # ghosts: row 0
     flat = torch.where(pos[None, :] < kv_len[:, None], flat, first[:, None])
     j = torch.arange(meta.max_q, device=device)
-    q_valid = j[None, :] < meta.seqused[:, None]                                            # [S, Mq]
-    limit = meta.prefix_lens[:, None].to(torch.int64) + j[None, :] + 1
-    seen = (pos[None, None, :] < limit[:, :, None]) | ~q_valid[:, :, None]                # [S, Mq, L]
-    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+    limit = torch.where(j[None, :] < meta.seqused[:, None], meta.prefix_lens[:, None] + j[None, :] + 1, span)
+    mask = torch.full((num_slots, meta.max_q, span), float("-inf"), dtype=dtype, device=device)
+    mask.masked_fill_(pos[None, None, :] < limit[:, :, None], 0.0)                        # [S, Mq, L]
     q_index = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, max(rows - 1, 0))
     rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
     pad = rw >= meta.seqused.to(torch.int64).index_select(0, rs)
