@@ -118,7 +118,6 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
     if not isinstance(verify_lens, Tensor) or verify_lens.shape != (b,) or verify_lens.dtype.is_floating_point:
         raise ValueError(f"verify_lens must be an integer [B={b}] tensor, got {_desc(verify_lens)}")
     vl = verify_lens.to(device=draft.device, dtype=torch.int32)
-    check_verify_lens(vl, w)
     if layout is None:
         if target.dim() != 3 or target.shape[:2] != (b, w):
             raise ValueError(f"strided {name} must be [B={b}, W={w}, V], got {tuple(target.shape)}"
@@ -129,18 +128,23 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
             raise ValueError(f"layout has {layout.num_requests} requests, draft_tokens has {b}")
         if target.dim() != 2 or target.shape[0] < layout.total_rows:
             raise ValueError(f"packed {name} must be [rows >= {layout.total_rows}, V], got {tuple(target.shape)}")
-        over = vl > layout.verify_lens.to(vl.device)
-        if bool(over.any()):
-            r = int(over.nonzero()[0])
-            raise ValueError(f"verify_lens[{r}] = {int(vl[r])} exceeds the rows the layout gave request {r}: "
-                             f"{int(layout.verify_lens[r])}")
         row_start = layout.qo_indptr[:-1].to(draft.device)
     vocab = target.shape[-1]
     if vocab < 1:
         raise ValueError(f"{name} has an empty vocabulary: shape {tuple(target.shape)}")
+    # every data check below in one host read; the first failing one is then named in order
+    bad_len = (vl < 1) | (vl > w)
+    over = vl > layout.verify_lens.to(vl.device) if layout is not None else torch.zeros_like(bad_len)
     verified = torch.arange(gamma, device=draft.device)[None, :] < (vl[:, None] - 1)
     bad = verified & ((draft < 0) | (draft >= vocab))
-    if bool(bad.any()):
+    len_failed, over_failed, draft_failed = torch.stack([bad_len.any(), over.any(), bad.any()]).tolist()
+    if len_failed:
+        check_verify_lens(vl, w)
+    if over_failed:
+        r = int(over.nonzero()[0])
+        raise ValueError(f"verify_lens[{r}] = {int(vl[r])} exceeds the rows the layout gave request {r}: "
+                         f"{int(layout.verify_lens[r])}")
+    if draft_failed:
         r, i = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"draft_tokens[{r}, {i}] = {int(draft[r, i])} is outside the vocabulary [0, {vocab})")
     return vl, row_start

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from dspark._validate import check_int, check_kv_fits, check_nonnegative, int_tensor
+from dspark.kernels import dispatch
 from dspark.kernels import kv_write as _kv
 from dspark.kernels import ragged_attention as _k
 from dspark.layout import RaggedVerifyLayout
@@ -62,8 +63,17 @@ class RaggedVerifyAttention:
         self._block_table = buf(max_slots, max_pages_per_slot)
         self._qo_start, self._slot_lens, self._seqused, self._prefix = (buf(max_slots) for _ in range(4))
         self._row_slot, self._row_within = buf(max_rows), buf(max_rows)
-        self._kv_slots = buf(max_rows, dtype=torch.int64)
+        self._kv_slots = buf(max_rows, dtype=torch.int64).fill_(-1)
+        self._device_buffers = {
+            "block_table": self._block_table, "qo_start": self._qo_start, "slot_lens": self._slot_lens,
+            "seqused": self._seqused, "prefix": self._prefix, "row_slot": self._row_slot,
+            "row_within": self._row_within, "kv_slots": self._kv_slots}
+        # plan writes a host mirror (the buffers themselves on the CPU) and clears only the previous plan's tail
+        self._host = self._device_buffers if self.device.type == "cpu" else \
+            {name: t.cpu() for name, t in self._device_buffers.items()}
+        self._filled = (0, 0, 0)
         self._meta: _k.VerifyAttentionMeta | None = None
+        self._torch_plan: _k.TorchAttentionPlan | None = None
         self.num_rows = 0
 
     @property
@@ -101,25 +111,33 @@ class RaggedVerifyAttention:
         kv_len = prefix + layout.verify_lens.cpu().to(torch.int64)
         _check_kv_lens(kv_len, table, self.page_size, self.num_pages)
 
-        host = {name: torch.zeros_like(t, device="cpu") for name, t in self._buffers().items()}
+        host, (old_b, old_s, old_rows) = self._host, self._filled
         host["block_table"][:b, : table.shape[1]] = table
-        host["qo_start"][:s] = layout.slot_qo_indptr[:-1].cpu()
-        host["slot_lens"][:s] = slot_lens
-        host["seqused"][:s] = layout.seqused.cpu()
-        host["prefix"][:b] = prefix
-        host["row_slot"][:rows] = layout.row_slot.cpu()
-        host["row_within"][:rows] = layout.row_within.cpu()
-        host["kv_slots"].fill_(-1)
-        host["kv_slots"][:rows] = layout.kv_slots(layout.positions(prefix), table, self.page_size)
-        for name, t in self._buffers().items():
-            t.copy_(host[name])
+        host["block_table"][:b, table.shape[1]:] = 0
+        for name, value, n, old in (
+                ("block_table", 0, b, old_b), ("prefix", prefix, b, old_b),
+                ("qo_start", layout.slot_qo_indptr[:-1], s, old_s), ("slot_lens", slot_lens, s, old_s),
+                ("seqused", layout.seqused, s, old_s), ("row_slot", layout.row_slot, rows, old_rows),
+                ("row_within", layout.row_within, rows, old_rows),
+                ("kv_slots", layout.kv_slots(layout.positions(prefix), table, self.page_size), rows, old_rows)):
+            if name != "block_table":
+                host[name][:n] = value
+            host[name][n:old] = -1 if name == "kv_slots" else 0   # only what the last plan left behind
+        self._filled = (b, s, rows)
+        if host is not self._device_buffers:
+            for name, t in self._device_buffers.items():
+                t.copy_(host[name])
         self.num_rows = rows
-        self._meta = _k.VerifyAttentionMeta(
+        meta = _k.VerifyAttentionMeta(
             block_table=self._block_table, qo_start=self._qo_start, slot_lens=self._slot_lens,
             seqused=self._seqused, prefix_lens=self._prefix, row_slot=self._row_slot[:rows],
             row_within=self._row_within[:rows],
             max_q=self.max_verify_len if self.max_verify_len is not None else max(longest, 1),
         )
+        self._meta = meta
+        # the torch path's gather indices and mask depend only on the plan: built here once, reused per run
+        self._torch_plan = None if dispatch.use_triton(self._block_table) else \
+            _k.plan_torch_attention(meta, self.page_size, self.dtype, int(kv_len.max()) if b else 0)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
             lse: Tensor | None = None) -> Tensor:
@@ -140,13 +158,9 @@ class RaggedVerifyAttention:
             _check_tensor("out", out, expect_q, self.dtype, self.device)
         if lse is not None:
             _check_tensor("lse", lse, expect_q[:2], torch.float32, self.device)
-        _k.ragged_attention(q, k_cache, v_cache, self._meta, self.sm_scale, out, lse, self._split_kv)
+        _k.ragged_attention(q, k_cache, v_cache, self._meta, self.sm_scale, out, lse, self._split_kv,
+                             self._torch_plan)
         return out
-
-    def _buffers(self) -> dict[str, Tensor]:
-        return {"block_table": self._block_table, "qo_start": self._qo_start, "slot_lens": self._slot_lens,
-                "seqused": self._seqused, "prefix": self._prefix, "row_slot": self._row_slot,
-                "row_within": self._row_within, "kv_slots": self._kv_slots}
 
 
 def verify_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: RaggedVerifyLayout,

@@ -11,6 +11,7 @@ functional smoke run, not a performance claim. Prints a table and writes JSON to
 
     python perf/attention_bench.py --device cuda
     python perf/attention_bench.py --device cpu
+    python perf/attention_bench.py --cpu-step   # CPU verify-step host cost: plan / write_kv / run, 1 thread
 """
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark import RaggedVerifyAttention, RaggedVerifyLayout  # noqa: E402
+from dspark.accept import accept_greedy  # noqa: E402
+from dspark.attention import write_kv  # noqa: E402
 from dspark.fileio import atomic_write_text  # noqa: E402
 from dspark.kernels import dispatch  # noqa: E402
+from dspark.verify_inputs import build_verify_inputs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PACKED_OUTPUT = {"dspark", "flashinfer"}  # [B*W, Hq, D]; the others return [B, Hq, W, D]
@@ -145,6 +149,49 @@ def bytes_moved(p: dict) -> int:
     return kv + 2 * p["q"].numel() * elt
 
 
+STEP_CALLS = ("build_verify_inputs", "accept_greedy", "plan", "write_kv", "run")
+
+
+def cpu_step(args: argparse.Namespace) -> None:
+    """Per-call CPU cost of an engine-like verify step (1 thread, fp32), medians of each call in STEP_CALLS
+    (accept_greedy on [B * W, 256] packed logits; run = one layer's attention)."""
+    torch.set_num_threads(1)
+    batches, widths, prefixes = args.batch or [4, 64], args.width or [7], args.prefix or [100]
+    hq, hkv, d, ps, span = args.q_heads, args.kv_heads, args.head_dim, args.page_size, args.table_pages
+    print(f"CPU verify step: 1 thread, float32, Hq={hq} Hkv={hkv} D={d} page={ps} block-table span={span} pages")
+    print(f"{'B':>4} {'W':>3} {'prefix':>6} " + " ".join(f"{k + ' us':>{len(k) + 3}}" for k in STEP_CALLS))
+    rows = []
+    for b in batches:
+        for w in widths:
+            for prefix in prefixes:
+                p = make_problem(b, w, prefix, hq, hkv, d, ps, torch.float32, torch.device("cpu"))
+                table = torch.cat([p["table"], p["table"][:, :1].expand(b, span - p["table"].shape[1])], 1)
+                attn = RaggedVerifyAttention(b * w, b, span, hq, hkv, d, ps, "cpu", torch.float32,
+                                             num_pages=p["k_cache"].shape[0])
+                prefix_lens = torch.full((b,), prefix, dtype=torch.int32)
+                new_k = torch.randn(b * w, hkv, d)
+                drafts = torch.randint(0, 256, (b, w - 1))
+                lens = torch.full((b,), w, dtype=torch.int32)
+                logits = torch.randn(b * w, 256)
+                times = dict(
+                    build_verify_inputs=timed(lambda: build_verify_inputs(
+                        "static", lens, drafts[:, 0], drafts, prefix_lens, block_table=table, page_size=ps),
+                        p["device"], args.repeats),
+                    accept_greedy=timed(lambda: accept_greedy(drafts, logits, lens, p["layout"]), p["device"],
+                                        args.repeats),
+                    plan=timed(lambda: attn.plan(p["layout"], prefix_lens, table), p["device"], args.repeats),
+                    write_kv=timed(lambda: write_kv(new_k, new_k, p["k_cache"], p["v_cache"], attn.kv_slots),
+                                   p["device"], args.repeats),
+                    run=timed(lambda: attn.run(p["q"], p["k_cache"], p["v_cache"]), p["device"], args.repeats),
+                )
+                rows.append(dict(batch=b, width=w, prefix=prefix, seconds=times))
+                print(f"{b:>4} {w:>3} {prefix:>6} " + " ".join(f"{v * 1e6:>{len(k) + 3}.1f}" for k, v in times.items()))
+    result = dict(device="cpu", threads=1, dtype="float32", q_heads=hq, kv_heads=hkv, head_dim=d, page_size=ps,
+                  table_pages=span, repeats=args.repeats, torch=torch.__version__, command=" ".join(sys.argv),
+                  rows=rows)
+    print(f"wrote {atomic_write_text(args.out or RESULTS / 'attention_cpu_step.json', json.dumps(result, indent=2))}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -159,8 +206,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--max-kv-tokens", type=int, default=4_000_000, help="skip shapes with more cached tokens")
     ap.add_argument("--peak-gbps", type=float, default=4800.0, help="peak HBM bandwidth (H200: 4800 GB/s)")
-    ap.add_argument("--out", default=str(RESULTS / "attention_bench.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default perf/results/attention_bench.json, "
+                                                 "or attention_cpu_step.json with --cpu-step)")
+    ap.add_argument("--cpu-step", action="store_true",
+                    help="time plan / write_kv / run of an engine-like CPU verify step (defaults: B 4 64, W 7, "
+                         "prefix 100; use --q-heads 4 --kv-heads 4 --head-dim 32 for the engine's tiny model)")
+    ap.add_argument("--table-pages", type=int, default=32, help="--cpu-step: block-table columns per request")
     args = ap.parse_args()
+    if args.cpu_step:
+        cpu_step(args)
+        return
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     dtype = getattr(torch, args.dtype)
@@ -228,7 +283,7 @@ def main() -> None:
         head_dim=args.head_dim, page_size=args.page_size, repeats=args.repeats, peak_gbps=args.peak_gbps,
         command=" ".join(sys.argv), rows=rows,
     )
-    print(f"wrote {atomic_write_text(args.out, json.dumps(result, indent=2))}")
+    print(f"wrote {atomic_write_text(args.out or RESULTS / 'attention_bench.json', json.dumps(result, indent=2))}")
 
 
 if __name__ == "__main__":

@@ -218,6 +218,26 @@ def test_replay_two_layouts_same_tier(name, policy, splits, device):
             run_and_check(case, policy=policy, attn=attn, out=out)
 
 
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_replan_smaller_step_clears_the_bigger_ones_tail(name, device):
+    """plan only clears what the previous plan wrote: after a bigger step the buffers equal a fresh plan's."""
+    dims = dict(hkv=2, group=2, d=8, page_size=4, dtype=torch.float32, device=device)
+    big = build_case(5, [3, 2, 4], [9, 13, 2], padding=3, **dims)
+    small = build_case(6, [2], [5], **dims)
+    small.table = torch.cat([small.table, small.table[:, :1]], 1)   # a different block-table width too
+    sizes = (big.layout.graph_num_tokens, big.layout.num_slots, big.table.shape[1], 4, 2, 8, 4, device, torch.float32)
+    extra = dict(num_pages=max(big.k_cache.shape[0], small.k_cache.shape[0]))
+    with backend(name):
+        reused, fresh = RaggedVerifyAttention(*sizes, **extra), RaggedVerifyAttention(*sizes, **extra)
+        reused.plan(big.layout, big.prefix, big.table)
+        reused.plan(small.layout, small.prefix, small.table)
+        fresh.plan(small.layout, small.prefix, small.table)
+        for got, want in zip(reused.meta, fresh.meta):
+            assert torch.equal(torch.as_tensor(got), torch.as_tensor(want))
+        assert torch.equal(reused._kv_slots, fresh._kv_slots)
+        run_and_check(small, attn=reused)
+
+
 @pytest.mark.cuda
 def test_cuda_graph_replay_two_layouts(device):
     a, b, attn = _two_layouts_same_tier(device, torch.bfloat16)

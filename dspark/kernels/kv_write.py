@@ -4,6 +4,7 @@ Rows whose slot is negative (padding rows of ghost slots) write nothing. Triton 
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -12,12 +13,16 @@ from dspark.kernels import dispatch
 
 
 def write_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor) -> None:
-    """Torch reference: `cache[slot // page_size, slot % page_size] = row` for every row with slot >= 0."""
+    """Torch reference: `cache[slot // page_size, slot % page_size] = row` for every row with slot >= 0.
+
+    One index of the kept rows, then one `index_put_` per cache (no boolean-mask indexing of k / v).
+    """
     page_size = k_cache.shape[1]
-    keep = kv_slots >= 0
-    slots = kv_slots[keep].to(k.device).long()
-    k_cache[slots // page_size, slots % page_size] = k[keep].to(k_cache.dtype)
-    v_cache[slots // page_size, slots % page_size] = v[keep].to(v_cache.dtype)
+    keep = (kv_slots >= 0).nonzero().squeeze(1).to(k.device)
+    slots = kv_slots.to(k.device, torch.int64).index_select(0, keep)
+    where = (slots // page_size, slots % page_size)
+    k_cache.index_put_(where, k.index_select(0, keep).to(k_cache.dtype))
+    v_cache.index_put_(where, v.index_select(0, keep).to(v_cache.dtype))
 
 
 @triton.jit

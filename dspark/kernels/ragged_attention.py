@@ -41,21 +41,50 @@ class VerifyAttentionMeta(NamedTuple):
     max_q: int           # upper bound on slot_lens (static; sizes the padded torch path)
 
 
-def _kv_positions(meta: VerifyAttentionMeta, page_size: int) -> tuple[Tensor, Tensor]:
-    """([S, L] flat cache slot of each kv position (0 where unused), [S, L] kv position), L = pages * page_size."""
+class TorchAttentionPlan(NamedTuple):
+    """Plan-only quantities of the torch path (depend on the metadata, not on q or the cache), built once per
+    plan and reused by every layer's run. L = kv_extent gathered positions per slot, Mq = meta.max_q."""
+
+    kv_index: Tensor   # [S * L] flat cache row of each gathered kv position (the slot's position 0 if unused)
+    q_index: Tensor    # [S * Mq] packed q row of each padded query (clamped for padding)
+    mask: Tensor       # [S, 1, Mq, L] additive: 0 where query j may see kv position p (padding queries see
+                       # everything), -inf elsewhere; in the attention dtype so SDPA uses it as is
+    out_index: Tensor  # [rows] padded query (slot * Mq + j) of each packed row
+    pad: Tensor        # [rows, 1] bool: padding row (written as zeros, lse -inf)
+
+
+def plan_torch_attention(meta: VerifyAttentionMeta, page_size: int, dtype: torch.dtype,
+                         kv_extent: int | None = None) -> TorchAttentionPlan:
+    """Gather indices and mask of `ragged_attention_torch`. kv_extent (>= every slot's kv length; default the
+    whole block-table span) bounds the gathered positions, so short prefixes in a wide table read little.
+
+    Unused positions point at the slot's own position 0 instead of being zeroed after the gather: that row is
+    real data every real query sees, so a poisoned (NaN) unused page cannot leak through the masked SDPA.
+    """
     num_slots, max_pages = meta.block_table.shape
-    pos = torch.arange(max_pages * page_size, device=meta.block_table.device)
+    span = max_pages * page_size if kv_extent is None else max(1, min(kv_extent, max_pages * page_size))
+    device, rows = meta.block_table.device, meta.row_slot.numel()
+    pos = torch.arange(span, device=device)
     kv_len = (meta.prefix_lens + meta.seqused).to(torch.int64)
-    used = pos[None, :] < kv_len[:, None]
-    pages = meta.block_table.to(torch.int64).index_select(1, pos // page_size)
-    flat = pages * page_size + (pos % page_size)[None, :]
-    return torch.where(used, flat, torch.zeros_like(flat)), pos.expand(num_slots, -1)
+    table = meta.block_table.to(torch.int64)
+    flat = table.index_select(1, pos // page_size) * page_size + (pos % page_size)[None, :]
+    first = torch.where(kv_len > 0, table[:, 0] * page_size, 0)                           # ghosts: row 0
+    flat = torch.where(pos[None, :] < kv_len[:, None], flat, first[:, None])
+    j = torch.arange(meta.max_q, device=device)
+    limit = torch.where(j[None, :] < meta.seqused[:, None], meta.prefix_lens[:, None] + j[None, :] + 1, span)
+    mask = torch.full((num_slots, meta.max_q, span), float("-inf"), dtype=dtype, device=device)
+    mask.masked_fill_(pos[None, None, :] < limit[:, :, None], 0.0)                        # [S, Mq, L]
+    q_index = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, max(rows - 1, 0))
+    rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
+    pad = rw >= meta.seqused.to(torch.int64).index_select(0, rs)
+    return TorchAttentionPlan(kv_index=flat.reshape(-1), q_index=q_index.reshape(-1), mask=mask[:, None],
+                              out_index=rs * meta.max_q + rw, pad=pad[:, None])
 
 
-def _gather_kv(cache: Tensor, flat: Tensor, visible_any: Tensor) -> Tensor:
-    """[S, L, Hkv, D] cache rows at `flat`, zeroed where no row may see them (no NaN can leak)."""
-    rows = cache.reshape(-1, *cache.shape[2:]).index_select(0, flat.reshape(-1)).reshape(*flat.shape, *cache.shape[2:])
-    return torch.where(visible_any[:, :, None, None], rows, torch.zeros_like(rows))
+def _gather_kv(cache: Tensor, index: Tensor, num_slots: int) -> Tensor:
+    """[S, Hkv, L, D] cache rows at the flat `index` [S * L]: one indexed read of the flattened cache."""
+    rows = cache.reshape(-1, *cache.shape[2:]).index_select(0, index)
+    return rows.reshape(num_slots, -1, *cache.shape[2:]).transpose(1, 2)
 
 
 def ragged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
@@ -83,37 +112,30 @@ def ragged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Veri
 
 
 def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
-                           sm_scale: float, out: Tensor, lse: Tensor | None) -> None:
+                           sm_scale: float, out: Tensor, lse: Tensor | None,
+                           plan: TorchAttentionPlan | None = None) -> None:
     """Fast CPU path: slots padded to `max_q` rows, one masked `scaled_dot_product_attention` call.
 
-    No host sync and no data-dependent control flow (torch.compile friendly); writes `out` (and `lse`).
+    `plan` (from `plan_torch_attention`, built once per plan) is computed here when not given. No host sync
+    and no data-dependent control flow (torch.compile friendly); writes `out` (and `lse`).
     """
     rows, hq, d = q.shape
-    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     if rows == 0:
         return
-    flat, pos = _kv_positions(meta, page_size)
-    j = torch.arange(meta.max_q, device=q.device)
-    q_valid = j[None, :] < meta.seqused[:, None]                                           # [S, Mq]
-    limit = meta.prefix_lens[:, None].to(torch.int64) + j[None, :] + 1
-    allowed = (pos[:, None, :] < limit[:, :, None]) & q_valid[:, :, None]                 # [S, Mq, L]
-    visible_any = allowed.any(1)
-    k = _gather_kv(k_cache, flat, visible_any).transpose(1, 2)                             # [S, Hkv, L, D]
-    v = _gather_kv(v_cache, flat, visible_any).transpose(1, 2)
-    src = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, rows - 1)
-    qp = q.index_select(0, src.reshape(-1)).reshape(*src.shape, hq, d).transpose(1, 2)   # [S, Hq, Mq, D]
-    mask = allowed[:, None] | ~q_valid[:, None, :, None]    # padding rows see everything (then zeroed)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
-    rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
-    real = (rw < meta.seqused.to(torch.int64).index_select(0, rs))[:, None]
-    o_rows = o.transpose(1, 2)[rs, rw]                                                     # [rows, Hq, D]
-    out.copy_(torch.where(real[:, :, None], o_rows, torch.zeros_like(o_rows)))
+    plan = plan if plan is not None else plan_torch_attention(meta, k_cache.shape[1], q.dtype)
+    num_slots = meta.seqused.numel()
+    k = _gather_kv(k_cache, plan.kv_index, num_slots)                                     # [S, Hkv, L, D]
+    v = _gather_kv(v_cache, plan.kv_index, num_slots)
+    qp = q.index_select(0, plan.q_index).reshape(num_slots, meta.max_q, hq, d).transpose(1, 2)  # [S, Hq, Mq, D]
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask, scale=sm_scale, enable_gqa=True)
+    o_rows = o.transpose(1, 2).reshape(-1, hq, d).index_select(0, plan.out_index)         # [rows, Hq, D]
+    out.copy_(o_rows.masked_fill_(plan.pad[:, :, None], 0.0))
     if lse is not None:
-        kf = k.to(torch.float32).repeat_interleave(hq // hkv, dim=1)
+        kf = k.to(torch.float32).repeat_interleave(hq // k_cache.shape[2], dim=1)
         scores = torch.einsum("shqd,shkd->shqk", qp.to(torch.float32), kf) * sm_scale
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        lse_rows = torch.logsumexp(scores, -1).transpose(1, 2)[rs, rw]
-        lse.copy_(torch.where(real, lse_rows, torch.full_like(lse_rows, float("-inf"))))
+        scores = scores + plan.mask
+        lse_rows = torch.logsumexp(scores, -1).transpose(1, 2).reshape(-1, hq).index_select(0, plan.out_index)
+        lse.copy_(lse_rows.masked_fill_(plan.pad, float("-inf")))
 
 
 @triton.jit
@@ -319,9 +341,13 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
 
 
 def ragged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta, sm_scale: float,
-                     out: Tensor, lse: Tensor | None = None, split_kv: tuple[Tensor, Tensor] | None = None) -> None:
-    """Dispatching entry point (Triton on CUDA/NPU, masked SDPA on CPU). Inputs are checked by the caller."""
+                     out: Tensor, lse: Tensor | None = None, split_kv: tuple[Tensor, Tensor] | None = None,
+                     torch_plan: TorchAttentionPlan | None = None) -> None:
+    """Dispatching entry point (Triton on CUDA/NPU, masked SDPA on CPU). Inputs are checked by the caller.
+
+    torch_plan: the torch path's precomputed indices/mask (ignored by Triton; computed on the fly if None).
+    """
     if dispatch.use_triton(q, k_cache, v_cache):
         ragged_attention_triton(q, k_cache, v_cache, meta, sm_scale, out, lse, split_kv)
     else:
-        ragged_attention_torch(q, k_cache, v_cache, meta, sm_scale, out, lse)
+        ragged_attention_torch(q, k_cache, v_cache, meta, sm_scale, out, lse, torch_plan)
