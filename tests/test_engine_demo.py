@@ -32,8 +32,9 @@ def _one_thread():
 
 
 def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
-    summary = run_demo(_cfg(tmp_path, tiers=(4, 8, 9), policies=("adaptive", "oracle")), echo=lambda s: None,
-                       show_progress=False)
+    # probe_every=1: at least every other adaptive step speculates, whatever the (load-dependent) costs say
+    summary = run_demo(_cfg(tmp_path, tiers=(4, 8, 9), policies=("adaptive", "oracle"), probe_every=1,
+                            max_probe_every=1), echo=lambda s: None, show_progress=False)
     assert summary["cost_model"]["kind"] == "tiered"
     steps = [r for k, recs in summary["steps"].items() if k.startswith("adaptive") for r in recs]
     spec = [r for r in steps if r["speculated"]]  # plain steps (the policy's choice) run eager, 1 row each
