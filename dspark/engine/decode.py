@@ -70,6 +70,7 @@ class StepOutcome:
     times: StepTimes
     host_syncs: int
     useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)
+    draft_logits: Tensor | None = None  # [B, k, V] the draft heads' token logits (top-2 margin baseline)
 
 
 @dataclass
@@ -248,7 +249,8 @@ class SpecDecoder:
             return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, decided)
         times = StepTimes(plan=time.perf_counter() - t0)
         t0 = time.perf_counter()
-        drafts, draft_probs, conf = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature, gen)
+        drafts, draft_probs, conf, draft_logits = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature,
+                                                              gen)
         t1 = time.perf_counter()
         times.draft = t1 - t0
         if isinstance(policy, Oracle):
@@ -269,7 +271,8 @@ class SpecDecoder:
         self._commit(buf, dev_reqs, lens, acc.tokens, acc.commit_lens)
         times.accept += time.perf_counter() - t3
         return StepOutcome(requests=reqs, plan=plan, layout=layout, caps=caps, confidence_logits=conf,
-                           commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1)
+                           commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1,
+                           draft_logits=draft_logits)
 
     def _plain_step(self, buf: Tensor, reqs: Tensor, lens: Tensor, root: Tensor, sampling: bool,
                     temperature: float, gen: torch.Generator, plan_seconds: float) -> StepOutcome:
@@ -292,15 +295,16 @@ class SpecDecoder:
                            correct_len=ones - 1, times=times, host_syncs=0)
 
     def _draft(self, buf: Tensor, lens: Tensor, all_dlen: Tensor, reqs: Tensor, k: int, sampling: bool,
-               temperature: float, gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor]:
-        """k draft tokens [B, k], their distributions [B, k, V] (sampling) and confidence logits [B, k].
+               temperature: float, gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """k draft tokens [B, k], their distributions [B, k, V] (sampling), confidence logits [B, k] and the
+        draft token logits [B, k, V] (None when k = 0).
 
         One draft forward over the tokens committed since the draft last ran (positions dlen..L-1,
         ragged), then the block heads propose all k drafts.
         """
         b, dev = lens.numel(), self.device
         if k == 0:
-            return torch.zeros(b, 0, dtype=torch.long, device=dev), None, torch.zeros(b, 0, device=dev)
+            return torch.zeros(b, 0, dtype=torch.long, device=dev), None, torch.zeros(b, 0, device=dev), None
         rows = lens - all_dlen[reqs]
         prefix = lens - rows
         layout = RaggedVerifyLayout.from_verify_lens(rows.to(torch.int32).to(dev))
@@ -312,10 +316,10 @@ class SpecDecoder:
         all_dlen[reqs] = lens
         logits, conf = self.draft.propose(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
         if not sampling:
-            return logits.argmax(-1), None, conf
+            return logits.argmax(-1), None, conf, logits
         q = torch.softmax(logits / temperature, -1)
         drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k)
-        return drafts, q, conf
+        return drafts, q, conf, logits
 
     def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
                 draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,

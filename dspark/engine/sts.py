@@ -12,22 +12,31 @@ import torch
 from torch import Tensor
 
 from dspark.calibration import Calibration, fit_sts
-from dspark.calibration_recorder import StsRecorder, load_sts
+from dspark.calibration_recorder import StsData, StsRecorder, load_sts
 from dspark.config import VerifyMode
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import FixedK
 
 
-def record_and_fit(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int, shard_dir: Path, *,
-                   sampling: bool = False, temperature: float = 1.0, seed: int = 0,
-                   bootstrap: int = 50) -> Calibration:
-    """Decode `prompts` with fixed-gamma static verify, record every step, fit temperatures (NLL)."""
+def record_sts(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int, shard_dir: Path, *,
+               sampling: bool = False, temperature: float = 1.0, seed: int = 0) -> StsData:
+    """Decode `prompts` with fixed-gamma static verify and record every step (with the draft logits, for the
+    top-2 margin baseline) as STS shards under `shard_dir`; returns the loaded rows."""
     policy = "sampling" if sampling else "greedy"
     res = decoder.generate(prompts, max_new_tokens, FixedK(gamma), mode=VerifyMode.STATIC, sampling=sampling,
                            temperature=temperature, seed=seed)
     with StsRecorder(shard_dir, gamma=gamma) as rec:
         for step, s in enumerate(res.steps):
             rec.record(s.confidence_logits.cpu(), verify_lens=s.caps.cpu(), request_ids=s.requests,
-                       correct_len=s.correct_len.cpu(), policy=policy, step=step)
-    data = load_sts([shard_dir])
-    return fit_sts(data, policy=policy, method="nll", bootstrap=bootstrap, seed=seed)
+                       correct_len=s.correct_len.cpu(), draft_logits=s.draft_logits.cpu(), policy=policy,
+                       step=step)
+    return load_sts([shard_dir])
+
+
+def record_and_fit(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int, shard_dir: Path, *,
+                   sampling: bool = False, temperature: float = 1.0, seed: int = 0,
+                   bootstrap: int = 50) -> Calibration:
+    """Record (`record_sts`) and fit the per-position temperatures (NLL) with a held-out report."""
+    data = record_sts(decoder, prompts, gamma, max_new_tokens, shard_dir, sampling=sampling,
+                      temperature=temperature, seed=seed)
+    return fit_sts(data, policy="sampling" if sampling else "greedy", method="nll", bootstrap=bootstrap, seed=seed)
