@@ -7,7 +7,7 @@ requests and prints, per draft position (cumulative survival event, held-out qua
 calibrated predictor with the same probabilities, and the AUROC of the head next to the top-2 draft logit
 margin baseline. Writes perf/results/engine_calibration.json.
 
-    PYTHONPATH=. python perf/engine_calibration.py [--prompts 96] [--new-tokens 80] [--gamma 6]
+    PYTHONPATH=. python perf/engine_calibration.py [--prompts 128] [--new-tokens 88] [--gamma 6]
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def _row(pos: dict, event: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=96, help="held-out prompts recorded (requests)")
-    ap.add_argument("--new-tokens", type=int, default=80)
+    ap.add_argument("--prompts", type=int, default=128, help="held-out prompts recorded (requests)")
+    ap.add_argument("--new-tokens", type=int, default=88, help="prompt-len + new-tokens + gamma + 1 <= 128")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gamma", type=int, default=6)
     ap.add_argument("--bootstrap", type=int, default=100)
