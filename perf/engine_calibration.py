@@ -42,7 +42,11 @@ def _finite_or_none(x: object) -> object:
 def _row(pos: dict, event: str) -> dict:
     e = pos[event]
     v = lambda block, name: e[block][name]["value"]  # noqa: E731
+    rel = e["reliability"]["after"]
+    count = sum(rel["count"])
+    mean = lambda key: sum(x * c for x, c in zip(rel[key], rel["count"]) if c) / count  # noqa: E731
     return {"position": pos["position"], "event": event, "rows": e["rows"],
+            "mean_p_after": mean("mean_p"), "accept_rate": mean("freq"),
             "ece_width_before": v("before", "ece_width"), "ece_width_after": v("after", "ece_width"),
             "ece_width_floor": e["ece_floor_after"]["width"],
             "ece_mass_before": v("before", "ece_mass"), "ece_mass_after": v("after", "ece_mass"),
@@ -83,12 +87,12 @@ def main() -> None:
           f"{calib.data['heldout_requests']} requests")
     print(f"temperatures: {[round(t, 3) for t in calib.temperatures]}")
     print(f"{'event':<12}{'k':>2}{'rows':>6} | {'ECEw before':>11}{'after':>7}{'floor':>7} | "
-          f"{'ECEm before':>11}{'after':>7}{'floor':>7} | {'AUROC head':>10}{'margin':>8}")
+          f"{'ECEm before':>11}{'after':>7}{'floor':>7} | {'AUROC head':>10}{'margin':>8} | {'mean p':>6}{'rate':>6}")
     for r in rows:
         print(f"{r['event']:<12}{r['position']:>2}{r['rows']:>6} | {r['ece_width_before']:>11.4f}"
               f"{r['ece_width_after']:>7.4f}{r['ece_width_floor']:>7.4f} | {r['ece_mass_before']:>11.4f}"
               f"{r['ece_mass_after']:>7.4f}{r['ece_mass_floor']:>7.4f} | {r['auroc_head']:>10.3f}"
-              f"{r['auroc_margin']:>8.3f}")
+              f"{r['auroc_margin']:>8.3f} | {r['mean_p_after']:>6.3f}{r['accept_rate']:>6.3f}")
     cum = [r for r in rows if r["event"] == "cumulative"]
     met = all(max(r["ece_width_after"], r["ece_mass_after"]) <= 0.01 for r in cum)
     better = [r["position"] for r in cum if r["auroc_head"] > r["auroc_margin"]]
