@@ -154,3 +154,19 @@ def test_reserve_new_tokens_sizes_the_cache_not_the_output(decoder: SpecDecoder)
         decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=0)
     with pytest.raises(ValueError, match="exceeds the model's max_seq_len"):
         decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=100)
+
+
+def test_sts_recording_carries_the_margin_baseline(decoder: SpecDecoder, tmp_path) -> None:
+    from dspark.calibration_metrics import top2_margin
+    from dspark.engine.sts import record_and_fit, record_sts
+
+    prompts = _prompts(6, 6, seed=3)
+    res = decoder.generate(prompts, 12, FixedK(4), mode="static")
+    assert all(s.draft_logits.shape == (s.requests.numel(), 4, 256) for s in res.steps)
+    data = record_sts(decoder, prompts, 4, 12, tmp_path / "a")
+    assert data.num_rows == sum(s.requests.numel() for s in res.steps)
+    want = torch.cat([top2_margin(s.draft_logits.cpu()) for s in res.steps])
+    assert bool(torch.isfinite(data.margin).all()) and torch.equal(data.margin, want)
+    calib = record_and_fit(decoder, prompts, 4, 12, tmp_path / "b", bootstrap=0)
+    assert not [w for w in calib.warnings if "no margin baseline" in w]
+    assert all("auroc_margin" in p["cumulative"] for p in calib.metrics["positions"] if p["cumulative"])
