@@ -74,6 +74,7 @@ class RaggedVerifyAttention:
         self._filled = (0, 0, 0)
         self._meta: _k.VerifyAttentionMeta | None = None
         self._torch_plan: _k.TorchAttentionPlan | None = None
+        self._torch_meta: _k.VerifyAttentionMeta | None = None
         self.num_rows = 0
 
     @property
@@ -135,9 +136,17 @@ class RaggedVerifyAttention:
             max_q=self.max_verify_len if self.max_verify_len is not None else max(longest, 1),
         )
         self._meta = meta
-        # the torch path's gather indices and mask depend only on the plan: built here once, reused per run
-        self._torch_plan = None if dispatch.use_triton(self._block_table) else \
-            _k.plan_torch_attention(meta, self.page_size, self.dtype, int(kv_len.max()) if b else 0)
+        # the torch path's gather indices and mask depend only on the plan: built here once, reused per run.
+        # It is never captured in a graph, so it covers only this plan's s slots, not all max_slots buffers
+        # (a one-request prefill must not pay for a 64-slot padded attention)
+        if dispatch.use_triton(self._block_table):
+            self._torch_meta, self._torch_plan = None, None
+        else:
+            self._torch_meta = meta._replace(block_table=meta.block_table[:s], qo_start=meta.qo_start[:s],
+                                             slot_lens=meta.slot_lens[:s], seqused=meta.seqused[:s],
+                                             prefix_lens=meta.prefix_lens[:s])
+            self._torch_plan = _k.plan_torch_attention(self._torch_meta, self.page_size, self.dtype,
+                                                       int(kv_len.max()) if b else 0)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
             lse: Tensor | None = None) -> Tensor:
@@ -158,8 +167,8 @@ class RaggedVerifyAttention:
             _check_tensor("out", out, expect_q, self.dtype, self.device)
         if lse is not None:
             _check_tensor("lse", lse, expect_q[:2], torch.float32, self.device)
-        _k.ragged_attention(q, k_cache, v_cache, self._meta, self.sm_scale, out, lse, self._split_kv,
-                             self._torch_plan)
+        meta = self._meta if self._torch_meta is None else self._torch_meta
+        _k.ragged_attention(q, k_cache, v_cache, meta, self.sm_scale, out, lse, self._split_kv, self._torch_plan)
         return out
 
 
