@@ -170,3 +170,49 @@ def test_sts_recording_carries_the_margin_baseline(decoder: SpecDecoder, tmp_pat
     calib = record_and_fit(decoder, prompts, 4, 12, tmp_path / "b", bootstrap=0)
     assert not [w for w in calib.warnings if "no margin baseline" in w]
     assert all("auroc_margin" in p["cumulative"] for p in calib.metrics["positions"] if p["cumulative"])
+
+
+def test_greedy_streams_are_the_engines_greedy_tokens(decoder: SpecDecoder) -> None:
+    from dspark.engine.streams import greedy_streams
+
+    prompts = _prompts(5, 6, seed=4)
+    ref = decoder.generate(prompts, 20, FixedK(0), mode="static").tokens
+    streams = greedy_streams(decoder.target, prompts, 20, batch=2)  # odd batch split: 2 + 2 + 1
+    assert torch.equal(streams[:, :6], prompts) and torch.equal(streams[:, 6:], ref)
+    with pytest.raises(ValueError, match="exceeds the target's max_seq_len"):
+        greedy_streams(decoder.target, prompts, 60)
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        greedy_streams(decoder.target, prompts, 4, batch=0)
+
+
+def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tmp_path) -> None:
+    """The fast recorder is engine data: at the decode loop's step boundaries it records the same rows."""
+    from dspark.engine.sts import record_sts, record_sts_teacher_forced
+
+    prompts, gamma, n = _prompts(7, 6, seed=5), 4, 20
+    loop = record_sts(decoder, prompts, gamma, n, tmp_path / "loop")
+    fast = record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "fast", starts="steps", batch=3)
+    accepted = torch.nan_to_num(loop.labels).sum(1)
+    assert 0 < float(accepted.mean()) < gamma  # partial acceptance: labels of both kinds are compared
+    order = lambda d: torch.argsort(d.request_ids * 1000 + d.steps)  # noqa: E731
+    a, b = loop.select(order(loop)), fast.select(order(fast))
+    assert torch.equal(a.request_ids, b.request_ids) and torch.equal(a.steps, b.steps)
+    assert torch.equal(a.labels, b.labels) and torch.equal(a.verify_lens, b.verify_lens)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(b.margin, a.margin, atol=1e-4, rtol=0)
+    # every start: the decode loop's rows sit at start offset L - P = sum of the earlier commits
+    every = record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "all", starts="all", batch=4)
+    assert every.num_rows == 7 * n and torch.equal(torch.unique(every.steps), torch.arange(n))
+    commits = accepted[order(loop)].long() + 1
+    first = torch.cat([torch.tensor([True]), a.request_ids[1:] != a.request_ids[:-1]])
+    offset = torch.zeros_like(commits)
+    for i in range(1, commits.numel()):
+        offset[i] = 0 if first[i] else offset[i - 1] + commits[i - 1]
+    at = {(int(r), int(s)): i for i, (r, s) in enumerate(zip(every.request_ids, every.steps))}
+    c = every.select(torch.tensor([at[(int(r), int(o))] for r, o in zip(a.request_ids, offset)]))
+    assert torch.equal(c.labels, a.labels)
+    torch.testing.assert_close(c.logits, a.logits, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="starts must be one of"):
+        record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "x", starts="some")
+    with pytest.raises(ValueError, match="gamma must be in"):
+        record_sts_teacher_forced(decoder, prompts, 5, n, tmp_path / "x")

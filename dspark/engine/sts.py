@@ -1,8 +1,21 @@
 """Record the draft's confidence against the target's realised acceptance and fit STS temperatures.
 
-The recording run drafts gamma tokens and verifies all of them (static, fixed-gamma), so no position is
-censored by a cap; its prompts are separate from the evaluation prompts. The fit (dspark.calibration)
-holds out a quarter of the requests and reports calibration metrics on them.
+Two recorders write the same STS rows (`StsRecorder` shards, read by `load_sts` / `fit_sts` /
+`dspark calibrate`):
+
+- `record_sts`: the decode loop itself, drafting gamma tokens and verifying all of them (static,
+  fixed-gamma), so no position is censored by a cap. Any acceptance policy (greedy or sampling).
+- `record_sts_teacher_forced` (greedy only): under greedy acceptance the committed tokens are the target's
+  greedy stream whatever was accepted, so a step at committed length L sees exactly the stream's first L
+  tokens. The recorder decodes the streams once (`dspark.engine.streams`), runs the draft densely over
+  them and takes, at each start L, the draft's block proposal, its confidence logits and the greedy prefix
+  match against the stream. `starts="steps"` keeps only the decode loop's step boundaries (L = P, then
+  L += accepted + 1: the very rows `record_sts` records, tests check it); `starts="all"` keeps every
+  L in [P, P + max_new_tokens) (the `steps` field then holds L - P), ~tau times more engine rows for the
+  same decoding work, which is what a per-position ECE of <= 1% needs.
+
+The recording prompts are separate from the evaluation prompts. The fit (dspark.calibration) holds out a
+quarter of the requests and reports calibration metrics on them.
 """
 from __future__ import annotations
 
@@ -15,7 +28,12 @@ from dspark.calibration import Calibration, fit_sts
 from dspark.calibration_recorder import StsData, StsRecorder, load_sts
 from dspark.config import VerifyMode
 from dspark.engine.decode import SpecDecoder
+from dspark.engine.model import DraftLM
 from dspark.engine.policies import FixedK
+from dspark.engine.streams import greedy_streams
+
+STARTS = ("steps", "all")
+RECORDERS = ("decode", "teacher_forced")
 
 
 def record_sts(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int, shard_dir: Path, *,
@@ -33,10 +51,78 @@ def record_sts(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens
     return load_sts([shard_dir])
 
 
+@torch.no_grad()
+def block_outcomes(draft: DraftLM, streams: Tensor, prompt_len: int, gamma: int, max_new_tokens: int
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """For every start L = P + i (i < max_new_tokens) of every stream [N, >= P + max_new_tokens + gamma - 1]:
+    the draft's confidence logits [N, n, gamma], its token logits [N, n, gamma, V] and the greedy
+    accepted-draft count [N, n] (prefix match of the block's argmax drafts against stream[L:L+gamma])."""
+    p, n, g = prompt_len, max_new_tokens, gamma
+    if streams.shape[1] < p + n + g - 1:
+        raise ValueError(f"streams of length {streams.shape[1]} are too short for prompt {p} + max_new_tokens {n} "
+                         f"+ gamma {g} - 1")
+    hidden = draft.forward_dense(streams[:, : p + n - 1])[:, p - 1:]   # the root's hidden state at L - 1
+    b, n_starts = hidden.shape[:2]
+    logits, conf = draft.propose(hidden.flatten(0, 1), g)  # the head takes [rows, d]
+    logits, conf = logits.unflatten(0, (b, n_starts)), conf.unflatten(0, (b, n_starts))
+    truth = streams[:, p: p + n + g - 1].unfold(1, g, 1)                # [N, n, g]: stream[L + j]
+    accepted = torch.cumprod((logits.argmax(-1) == truth).to(torch.int64), dim=-1).sum(-1)
+    return conf, logits, accepted
+
+
+def _step_starts(accepted: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """The decode loop's step boundaries from the accepted counts [N, n]: per step, (requests, offsets)."""
+    n = accepted.shape[1]
+    offset = torch.zeros(accepted.shape[0], dtype=torch.int64, device=accepted.device)
+    out = []
+    while True:
+        live = (offset < n).nonzero().squeeze(1)
+        if not live.numel():
+            return out
+        out.append((live, offset[live]))
+        offset[live] += accepted[live, offset[live]] + 1
+
+
+def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int,
+                              shard_dir: Path, *, starts: str = "all", batch: int = 256) -> StsData:
+    """Greedy STS rows of the engine's draft and target without the decode loop (see the module note);
+    `batch` requests are decoded and recorded at a time. Returns the loaded rows."""
+    if starts not in STARTS:
+        raise ValueError(f"starts must be one of {STARTS}, got {starts!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    draft, p = decoder.draft, prompts.shape[1]
+    if not 1 <= gamma <= draft.gamma:
+        raise ValueError(f"gamma must be in [1, {draft.gamma}] (the draft's heads), got {gamma!r}")
+    full = torch.full((1,), gamma + 1, dtype=torch.int32)
+    with StsRecorder(shard_dir, gamma=gamma) as rec:
+        for first in range(0, prompts.shape[0], batch):
+            streams = greedy_streams(decoder.target, prompts[first: first + batch], max_new_tokens + gamma - 1,
+                                     batch=batch)
+            conf, logits, accepted = block_outcomes(draft, streams, p, gamma, max_new_tokens)
+            steps = _step_starts(accepted) if starts == "steps" else [
+                (torch.arange(accepted.shape[0], device=accepted.device), torch.full_like(accepted[:, 0], i))
+                for i in range(max_new_tokens)]
+            for step, (reqs, off) in enumerate(steps):
+                rec.record(conf[reqs, off].cpu(), verify_lens=full.expand(reqs.numel()),
+                           request_ids=reqs.cpu() + first, correct_len=accepted[reqs, off].cpu(),
+                           draft_logits=logits[reqs, off].cpu(), step=step)
+    return load_sts([shard_dir])
+
+
 def record_and_fit(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int, shard_dir: Path, *,
                    sampling: bool = False, temperature: float = 1.0, seed: int = 0,
-                   bootstrap: int = 50) -> Calibration:
-    """Record (`record_sts`) and fit the per-position temperatures (NLL) with a held-out report."""
-    data = record_sts(decoder, prompts, gamma, max_new_tokens, shard_dir, sampling=sampling,
-                      temperature=temperature, seed=seed)
+                   bootstrap: int = 50, recorder: str = "decode") -> Calibration:
+    """Record (`record_sts`, or with recorder="teacher_forced" `record_sts_teacher_forced`, greedy only)
+    and fit the per-position temperatures (NLL) with a held-out report."""
+    if recorder not in RECORDERS:
+        raise ValueError(f"recorder must be one of {RECORDERS}, got {recorder!r}")
+    if recorder == "teacher_forced":
+        if sampling:
+            raise ValueError("recorder='teacher_forced' records greedy acceptance only; use recorder='decode' "
+                             "for sampling")
+        data = record_sts_teacher_forced(decoder, prompts, gamma, max_new_tokens, shard_dir)
+    else:
+        data = record_sts(decoder, prompts, gamma, max_new_tokens, shard_dir, sampling=sampling,
+                          temperature=temperature, seed=seed)
     return fit_sts(data, policy="sampling" if sampling else "greedy", method="nll", bootstrap=bootstrap, seed=seed)
