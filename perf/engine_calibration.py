@@ -1,13 +1,17 @@
 """STS calibration on data recorded from the reference engine (issue 6's "must show").
 
-Loads the cached engine models, records STS rows with fixed-gamma static verify (greedy, every draft
-verified, so nothing is censored) on held-out prompts, fits per-position temperatures (NLL) on 3/4 of the
-requests and prints, per draft position (cumulative survival event, held-out quarter): rows, ECE
-(equal-width and equal-mass) before / after calibration next to the ECE noise floor of a perfectly
-calibrated predictor with the same probabilities, and the AUROC of the head next to the top-2 draft logit
-margin baseline. Writes perf/results/engine_calibration.json.
+Loads the cached engine models and records greedy STS rows (fixed gamma, every draft verified, so nothing
+is censored) on held-out prompts: by default with the teacher-forced recorder at the decode loop's own
+step boundaries (`record_sts_teacher_forced(starts="steps")`: the rows `record_sts` would record, tests
+check it, for thousands of requests in a minute), `--starts all` for every start, `--recorder decode` for
+the decode loop itself. Fits per-position temperatures (NLL; `--ece-fit` also the design note's ECE grid)
+on 3/4 of the requests and prints, per draft position and event (cumulative survival, conditional),
+on the held-out quarter: rows, ECE (equal-width and equal-mass) before / after calibration next to the ECE
+noise floor of a perfectly calibrated predictor with the same probabilities, and the AUROC of the head
+next to the top-2 draft logit margin baseline with bootstrap intervals.
+Writes perf/results/engine_calibration.json.
 
-    PYTHONPATH=. python perf/engine_calibration.py [--prompts 128] [--new-tokens 88] [--gamma 6]
+    PYTHONPATH=. python perf/engine_calibration.py [--prompts 4096] [--new-tokens 88] [--gamma 6]
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 from dspark.calibration import fit_sts
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.demo import heldout_prompts
-from dspark.engine.sts import record_sts
+from dspark.engine.sts import STARTS, record_sts, record_sts_teacher_forced
 from dspark.engine.train import TrainConfig, load_or_train
 from dspark.fileio import write_json_atomic
 
@@ -58,41 +62,62 @@ def _row(pos: dict, event: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=128, help="held-out prompts recorded (requests)")
+    ap.add_argument("--recorder", choices=("teacher_forced", "decode"), default="teacher_forced")
+    ap.add_argument("--starts", choices=STARTS, default="steps", help="teacher-forced recorder: rows recorded")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="held-out prompts recorded (requests); default 4096 (teacher_forced), 128 (decode)")
     ap.add_argument("--new-tokens", type=int, default=88, help="prompt-len + new-tokens + gamma + 1 <= 128")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gamma", type=int, default=6)
     ap.add_argument("--bootstrap", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ece-fit", action="store_true", help="also fit with the ECE grid search (held-out ECE only)")
     ap.add_argument("--out", default="perf/results/engine_calibration.json")
     args = ap.parse_args()
+    if args.prompts is None:
+        args.prompts = 4096 if args.recorder == "teacher_forced" else 128
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
     target, draft, trained = load_or_train(TrainConfig())
-    decoder = SpecDecoder(target, draft, cache_tokens=args.prompts * target.cfg.max_seq_len)
+    decode_loop = args.recorder == "decode"
+    decoder = SpecDecoder(target, draft, cache_tokens=(args.prompts if decode_loop else 1) * target.cfg.max_seq_len)
     prompts = heldout_prompts(args.prompts, args.prompt_len, args.seed)
     t1 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        data = record_sts(decoder, prompts, args.gamma, args.new_tokens, Path(tmp), seed=args.seed)
+        if decode_loop:
+            data = record_sts(decoder, prompts, args.gamma, args.new_tokens, Path(tmp), seed=args.seed)
+        else:
+            data = record_sts_teacher_forced(decoder, prompts, args.gamma, args.new_tokens, Path(tmp),
+                                             starts=args.starts)
     t2 = time.perf_counter()
     calib = fit_sts(data, policy="greedy", method="nll", bootstrap=args.bootstrap, seed=args.seed)
     t3 = time.perf_counter()
+    ece_fit = fit_sts(data, policy="greedy", method="ece", bootstrap=0, seed=args.seed) if args.ece_fit else None
 
     rows = [_row(p, ev) for ev in ("cumulative", "conditional") for p in calib.metrics["positions"] if p[ev]]
-    print(f"models {'trained now' if trained else 'from cache'}; recorded {data.num_rows} rows "
-          f"({args.prompts} prompts x {args.new_tokens} new tokens, gamma {args.gamma}) in {t2 - t1:.1f}s; "
+    source = "decode loop" if decode_loop else f"teacher-forced, starts={args.starts}"
+    print(f"models {'trained now' if trained else 'from cache'}; recorded {data.num_rows} rows ({source}; "
+          f"{args.prompts} prompts x {args.new_tokens} new tokens, gamma {args.gamma}) in {t2 - t1:.1f}s; "
           f"fit+report {t3 - t2:.1f}s; held-out {calib.data['heldout_rows']} rows / "
           f"{calib.data['heldout_requests']} requests")
     print(f"temperatures: {[round(t, 3) for t in calib.temperatures]}")
     print(f"{'event':<12}{'k':>2}{'rows':>6} | {'ECEw before':>11}{'after':>7}{'floor':>7} | "
-          f"{'ECEm before':>11}{'after':>7}{'floor':>7} | {'AUROC head':>10}{'margin':>8} | {'mean p':>6}{'rate':>6}")
+          f"{'ECEm before':>11}{'after':>7}{'floor':>7} | {'AUROC head [95% CI]':>21}{'margin [95% CI]':>22} | "
+          f"{'mean p':>6}{'rate':>6}")
+    ci = lambda v, c: f"{v:.3f} [{c[0]:.3f},{c[1]:.3f}]"  # noqa: E731
     for r in rows:
         print(f"{r['event']:<12}{r['position']:>2}{r['rows']:>6} | {r['ece_width_before']:>11.4f}"
               f"{r['ece_width_after']:>7.4f}{r['ece_width_floor']:>7.4f} | {r['ece_mass_before']:>11.4f}"
-              f"{r['ece_mass_after']:>7.4f}{r['ece_mass_floor']:>7.4f} | {r['auroc_head']:>10.3f}"
-              f"{r['auroc_margin']:>8.3f} | {r['mean_p_after']:>6.3f}{r['accept_rate']:>6.3f}")
+              f"{r['ece_mass_after']:>7.4f}{r['ece_mass_floor']:>7.4f} | {ci(r['auroc_head'], r['auroc_head_ci']):>21}"
+              f"{ci(r['auroc_margin'], r['auroc_margin_ci']):>22} | {r['mean_p_after']:>6.3f}{r['accept_rate']:>6.3f}")
+    ece_rows = None
+    if ece_fit is not None:
+        ece_rows = [_row(p, "cumulative") for p in ece_fit.metrics["positions"] if p["cumulative"]]
+        print(f"ECE-grid fit: temperatures {[round(t, 3) for t in ece_fit.temperatures]}; held-out cumulative ECE "
+              f"after (width / mass): " + ", ".join(f"k{r['position']} {r['ece_width_after']:.4f} / "
+                                                     f"{r['ece_mass_after']:.4f}" for r in ece_rows))
     cum = [r for r in rows if r["event"] == "cumulative"]
     met = all(max(r["ece_width_after"], r["ece_mass_after"]) <= 0.01 for r in cum)
     better = [r["position"] for r in cum if r["auroc_head"] > r["auroc_margin"]]
@@ -102,12 +127,15 @@ def main() -> None:
         print(f"warning: {w}")
     write_json_atomic(args.out, _finite_or_none({
         "command": "PYTHONPATH=. python perf/engine_calibration.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "platform": platform.machine(), "threads": args.threads, "trained_now": trained,
+            f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
+            for k, v in vars(args).items() if k != "out" and v is not False),
+        "platform": platform.machine(), "threads": args.threads, "trained_now": trained, "source": source,
         "record_seconds": t2 - t1, "fit_seconds": t3 - t2, "rows": data.num_rows,
         "temperatures": calib.temperatures, "data": calib.data, "table": rows,
         "ece_le_1pct_every_position": met, "head_better_than_margin_positions": better,
-        "warnings": calib.warnings}))
+        "warnings": calib.warnings,
+        "ece_fit": None if ece_fit is None else {"temperatures": ece_fit.temperatures, "table": ece_rows,
+                                                 "warnings": ece_fit.warnings}}))
     print(f"wrote {args.out}")
 
 

@@ -216,3 +216,38 @@ def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tm
         record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "x", starts="some")
     with pytest.raises(ValueError, match="gamma must be in"):
         record_sts_teacher_forced(decoder, prompts, 5, n, tmp_path / "x")
+
+
+def test_head_training_rows_label_what_the_recorder_records(decoder: SpecDecoder) -> None:
+    from dspark.engine.streams import greedy_streams
+    from dspark.engine.sts import block_outcomes
+    from dspark.engine.train import head_rows
+
+    p, n, g = 6, 20, decoder.draft.gamma
+    streams = greedy_streams(decoder.target, _prompts(6, p, seed=5), n + g - 1)
+    _, label, mask = head_rows(decoder.draft, streams, p, chunk=4)  # training starts run to the stream end
+    _, _, accepted = block_outcomes(decoder.draft, streams, p, g, n)
+    assert label.shape == (6 * n, g) and 0 < float(accepted.float().mean()) < g
+    # the recorder's accepted drafts = the leading ones of the training label; the mask ends at the first miss
+    assert torch.equal(torch.cumprod(label * mask, -1).sum(-1).long(), accepted.flatten())
+    assert torch.equal(mask.sum(-1), torch.clamp(accepted.flatten() + 1, max=g))
+
+
+def test_fit_head_reaches_the_logistic_optimum(decoder: SpecDecoder) -> None:
+    import copy
+    import math
+
+    from dspark.confidence import confidence_loss
+    from dspark.engine.streams import greedy_streams
+    from dspark.engine.train import fit_head, head_rows
+
+    draft = copy.deepcopy(decoder.draft)
+    streams = greedy_streams(decoder.target, _prompts(12, 6, seed=7), 30)
+    hidden, label, mask = head_rows(draft, streams, 6)
+    with torch.no_grad():
+        before = float(confidence_loss(draft.confidence(hidden), label, mask, math.inf))
+    assert fit_head(draft, streams, 6) < before - 1e-3
+    with torch.no_grad():
+        p = torch.sigmoid(draft.confidence(hidden))
+    # at the optimum the intercept's gradient vanishes: mean predicted = mean label over the trained rows
+    assert abs(float(p[mask].mean() - label[mask].mean())) < 1e-3
