@@ -251,3 +251,17 @@ def test_fit_head_reaches_the_logistic_optimum(decoder: SpecDecoder) -> None:
         p = torch.sigmoid(draft.confidence(hidden))
     # at the optimum the intercept's gradient vanishes: mean predicted = mean label over the trained rows
     assert abs(float(p[mask].mean() - label[mask].mean())) < 1e-3
+
+
+def test_record_and_fit_with_the_teacher_forced_recorder(decoder: SpecDecoder, tmp_path) -> None:
+    from dspark.engine.sts import record_and_fit
+
+    prompts = _prompts(6, 6, seed=3)
+    loop = record_and_fit(decoder, prompts, 4, 12, tmp_path / "a", bootstrap=0)
+    fast = record_and_fit(decoder, prompts, 4, 12, tmp_path / "b", bootstrap=0, recorder="teacher_forced")
+    assert fast.data["rows"] == loop.data["rows"]  # the decode loop's very rows
+    assert fast.temperatures == pytest.approx(loop.temperatures, rel=1e-3)
+    with pytest.raises(ValueError, match="greedy acceptance only"):
+        record_and_fit(decoder, prompts, 4, 12, tmp_path / "c", sampling=True, recorder="teacher_forced")
+    with pytest.raises(ValueError, match="recorder must be one of"):
+        record_and_fit(decoder, prompts, 4, 12, tmp_path / "c", recorder="fast")

@@ -84,7 +84,7 @@ def _step_starts(accepted: Tensor) -> list[tuple[Tensor, Tensor]]:
 
 
 def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int,
-                              shard_dir: Path, *, starts: str = "all", batch: int = 256) -> StsData:
+                              shard_dir: Path, *, starts: str = "steps", batch: int = 256) -> StsData:
     """Greedy STS rows of the engine's draft and target without the decode loop (see the module note);
     `batch` requests are decoded and recorded at a time. Returns the loaded rows."""
     if starts not in STARTS:
