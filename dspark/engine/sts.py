@@ -84,13 +84,18 @@ def _step_starts(accepted: Tensor) -> list[tuple[Tensor, Tensor]]:
 
 
 def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int,
-                              shard_dir: Path, *, starts: str = "steps", batch: int = 256) -> StsData:
-    """Greedy STS rows of the engine's draft and target without the decode loop (see the module note);
-    `batch` requests are decoded and recorded at a time. Returns the loaded rows."""
+                              shard_dir: Path, *, starts: str = "steps", batch: int = 512, rows: int = 64) -> StsData:
+    """Greedy STS rows of the engine's draft and target without the decode loop (see the module note).
+
+    Streams are decoded `batch` requests at a time and the draft's block pass runs `rows` requests at a
+    time (`DraftLM.block_hidden` broadcasts its head weights per start: memory ~ rows * starts * gamma * d^2).
+    Returns the loaded rows.
+    """
     if starts not in STARTS:
         raise ValueError(f"starts must be one of {STARTS}, got {starts!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    for name, v in (("batch", batch), ("rows", rows)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
     draft, p = decoder.draft, prompts.shape[1]
     if not 1 <= gamma <= draft.gamma:
         raise ValueError(f"gamma must be in [1, {draft.gamma}] (the draft's heads), got {gamma!r}")
@@ -99,14 +104,15 @@ def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int,
         for first in range(0, prompts.shape[0], batch):
             streams = greedy_streams(decoder.target, prompts[first: first + batch], max_new_tokens + gamma - 1,
                                      batch=batch)
-            conf, logits, accepted = block_outcomes(draft, streams, p, gamma, max_new_tokens)
-            steps = _step_starts(accepted) if starts == "steps" else [
-                (torch.arange(accepted.shape[0], device=accepted.device), torch.full_like(accepted[:, 0], i))
-                for i in range(max_new_tokens)]
-            for step, (reqs, off) in enumerate(steps):
-                rec.record(conf[reqs, off].cpu(), verify_lens=full.expand(reqs.numel()),
-                           request_ids=reqs.cpu() + first, correct_len=accepted[reqs, off].cpu(),
-                           draft_logits=logits[reqs, off].cpu(), step=step)
+            for sub in range(0, streams.shape[0], rows):
+                conf, logits, accepted = block_outcomes(draft, streams[sub: sub + rows], p, gamma, max_new_tokens)
+                steps = _step_starts(accepted) if starts == "steps" else [
+                    (torch.arange(accepted.shape[0], device=accepted.device), torch.full_like(accepted[:, 0], i))
+                    for i in range(max_new_tokens)]
+                for step, (reqs, off) in enumerate(steps):
+                    rec.record(conf[reqs, off].cpu(), verify_lens=full.expand(reqs.numel()),
+                               request_ids=reqs.cpu() + first + sub, correct_len=accepted[reqs, off].cpu(),
+                               draft_logits=logits[reqs, off].cpu(), step=step)
     return load_sts([shard_dir])
 
 
