@@ -53,6 +53,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the models' dense parts (off by default: on CPU the compile time "
                         "outweighs the gain in a 5-minute demo)")
+    p.add_argument("--clock", default="auto", choices=("auto", "wall", "thread"),
+                   help="step timing: wall, or thread (the decoding thread's CPU time; CPU with --threads 1: "
+                        "immune to other processes on a shared machine). auto (default): thread on the CPU "
+                        "with 1 thread, else wall")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=None, help="model weights cache (default ~/.cache/dspark)")
 
@@ -66,7 +70,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, requests_per_slot=args.requests_per_slot, repeats=args.repeats, sampling=args.sampling,
         temperature=args.temperature, lag=args.lag, probe_every=args.probe_every, max_probe_every=args.max_probe_every,
         threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
-        compile=args.compile, tiers=args.tiers,
+        compile=args.compile, tiers=args.tiers, clock=args.clock,
     )
     try:
         run_demo(cfg)

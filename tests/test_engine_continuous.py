@@ -95,6 +95,37 @@ def test_refilled_slot_gets_fresh_generation_and_all_ones(decoder: SpecDecoder) 
     assert refills == N - SLOTS
 
 
+class FirstDrafts(FixedK):
+    """FixedK that keeps the confidence logits of each request's first step, by admission order."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.first: list[torch.Tensor] = []
+        self._seen: set[tuple[int, int]] = set()
+
+    def plan(self, confidence_logits, slots, generations):
+        new = [(g, s, i) for i, (s, g) in enumerate(zip(slots.tolist(), generations.tolist()))
+               if (s, g) not in self._seen]
+        for g, s, i in sorted(new):  # admission order: by generation, then ascending slot
+            self._seen.add((s, g))
+            self.first.append(confidence_logits[i].cpu())
+        return super().plan(confidence_logits, slots, generations)
+
+
+def test_refilled_request_is_drafted_from_its_whole_prompt(decoder: SpecDecoder) -> None:
+    """A refilled request's draft KV is built in the next batched draft forward (not at admission): its first
+    proposal must equal the draft run densely over its prompt, for every request, refilled or not."""
+    prompts = _prompts(N, 6, seed=5)
+    policy = FirstDrafts(GAMMA)
+    decoder.generate(prompts, NEW, policy, mode="compact", slots=SLOTS)
+    draft = decoder.draft
+    with torch.no_grad():
+        hidden = draft.forward_dense(prompts.to(decoder.device))[:, -1]
+        expect = draft.propose(hidden, GAMMA)[1].cpu()
+    assert len(policy.first) == N
+    torch.testing.assert_close(torch.stack(policy.first), expect, rtol=1e-4, atol=1e-4)
+
+
 def test_adaptive_forgets_feedback_of_the_slots_old_request() -> None:
     policy = Adaptive(_planner(), lambda b: 0.004 * b)
     policy._accepted[:] = 0.0

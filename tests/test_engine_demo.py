@@ -90,6 +90,8 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     (dict(probe_every=8, max_probe_every=4), "max_probe_every = 4 must be >= probe_every = 8"),
     (dict(probe_every=0), "probe_every must be a positive int"),
     (dict(requests_per_slot=0), "requests_per_slot must be a positive int"),
+    (dict(clock="cpu"), "clock must be auto, wall or thread, got 'cpu'"),
+    (dict(clock="thread", threads=2), "clock 'thread' needs device cpu and threads 1"),
 ])
 def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -61,6 +61,7 @@ class DemoConfig:
     max_probe_every: int = 64   # ... doubling while probes keep confirming plain, up to this
     threads: int = 1
     tiers: tuple[int, ...] = ()  # captured token tiers for compact steps (() = eager, no padding)
+    clock: str = "auto"     # step timing: wall / thread (CPU time of the decoding thread); auto: see `demo_clock`
     compile: bool = False   # torch.compile the dense block parts (CPU: ~18 s compile for small gains; off)
     seed: int = 0
     cache_dir: str | None = None
@@ -95,6 +96,11 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"gamma must be an int in [1, {top}] (the draft's heads), got {cfg.gamma!r}")
     parse_policies(cfg.policies, cfg.gamma)
     check_tiers(cfg.tiers)
+    if cfg.clock not in ("auto", "wall", "thread"):
+        raise ValueError(f"clock must be auto, wall or thread, got {cfg.clock!r}")
+    if demo_clock(cfg) == "thread" and (check_device(cfg.device).type != "cpu" or cfg.threads != 1):
+        raise ValueError(f"clock 'thread' needs device cpu and threads 1 (the CPU time of the one decoding "
+                         f"thread), got device {cfg.device!r}, threads {cfg.threads}")
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
     for name in ("prompt_len", "max_new_tokens", "requests_per_slot", "repeats", "profile_repeats", "threads", "probe_every",
@@ -104,6 +110,14 @@ def check_config(cfg: DemoConfig) -> None:
             raise ValueError(f"{name} must be a positive int (prompt_len >= 3), got {v!r}")
     if cfg.max_probe_every < cfg.probe_every:
         raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
+
+
+def demo_clock(cfg: DemoConfig) -> str:
+    """`thread` on the CPU with one intra-op thread (all the work runs on the timed thread, so its CPU time
+    is the step time without other processes' interference), else `wall`."""
+    if cfg.clock != "auto":
+        return cfg.clock
+    return "thread" if check_device(cfg.device).type == "cpu" and cfg.threads == 1 else "wall"
 
 
 def heldout_prompts(n: int, length: int, seed: int) -> torch.Tensor:
@@ -179,9 +193,10 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         train_bar.close()
     echo(f"models: {'trained now' if trained else 'loaded from cache'} "
          f"({Path(cfg.cache_dir or default_cache_dir())}) in {time.perf_counter() - t_start:.0f}s")
+    echo(f"timing: {demo_clock(cfg)} clock" + (" (CPU time of the decoding thread)" if demo_clock(cfg) == "thread" else ""))
     gamma, bmax = cfg.gamma, max(cfg.batch_sizes)
     decoder = SpecDecoder(target, draft, cache_tokens=bmax * target.cfg.max_seq_len, device=device,
-                          compile=cfg.compile, tiers=cfg.tiers or None)
+                          compile=cfg.compile, tiers=cfg.tiers or None, clock=demo_clock(cfg))
     prompts = heldout_prompts(cfg.requests_per_slot * bmax, cfg.prompt_len, cfg.seed)
     runs = len(cfg.batch_sizes) * len(names) * (cfg.repeats + 1) + len(VerifyMode) * len(names)
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
@@ -257,7 +272,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                              "draft": cfg.train.draft.to_dict(), "target_steps": cfg.train.target_steps,
                              "draft_steps": cfg.train.draft_steps}},
         "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
+                    "threads": torch.get_num_threads(), "clock": decoder.clock},
         "lossless": {"checked_runs": lossless_checks, "greedy": not cfg.sampling,
                      "all_identical_to_target_only": not cfg.sampling},
         "cost_model": {"path": "cost_model.json", "kind": cost.kind, "row_bin": row_bin, "fit": fit.to_dict(), "samples": [asdict(s) for s in samples]},
