@@ -61,6 +61,20 @@ def test_lossless_with_slot_reuse(decoder: SpecDecoder, reference: torch.Tensor,
         assert max(s.requests.numel() for s in out.steps) == SLOTS
 
 
+def test_per_request_lengths(decoder: SpecDecoder, reference: torch.Tensor) -> None:
+    """Varied output lengths: each request stops at its own count (zeros after), tokens as in the fixed run."""
+    counts = torch.tensor([12, 3, 7, 1, 12, 5, 9])
+    for policy in (FixedK(0), FixedK(GAMMA), Oracle(GAMMA)):
+        out = decoder.generate(_prompts(N, 6, seed=5), counts, policy, mode="compact", slots=SLOTS)
+        assert out.tokens.shape == (N, 12) and sum(s.useful for s in out.steps) == int(counts.sum())
+        for i, c in enumerate(counts.tolist()):
+            assert torch.equal(out.tokens[i, :c], reference[i, :c]) and not out.tokens[i, c:].any()
+    for bad, match in ((torch.tensor([1, 2]), r"int64 \[7\]"), (counts.int(), "int64"),
+                       (torch.tensor([3, 0, 1, 1, 1, 1, 1]), r"max_new_tokens\[1\] = 0 must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            decoder.generate(_prompts(N, 6, seed=5), bad, FixedK(1))
+
+
 def test_queue_drained_exactly(decoder: SpecDecoder, reference: torch.Tensor) -> None:
     policy = Recording(_planner(), None)
     out = decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", slots=SLOTS)

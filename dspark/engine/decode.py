@@ -140,10 +140,13 @@ class SpecDecoder:
 
     # -- decoding --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: Tensor, max_new_tokens: int, policy: FixedK | Oracle | object, *,
+    def generate(self, prompts: Tensor, max_new_tokens: int | Tensor, policy: FixedK | Oracle | object, *,
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
                  seed: int = 0, reserve_new_tokens: int | None = None, slots: int | None = None) -> GenerateResult:
         """Decode `max_new_tokens` after each prompt ([N, P] int64, P >= 3) with one policy.
+
+        max_new_tokens: one count for every request, or an int64 tensor [N] of per-request counts (a
+        serving workload's varied output lengths); result.tokens is [N, max] with zeros past each count.
 
         slots: continuous batching. At most `slots` requests (default: all N) decode at once; when a
         request reaches max_new_tokens its slot is refilled at once with the next queued prompt (prefilled,
@@ -155,7 +158,9 @@ class SpecDecoder:
         uses it to time short runs with the geometry of the timed ones.
         """
         mode = VerifyMode.parse(mode)
-        n, p = self._check_prompts(prompts, max_new_tokens)
+        n, p = self._check_prompts(prompts)
+        new_tokens = _check_new_tokens(max_new_tokens, n)
+        max_new_tokens = int(new_tokens.max())
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise ValueError(f"slots must be a positive int or None, got {slots!r}")
         b = min(n, slots or n)
@@ -189,20 +194,22 @@ class SpecDecoder:
         gens = torch.zeros(b, dtype=torch.int64, device=self.device)
         owner = torch.full((b,), -1, dtype=torch.int64)  # request id decoding in each slot (-1: idle)
         result = GenerateResult(tokens=torch.zeros(n, max_new_tokens, dtype=torch.long, device=self.device))
-        end = p + max_new_tokens
+        end = torch.zeros(b, dtype=torch.int64)  # host: each slot's request stops at this length
         observe = getattr(policy, "observe", None)
         queued = 0  # next request id to admit
         prefill = 0.0
         while True:
             done = ((owner >= 0) & (lens >= end)).nonzero().squeeze(1)
-            if done.numel():
-                result.tokens[owner[done].to(self.device)] = buf[done.to(self.device), p:end]
-                owner[done] = -1
+            for slot in done.tolist():
+                count = int(end[slot]) - p
+                result.tokens[int(owner[slot]), :count] = buf[slot, p: p + count]
+            owner[done] = -1
             free = (owner < 0).nonzero().squeeze(1)[: n - queued]
             if free.numel():
                 t0 = self._now()
                 self._admit(buf, lens, dlen, gens, free, prompts[queued: queued + free.numel()], policy)
                 owner[free] = torch.arange(queued, queued + free.numel())
+                end[free] = p + new_tokens[queued: queued + free.numel()]
                 queued += free.numel()
                 prefill = self._now() - t0
             reqs = (owner >= 0).nonzero().squeeze(1)
@@ -210,7 +217,7 @@ class SpecDecoder:
                 break
             out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
             commit = out.commit_lens.cpu()  # sync: the next step's positions and the stop test
-            out.useful = int((torch.clamp(lens[reqs] + commit, max=end) - lens[reqs]).sum())
+            out.useful = int((torch.minimum(lens[reqs] + commit, end[reqs]) - lens[reqs]).sum())
             out.times.prefill, prefill = prefill, 0.0
             lens[reqs] += commit
             if observe is not None:  # the adaptive policy's realised-acceptance feedback, charged to plan
@@ -368,12 +375,26 @@ class SpecDecoder:
         idx = torch.where(cols[None, :] < commit_lens[:, None], idx, buf.shape[1] - 1)
         buf[reqs[:, None].expand(-1, w), idx] = tokens
 
-    def _check_prompts(self, prompts: Tensor, max_new_tokens: int) -> tuple[int, int]:
+    def _check_prompts(self, prompts: Tensor) -> tuple[int, int]:
         if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.dtype != torch.long:
             raise ValueError(f"prompts must be an int64 tensor [B, P], got {getattr(prompts, 'shape', prompts)}")
         b, p = prompts.shape
         if b < 1 or p < 3:
             raise ValueError(f"need at least one prompt of >= 3 tokens, got shape {tuple(prompts.shape)}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         return b, p
+
+
+def _check_new_tokens(max_new_tokens: int | Tensor, n: int) -> Tensor:
+    """Per-request new-token counts as a host int64 tensor [n], each >= 1."""
+    if isinstance(max_new_tokens, Tensor):
+        if max_new_tokens.shape != (n,) or max_new_tokens.dtype != torch.int64:
+            raise ValueError(f"max_new_tokens as a tensor must be int64 [{n}] (one count per prompt), got "
+                             f"{max_new_tokens.dtype} {list(max_new_tokens.shape)}")
+        counts = max_new_tokens.cpu()
+        if bool((counts < 1).any()):
+            bad = int((counts < 1).nonzero()[0])
+            raise ValueError(f"max_new_tokens[{bad}] = {int(counts[bad])} must be >= 1")
+        return counts
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int or an int64 tensor [N], got {max_new_tokens!r}")
+    return torch.full((n,), max_new_tokens, dtype=torch.int64)
