@@ -287,7 +287,7 @@ class SpecDecoder:
         times.plan += self._now() - t1
         acc, layout, caps, times.verify, times.accept = self._verify(
             mode, plan.verify_lens, root, drafts, draft_probs, prefix, dev_reqs, sampling, temperature, gen,
-            timed=True)
+            timed=True, layout=plan.layout if mode is VerifyMode.COMPACT else None)
         if isinstance(policy, Oracle):
             acc = pre  # sampling: the outcome the prepass drew (greedy: identical anyway)
         t3 = self._now()
@@ -346,15 +346,16 @@ class SpecDecoder:
 
     def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
                 draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,
-                gen: torch.Generator, timed: bool = False):
+                gen: torch.Generator, timed: bool = False, layout: RaggedVerifyLayout | None = None):
         """Verify forward in `mode` (dspark.build_verify_inputs) and accept on its packed rows.
 
         Returns the AcceptResult, or with `timed` also the layout, the caps and the verify / accept
-        seconds. Building the layout reads the verify lengths on the host (the step's first sync).
+        seconds. Building the layout reads the verify lengths on the host (the step's first sync); a compact
+        `layout` the planner already built is reused.
         """
         t0 = self._now()
         vin = build_verify_inputs(mode, verify_lens, root, drafts, prefix.to(self.device),
-                                  tiers=self.tiers or None, slots=self._slots)
+                                  tiers=self.tiers or None, slots=self._slots, layout=layout)
         logits = self.target.logits(self._forward(self.target, self.tcache, vin.input_ids, vin.layout, prefix, reqs))
         t1 = self._now()
         if sampling:
