@@ -196,6 +196,7 @@ class SpecDecoder:
         result = GenerateResult(tokens=torch.zeros(n, max_new_tokens, dtype=torch.long, device=self.device))
         end = torch.zeros(b, dtype=torch.int64)  # host: each slot's request stops at this length
         observe = getattr(policy, "observe", None)
+        observe_seconds = getattr(policy, "observe_seconds", None)
         queued = 0  # next request id to admit
         prefill = 0.0
         while True:
@@ -224,6 +225,8 @@ class SpecDecoder:
                 t0 = self._now()
                 observe(commit)
                 out.times.plan += self._now() - t0
+            if observe_seconds is not None:  # ... and its realised-cost feedback
+                observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept)
             out.host_syncs += 1
             result.steps.append(out)
         result.slots = b
