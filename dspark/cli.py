@@ -35,10 +35,13 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of adaptive, oracle, fixed (= fixed-0..fixed-gamma), fixed-K")
     p.add_argument("--gamma", type=int, default=6, help="drafts per step, at most the draft's 6 heads (default 6)")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="mean new tokens per request (default 32)")
+    p.add_argument("--length-spread", type=float, default=0.5,
+                   help="each request's new tokens are uniform in mean x [1 - spread, 1 + spread] (default 0.5; "
+                        "0: every request the same length)")
     p.add_argument("--requests-per-slot", type=int, default=3,
                    help="continuous batching: a queue of N = this x B requests is served on B slots (default 3)")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per (policy, batch); median reported")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per (policy, batch); median reported")
     p.add_argument("--sampling", action="store_true", help="rejection sampling instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lag", type=int, default=1, help="planner survival lag (0 = synchronous greedy scan)")
@@ -53,6 +56,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the models' dense parts (off by default: on CPU the compile time "
                         "outweighs the gain in a 5-minute demo)")
+    p.add_argument("--clock", default="auto", choices=("auto", "wall", "thread"),
+                   help="step timing: wall, or thread (the decoding thread's CPU time; CPU with --threads 1: "
+                        "immune to other processes on a shared machine). auto (default): thread on the CPU "
+                        "with 1 thread, else wall")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=None, help="model weights cache (default ~/.cache/dspark)")
 
@@ -63,10 +70,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
         device=args.device, out=args.out, batch_sizes=args.batch_sizes, mode=args.mode,
         policies=tuple(x for x in args.policies.split(",") if x), gamma=args.gamma, prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new_tokens, requests_per_slot=args.requests_per_slot, repeats=args.repeats, sampling=args.sampling,
+        max_new_tokens=args.max_new_tokens, length_spread=args.length_spread, requests_per_slot=args.requests_per_slot, repeats=args.repeats, sampling=args.sampling,
         temperature=args.temperature, lag=args.lag, probe_every=args.probe_every, max_probe_every=args.max_probe_every,
         threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
-        compile=args.compile, tiers=args.tiers,
+        compile=args.compile, tiers=args.tiers, clock=args.clock,
     )
     try:
         run_demo(cfg)

@@ -53,6 +53,7 @@ def build_verify_inputs(
     slots: int | None = None,
     block_table: Tensor | None = None,
     page_size: int | None = None,
+    layout: RaggedVerifyLayout | None = None,
 ) -> VerifyInputs:
     """Verify inputs for `mode`: ids, positions, KV write slots, the layout and the accept caps.
 
@@ -60,6 +61,8 @@ def build_verify_inputs(
     already in the KV cache, so the root sits at position prefix_len); tiers / slots: captured graph
     tiers and slot count (padding to the smallest tier >= rows); block_table [B, pages] and page_size:
     KV slot of (r, pos) = `block_table[r, pos // page_size] * page_size + pos % page_size`.
+    layout (compact only): the layout the planner already built from these verify_lens with the same tiers
+    and slots (`VerifyPlan.layout`), reused instead of built a second time; its lengths are checked.
     """
     mode = VerifyMode.parse(mode)
     b, gamma = _check_tokens(root_tokens, draft_tokens)
@@ -67,13 +70,18 @@ def build_verify_inputs(
     device = draft_tokens.device
     vl = _check_lens("verify_lens", verify_lens, b, device)
     prefix = _check_lens("prefix_lens", prefix_lens, b, device).to(torch.int64)
-    host_vl, host_prefix = torch.stack([vl.to(torch.int64), prefix]).cpu()  # one device read for the checks
+    compact = mode is VerifyMode.COMPACT
+    reused = _check_layout(layout, compact, b, tiers, slots)
+    # one device read for the checks (and the reused layout's lengths)
+    host = torch.stack([vl.to(torch.int64), prefix] + ([reused.to(device, torch.int64)] if reused is not None else [])).cpu()
+    host_vl, host_prefix = host[0], host[1]
     check_verify_lens(host_vl, w)
     check_nonnegative("prefix_lens", host_prefix)
+    if reused is not None and not torch.equal(host[2], host_vl):
+        raise ValueError(f"layout was built for verify_lens {host[2].tolist()}, not {host_vl.tolist()}")
     full = torch.full_like(vl, w)
-    compact = mode is VerifyMode.COMPACT
-    rows_per_request = vl if compact else full
-    layout = RaggedVerifyLayout.from_verify_lens(rows_per_request, tiers, slots, width=w)
+    if layout is None:
+        layout = RaggedVerifyLayout.from_verify_lens(vl if compact else full, tiers, slots, width=w)
     tokens = torch.cat([root_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
     positions = layout.positions(prefix)
     kv_slots = None
@@ -101,6 +109,25 @@ def _check_tokens(root_tokens: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
     if root_tokens.shape != (b,):
         raise ValueError(f"root_tokens must be [B={b}], got {tuple(root_tokens.shape)}")
     return b, gamma
+
+
+def _check_layout(layout: RaggedVerifyLayout | None, compact: bool, b: int, tiers: Sequence[int] | None,
+                  slots: int | None) -> Tensor | None:
+    """The reused layout's verify_lens (None without a layout) after the host-side checks."""
+    if layout is None:
+        return None
+    if not isinstance(layout, RaggedVerifyLayout):
+        raise TypeError(f"layout must be a RaggedVerifyLayout, got {type(layout).__name__}")
+    if not compact:
+        raise ValueError("a prebuilt layout is only used in compact mode (static / cap-accept verify W rows each)")
+    if layout.num_requests != b:
+        raise ValueError(f"layout holds {layout.num_requests} requests, the batch has {b}")
+    tier_ok = layout.tier in tiers if layout.tier is not None and tiers else (
+        layout.tier is None and (not tiers or layout.eager_reason is not None))
+    if not tier_ok or (slots is not None and layout.num_slots != slots):
+        raise ValueError(f"layout (tier {layout.tier}, {layout.num_slots} slots) was not built with "
+                         f"tiers={list(tiers or [])} and slots={slots}")
+    return layout.verify_lens
 
 
 def _check_lens(name: str, values: Tensor, b: int, device: torch.device) -> Tensor:

@@ -125,6 +125,8 @@ def test_bad_input(decoder: SpecDecoder) -> None:
         FixedK(-1)
     with pytest.raises(ValueError, match=r"gamma must be in \[0, 4\]"):
         decoder.generate(_prompts(2, 5), 4, Oracle(5))
+    with pytest.raises(ValueError, match="clock must be one of .* got 'cpu'"):
+        SpecDecoder(decoder.target, decoder.draft, cache_tokens=64, clock="cpu")
 
 
 def test_block_hidden_batches_the_heads_exactly() -> None:

@@ -61,6 +61,20 @@ def test_lossless_with_slot_reuse(decoder: SpecDecoder, reference: torch.Tensor,
         assert max(s.requests.numel() for s in out.steps) == SLOTS
 
 
+def test_per_request_lengths(decoder: SpecDecoder, reference: torch.Tensor) -> None:
+    """Varied output lengths: each request stops at its own count (zeros after), tokens as in the fixed run."""
+    counts = torch.tensor([12, 3, 7, 1, 12, 5, 9])
+    for policy in (FixedK(0), FixedK(GAMMA), Oracle(GAMMA)):
+        out = decoder.generate(_prompts(N, 6, seed=5), counts, policy, mode="compact", slots=SLOTS)
+        assert out.tokens.shape == (N, 12) and sum(s.useful for s in out.steps) == int(counts.sum())
+        for i, c in enumerate(counts.tolist()):
+            assert torch.equal(out.tokens[i, :c], reference[i, :c]) and not out.tokens[i, c:].any()
+    for bad, match in ((torch.tensor([1, 2]), r"int64 \[7\]"), (counts.int(), "int64"),
+                       (torch.tensor([3, 0, 1, 1, 1, 1, 1]), r"max_new_tokens\[1\] = 0 must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            decoder.generate(_prompts(N, 6, seed=5), bad, FixedK(1))
+
+
 def test_queue_drained_exactly(decoder: SpecDecoder, reference: torch.Tensor) -> None:
     policy = Recording(_planner(), None)
     out = decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", slots=SLOTS)
@@ -93,6 +107,37 @@ def test_refilled_slot_gets_fresh_generation_and_all_ones(decoder: SpecDecoder) 
                 assert torch.equal(guarded[i], stored[i])  # same request: its own lagged survival
             last_gen[slot] = g
     assert refills == N - SLOTS
+
+
+class FirstDrafts(FixedK):
+    """FixedK that keeps the confidence logits of each request's first step, by admission order."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.first: list[torch.Tensor] = []
+        self._seen: set[tuple[int, int]] = set()
+
+    def plan(self, confidence_logits, slots, generations):
+        new = [(g, s, i) for i, (s, g) in enumerate(zip(slots.tolist(), generations.tolist()))
+               if (s, g) not in self._seen]
+        for g, s, i in sorted(new):  # admission order: by generation, then ascending slot
+            self._seen.add((s, g))
+            self.first.append(confidence_logits[i].cpu())
+        return super().plan(confidence_logits, slots, generations)
+
+
+def test_refilled_request_is_drafted_from_its_whole_prompt(decoder: SpecDecoder) -> None:
+    """A refilled request's draft KV is built in the next batched draft forward (not at admission): its first
+    proposal must equal the draft run densely over its prompt, for every request, refilled or not."""
+    prompts = _prompts(N, 6, seed=5)
+    policy = FirstDrafts(GAMMA)
+    decoder.generate(prompts, NEW, policy, mode="compact", slots=SLOTS)
+    draft = decoder.draft
+    with torch.no_grad():
+        hidden = draft.forward_dense(prompts.to(decoder.device))[:, -1]
+        expect = draft.propose(hidden, GAMMA)[1].cpu()
+    assert len(policy.first) == N
+    torch.testing.assert_close(torch.stack(policy.first), expect, rtol=1e-4, atol=1e-4)
 
 
 def test_adaptive_forgets_feedback_of_the_slots_old_request() -> None:

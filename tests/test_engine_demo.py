@@ -53,8 +53,11 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
     for r in data["results"]:  # continuous batching: a queue of 3B requests, both throughputs reported
         assert r["requests"] == 3 * r["batch"] and r["tokens_per_s"] > 0 and r["steady_tokens_per_s"] > 0
         assert r["phase_seconds"]["prefill_s"] > 0  # refills are timed
+    lengths = demo_mod.request_lengths(9, 6, 0.5, 0)  # the queue's varied output lengths (3 to 9 tokens)
     for key, steps in data["steps"].items():
-        assert sum(s["useful"] for s in steps) == 3 * int(key.split("@")[1]) * 6  # queue drained exactly
+        b = int(key.split("@")[1])
+        row = next(r for r in data["results"] if f"{r['policy']}@{r['batch']}" == key)
+        assert sum(s["useful"] for s in steps) == row["queue_tokens"] == int(lengths[: 3 * b].sum())  # drained exactly
     assert {g["batch"] for g in data["goals"]} == {1, 3} and "faster_than_best_fixed_at_largest_batch" in data["goals"][-1]
     assert list(tmp_path.glob(".out.*")) == []  # no temp folder left behind
     # second run: weights come from the cache
@@ -90,6 +93,9 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     (dict(probe_every=8, max_probe_every=4), "max_probe_every = 4 must be >= probe_every = 8"),
     (dict(probe_every=0), "probe_every must be a positive int"),
     (dict(requests_per_slot=0), "requests_per_slot must be a positive int"),
+    (dict(clock="cpu"), "clock must be auto, wall or thread, got 'cpu'"),
+    (dict(length_spread=1.0), "length_spread must be in"),
+    (dict(clock="thread", threads=2), "clock 'thread' needs device cpu and threads 1"),
 ])
 def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -100,6 +106,13 @@ def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
 def test_cli_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["demo", "--device", "tpu", "--out", str(tmp_path / "o")]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_request_lengths_vary_within_the_spread() -> None:
+    lengths = demo_mod.request_lengths(400, 32, 0.5, seed=3)
+    assert lengths.dtype == torch.int64 and int(lengths.min()) == 16 and int(lengths.max()) == 48
+    assert torch.equal(lengths, demo_mod.request_lengths(400, 32, 0.5, seed=3))  # deterministic per seed
+    assert torch.equal(demo_mod.request_lengths(5, 32, 0.0, seed=3), torch.full((5,), 32))
 
 
 def test_parse_policies_puts_baseline_first() -> None:

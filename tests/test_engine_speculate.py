@@ -67,6 +67,40 @@ def test_realised_acceptance_feedback_turns_speculation_off() -> None:
     assert off.speculate(slots, gens)  # the same lagged survival without the correction speculates
 
 
+def test_realised_cost_feedback_follows_measured_step_times() -> None:
+    """Profiled: speculative 10 ms, plain 5 ms for 2 requests. With survival 0.9, speculation predicts
+    tau ~ 7.4 per 10 ms (740 tok/s) vs plain 400 tok/s. If speculative steps then measure 3x their prediction
+    (247 tok/s), the next decision goes plain; if plain steps measure 3x theirs too, speculation is back."""
+    planner = _planner()
+    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_decay=0.0)
+    sure = torch.full((2, GAMMA), 3.0)  # sigmoid ~0.95 per position
+    assert policy.speculate(slots, gens)
+    policy.plan(sure, slots, gens)
+    policy.observe_seconds(3 * STEP)  # the speculative step took 3x the profiled 10 ms
+    assert policy.cost_ratio[True] == pytest.approx(3.0)
+    assert not policy.speculate(slots, gens)
+    policy.observe_seconds(3 * 2 / 400.0)  # the plain step took 3x its profile too
+    assert policy.cost_ratio[False] == pytest.approx(3.0)
+    policy._decided = None  # re-decide now (a probe or a plan would)
+    assert policy.speculate(slots, gens)
+    ema = Adaptive(planner, plain_seconds=lambda b: b / 400.0)  # default cost_decay 0.8: the first sample
+    ema.speculate(slots, gens)                                    # sets the ratio, later ones move it 20 %
+    ema.plan(sure, slots, gens)
+    ema.observe_seconds(3 * STEP)
+    ema.speculate(slots, gens)
+    ema.plan(sure, slots, gens)
+    ema.observe_seconds(STEP)
+    assert ema.cost_ratio[True] == pytest.approx(0.8 * 3.0 + 0.2 * 1.0)
+    off = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_decay=None)
+    off.speculate(slots, gens)
+    off.plan(sure, slots, gens)
+    off.observe_seconds(3 * STEP)
+    assert off.cost_ratio[True] == 1.0
+    with pytest.raises(ValueError, match="cost_decay must be in"):
+        Adaptive(planner, plain_seconds=lambda b: 0.01, cost_decay=1.0)
+
+
 def _plain_runs(out) -> list[int]:
     """Lengths of the runs of plain steps between speculative steps."""
     return [len(r) for r in "".join("s" if x else "p" for x in _speculated(out)).split("s")]

@@ -152,3 +152,30 @@ def test_bad_inputs(change, err, needle, device):
     with pytest.raises(err) as info:
         build_verify_inputs(mode, **args)
     assert needle in str(info.value)
+
+
+def test_reused_planner_layout(device):
+    """Compact inputs built on the planner's layout equal those built from scratch; a layout that does not
+    belong to these verify_lens / tiers / slots, or any reuse outside compact mode, is refused."""
+    from dspark.layout import RaggedVerifyLayout
+
+    args, _, _ = _step(9, 4, 13, 3, device)
+    tiers, slots = [8, 16, 32, 48], 9 + 10
+    fresh = build_verify_inputs("compact", **args, tiers=tiers, slots=slots)
+    layout = RaggedVerifyLayout.from_verify_lens(args["verify_lens"], tiers, slots, width=5)
+    reused = build_verify_inputs("compact", **args, tiers=tiers, slots=slots, layout=layout)
+    assert reused.layout is layout
+    for name in ("input_ids", "positions", "kv_slots", "caps"):
+        assert torch.equal(getattr(reused, name), getattr(fresh, name)), name
+    changed = args["verify_lens"].clone()
+    changed[0] = 2 if int(changed[0]) == 1 else 1
+    other = RaggedVerifyLayout.from_verify_lens(changed, tiers, slots, width=5)
+    with pytest.raises(ValueError, match="layout was built for verify_lens"):
+        build_verify_inputs("compact", **args, tiers=tiers, slots=slots, layout=other)
+    with pytest.raises(ValueError, match="only used in compact mode"):
+        build_verify_inputs("cap-accept", **args, layout=layout)
+    with pytest.raises(ValueError, match="was not built with tiers=\\[\\]"):
+        build_verify_inputs("compact", **args, layout=layout)
+    with pytest.raises(ValueError, match="holds 9 requests, the batch has 8"):
+        build_verify_inputs("compact", **{k: v[:8] for k, v in args.items() if k != "page_size"},
+                            page_size=4, layout=layout)

@@ -27,6 +27,7 @@ from dspark.engine.model import DraftLM, TinyLM
 from dspark.engine.policies import FixedK, Oracle, PolicyPlan
 from dspark.engine.step_attention import StepAttention, batch_attention
 from dspark.layout import RaggedVerifyLayout, check_tiers
+from dspark.profiling import CLOCKS
 from dspark.verify_inputs import build_verify_inputs
 
 DEVICES = ("cpu", "cuda")
@@ -89,11 +90,23 @@ class GenerateResult:
 
 
 class SpecDecoder:
-    """Target + draft with their paged KV caches; runs one policy over a batch of equal-length prompts."""
+    """Target + draft with their paged KV caches; runs one policy over a batch of equal-length prompts.
+
+    clock: how step phases are timed. `wall` (perf_counter) or, on the CPU with one intra-op thread,
+    `thread` (this thread's CPU time): the same number on an idle machine, but immune to other processes
+    taking the core on a shared one, so side-by-side policy comparisons are not decided by neighbours.
+    """
 
     def __init__(self, target: TinyLM, draft: DraftLM, *, cache_tokens: int = 65536, page_size: int = 16,
-                 device: str | torch.device = "cpu", compile: bool = False, tiers: Sequence[int] | None = None):
+                 device: str | torch.device = "cpu", compile: bool = False, tiers: Sequence[int] | None = None,
+                 clock: str = "wall"):
         self.device = check_device(device)
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+        if clock == "thread" and self.device.type != "cpu":
+            raise ValueError(f"clock 'thread' (this thread's CPU time) times CPU work only; device is {self.device}")
+        self.clock = clock
+        self._now = time.perf_counter if clock == "wall" else time.thread_time
         self.tiers = check_tiers(tiers)
         self.target = target.to(self.device).eval()
         self.draft = draft.to(self.device).eval()
@@ -127,10 +140,13 @@ class SpecDecoder:
 
     # -- decoding --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: Tensor, max_new_tokens: int, policy: FixedK | Oracle | object, *,
+    def generate(self, prompts: Tensor, max_new_tokens: int | Tensor, policy: FixedK | Oracle | object, *,
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
                  seed: int = 0, reserve_new_tokens: int | None = None, slots: int | None = None) -> GenerateResult:
         """Decode `max_new_tokens` after each prompt ([N, P] int64, P >= 3) with one policy.
+
+        max_new_tokens: one count for every request, or an int64 tensor [N] of per-request counts (a
+        serving workload's varied output lengths); result.tokens is [N, max] with zeros past each count.
 
         slots: continuous batching. At most `slots` requests (default: all N) decode at once; when a
         request reaches max_new_tokens its slot is refilled at once with the next queued prompt (prefilled,
@@ -142,7 +158,9 @@ class SpecDecoder:
         uses it to time short runs with the geometry of the timed ones.
         """
         mode = VerifyMode.parse(mode)
-        n, p = self._check_prompts(prompts, max_new_tokens)
+        n, p = self._check_prompts(prompts)
+        new_tokens = _check_new_tokens(max_new_tokens, n)
+        max_new_tokens = int(new_tokens.max())
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise ValueError(f"slots must be a positive int or None, got {slots!r}")
         b = min(n, slots or n)
@@ -163,9 +181,10 @@ class SpecDecoder:
                     f"the model's max_seq_len {m.cfg.max_seq_len}")
         self.tcache.admit(b, self._max_len)
         self.dcache.admit(b, self._max_len)
-        # prefill, full verify, a draft catch-up after plain steps (<= max_probe_every + W rows), or top tier
+        # target prefill (P - 1 rows), full verify, or top tier; the draft's first forward of a request is
+        # its prompt plus what plain steps committed before it (<= max_probe_every + W rows)
         catch_up = w + getattr(policy, "max_probe_every", 0) if getattr(policy, "speculate", None) else w
-        rows = max(b * max(p, catch_up), self.tiers[-1] if self.tiers else 0)
+        rows = max(b * (p + catch_up), self.tiers[-1] if self.tiers else 0)
         self._slots = self.graph_slots(b, w)
         self._attn = {id(c): batch_attention(c, rows, self._slots or b + 1) for c in (self.tcache, self.dcache)}
         gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -175,34 +194,39 @@ class SpecDecoder:
         gens = torch.zeros(b, dtype=torch.int64, device=self.device)
         owner = torch.full((b,), -1, dtype=torch.int64)  # request id decoding in each slot (-1: idle)
         result = GenerateResult(tokens=torch.zeros(n, max_new_tokens, dtype=torch.long, device=self.device))
-        end = p + max_new_tokens
+        end = torch.zeros(b, dtype=torch.int64)  # host: each slot's request stops at this length
         observe = getattr(policy, "observe", None)
+        observe_seconds = getattr(policy, "observe_seconds", None)
         queued = 0  # next request id to admit
         prefill = 0.0
         while True:
             done = ((owner >= 0) & (lens >= end)).nonzero().squeeze(1)
-            if done.numel():
-                result.tokens[owner[done].to(self.device)] = buf[done.to(self.device), p:end]
-                owner[done] = -1
+            for slot in done.tolist():
+                count = int(end[slot]) - p
+                result.tokens[int(owner[slot]), :count] = buf[slot, p: p + count]
+            owner[done] = -1
             free = (owner < 0).nonzero().squeeze(1)[: n - queued]
             if free.numel():
-                t0 = time.perf_counter()
-                self._admit(buf, lens, dlen, gens, free, prompts[queued: queued + free.numel()], k, policy)
+                t0 = self._now()
+                self._admit(buf, lens, dlen, gens, free, prompts[queued: queued + free.numel()], policy)
                 owner[free] = torch.arange(queued, queued + free.numel())
+                end[free] = p + new_tokens[queued: queued + free.numel()]
                 queued += free.numel()
-                prefill = time.perf_counter() - t0
+                prefill = self._now() - t0
             reqs = (owner >= 0).nonzero().squeeze(1)
             if not reqs.numel():
                 break
             out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
             commit = out.commit_lens.cpu()  # sync: the next step's positions and the stop test
-            out.useful = int((torch.clamp(lens[reqs] + commit, max=end) - lens[reqs]).sum())
+            out.useful = int((torch.minimum(lens[reqs] + commit, end[reqs]) - lens[reqs]).sum())
             out.times.prefill, prefill = prefill, 0.0
             lens[reqs] += commit
             if observe is not None:  # the adaptive policy's realised-acceptance feedback, charged to plan
-                t0 = time.perf_counter()
+                t0 = self._now()
                 observe(commit)
-                out.times.plan += time.perf_counter() - t0
+                out.times.plan += self._now() - t0
+            if observe_seconds is not None:  # ... and its realised-cost feedback
+                observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept)
             out.host_syncs += 1
             result.steps.append(out)
         result.slots = b
@@ -213,20 +237,22 @@ class SpecDecoder:
         self.dcache.release()
         return result
 
-    def _admit(self, buf: Tensor, lens: Tensor, dlen: Tensor, gens: Tensor, slots: Tensor, prompts: Tensor, k: int,
+    def _admit(self, buf: Tensor, lens: Tensor, dlen: Tensor, gens: Tensor, slots: Tensor, prompts: Tensor,
                policy: object) -> None:
-        """Admit new requests into free `slots` (host ids): write their prompts, prefill target (and draft when
-        the policy drafts) KV over positions 0..P-2, and give them a fresh generation number."""
+        """Admit new requests into free `slots` (host ids): write their prompts, prefill the target's KV over
+        positions 0..P-2 and give them a fresh generation number.
+
+        The draft is not prefilled here: its KV starts empty (dlen 0), so the next draft forward takes the
+        prompt as the request's catch-up rows, batched with every other request's rows in that one ragged
+        forward (a refill costs no draft forward of its own, and nothing when the policy never drafts).
+        """
         dev_slots, p = slots.to(self.device), prompts.shape[1]
         buf[dev_slots] = 0
         buf[dev_slots, :p] = prompts.to(self.device)
         rows = buf[dev_slots, : p - 1].reshape(-1)
         zeros = torch.zeros(slots.numel(), dtype=torch.int64)
-        layout = self._uniform(slots.numel(), p - 1)
-        self._forward(self.target, self.tcache, rows, layout, zeros, dev_slots)
-        if k:
-            self._forward(self.draft, self.dcache, rows, layout, zeros, dev_slots)
-        lens[slots], dlen[slots] = p, p - 1
+        self._forward(self.target, self.tcache, rows, self._uniform(slots.numel(), p - 1), zeros, dev_slots)
+        lens[slots], dlen[slots] = p, 0
         self._generation += 1  # new requests: lagged survival of the slot's earlier requests must not leak in
         gens[dev_slots] = self._generation
         admit = getattr(policy, "admit", None)
@@ -243,33 +269,33 @@ class SpecDecoder:
         if k == 0:
             return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, 0.0)
         speculate = getattr(policy, "speculate", None)
-        t0 = time.perf_counter()
+        t0 = self._now()
         if speculate is not None and not speculate(dev_reqs, all_gens[dev_reqs]):
-            decided = time.perf_counter() - t0
+            decided = self._now() - t0
             return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, decided)
-        times = StepTimes(plan=time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        times = StepTimes(plan=self._now() - t0)
+        t0 = self._now()
         drafts, draft_probs, conf, draft_logits = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature,
                                                               gen)
-        t1 = time.perf_counter()
+        t1 = self._now()
         times.draft = t1 - t0
         if isinstance(policy, Oracle):
             full = torch.full((b,), k + 1, dtype=torch.int32, device=self.device)
             pre = self._verify(VerifyMode.STATIC, full, root, drafts, draft_probs, prefix, dev_reqs, sampling,
                                temperature, gen)
             plan = PolicyPlan(pre.commit_lens.to(torch.int32))
-            t1 = time.perf_counter()  # the prepass is not charged to the oracle
+            t1 = self._now()  # the prepass is not charged to the oracle
         else:
             plan = policy.plan(conf, dev_reqs, all_gens[dev_reqs])
-        times.plan += time.perf_counter() - t1
+        times.plan += self._now() - t1
         acc, layout, caps, times.verify, times.accept = self._verify(
             mode, plan.verify_lens, root, drafts, draft_probs, prefix, dev_reqs, sampling, temperature, gen,
-            timed=True)
+            timed=True, layout=plan.layout if mode is VerifyMode.COMPACT else None)
         if isinstance(policy, Oracle):
             acc = pre  # sampling: the outcome the prepass drew (greedy: identical anyway)
-        t3 = time.perf_counter()
+        t3 = self._now()
         self._commit(buf, dev_reqs, lens, acc.tokens, acc.commit_lens)
-        times.accept += time.perf_counter() - t3
+        times.accept += self._now() - t3
         return StepOutcome(requests=reqs, plan=plan, layout=layout, caps=caps, confidence_logits=conf,
                            commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1,
                            draft_logits=draft_logits)
@@ -279,17 +305,17 @@ class SpecDecoder:
         """Target-only decoding (fixed-0, or the adaptive policy's choice, whose decision took
         `plan_seconds`): one row per request, its argmax or a sample is committed."""
         b, dev_reqs = reqs.numel(), reqs.to(self.device)
-        t0 = time.perf_counter()
+        t0 = self._now()
         layout = self._uniform(b, 1)
         logits = self.target.logits(self._forward(self.target, self.tcache, root, layout, lens - 1, dev_reqs))
-        t1 = time.perf_counter()
+        t1 = self._now()
         if sampling:
             token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
         else:
             token = logits.argmax(-1, keepdim=True)
         ones = torch.ones(b, dtype=torch.int32, device=self.device)
         self._commit(buf, dev_reqs, lens, token, ones)
-        times = StepTimes(plan=plan_seconds, verify=t1 - t0, accept=time.perf_counter() - t1)
+        times = StepTimes(plan=plan_seconds, verify=t1 - t0, accept=self._now() - t1)
         return StepOutcome(requests=reqs, plan=PolicyPlan(ones), layout=layout, caps=ones,
                            confidence_logits=torch.zeros(b, 0, device=self.device), commit_lens=ones,
                            correct_len=ones - 1, times=times, host_syncs=0)
@@ -323,17 +349,18 @@ class SpecDecoder:
 
     def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
                 draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,
-                gen: torch.Generator, timed: bool = False):
+                gen: torch.Generator, timed: bool = False, layout: RaggedVerifyLayout | None = None):
         """Verify forward in `mode` (dspark.build_verify_inputs) and accept on its packed rows.
 
         Returns the AcceptResult, or with `timed` also the layout, the caps and the verify / accept
-        seconds. Building the layout reads the verify lengths on the host (the step's first sync).
+        seconds. Building the layout reads the verify lengths on the host (the step's first sync); a compact
+        `layout` the planner already built is reused.
         """
-        t0 = time.perf_counter()
+        t0 = self._now()
         vin = build_verify_inputs(mode, verify_lens, root, drafts, prefix.to(self.device),
-                                  tiers=self.tiers or None, slots=self._slots)
+                                  tiers=self.tiers or None, slots=self._slots, layout=layout)
         logits = self.target.logits(self._forward(self.target, self.tcache, vin.input_ids, vin.layout, prefix, reqs))
-        t1 = time.perf_counter()
+        t1 = self._now()
         if sampling:
             p = torch.softmax(logits / temperature, -1)
             acc = accept_sampling(drafts, draft_probs, p, vin.caps, generator=gen, layout=vin.layout)
@@ -341,7 +368,7 @@ class SpecDecoder:
             acc = accept_greedy(drafts, logits, vin.caps, layout=vin.layout)
         if not timed:
             return acc
-        return acc, vin.layout, vin.caps, t1 - t0, time.perf_counter() - t1
+        return acc, vin.layout, vin.caps, t1 - t0, self._now() - t1
 
     def _commit(self, buf: Tensor, reqs: Tensor, lens: Tensor, tokens: Tensor, commit_lens: Tensor) -> None:
         """Write each request's committed tokens after its length (columns past commit go to the spare
@@ -352,12 +379,26 @@ class SpecDecoder:
         idx = torch.where(cols[None, :] < commit_lens[:, None], idx, buf.shape[1] - 1)
         buf[reqs[:, None].expand(-1, w), idx] = tokens
 
-    def _check_prompts(self, prompts: Tensor, max_new_tokens: int) -> tuple[int, int]:
+    def _check_prompts(self, prompts: Tensor) -> tuple[int, int]:
         if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.dtype != torch.long:
             raise ValueError(f"prompts must be an int64 tensor [B, P], got {getattr(prompts, 'shape', prompts)}")
         b, p = prompts.shape
         if b < 1 or p < 3:
             raise ValueError(f"need at least one prompt of >= 3 tokens, got shape {tuple(prompts.shape)}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         return b, p
+
+
+def _check_new_tokens(max_new_tokens: int | Tensor, n: int) -> Tensor:
+    """Per-request new-token counts as a host int64 tensor [n], each >= 1."""
+    if isinstance(max_new_tokens, Tensor):
+        if max_new_tokens.shape != (n,) or max_new_tokens.dtype != torch.int64:
+            raise ValueError(f"max_new_tokens as a tensor must be int64 [{n}] (one count per prompt), got "
+                             f"{max_new_tokens.dtype} {list(max_new_tokens.shape)}")
+        counts = max_new_tokens.cpu()
+        if bool((counts < 1).any()):
+            bad = int((counts < 1).nonzero()[0])
+            raise ValueError(f"max_new_tokens[{bad}] = {int(counts[bad])} must be >= 1")
+        return counts
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int or an int64 tensor [N], got {max_new_tokens!r}")
+    return torch.full((n,), max_new_tokens, dtype=torch.int64)

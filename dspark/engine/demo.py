@@ -4,7 +4,8 @@
 2. profile this machine's speculative step cost T(B, M) and plain step cost T_plain(B) with the real
    decode loop and fit a cost model;
 3. record the draft's confidence against realised acceptance and fit STS temperatures;
-4. serve the same queue of held-out prompts (N = requests_per_slot x B) with every policy (adaptive,
+4. serve the same queue of held-out prompts (N = requests_per_slot x B, output lengths varied around
+   max_new_tokens) with every policy (adaptive,
    fixed-k for k = 0..gamma, oracle) at each batch size B by continuous batching: B slots, a finished
    request's slot is refilled at once (prefill timed); reported are committed tokens/s over the whole
    queue (ramp-up and drain tail included) and over the steady state (every slot busy). In greedy mode
@@ -50,9 +51,10 @@ class DemoConfig:
     policies: tuple[str, ...] = ("adaptive", "fixed", "oracle")
     gamma: int = 6
     prompt_len: int = 32
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32    # mean new tokens per request ...
+    length_spread: float = 0.5  # ... each drawn uniformly from max_new_tokens x [1 - spread, 1 + spread]
     requests_per_slot: int = 3  # queue length N = requests_per_slot * B (continuous batching on B slots)
-    repeats: int = 2
+    repeats: int = 3
     profile_repeats: int = 2
     sampling: bool = False
     temperature: float = 1.0
@@ -61,6 +63,7 @@ class DemoConfig:
     max_probe_every: int = 64   # ... doubling while probes keep confirming plain, up to this
     threads: int = 1
     tiers: tuple[int, ...] = ()  # captured token tiers for compact steps (() = eager, no padding)
+    clock: str = "auto"     # step timing: wall / thread (CPU time of the decoding thread); auto: see `demo_clock`
     compile: bool = False   # torch.compile the dense block parts (CPU: ~18 s compile for small gains; off)
     seed: int = 0
     cache_dir: str | None = None
@@ -95,6 +98,11 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"gamma must be an int in [1, {top}] (the draft's heads), got {cfg.gamma!r}")
     parse_policies(cfg.policies, cfg.gamma)
     check_tiers(cfg.tiers)
+    if cfg.clock not in ("auto", "wall", "thread"):
+        raise ValueError(f"clock must be auto, wall or thread, got {cfg.clock!r}")
+    if demo_clock(cfg) == "thread" and (check_device(cfg.device).type != "cpu" or cfg.threads != 1):
+        raise ValueError(f"clock 'thread' needs device cpu and threads 1 (the CPU time of the one decoding "
+                         f"thread), got device {cfg.device!r}, threads {cfg.threads}")
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
     for name in ("prompt_len", "max_new_tokens", "requests_per_slot", "repeats", "profile_repeats", "threads", "probe_every",
@@ -102,8 +110,25 @@ def check_config(cfg: DemoConfig) -> None:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < (3 if name == "prompt_len" else 1):
             raise ValueError(f"{name} must be a positive int (prompt_len >= 3), got {v!r}")
+    if not (isinstance(cfg.length_spread, (int, float)) and 0 <= cfg.length_spread < 1):
+        raise ValueError(f"length_spread must be in [0, 1), got {cfg.length_spread!r}")
     if cfg.max_probe_every < cfg.probe_every:
         raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
+
+
+def demo_clock(cfg: DemoConfig) -> str:
+    """`thread` on the CPU with one intra-op thread (all the work runs on the timed thread, so its CPU time
+    is the step time without other processes' interference), else `wall`."""
+    if cfg.clock != "auto":
+        return cfg.clock
+    return "thread" if check_device(cfg.device).type == "cpu" and cfg.threads == 1 else "wall"
+
+
+def request_lengths(n: int, mean: int, spread: float, seed: int) -> torch.Tensor:
+    """[n] int64 new-token counts, uniform over mean x [1 - spread, 1 + spread] (at least 1): a serving queue's
+    varied output lengths, so requests finish (and slots refill) at different steps under every policy."""
+    lo, hi = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    return torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def heldout_prompts(n: int, length: int, seed: int) -> torch.Tensor:
@@ -179,15 +204,18 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         train_bar.close()
     echo(f"models: {'trained now' if trained else 'loaded from cache'} "
          f"({Path(cfg.cache_dir or default_cache_dir())}) in {time.perf_counter() - t_start:.0f}s")
+    echo(f"timing: {demo_clock(cfg)} clock" + (" (CPU time of the decoding thread)" if demo_clock(cfg) == "thread" else ""))
     gamma, bmax = cfg.gamma, max(cfg.batch_sizes)
     decoder = SpecDecoder(target, draft, cache_tokens=bmax * target.cfg.max_seq_len, device=device,
-                          compile=cfg.compile, tiers=cfg.tiers or None)
+                          compile=cfg.compile, tiers=cfg.tiers or None, clock=demo_clock(cfg))
     prompts = heldout_prompts(cfg.requests_per_slot * bmax, cfg.prompt_len, cfg.seed)
+    lengths = request_lengths(prompts.shape[0], cfg.max_new_tokens, cfg.length_spread, cfg.seed)
+    longest = int(lengths.max())
     runs = len(cfg.batch_sizes) * len(names) * (cfg.repeats + 1) + len(VerifyMode) * len(names)
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
     bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
     samples, plain = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
-                                        reserve_new_tokens=cfg.max_new_tokens,
+                                        reserve_new_tokens=longest,
                                         progress=lambda: bar("profiling step cost"))
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
@@ -208,8 +236,10 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     seconds: dict[tuple[str, int], list[float]] = {}
     steady: dict[tuple[str, int], list[float]] = {}  # steady-state committed tokens / s per timed run
     lossless_checks = 0
+    queue_tokens: dict[int, int] = {}  # B -> new tokens the queue asks for
     for b in cfg.batch_sizes:
-        queue = prompts[: cfg.requests_per_slot * b]
+        queue, counts = prompts[: cfg.requests_per_slot * b], lengths[: cfg.requests_per_slot * b]
+        queue_tokens[b] = int(counts.sum())
         def make(name: str, b: int = b):
             return _make_policy(name, gamma, b, planner, plain, probe)
 
@@ -222,7 +252,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
             for name in order:
                 policy = make(name)
-                res = decoder.generate(queue, cfg.max_new_tokens, policy, mode=mode, sampling=cfg.sampling,
+                res = decoder.generate(queue, counts, policy, mode=mode, sampling=cfg.sampling,
                                        temperature=cfg.temperature, seed=cfg.seed + rep, slots=b)
                 bar(f"B={b} {name}")
                 if not cfg.sampling:
@@ -249,7 +279,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")
     bar.close()
-    rows = _table_rows(cfg, names, records, seconds, steady)
+    rows = _table_rows(cfg, names, records, seconds, steady, queue_tokens)
     goals = goal_check(rows)
     summary = {
         "config": {**{k: v for k, v in asdict(cfg).items() if k != "train"}, "policies": names,
@@ -257,7 +287,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                              "draft": cfg.train.draft.to_dict(), "target_steps": cfg.train.target_steps,
                              "draft_steps": cfg.train.draft_steps}},
         "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
+                    "threads": torch.get_num_threads(), "clock": decoder.clock},
         "lossless": {"checked_runs": lossless_checks, "greedy": not cfg.sampling,
                      "all_identical_to_target_only": not cfg.sampling},
         "cost_model": {"path": "cost_model.json", "kind": cost.kind, "row_bin": row_bin, "fit": fit.to_dict(), "samples": [asdict(s) for s in samples]},
@@ -288,10 +318,11 @@ def _median(xs: list[float]) -> float:
     return float(torch.tensor(xs, dtype=torch.float64).median())
 
 
-def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict, steady: dict) -> list[dict]:
+def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict, steady: dict,
+                queue_tokens: dict[int, int]) -> list[dict]:
     rows = []
     for b in cfg.batch_sizes:
-        tps = {n: cfg.requests_per_slot * b * cfg.max_new_tokens / _median(seconds[(n, b)]) for n in names}
+        tps = {n: queue_tokens[b] / _median(seconds[(n, b)]) for n in names}
         sps = {n: _median(steady[(n, b)]) for n in names}
         best_fixed = max((n for n in names if n.startswith("fixed-")), key=sps.get)
         best_fixed_queue = max((n for n in names if n.startswith("fixed-")), key=tps.get)
@@ -300,8 +331,10 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict,
             acc, tm = acceptance(recs), timing(recs)
             bias = tau_bias(recs, by=())  # the whole run: one bucket
             rows.append({
-                "batch": b, "policy": n, "requests": cfg.requests_per_slot * b, "tokens_per_s": tps[n],
-                "steady_tokens_per_s": sps[n],
+                "batch": b, "policy": n, "requests": cfg.requests_per_slot * b, "queue_tokens": queue_tokens[b],
+                "tokens_per_s": tps[n],
+                "steady_tokens_per_s": sps[n], "steady_tokens_per_s_runs": steady[(n, b)],
+                "steady_spread": (max(steady[(n, b)]) - min(steady[(n, b)])) / 2 / sps[n],
                 "acceptance_length": acc["acceptance_length"], "acceptance_rate": acc["acceptance_rate"],
                 "proposed_drafts": acc["proposed_drafts"], "accepted_drafts": acc["accepted_drafts"],
                 "rows_per_step": tm["rows_per_step"], "host_syncs_per_step": tm["host_syncs_per_step"],
@@ -357,7 +390,7 @@ def format_goals(goals: list[dict]) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'B':>4} {'policy':<9} {'tok/s':>7} {'steady':>7} {'AL':>5} {'acc.rate':>15} {'rows/step':>9} "
+    head = (f"{'B':>4} {'policy':<9} {'tok/s':>7} {'steady':>7} {'+-':>4} {'AL':>5} {'acc.rate':>15} {'rows/step':>9} "
             f"{'spec%':>5} {'tau bias':>8} {'vs k=0':>7} {'vs best k':>10} {'queue vs best k':>15}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -365,7 +398,7 @@ def format_table(rows: list[dict]) -> str:
                 else f"{r['acceptance_rate']:.2f} ({r['accepted_drafts']}/{r['proposed_drafts']})")
         bias = "n/a" if r["tau_relative_bias"] is None else f"{100 * r['tau_relative_bias']:+.1f}%"
         lines.append(f"{r['batch']:>4} {r['policy']:<9} {r['tokens_per_s']:>7.0f} {r['steady_tokens_per_s']:>7.0f} "
-                     f"{r['acceptance_length']:>5.2f} {rate:>15} {r['rows_per_step']:>9.1f} "
+                     f"{100 * r['steady_spread']:>3.0f}% {r['acceptance_length']:>5.2f} {rate:>15} {r['rows_per_step']:>9.1f} "
                      f"{100 * r['speculative_step_share']:>5.0f} {bias:>8} {r['speedup_vs_no_spec']:>6.2f}x "
                      f"{r['speedup_vs_best_fixed']:>6.2f}x ({r['best_fixed']}) "
                      f"{r['queue_speedup_vs_best_fixed']:>6.2f}x ({r['queue_best_fixed']})")

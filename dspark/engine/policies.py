@@ -78,18 +78,28 @@ class Adaptive:
     steps that optimism would keep speculation on whatever the others' survival says, so until a new
     request has `lag` survival rows of its own the decision uses the mean (feedback-scaled) lagged
     survival of the batch's other requests in its place (all-ones only when every request is new).
+
+    Realised-cost feedback: both sides of the decision are profiled once, before serving; when the
+    machine's speed drifts afterwards (load, clocks, other tenants) the two predictions can drift apart.
+    After each step the decoder reports the step's measured seconds (`observe_seconds`); per kind (plain /
+    speculative) the policy keeps an exponential moving average (weight `cost_decay` on the past) of
+    measured / predicted seconds (the planner's T(B, M) of its budget, or T_plain(B)) and divides each side's
+    predicted throughput by its ratio. The planner's budget is unchanged (a common scale of T moves no
+    argmax); `cost_decay=None` turns this off.
     """
 
     prepass = False
     name = "adaptive"
 
     def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
-                 probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.5):
+                 probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.5,
+                 cost_decay: float | None = 0.8):
         for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-        if feedback_decay is not None and not (isinstance(feedback_decay, (int, float)) and 0 <= feedback_decay < 1):
-            raise ValueError(f"feedback_decay must be in [0, 1) or None, got {feedback_decay!r}")
+        for name, v in (("feedback_decay", feedback_decay), ("cost_decay", cost_decay)):
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1):
+                raise ValueError(f"{name} must be in [0, 1) or None, got {v!r}")
         if plain_seconds is not None and planner.ring is None:
             raise ValueError("speculate-or-not reads the lagged survival: the planner needs lag >= 1 "
                              "(or pass plain_seconds=None)")
@@ -101,6 +111,10 @@ class Adaptive:
         self._interval = probe_every  # plain steps before the next probe
         self._decided: tuple[int, bool] | None = None  # (B, speculate) until the lag ring changes
         self.feedback_decay = feedback_decay
+        self.cost_decay = cost_decay
+        self.cost_ratio = {True: 1.0, False: 1.0}  # speculative? -> EMA of measured / predicted step seconds
+        self._cost_seen = {True: False, False: False}
+        self._pending_cost: tuple[bool, float] | None = None  # (speculative, predicted seconds) of this step
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self._accepted = torch.zeros(slots, dtype=torch.float64)   # EMA of accepted drafts per slot
         self._predicted = torch.zeros(slots, dtype=torch.float64)  # EMA of predicted accepted drafts per slot
@@ -125,16 +139,20 @@ class Adaptive:
             if new.any() and not new.all():
                 lagged[new] = lagged[~new].mean(0)
             best = choose_budget(lagged, self.planner.cost_model, self.planner.cfg)
-            self._decided = (b, best.theta > b / self.plain_seconds(b))
+            spec_rate = best.theta / self.cost_ratio[True]
+            plain_rate = b / (self.plain_seconds(b) * self.cost_ratio[False])
+            self._decided = (b, spec_rate > plain_rate)
         if self._decided[1]:
             self._plain_run, self._interval = 0, self.probe_every
             return True
         self._plain_run += 1
+        self._pending_cost = (False, self.plain_seconds(b))
         return False
 
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
         self._decided = None  # the lag ring holds new survival
+        self._pending_cost = (True, p.decision.step_seconds)
         if self.planner.ring is not None:
             self._unseen[slots.cpu()] = (self._unseen[slots.cpu()] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_decay is not None:
@@ -158,6 +176,18 @@ class Adaptive:
         """[B] factor in [0, 1] per slot: accepted / predicted drafts (moving averages; 1 before any data)."""
         acc, pred = self._accepted[slots], self._predicted[slots]
         return torch.where(pred > 0, (acc / pred.clamp_min(1e-9)).clamp(max=1.0), torch.ones_like(pred))
+
+    def observe_seconds(self, seconds: float) -> None:
+        """After any step: its measured seconds (draft + plan + verify + accept, no refill prefill)."""
+        if self._pending_cost is None or self.cost_decay is None:
+            self._pending_cost = None
+            return
+        speculative, predicted = self._pending_cost
+        self._pending_cost = None
+        ratio = seconds / predicted if predicted > 0 else 1.0
+        d = self.cost_decay if self._cost_seen[speculative] else 0.0
+        self.cost_ratio[speculative] = d * self.cost_ratio[speculative] + (1 - d) * ratio
+        self._cost_seen[speculative] = True
 
     def observe(self, commit_lens: Tensor) -> None:
         """After a speculative step: host commit lengths [B] of the step's requests (the decoder's sync)."""
