@@ -108,7 +108,8 @@ def _plain_runs(out) -> list[int]:
 
 def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
     n = 3
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n)  # plain wins
+    # plain wins; cost_decay=None: the decision must follow these predictions, not the measured step times
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n, cost_decay=None)
     out = decoder.generate(_prompts(3, 5), 14, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[0] == n and all(r == n for r in runs[:-1]) and len(runs) >= 3 and runs[-1] <= n
@@ -116,14 +117,14 @@ def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
 
 
 def test_probe_interval_backs_off_while_plain_keeps_winning(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8)
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8, cost_decay=None)
     out = decoder.generate(_prompts(2, 5), 40, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[:4] == [2, 4, 8, 8]
 
 
 def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 10.0)  # plain: 10 s per step
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 10.0, cost_decay=None)  # plain: 10 s per step
     out = decoder.generate(_prompts(3, 5), 10, policy, mode="compact")
     assert all(_speculated(out))
 

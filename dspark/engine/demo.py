@@ -220,8 +220,12 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
     cost.save(tmp / "cost_model.json")
-    calib = record_and_fit(decoder, heldout_prompts(bmax, cfg.prompt_len, cfg.seed + 1), gamma, cfg.max_new_tokens,
-                           tmp / "sts_shards", sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
+    # greedy: the teacher-forced recorder records the decode loop's exact rows on 8 x B_max prompts in seconds;
+    # sampling draws its own tokens, so it is recorded by decoding (on B_max prompts)
+    sts_prompts = heldout_prompts((1 if cfg.sampling else 8) * bmax, cfg.prompt_len, cfg.seed + 1)
+    calib = record_and_fit(decoder, sts_prompts, gamma, longest, tmp / "sts_shards", sampling=cfg.sampling,
+                           temperature=cfg.temperature, seed=cfg.seed,
+                           recorder="decode" if cfg.sampling else "teacher_forced")
     bar("fitting STS temperatures")
     calib.save(tmp / "calibration.json")
     temps = calib.temperatures
