@@ -116,6 +116,11 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def demo_clock(cfg: DemoConfig) -> str:
     """`thread` on the CPU with one intra-op thread (all the work runs on the timed thread, so its CPU time
     is the step time without other processes' interference), else `wall`."""
@@ -198,8 +203,12 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
          echo: Callable[[str], None], show_progress: bool) -> dict:
     t_start = time.perf_counter()
     train_bar = Progress(cfg.train.target_steps + cfg.train.draft_steps, show_progress)
-    target, draft, trained = load_or_train(cfg.train, Path(cfg.cache_dir) if cfg.cache_dir else None,
-                                           lambda phase, step, total, loss: train_bar(f"train {phase} loss {loss:.2f}"))
+    torch.set_num_threads(max(cfg.threads, available_cores()))  # training: every core (nothing is timed)
+    try:
+        target, draft, trained = load_or_train(cfg.train, Path(cfg.cache_dir) if cfg.cache_dir else None,
+                                               lambda phase, step, total, loss: train_bar(f"train {phase} loss {loss:.2f}"))
+    finally:
+        torch.set_num_threads(cfg.threads)
     if trained:
         train_bar.close()
     echo(f"models: {'trained now' if trained else 'loaded from cache'} "
