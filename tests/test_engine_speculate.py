@@ -84,14 +84,21 @@ def test_realised_cost_feedback_follows_measured_step_times() -> None:
     assert policy.cost_ratio[False] == pytest.approx(3.0)
     policy._decided = None  # re-decide now (a probe or a plan would)
     assert policy.speculate(slots, gens)
+    policy.plan(sure, slots, gens)
+    policy.observe_seconds(100 * STEP)  # right after plain steps: the draft's catch-up, not sampled
+    assert policy.cost_ratio[True] == pytest.approx(3.0)
+    assert policy.speculate(slots, gens)
+    policy.plan(sure, slots, gens)
+    policy.observe_seconds(STEP)  # a speculative step after a speculative step is
+    assert policy.cost_ratio[True] == pytest.approx(1.0)
     ema = Adaptive(planner, plain_seconds=lambda b: b / 400.0)  # default cost_decay 0.8: the first sample
     ema.speculate(slots, gens)                                    # sets the ratio, later ones move it 20 %
     ema.plan(sure, slots, gens)
-    ema.observe_seconds(3 * STEP)
-    ema.speculate(slots, gens)
+    ema.observe_seconds(1.5 * STEP)  # 740 / 1.5 = 493 tok/s: still beats plain
+    assert ema.speculate(slots, gens)
     ema.plan(sure, slots, gens)
     ema.observe_seconds(STEP)
-    assert ema.cost_ratio[True] == pytest.approx(0.8 * 3.0 + 0.2 * 1.0)
+    assert ema.cost_ratio[True] == pytest.approx(0.8 * 1.5 + 0.2 * 1.0)
     off = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_decay=None)
     off.speculate(slots, gens)
     off.plan(sure, slots, gens)

@@ -84,8 +84,11 @@ class Adaptive:
     After each step the decoder reports the step's measured seconds (`observe_seconds`); per kind (plain /
     speculative) the policy keeps an exponential moving average (weight `cost_decay` on the past) of
     measured / predicted seconds (the planner's T(B, M) of its budget, or T_plain(B)) and divides each side's
-    predicted throughput by its ratio. The planner's budget is unchanged (a common scale of T moves no
-    argmax); `cost_decay=None` turns this off.
+    predicted throughput by its ratio. A speculative step right after plain steps (a probe, or the switch
+    back) is not sampled: its draft first catches up on every token the plain steps committed, a cost of
+    having been plain, not of speculating, and counting it would keep a policy that once went plain there.
+    The planner's budget is unchanged (a common scale of T moves no argmax); `cost_decay=None` turns this
+    off.
     """
 
     prepass = False
@@ -115,6 +118,7 @@ class Adaptive:
         self.cost_ratio = {True: 1.0, False: 1.0}  # speculative? -> EMA of measured / predicted step seconds
         self._cost_seen = {True: False, False: False}
         self._pending_cost: tuple[bool, float] | None = None  # (speculative, predicted seconds) of this step
+        self._after_plain = False  # the step being planned follows a plain step (its draft catches up)
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self._accepted = torch.zeros(slots, dtype=torch.float64)   # EMA of accepted drafts per slot
         self._predicted = torch.zeros(slots, dtype=torch.float64)  # EMA of predicted accepted drafts per slot
@@ -147,12 +151,14 @@ class Adaptive:
             return True
         self._plain_run += 1
         self._pending_cost = (False, self.plain_seconds(b))
+        self._after_plain = True
         return False
 
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
         self._decided = None  # the lag ring holds new survival
-        self._pending_cost = (True, p.decision.step_seconds)
+        self._pending_cost = None if self._after_plain else (True, p.decision.step_seconds)
+        self._after_plain = False
         if self.planner.ring is not None:
             self._unseen[slots.cpu()] = (self._unseen[slots.cpu()] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_decay is not None:
