@@ -140,15 +140,6 @@ def test_refilled_request_is_drafted_from_its_whole_prompt(decoder: SpecDecoder)
     torch.testing.assert_close(torch.stack(policy.first), expect, rtol=1e-4, atol=1e-4)
 
 
-def test_adaptive_forgets_feedback_of_the_slots_old_request() -> None:
-    policy = Adaptive(_planner(), lambda b: 0.004 * b)
-    policy._accepted[:] = 0.0
-    policy._predicted[:] = 2.0
-    assert torch.equal(policy.survival_scale(torch.tensor([0, 1])), torch.zeros(2))
-    policy.admit(torch.tensor([1]))
-    assert torch.equal(policy.survival_scale(torch.tensor([0, 1])), torch.tensor([0.0, 1.0], dtype=torch.float64))
-
-
 def test_new_request_borrows_the_batchs_survival_in_the_decision() -> None:
     planner = _planner()
     slots, gens = torch.tensor([0, 1, 2]), torch.tensor([1, 1, 2])

@@ -47,24 +47,30 @@ def test_decision_compares_lagged_theta_with_plain_throughput() -> None:
     assert not decide()
 
 
-def test_realised_acceptance_feedback_turns_speculation_off() -> None:
+def test_realised_acceptance_decides_once_observed() -> None:
+    """Before any outcome the lagged survival predicts; afterwards the moving averages of accepted / verified
+    drafts per request do: confident survival, but nothing accepted -> plain; accepted again -> speculate."""
     slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
-    policy = Adaptive(_planner(), plain_seconds=lambda b: b / 400.0)  # plain: 400 tokens/s
+    policy = Adaptive(_planner(), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5)  # plain: 400 tok/s
     confident = torch.full((2, GAMMA), 8.0)  # survival ~1 at every position
-    assert policy.speculate(slots, gens)
+    assert policy.speculate(slots, gens) and policy.realised is None
     plan = policy.plan(confident, slots, gens)
     assert torch.equal(plan.verify_lens, torch.full((2,), GAMMA + 1, dtype=torch.int32))
-    policy.observe(torch.tensor([GAMMA + 1, GAMMA + 1]))  # every draft accepted: confidence was right
-    assert torch.allclose(policy.survival_scale(slots), torch.ones(2, dtype=torch.float64), atol=1e-3)
-    assert policy.speculate(slots, gens)
+    policy.observe(torch.tensor([GAMMA + 1, GAMMA + 1]))  # every draft accepted
+    assert policy.realised == pytest.approx((GAMMA, GAMMA))
+    assert policy.speculate(slots, gens)  # tau = 2 * 4 per 10 ms
     policy.plan(confident, slots, gens)
-    policy.observe(torch.tensor([1, 1]))  # nothing accepted: the EMA halves the accepted count
-    assert torch.allclose(policy.survival_scale(slots), torch.full((2,), 0.5, dtype=torch.float64), atol=1e-3)
+    policy.observe(torch.tensor([1, 1]))  # nothing accepted: (3 + 0) / 2
+    assert policy.realised == pytest.approx((1.5, GAMMA))
+    assert policy.speculate(slots, gens)  # tau = 2 * 2.5 per 10 ms = 500 tok/s
     policy.plan(confident, slots, gens)
-    policy.observe(torch.tensor([1, 1]))  # scale 0.25: tau ~ 2 + 6 * 0.25 per 10 ms < 400 tokens/s
-    assert not policy.speculate(slots, gens)
+    policy.observe(torch.tensor([1, 2]))  # 0.5 accepted per request: (1.5 + 0.5) / 2 = 1.0
+    assert not policy.speculate(slots, gens)  # tau = 2 * 2 per 10 ms = 400 tok/s: not more than plain
     off = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=None)
-    assert off.speculate(slots, gens)  # the same lagged survival without the correction speculates
+    assert off.speculate(slots, gens)  # the lagged survival alone (~1) speculates
+    off.plan(confident, slots, gens)
+    off.observe(torch.tensor([1, 1]))
+    assert off.realised is None and off.speculate(slots, gens)
 
 
 def test_realised_cost_feedback_follows_measured_step_times() -> None:

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from dspark.budget import choose_budget
-from dspark.survival import monotone_survival
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlanner
 
@@ -43,6 +42,20 @@ class FixedK:
         self.num_drafts = k
         self.name = f"fixed-{k}"
 
+    def _speculative_rate(self, slots: Tensor, generations: Tensor) -> float:
+        """Predicted tokens / s of a speculative step for these requests: from the realised acceptance when
+        there is some, else from the lagged survival (planner's best theta)."""
+        b = slots.numel()
+        if self.realised is not None:
+            accepted, verified = self.realised
+            rows = min(max(b, round(b * (1 + verified))), b * self.planner.cfg.width)
+            return b * (1 + accepted) / float(self.planner.cost_model.step_seconds(b, rows))
+        lagged = self.planner.ring.read(slots, generations).cpu()
+        new = self._unseen[slots.cpu()] > 0
+        if new.any() and not new.all():
+            lagged[new] = lagged[~new].mean(0)
+        return choose_budget(lagged, self.planner.cost_model, self.planner.cfg).theta
+
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         b = confidence_logits.shape[0]
         lens = torch.full((b,), self.num_drafts + 1, dtype=torch.int32, device=confidence_logits.device)
@@ -64,20 +77,21 @@ class Adaptive:
     earlier steps (non-anticipating). One policy object serves one `generate` run (the probe state is
     per run). Without `plain_seconds` every step speculates.
 
-    Realised-acceptance feedback: calibration is fitted over all requests, so the survival of the hard
-    requests that stay in a batch longest is overconfident (measured 1.2-3x the accepted drafts on the
-    demo's stragglers), which would keep speculation on where it loses. After each speculative step the
-    decoder reports the committed lengths (`observe`); per slot the policy keeps an exponential moving
-    average (weight `feedback_decay` on the past) of accepted drafts and of the drafts its live survival
-    predicted within the verified rows, and the decision scales each slot's lagged survival by their
-    ratio (capped at 1). Only outcomes of earlier steps enter (non-anticipating); `feedback_decay=None`
-    turns the correction off. The planner's own budget and allocation are unchanged.
+    Realised-acceptance feedback: the lagged survival is the head's view of the *previous* step; with a
+    sharp head (the engine's ranks at AUROC ~0.99) it says little about the next one, and at small B one
+    request's last step decides the whole batch. After each speculative step the decoder reports the
+    committed lengths (`observe`); the policy keeps exponential moving averages (weight `feedback_decay` on
+    the past) of accepted and of verified drafts per request per speculative step, and once it has any,
+    the decision predicts a speculative step from them: tau = B (1 + accepted), rows = B (1 + verified),
+    theta = tau / T(B, rows), what the planner's steps actually delivered lately. Only outcomes of earlier
+    steps enter (non-anticipating); `feedback_decay=None` keeps the lagged-survival prediction throughout.
+    The planner's own budget and allocation are unchanged.
 
     Continuous batching: a request admitted into a slot (`admit`) has no survival yet, and the lag ring's
     generation guard reads all-ones for it, as good as a perfect draft. With slots refilled every few
     steps that optimism would keep speculation on whatever the others' survival says, so until a new
-    request has `lag` survival rows of its own the decision uses the mean (feedback-scaled) lagged
-    survival of the batch's other requests in its place (all-ones only when every request is new).
+    request has `lag` survival rows of its own the lagged-survival prediction uses the mean lagged survival
+    of the batch's other requests in its place (all-ones only when every request is new).
 
     Realised-cost feedback: both sides of the decision are profiled once, before serving; when the
     machine's speed drifts afterwards (load, clocks, other tenants) the two predictions can drift apart.
@@ -95,7 +109,7 @@ class Adaptive:
     name = "adaptive"
 
     def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
-                 probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.5,
+                 probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.8,
                  cost_decay: float | None = 0.8):
         for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -120,9 +134,8 @@ class Adaptive:
         self._pending_cost: tuple[bool, float] | None = None  # (speculative, predicted seconds) of this step
         self._after_plain = False  # the step being planned follows a plain step (its draft catches up)
         slots = planner.ring.num_slots if planner.ring is not None else 0
-        self._accepted = torch.zeros(slots, dtype=torch.float64)   # EMA of accepted drafts per slot
-        self._predicted = torch.zeros(slots, dtype=torch.float64)  # EMA of predicted accepted drafts per slot
-        self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # (slots, predicted, verify_lens) of the step
+        self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
+        self._pending: Tensor | None = None  # verify_lens [B] (host) of the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
@@ -136,14 +149,7 @@ class Adaptive:
         b = slots.numel()
         if self._decided is None or self._decided[0] != b:
             # same B since the last decision and no admission (`admit`): same requests, same lagged survival
-            lagged = self.planner.ring.read(slots, generations).cpu()
-            if self.feedback_decay is not None:
-                lagged = lagged * self.survival_scale(slots.cpu())[:, None].to(lagged.dtype)
-            new = self._unseen[slots.cpu()] > 0
-            if new.any() and not new.all():
-                lagged[new] = lagged[~new].mean(0)
-            best = choose_budget(lagged, self.planner.cost_model, self.planner.cfg)
-            spec_rate = best.theta / self.cost_ratio[True]
+            spec_rate = self._speculative_rate(slots, generations) / self.cost_ratio[True]
             plain_rate = b / (self.plain_seconds(b) * self.cost_ratio[False])
             self._decided = (b, spec_rate > plain_rate)
         if self._decided[1]:
@@ -154,6 +160,20 @@ class Adaptive:
         self._after_plain = True
         return False
 
+    def _speculative_rate(self, slots: Tensor, generations: Tensor) -> float:
+        """Predicted tokens / s of a speculative step for these requests: from the realised acceptance when
+        there is some, else from the lagged survival (planner's best theta)."""
+        b = slots.numel()
+        if self.realised is not None:
+            accepted, verified = self.realised
+            rows = min(max(b, round(b * (1 + verified))), b * self.planner.cfg.width)
+            return b * (1 + accepted) / float(self.planner.cost_model.step_seconds(b, rows))
+        lagged = self.planner.ring.read(slots, generations).cpu()
+        new = self._unseen[slots.cpu()] > 0
+        if new.any() and not new.all():
+            lagged[new] = lagged[~new].mean(0)
+        return choose_budget(lagged, self.planner.cost_model, self.planner.cfg).theta
+
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
         self._decided = None  # the lag ring holds new survival
@@ -162,26 +182,15 @@ class Adaptive:
         if self.planner.ring is not None:
             self._unseen[slots.cpu()] = (self._unseen[slots.cpu()] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_decay is not None:
-            s = monotone_survival(p.survival.detach()).cpu().to(torch.float64)
-            vl = p.verify_lens.cpu().to(torch.int64)
-            verified = torch.arange(s.shape[1])[None, :] < (vl - 1)[:, None]
-            self._pending = (slots.cpu().long(), (s * verified).sum(1), vl)
+            self._pending = p.verify_lens.cpu().to(torch.int64)
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
 
-
     def admit(self, slots: Tensor) -> None:
-        """New requests took `slots` (host ids; continuous batching): forget the old requests' acceptance
-        feedback there, mark them new (no survival of their own yet) and re-decide."""
-        self._accepted[slots] = 0.0
-        self._predicted[slots] = 0.0
+        """New requests took `slots` (host ids; continuous batching): mark them new (no survival of their
+        own yet) and re-decide."""
         if self.planner.ring is not None:
             self._unseen[slots] = self.planner.ring.lag
         self._decided = None
-
-    def survival_scale(self, slots: Tensor) -> Tensor:
-        """[B] factor in [0, 1] per slot: accepted / predicted drafts (moving averages; 1 before any data)."""
-        acc, pred = self._accepted[slots], self._predicted[slots]
-        return torch.where(pred > 0, (acc / pred.clamp_min(1e-9)).clamp(max=1.0), torch.ones_like(pred))
 
     def observe_seconds(self, seconds: float) -> None:
         """After any step: its measured seconds (draft + plan + verify + accept, no refill prefill)."""
@@ -199,13 +208,14 @@ class Adaptive:
         """After a speculative step: host commit lengths [B] of the step's requests (the decoder's sync)."""
         if self._pending is None:
             return
-        slots, predicted, vl = self._pending
-        self._pending = None
-        accepted = (torch.minimum(commit_lens.to(torch.int64), vl) - 1).to(torch.float64)  # within the verified rows
-        d = self.feedback_decay
-        fresh = self._predicted[slots] == 0
-        self._accepted[slots] = torch.where(fresh, accepted, d * self._accepted[slots] + (1 - d) * accepted)
-        self._predicted[slots] = torch.where(fresh, predicted, d * self._predicted[slots] + (1 - d) * predicted)
+        vl, self._pending = self._pending, None
+        accepted = float((torch.minimum(commit_lens.to(torch.int64), vl) - 1).double().mean())  # within the verified rows
+        verified = float((vl - 1).double().mean())
+        if self.realised is None:
+            self.realised = (accepted, verified)
+        else:
+            d = self.feedback_decay
+            self.realised = (d * self.realised[0] + (1 - d) * accepted, d * self.realised[1] + (1 - d) * verified)
         self._decided = None
 
 
