@@ -158,9 +158,17 @@ def test_bad_arguments() -> None:
         Adaptive(_planner(), lambda b: 1.0, feedback_decay=1.0)
     with pytest.raises(ValueError, match="max_probe_every"):
         Adaptive(_planner(), lambda b: 1.0, probe_every=4, max_probe_every=2)
-    with pytest.raises(ValueError, match="lag >= 1"):
-        Adaptive(_planner(lag=0), lambda b: 1.0)
     assert Adaptive(_planner(lag=0)).speculate(torch.tensor([0]), torch.tensor([1]))  # no plain cost: always
+
+
+def test_lag0_speculates_until_outcomes_then_follows_them() -> None:
+    """A lag-0 planner has no lagged survival: speculate first, then decide on the realised averages."""
+    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+    policy = Adaptive(_planner(lag=0), lambda b: b / 400.0, feedback_decay=0.0)  # plain: 400 tok/s
+    assert policy.speculate(slots, gens)
+    policy.plan(torch.full((2, GAMMA), 8.0), slots, gens)
+    policy.observe(torch.tensor([1, 1]))  # nothing accepted: tau = 2 per 10 ms
+    assert not policy.speculate(slots, gens)
 
 
 def test_plain_step_cost_interpolates() -> None:

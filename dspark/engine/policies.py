@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,20 +43,6 @@ class FixedK:
         self.num_drafts = k
         self.name = f"fixed-{k}"
 
-    def _speculative_rate(self, slots: Tensor, generations: Tensor) -> float:
-        """Predicted tokens / s of a speculative step for these requests: from the realised acceptance when
-        there is some, else from the lagged survival (planner's best theta)."""
-        b = slots.numel()
-        if self.realised is not None:
-            accepted, verified = self.realised
-            rows = min(max(b, round(b * (1 + verified))), b * self.planner.cfg.width)
-            return b * (1 + accepted) / float(self.planner.cost_model.step_seconds(b, rows))
-        lagged = self.planner.ring.read(slots, generations).cpu()
-        new = self._unseen[slots.cpu()] > 0
-        if new.any() and not new.all():
-            lagged[new] = lagged[~new].mean(0)
-        return choose_budget(lagged, self.planner.cost_model, self.planner.cfg).theta
-
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         b = confidence_logits.shape[0]
         lens = torch.full((b,), self.num_drafts + 1, dtype=torch.int32, device=confidence_logits.device)
@@ -85,7 +72,9 @@ class Adaptive:
     the decision predicts a speculative step from them: tau = B (1 + accepted), rows = B (1 + verified),
     theta = tau / T(B, rows), what the planner's steps actually delivered lately. Only outcomes of earlier
     steps enter (non-anticipating); `feedback_decay=None` keeps the lagged-survival prediction throughout.
-    The planner's own budget and allocation are unchanged.
+    The planner's own budget and allocation are unchanged. With a lag-0 planner (synchronous budget from the
+    live survival, right for a decode loop that does not overlap drafting with verification) there is no
+    lagged survival: the policy speculates until the first outcome, then decides from the realised averages.
 
     Continuous batching: a request admitted into a slot (`admit`) has no survival yet, and the lag ring's
     generation guard reads all-ones for it, as good as a perfect draft. With slots refilled every few
@@ -117,9 +106,6 @@ class Adaptive:
         for name, v in (("feedback_decay", feedback_decay), ("cost_decay", cost_decay)):
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1):
                 raise ValueError(f"{name} must be in [0, 1) or None, got {v!r}")
-        if plain_seconds is not None and planner.ring is None:
-            raise ValueError("speculate-or-not reads the lagged survival: the planner needs lag >= 1 "
-                             "(or pass plain_seconds=None)")
         self.planner = planner
         self.num_drafts = planner.cfg.gamma
         self.plain_seconds = plain_seconds
@@ -168,6 +154,8 @@ class Adaptive:
             accepted, verified = self.realised
             rows = min(max(b, round(b * (1 + verified))), b * self.planner.cfg.width)
             return b * (1 + accepted) / float(self.planner.cost_model.step_seconds(b, rows))
+        if self.planner.ring is None:  # lag 0: no earlier survival to read; speculate until outcomes exist
+            return math.inf
         lagged = self.planner.ring.read(slots, generations).cpu()
         new = self._unseen[slots.cpu()] > 0
         if new.any() and not new.all():
