@@ -41,10 +41,12 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                         "0: every request the same length)")
     p.add_argument("--requests-per-slot", type=int, default=3,
                    help="continuous batching: a queue of N = this x B requests is served on B slots (default 3)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per (policy, batch); median reported")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per (policy, batch); median reported")
     p.add_argument("--sampling", action="store_true", help="rejection sampling instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lag", type=int, default=1, help="planner survival lag (0 = synchronous greedy scan)")
+    p.add_argument("--lag", type=int, default=0,
+                   help="planner survival lag (default 0: synchronous greedy scan over live survival, this "
+                        "decode loop does not overlap drafting and verification; 1: the overlap scheduler's)")
     p.add_argument("--probe-every", type=int, default=8,
                    help="adaptive: after this many plain steps in a row, speculate once (default 8)")
     p.add_argument("--max-probe-every", type=int, default=64,

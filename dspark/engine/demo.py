@@ -54,11 +54,11 @@ class DemoConfig:
     max_new_tokens: int = 32    # mean new tokens per request ...
     length_spread: float = 0.5  # ... each drawn uniformly from max_new_tokens x [1 - spread, 1 + spread]
     requests_per_slot: int = 3  # queue length N = requests_per_slot * B (continuous batching on B slots)
-    repeats: int = 3
+    repeats: int = 5
     profile_repeats: int = 2
     sampling: bool = False
     temperature: float = 1.0
-    lag: int = 1
+    lag: int = 0                # synchronous decode loop: live-survival budget (1: the overlap scheduler's lag)
     probe_every: int = 8        # adaptive: plain steps in a row before a probe (a speculative step) ...
     max_probe_every: int = 64   # ... doubling while probes keep confirming plain, up to this
     threads: int = 1
@@ -166,8 +166,7 @@ def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int],
                  plain: PlainStepCost | None = None, probe: tuple[int, int] = (8, 64)):
     if name == "adaptive":
         planner = planner_factory(b)
-        use_plain = plain is not None and planner.ring is not None  # lag 0: always speculate
-        return Adaptive(planner, plain.step_seconds if use_plain else None, *probe)
+        return Adaptive(planner, plain.step_seconds if plain is not None else None, *probe)
     if name == "oracle":
         return Oracle(gamma)
     return FixedK(int(name[6:]))
