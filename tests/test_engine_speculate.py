@@ -66,6 +66,11 @@ def test_realised_acceptance_decides_once_observed() -> None:
     policy.plan(confident, slots, gens)
     policy.observe(torch.tensor([1, 2]))  # 0.5 accepted per request: (1.5 + 0.5) / 2 = 1.0
     assert not policy.speculate(slots, gens)  # tau = 2 * 2 per 10 ms = 400 tok/s: not more than plain
+    mean = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=0.8)
+    for commit in ([1, 1], [GAMMA + 1, GAMMA + 1], [GAMMA + 1, GAMMA + 1]):
+        mean.plan(confident, slots, gens)
+        mean.observe(torch.tensor(commit))
+    assert mean.realised == pytest.approx((2.0, GAMMA))  # first outcomes: their plain mean (0, 3, 3)
     off = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=None)
     assert off.speculate(slots, gens)  # the lagged survival alone (~1) speculates
     off.plan(confident, slots, gens)

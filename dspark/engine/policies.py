@@ -67,8 +67,9 @@ class Adaptive:
     Realised-acceptance feedback: the lagged survival is the head's view of the *previous* step; with a
     sharp head (the engine's ranks at AUROC ~0.99) it says little about the next one, and at small B one
     request's last step decides the whole batch. After each speculative step the decoder reports the
-    committed lengths (`observe`); the policy keeps exponential moving averages (weight `feedback_decay` on
-    the past) of accepted and of verified drafts per request per speculative step, and once it has any,
+    committed lengths (`observe`); the policy keeps moving averages (weight `feedback_decay` on the past,
+    a plain mean over the first few outcomes) of accepted and of verified drafts per request per
+    speculative step, and once it has any,
     the decision predicts a speculative step from them: tau = B (1 + accepted), rows = B (1 + verified),
     theta = tau / T(B, rows), what the planner's steps actually delivered lately. Only outcomes of earlier
     steps enter (non-anticipating); `feedback_decay=None` keeps the lagged-survival prediction throughout.
@@ -121,6 +122,7 @@ class Adaptive:
         self._after_plain = False  # the step being planned follows a plain step (its draft catches up)
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
+        self._observed = 0  # speculative outcomes seen
         self._pending: Tensor | None = None  # verify_lens [B] (host) of the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
@@ -199,11 +201,12 @@ class Adaptive:
         vl, self._pending = self._pending, None
         accepted = float((torch.minimum(commit_lens.to(torch.int64), vl) - 1).double().mean())  # within the verified rows
         verified = float((vl - 1).double().mean())
-        if self.realised is None:
-            self.realised = (accepted, verified)
-        else:
-            d = self.feedback_decay
-            self.realised = (d * self.realised[0] + (1 - d) * accepted, d * self.realised[1] + (1 - d) * verified)
+        self._observed += 1
+        # the plain mean of the first outcomes, then the moving average: one unlucky first step must not
+        # outweigh the next ones (after it the policy may go plain and learn only from rare probes)
+        w = max(1 - self.feedback_decay, 1 / self._observed)
+        old = self.realised if self.realised is not None else (accepted, verified)
+        self.realised = ((1 - w) * old[0] + w * accepted, (1 - w) * old[1] + w * verified)
         self._decided = None
 
 
