@@ -55,7 +55,7 @@ class DemoConfig:
     length_spread: float = 0.5  # ... each drawn uniformly from max_new_tokens x [1 - spread, 1 + spread]
     requests_per_slot: int = 3  # queue length N = requests_per_slot * B (continuous batching on B slots)
     repeats: int = 5
-    profile_repeats: int = 2
+    profile_repeats: int = 3
     sampling: bool = False
     temperature: float = 1.0
     lag: int = 0                # synchronous decode loop: live-survival budget (1: the overlap scheduler's lag)

@@ -139,13 +139,34 @@ def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tup
                                                             for b in batch_sizes))
 
 
+def monotone_in_rows(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
+    """Per batch size, the least-squares fit of the step times that never decreases with the rows
+    (pool-adjacent-violators): a step with more verify rows cannot cost less, so a dip between two profiled
+    row counts is timing noise, and a cost model fitted through it would make the budget scan stop at it."""
+    out: list[ProfileSample] = []
+    for b in sorted({s.num_requests for s in samples}):
+        row = sorted((s for s in samples if s.num_requests == b), key=lambda s: s.rows)
+        blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+        for s in row:
+            blocks.append([s.seconds, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        values = [total / count for total, count in blocks for _ in range(int(count))]
+        out += [ProfileSample(num_requests=b, rows=s.rows, seconds=v) for s, v in zip(row, values)]
+    return out
+
+
 def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, tiers: Sequence[int] = (),
                    row_bins: Sequence[int] = (1, 8, 32, 64)) -> tuple[CostModel, FitReport, int | None]:
     """With tiers: TieredCostModel (one value per tier). Without: the additive model
     `bias + alpha(B) + theta(M)` at the finest M binning whose fit is valid (noisy timings can make the
     finest fit predict a non-positive time somewhere, which the model refuses; coarser bins average
     the noise out); when no binning gives a valid fit (very noisy timings), the 1-D steps/s table fitted
-    on the same samples, with a logged warning. Returns (model, report, row_bin used or None)."""
+    on the same samples, with a logged warning. The samples are first made non-decreasing in the rows per
+    batch size (`monotone_in_rows`). Returns (model, report, row_bin used or None)."""
+    samples = monotone_in_rows(samples)
     if tiers:
         model, report = TieredCostModel.fit(samples, tiers=tiers, platform=platform, width=gamma + 1)
         return model, report, None
