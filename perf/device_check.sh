@@ -3,7 +3,9 @@
 # (sized for about 8 minutes on one H200). Uses the machine's own python3 (torch + triton); nothing is
 # installed. Logs and JSON go to $OUT (default perf/results/device/): 7 files
 # (env, pytest, attention bench log + JSON, tier sweep log, demo log + demo.json); the tier sweep's
-# tables land in graphs/device-cuda.*.
+# tables land in graphs/device-cuda.*. The demo reads model weights from .dspark_cache/ (git-ignored):
+# copy them there first (cp -r ~/.cache/dspark .dspark_cache) and carry that folder to the device machine,
+# or the demo trains them there first (about 2 minutes) and may not fit its time limit.
 #   usage: bash perf/device_check.sh            (from the repository root, on a CUDA machine)
 set -uo pipefail
 OUT=${OUT:-perf/results/device}
@@ -25,6 +27,6 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 step pytest_cuda 300 $PY -m pytest -q --device cuda -p no:cacheprovider tests
 step attention_bench 120 $PY perf/attention_bench.py --device cuda --out "$OUT/attention_bench.json"
 step tier_sweep 90 $PY perf/tier_sweep.py --device cuda --repeats 5 --name device-cuda
-step demo 150 $PY -m dspark.cli demo --device cuda --out /tmp/dspark_device_demo
+step demo 150 $PY -m dspark.cli demo --device cuda --out /tmp/dspark_device_demo --cache-dir .dspark_cache --repeats 2
 cp /tmp/dspark_device_demo/demo.json "$OUT/demo.json" 2>/dev/null
 exit $status
