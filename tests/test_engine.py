@@ -23,7 +23,7 @@ def _models(vocab: int = 256, noise: float = 0.3, seed: int = 0, embed_std: floa
     target = TinyLM(cfg)
     with torch.no_grad():
         target.embed.weight.normal_(0, embed_std)  # std 1: peaked, greedy agreement is meaningful
-    draft = DraftLM(cfg, gamma)
+    draft = DraftLM(cfg, gamma, markov_rank=4)  # the previous-token head input: the decode loop passes anchors
     draft.load_state_dict(target.state_dict(), strict=False)
     with torch.no_grad():
         for p in draft.blocks.parameters():
@@ -104,7 +104,7 @@ def test_sampling_matches_target_distribution(mode: str) -> None:
     # the test can fail: the draft's own distribution is far from the target's
     with torch.no_grad():
         h = draft.forward_dense(prompt[None])[0, -1]
-        q1 = torch.softmax(draft.propose(h[None], 1)[0][0, 0] / temp, -1).double()
+        q1 = torch.softmax(draft.propose(h[None], 1, prompt[-1:])[0][0, 0] / temp, -1).double()
     q_counts = torch.bincount(out.tokens[:, 0].cpu(), minlength=vocab).double()
     chi2_q = float(((q_counts - q1 * n) ** 2 / (q1 * n)).sum())
     assert chi2_q > chi2
@@ -227,7 +227,7 @@ def test_head_training_rows_label_what_the_recorder_records(decoder: SpecDecoder
 
     p, n, g = 6, 20, decoder.draft.gamma
     streams = greedy_streams(decoder.target, _prompts(6, p, seed=5), n + g - 1)
-    _, label, mask = head_rows(decoder.draft, streams, p, chunk=4)  # training starts run to the stream end
+    _, _, label, mask = head_rows(decoder.draft, streams, p, chunk=4)  # training starts run to the stream end
     _, _, accepted = block_outcomes(decoder.draft, streams, p, g, n)
     assert label.shape == (6 * n, g) and 0 < float(accepted.float().mean()) < g
     # the recorder's accepted drafts = the leading ones of the training label; the mask ends at the first miss
@@ -245,12 +245,13 @@ def test_fit_head_reaches_the_logistic_optimum(decoder: SpecDecoder) -> None:
 
     draft = copy.deepcopy(decoder.draft)
     streams = greedy_streams(decoder.target, _prompts(12, 6, seed=7), 30)
-    hidden, label, mask = head_rows(draft, streams, 6)
+    hidden, prev, label, mask = head_rows(draft, streams, 6)
+    prev = prev if draft.confidence.markov_rank else None
     with torch.no_grad():
-        before = float(confidence_loss(draft.confidence(hidden), label, mask, math.inf))
+        before = float(confidence_loss(draft.confidence(hidden, prev), label, mask, math.inf))
     assert fit_head(draft, streams, 6) < before - 1e-3
     with torch.no_grad():
-        p = torch.sigmoid(draft.confidence(hidden))
+        p = torch.sigmoid(draft.confidence(hidden, prev))
     # at the optimum the intercept's gradient vanishes: mean predicted = mean label over the trained rows
     assert abs(float(p[mask].mean() - label[mask].mean())) < 1e-3
 

@@ -135,7 +135,7 @@ def test_refilled_request_is_drafted_from_its_whole_prompt(decoder: SpecDecoder)
     draft = decoder.draft
     with torch.no_grad():
         hidden = draft.forward_dense(prompts.to(decoder.device))[:, -1]
-        expect = draft.propose(hidden, GAMMA)[1].cpu()
+        expect = draft.propose(hidden, GAMMA, prompts[:, -1].to(decoder.device))[1].cpu()
     assert len(policy.first) == N
     torch.testing.assert_close(torch.stack(policy.first), expect, rtol=1e-4, atol=1e-4)
 

@@ -340,12 +340,15 @@ class SpecDecoder:
         ids = buf[dev_reqs[layout.row_slot[:real].long()], pos]
         h = self._forward(self.draft, self.dcache, ids, layout, prefix, dev_reqs)
         all_dlen[reqs] = lens
-        logits, conf = self.draft.propose(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
+        hk = self.draft.block_hidden(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
+        logits = self.draft.logits(hk)
+        anchor = buf[dev_reqs, (lens - 1).to(dev)]  # the last committed token (the root)
         if not sampling:
-            return logits.argmax(-1), None, conf, logits
+            drafts = logits.argmax(-1)
+            return drafts, None, self.draft.confidence_logits(hk, anchor, drafts), logits
         q = torch.softmax(logits / temperature, -1)
         drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k)
-        return drafts, q, conf, logits
+        return drafts, q, self.draft.confidence_logits(hk, anchor, drafts), logits
 
     def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
                 draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,

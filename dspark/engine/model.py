@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.confidence import ConfidenceHead
+from dspark.confidence import ConfidenceHead, previous_tokens
 
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (layer, q, k, v) -> out, all [..., H, D]
 
@@ -150,7 +150,7 @@ class DraftLM(TinyLM):
     k's confidence never depends on draft k's own token (DESIGN.md 4.4).
     """
 
-    def __init__(self, cfg: ModelConfig, gamma: int):
+    def __init__(self, cfg: ModelConfig, gamma: int, markov_rank: int = 0):
         super().__init__(cfg)
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be a positive int, got {gamma!r}")
@@ -159,7 +159,7 @@ class DraftLM(TinyLM):
             nn.Sequential(nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.d_model), nn.GELU())
             for _ in range(gamma)
         )
-        self.confidence = ConfidenceHead(cfg.d_model)
+        self.confidence = ConfidenceHead(cfg.d_model, markov_rank, cfg.vocab_size if markov_rank else None)
 
     def block_hidden(self, hidden: Tensor, k: int) -> Tensor:
         """[..., d] -> [..., k, d]: the hidden state of each of the first k draft positions.
@@ -174,7 +174,19 @@ class DraftLM(TinyLM):
         y = (x.unsqueeze(-2) @ w.transpose(1, 2)).squeeze(-2) + torch.stack([lin.bias for lin in linears])
         return hidden.unsqueeze(-2) + F.gelu(y)
 
-    def propose(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Draft logits [B, k, V] and confidence logits [B, k] from the last hidden state [B, d]."""
+    def confidence_logits(self, hk: Tensor, anchor: Tensor, drafts: Tensor) -> Tensor:
+        """[..., k] confidence logits from the block's hidden states hk [..., k, d]; with a previous-token
+        head, draft j also sees the token before it (anchor [...] = last committed token for j = 0, then
+        drafts [..., k]), never its own."""
+        k = hk.shape[-2]
+        flat = hk.reshape(-1, k, hk.shape[-1])
+        prev = (previous_tokens(anchor.reshape(-1), drafts.reshape(-1, k))
+                if self.confidence.markov_rank else None)
+        return self.confidence(flat, prev).reshape(hk.shape[:-1])
+
+    def propose(self, hidden: Tensor, k: int, anchor: Tensor) -> tuple[Tensor, Tensor]:
+        """Greedy block: draft logits [B, k, V] and confidence logits [B, k] from the last hidden state [B, d]
+        and the last committed token anchor [B]."""
         hk = self.block_hidden(hidden, k)
-        return self.logits(hk), self.confidence(hk)
+        logits = self.logits(hk)
+        return logits, self.confidence_logits(hk, anchor, logits.argmax(-1))

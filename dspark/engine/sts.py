@@ -63,7 +63,8 @@ def block_outcomes(draft: DraftLM, streams: Tensor, prompt_len: int, gamma: int,
                          f"+ gamma {g} - 1")
     hidden = draft.forward_dense(streams[:, : p + n - 1])[:, p - 1:]   # the root's hidden state at L - 1
     b, n_starts = hidden.shape[:2]
-    logits, conf = draft.propose(hidden.flatten(0, 1), g)  # the head takes [rows, d]
+    anchor = streams[:, p - 1: p + n - 1]                                # the root: stream[L - 1]
+    logits, conf = draft.propose(hidden.flatten(0, 1), g, anchor.flatten())  # the head takes [rows, d]
     logits, conf = logits.unflatten(0, (b, n_starts)), conf.unflatten(0, (b, n_starts))
     truth = streams[:, p: p + n + g - 1].unfold(1, g, 1)                # [N, n, g]: stream[L + j]
     accepted = torch.cumprod((logits.argmax(-1) == truth).to(torch.int64), dim=-1).sum(-1)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from dspark.engine.model import DraftLM, ModelConfig, TinyLM
 from dspark.engine.streams import greedy_streams
-from dspark.confidence import confidence_loss
+from dspark.confidence import confidence_loss, previous_tokens
 
 Progress = Callable[[str, int, int, float], None]  # (phase, step, total, loss)
 
@@ -71,6 +71,7 @@ class TrainConfig:
     draft_steps: int = 200
     gamma: int = 6                     # draft heads: the largest gamma the engine can run
     head_streams: int = 512            # training windows whose target greedy continuations train the head
+    head_markov_rank: int = 8          # previous-token embedding width of the confidence head (0: hidden only)
     stream_prompt_len: int = 32        # corpus bytes before each greedy continuation (the serving prompt)
     batch_size: int = 16
     lr: float = 3e-3
@@ -86,6 +87,7 @@ class TrainConfig:
         return _hash({"target": self.target_key(), "draft": self.draft.to_dict(), "draft_steps": self.draft_steps,
                       "gamma": self.gamma, "batch_size": self.batch_size, "lr": self.lr, "seed": self.seed,
                       "head_streams": self.head_streams, "stream_prompt_len": self.stream_prompt_len,
+                      "head_markov_rank": self.head_markov_rank,
                       "recipe": "distil on greedy streams; head: converged L-BFGS on greedy conditional acceptance"})
 
 
@@ -161,19 +163,23 @@ def stream_labels(draft_logits: torch.Tensor, truth: torch.Tensor) -> tuple[torc
 
 @torch.no_grad()
 def head_rows(model: DraftLM, streams: torch.Tensor, prompt_len: int, chunk: int = 32
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every serving start L >= prompt_len of every stream: the heads' hidden states [R, g, d] and the
-    greedy conditional labels and masks [R, g] (`stream_labels`); `chunk` streams at a time (block_hidden
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every serving start L >= prompt_len of every stream: the heads' hidden states [R, g, d], the token
+    before each draft [R, g] (`previous_tokens` of the root and the greedy drafts) and the greedy
+    conditional labels and masks [R, g] (`stream_labels`); `chunk` streams at a time (block_hidden
     broadcasts its head weights per start)."""
     g, p = model.gamma, prompt_len
-    hidden, labels, masks = [], [], []
+    hidden, prevs, labels, masks = [], [], [], []
     for s in streams.split(chunk):
         hk = model.block_hidden(model.forward_dense(s[:, :-1])[:, p - 1: s.shape[1] - g], g)  # starts L = t + 1
-        label, reached = stream_labels(model.logits(hk), s[:, p:].unfold(1, g, 1))
+        logits = model.logits(hk)
+        label, reached = stream_labels(logits, s[:, p:].unfold(1, g, 1))
+        anchor = s[:, p - 1: s.shape[1] - g]                                                  # the root: s[L - 1]
         hidden.append(hk.flatten(0, 1))
+        prevs.append(previous_tokens(anchor.flatten(), logits.argmax(-1).flatten(0, 1)))
         labels.append(label.flatten(0, 1))
         masks.append(reached.flatten(0, 1))
-    return torch.cat(hidden), torch.cat(labels), torch.cat(masks)
+    return torch.cat(hidden), torch.cat(prevs), torch.cat(labels), torch.cat(masks)
 
 
 def fit_head(model: DraftLM, streams: torch.Tensor, prompt_len: int, max_iter: int = 1000) -> float:
@@ -185,20 +191,21 @@ def fit_head(model: DraftLM, streams: torch.Tensor, prompt_len: int, max_iter: i
     engine data an L2 penalty (1e-5 .. 1e-3) or an early stop (200 iterations) raises the ECE at draft 0
     after STS from ~1% to 2-19%: per-position temperature cannot undo a head that stopped short.
     """
-    hidden, labels, masks = head_rows(model, streams, prompt_len)
+    hidden, prevs, labels, masks = head_rows(model, streams, prompt_len)
+    prevs = prevs if model.confidence.markov_rank else None
     head = model.confidence
     opt = torch.optim.LBFGS(head.parameters(), max_iter=max_iter, tolerance_grad=1e-9, tolerance_change=1e-12,
                             history_size=50, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        loss = confidence_loss(head(hidden), labels, masks, math.inf)
+        loss = confidence_loss(head(hidden, prevs), labels, masks, math.inf)
         loss.backward()
         return loss
 
     opt.step(closure)
     with torch.no_grad():
-        return float(confidence_loss(head(hidden), labels, masks, math.inf))
+        return float(confidence_loss(head(hidden, prevs), labels, masks, math.inf))
 
 
 def train_draft(cfg: TrainConfig, target: TinyLM, data: torch.Tensor, progress: Progress | None = None) -> DraftLM:
@@ -207,7 +214,7 @@ def train_draft(cfg: TrainConfig, target: TinyLM, data: torch.Tensor, progress: 
     streams = training_streams(cfg, target, data)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     torch.manual_seed(cfg.seed + 1)
-    model = DraftLM(cfg.draft, cfg.gamma)
+    model = DraftLM(cfg.draft, cfg.gamma, cfg.head_markov_rank)
     g = cfg.gamma
 
     def loss_fn() -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +257,7 @@ def load_or_train(cfg: TrainConfig, cache_dir: Path | None = None, progress: Pro
     """(target, draft, trained_now): weights from `cache_dir`, trained and saved (atomically) if absent."""
     root = Path(cache_dir or default_cache_dir())
     tpath, dpath = root / f"target-{cfg.target_key()}.pt", root / f"draft-{cfg.key()}.pt"
-    target, draft = TinyLM(cfg.target), DraftLM(cfg.draft, cfg.gamma)
+    target, draft = TinyLM(cfg.target), DraftLM(cfg.draft, cfg.gamma, cfg.head_markov_rank)
     trained = False
     data = None
     if tpath.exists():
