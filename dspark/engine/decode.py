@@ -275,8 +275,8 @@ class SpecDecoder:
             return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, decided)
         times = StepTimes(plan=self._now() - t0)
         t0 = self._now()
-        drafts, draft_probs, conf, draft_logits = self._draft(buf, lens, all_dlen, reqs, k, sampling, temperature,
-                                                              gen)
+        drafts, draft_probs, conf, draft_logits = self._draft(buf, lens, all_dlen, reqs, root, k, sampling,
+                                                              temperature, gen)
         t1 = self._now()
         times.draft = t1 - t0
         if isinstance(policy, Oracle):
@@ -320,10 +320,12 @@ class SpecDecoder:
                            confidence_logits=torch.zeros(b, 0, device=self.device), commit_lens=ones,
                            correct_len=ones - 1, times=times, host_syncs=0)
 
-    def _draft(self, buf: Tensor, lens: Tensor, all_dlen: Tensor, reqs: Tensor, k: int, sampling: bool,
-               temperature: float, gen: torch.Generator) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    def _draft(self, buf: Tensor, lens: Tensor, all_dlen: Tensor, reqs: Tensor, root: Tensor, k: int,
+               sampling: bool, temperature: float, gen: torch.Generator
+               ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
         """k draft tokens [B, k], their distributions [B, k, V] (sampling), confidence logits [B, k] and the
-        draft token logits [B, k, V] (None when k = 0).
+        draft token logits [B, k, V] (None when k = 0). root [B]: the last committed tokens (the anchor the
+        confidence head's previous-token input starts from).
 
         One draft forward over the tokens committed since the draft last ran (positions dlen..L-1,
         ragged), then the block heads propose all k drafts.
@@ -342,13 +344,12 @@ class SpecDecoder:
         all_dlen[reqs] = lens
         hk = self.draft.block_hidden(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
         logits = self.draft.logits(hk)
-        anchor = buf[dev_reqs, (lens - 1).to(dev)]  # the last committed token (the root)
         if not sampling:
             drafts = logits.argmax(-1)
-            return drafts, None, self.draft.confidence_logits(hk, anchor, drafts), logits
+            return drafts, None, self.draft.confidence_logits(hk, root, drafts), logits
         q = torch.softmax(logits / temperature, -1)
         drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k)
-        return drafts, q, self.draft.confidence_logits(hk, anchor, drafts), logits
+        return drafts, q, self.draft.confidence_logits(hk, root, drafts), logits
 
     def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
                 draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,
