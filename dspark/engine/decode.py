@@ -13,9 +13,10 @@ the next thing to trim.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 from torch import Tensor
@@ -89,6 +90,18 @@ class GenerateResult:
         return sum(s.useful for s in busy), sum(s.times.total for s in busy)
 
 
+DecodeRun = Generator[StepOutcome, None, GenerateResult]  # SpecDecoder.start: yields steps, returns the result
+
+
+def finish(run: DecodeRun) -> GenerateResult:
+    """Drive a run to its end; its GenerateResult."""
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value
+
+
 class SpecDecoder:
     """Target + draft with their paged KV caches; runs one policy over a batch of equal-length prompts.
 
@@ -117,6 +130,17 @@ class SpecDecoder:
         self.tcache = self._cache(target, pages, page_size)
         self.dcache = self._cache(draft, pages, page_size)
         self._generation = 0
+        self._running = False  # a started run has not finished
+
+    def fork(self) -> SpecDecoder:
+        """A decoder sharing this one's models (weights, compiled blocks), device, tiers and clock, with its
+        own KV caches: one decoder per run lets runs be interleaved step by step (`lockstep`)."""
+        twin = copy.copy(self)
+        pages = self.tcache.allocator.num_pages
+        twin.tcache = self._cache(self.target, pages, self.tcache.page_size)
+        twin.dcache = self._cache(self.draft, pages, self.dcache.page_size)
+        twin._generation, twin._running = 0, False
+        return twin
 
     def _cache(self, model: TinyLM, pages: int, page_size: int) -> PagedKVCache:
         c = model.cfg
@@ -139,7 +163,6 @@ class SpecDecoder:
         return RaggedVerifyLayout.from_verify_lens(torch.full((b,), rows, dtype=torch.int32), width=rows)
 
     # -- decoding --------------------------------------------------------------------------------------
-    @torch.no_grad()
     def generate(self, prompts: Tensor, max_new_tokens: int | Tensor, policy: FixedK | Oracle | object, *,
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
                  seed: int = 0, reserve_new_tokens: int | None = None, slots: int | None = None) -> GenerateResult:
@@ -157,6 +180,16 @@ class SpecDecoder:
         CPU attention path reads whole every layer) for this many new tokens when larger; profiling
         uses it to time short runs with the geometry of the timed ones.
         """
+        return finish(self.start(prompts, max_new_tokens, policy, mode=mode, sampling=sampling,
+                                 temperature=temperature, seed=seed, reserve_new_tokens=reserve_new_tokens,
+                                 slots=slots))
+
+    def start(self, prompts: Tensor, max_new_tokens: int | Tensor, policy: FixedK | Oracle | object, *,
+              mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
+              seed: int = 0, reserve_new_tokens: int | None = None, slots: int | None = None) -> DecodeRun:
+        """`generate` one step at a time: checks the arguments now and returns the run, a generator that
+        yields each StepOutcome and returns the GenerateResult (`finish` drains it). Runs on different
+        decoders (`fork`) can be interleaved step by step (`dspark.engine.lockstep`)."""
         mode = VerifyMode.parse(mode)
         n, p = self._check_prompts(prompts)
         new_tokens = _check_new_tokens(max_new_tokens, n)
@@ -173,14 +206,23 @@ class SpecDecoder:
                                                or not isinstance(reserve_new_tokens, int) or reserve_new_tokens < 1):
             raise ValueError(f"reserve_new_tokens must be a positive int or None, got {reserve_new_tokens!r}")
         max_new_tokens_reserved = max(max_new_tokens, reserve_new_tokens or 0)
-        self._max_len = p + max_new_tokens_reserved + w
+        max_len = p + max_new_tokens_reserved + w
         for m in (self.target, self.draft):
-            if self._max_len > m.cfg.max_seq_len:
+            if max_len > m.cfg.max_seq_len:
                 raise ValueError(
-                    f"prompt {p} + max_new_tokens {max_new_tokens_reserved} + verify width {w} = {self._max_len} exceeds "
+                    f"prompt {p} + max_new_tokens {max_new_tokens_reserved} + verify width {w} = {max_len} exceeds "
                     f"the model's max_seq_len {m.cfg.max_seq_len}")
-        self.tcache.admit(b, self._max_len)
-        self.dcache.admit(b, self._max_len)
+        self._check_idle()
+        return self._run(prompts, new_tokens, policy, mode, sampling, temperature, seed, b, p, w, max_len)
+
+    @torch.no_grad()
+    def _run(self, prompts: Tensor, new_tokens: Tensor, policy: object, mode: VerifyMode, sampling: bool,
+             temperature: float, seed: int, b: int, p: int, w: int, max_len: int) -> DecodeRun:
+        self._check_idle()  # (a second run started on this decoder before this one began)
+        self.tcache.admit(b, max_len)
+        self.dcache.admit(b, max_len)
+        self._running = True
+        n, max_new_tokens = prompts.shape[0], int(new_tokens.max())
         # target prefill (P - 1 rows), full verify, or top tier; the draft's first forward of a request is
         # its prompt plus what plain steps committed before it (<= max_probe_every + W rows)
         catch_up = w + getattr(policy, "max_probe_every", 0) if getattr(policy, "speculate", None) else w
@@ -188,7 +230,7 @@ class SpecDecoder:
         self._slots = self.graph_slots(b, w)
         self._attn = {id(c): batch_attention(c, rows, self._slots or b + 1) for c in (self.tcache, self.dcache)}
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        buf = torch.zeros(b, self._max_len + w, dtype=torch.long, device=self.device)
+        buf = torch.zeros(b, max_len + w, dtype=torch.long, device=self.device)
         lens = torch.zeros(b, dtype=torch.int64)  # host copy of the committed lengths per slot
         dlen = torch.zeros(b, dtype=torch.int64)  # host: positions < dlen hold draft KV
         gens = torch.zeros(b, dtype=torch.int64, device=self.device)
@@ -199,43 +241,52 @@ class SpecDecoder:
         observe_seconds = getattr(policy, "observe_seconds", None)
         queued = 0  # next request id to admit
         prefill = 0.0
-        while True:
-            done = ((owner >= 0) & (lens >= end)).nonzero().squeeze(1)
-            for slot in done.tolist():
-                count = int(end[slot]) - p
-                result.tokens[int(owner[slot]), :count] = buf[slot, p: p + count]
-            owner[done] = -1
-            free = (owner < 0).nonzero().squeeze(1)[: n - queued]
-            if free.numel():
-                t0 = self._now()
-                self._admit(buf, lens, dlen, gens, free, prompts[queued: queued + free.numel()], policy)
-                owner[free] = torch.arange(queued, queued + free.numel())
-                end[free] = p + new_tokens[queued: queued + free.numel()]
-                queued += free.numel()
-                prefill = self._now() - t0
-            reqs = (owner >= 0).nonzero().squeeze(1)
-            if not reqs.numel():
-                break
-            out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
-            commit = out.commit_lens.cpu()  # sync: the next step's positions and the stop test
-            out.useful = int((torch.minimum(lens[reqs] + commit, end[reqs]) - lens[reqs]).sum())
-            out.times.prefill, prefill = prefill, 0.0
-            lens[reqs] += commit
-            if observe is not None:  # the adaptive policy's realised-acceptance feedback, charged to plan
-                t0 = self._now()
-                observe(commit)
-                out.times.plan += self._now() - t0
-            if observe_seconds is not None:  # ... and its realised-cost feedback
-                observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept)
-            out.host_syncs += 1
-            result.steps.append(out)
-        result.slots = b
-        result.startup_seconds = result.steps[0].times.prefill
-        result.steps[0].times.prefill = 0.0
-        result.seconds = result.startup_seconds + sum(s.times.total for s in result.steps)
-        self.tcache.release()
-        self.dcache.release()
+        try:
+            while True:
+                done = ((owner >= 0) & (lens >= end)).nonzero().squeeze(1)
+                for slot in done.tolist():
+                    count = int(end[slot]) - p
+                    result.tokens[int(owner[slot]), :count] = buf[slot, p: p + count]
+                owner[done] = -1
+                free = (owner < 0).nonzero().squeeze(1)[: n - queued]
+                if free.numel():
+                    t0 = self._now()
+                    self._admit(buf, lens, dlen, gens, free, prompts[queued: queued + free.numel()], policy)
+                    owner[free] = torch.arange(queued, queued + free.numel())
+                    end[free] = p + new_tokens[queued: queued + free.numel()]
+                    queued += free.numel()
+                    prefill = self._now() - t0
+                reqs = (owner >= 0).nonzero().squeeze(1)
+                if not reqs.numel():
+                    break
+                out = self._step(buf, lens, dlen, reqs, policy, mode, sampling, temperature, gen, gens)
+                commit = out.commit_lens.cpu()  # sync: the next step's positions and the stop test
+                out.useful = int((torch.minimum(lens[reqs] + commit, end[reqs]) - lens[reqs]).sum())
+                out.times.prefill, prefill = prefill, 0.0
+                lens[reqs] += commit
+                if observe is not None:  # the adaptive policy's realised-acceptance feedback, charged to plan
+                    t0 = self._now()
+                    observe(commit)
+                    out.times.plan += self._now() - t0
+                if observe_seconds is not None:  # ... and its realised-cost feedback
+                    observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept)
+                out.host_syncs += 1
+                result.steps.append(out)
+                yield out
+            result.slots = b
+            result.startup_seconds = result.steps[0].times.prefill
+            result.steps[0].times.prefill = 0.0
+            result.seconds = result.startup_seconds + sum(s.times.total for s in result.steps)
+        finally:
+            self.tcache.release()
+            self.dcache.release()
+            self._running = False
         return result
+
+    def _check_idle(self) -> None:
+        if self._running:
+            raise RuntimeError("this decoder is already running a generation (one run per decoder at a time; "
+                               "`fork` a decoder for each run to interleave them)")
 
     def _admit(self, buf: Tensor, lens: Tensor, dlen: Tensor, gens: Tensor, slots: Tensor, prompts: Tensor,
                policy: object) -> None:

@@ -8,8 +8,10 @@
    max_new_tokens) with every policy (adaptive,
    fixed-k for k = 0..gamma, oracle) at each batch size B by continuous batching: B slots, a finished
    request's slot is refilled at once (prefill timed); reported are committed tokens/s over the whole
-   queue (ramp-up and drain tail included) and over the steady state (every slot busy). In greedy mode
-   every policy and every verify mode must commit exactly the tokens of target-only greedy decoding;
+   queue (ramp-up and drain tail included) and over the steady state (every slot busy). Each round runs
+   every policy once, all of them in `lockstep` (interleaved step by step, each on its own decoder), so
+   machine noise hits them alike; speed-ups are medians over rounds of the same round's ratios. In greedy
+   mode every policy and every verify mode must commit exactly the tokens of target-only greedy decoding;
 5. print one table and write JSON + PNGs into the output folder, atomically (a temp folder renamed at
    the end: an interrupted demo leaves no half-written outputs).
 """
@@ -30,6 +32,7 @@ import torch
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.layout import check_tiers
 from dspark.engine.decode import GenerateResult, SpecDecoder, check_device
+from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import Adaptive, FixedK, Oracle
 from dspark.engine.profile import PlainStepCost, fit_cost_model, profile_points, profile_step_costs
 from dspark.engine.records import step_records
@@ -219,7 +222,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     prompts = heldout_prompts(cfg.requests_per_slot * bmax, cfg.prompt_len, cfg.seed)
     lengths = request_lengths(prompts.shape[0], cfg.max_new_tokens, cfg.length_spread, cfg.seed)
     longest = int(lengths.max())
-    runs = len(cfg.batch_sizes) * len(names) * (cfg.repeats + 1) + len(VerifyMode) * len(names)
+    runs = len(cfg.batch_sizes) * (len(names) + cfg.repeats) + len(VerifyMode) * len(names)
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
     bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
     samples, plain = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
@@ -244,6 +247,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                              tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
 
     probe = (cfg.probe_every, cfg.max_probe_every)
+    decoders = {name: decoder.fork() for name in names}  # one per policy: each round runs them in lockstep
     records: dict[tuple[str, int], list[StepRecord]] = {}
     seconds: dict[tuple[str, int], list[float]] = {}
     steady: dict[tuple[str, int], list[float]] = {}  # steady-state committed tokens / s per timed run
@@ -256,23 +260,21 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
             return _make_policy(name, gamma, b, planner, plain, probe)
 
         for name in names:  # untimed warm-up at this batch size: the first runs at new shapes are slow
-            decoder.generate(queue[:b], max(2, cfg.max_new_tokens // 4), make(name),
-                             mode=mode, sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
+            decoders[name].generate(queue[:b], max(2, cfg.max_new_tokens // 4), make(name),
+                                    mode=mode, sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
             bar(f"B={b} warm-up {name}")
-        ref = None  # rep 0 runs fixed-0 (target-only) first: the reference of every later run at this B
         for rep in range(cfg.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
-            for name in order:
-                policy = make(name)
-                res = decoder.generate(queue, counts, policy, mode=mode, sampling=cfg.sampling,
-                                       temperature=cfg.temperature, seed=cfg.seed + rep, slots=b)
-                bar(f"B={b} {name}")
-                if not cfg.sampling:
-                    if ref is None:
-                        ref = res
-                    else:
-                        _assert_lossless(ref, res, f"{name} ({mode.value}, B={b})")
-                        lossless_checks += 1
+            policies = {name: make(name) for name in order}
+            results = lockstep({name: decoders[name].start(queue, counts, policies[name], mode=mode,
+                                                           sampling=cfg.sampling, temperature=cfg.temperature,
+                                                           seed=cfg.seed + rep, slots=b) for name in order})
+            bar(f"B={b} round {rep + 1}/{cfg.repeats}")
+            for name in names:
+                res = results[name]
+                if not cfg.sampling and name != "fixed-0":  # fixed-0 is target-only greedy decoding
+                    _assert_lossless(results["fixed-0"], res, f"{name} ({mode.value}, B={b})")
+                    lossless_checks += 1
                 seconds.setdefault((name, b), []).append(res.seconds)
                 tokens, busy_seconds = res.steady()
                 steady.setdefault((name, b), []).append(tokens / busy_seconds)
@@ -338,6 +340,13 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict,
         sps = {n: _median(steady[(n, b)]) for n in names}
         best_fixed = max((n for n in names if n.startswith("fixed-")), key=sps.get)
         best_fixed_queue = max((n for n in names if n.startswith("fixed-")), key=tps.get)
+
+        def paired(n: str, m: str, queue: bool = False) -> float:
+            """Median over rounds of n's speed / m's in the same (lockstep) round."""
+            if queue:
+                return _median([t_m / t_n for t_n, t_m in zip(seconds[(n, b)], seconds[(m, b)])])
+            return _median([x / y for x, y in zip(steady[(n, b)], steady[(m, b)])])
+
         for n in names:
             recs = records[(n, b)]
             acc, tm = acceptance(recs), timing(recs)
@@ -353,10 +362,12 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict,
                 "speculative_step_share": tm["speculative_step_share"],
                 "tau_bias": bias[0]["bias"] if bias else None,
                 "tau_relative_bias": bias[0]["relative_bias"] if bias else None,
-                "speedup_vs_no_spec": sps[n] / sps["fixed-0"],
-                "speedup_vs_best_fixed": sps[n] / sps[best_fixed], "best_fixed": best_fixed,
-                "queue_speedup_vs_no_spec": tps[n] / tps["fixed-0"],
-                "queue_speedup_vs_best_fixed": tps[n] / tps[best_fixed_queue], "queue_best_fixed": best_fixed_queue,
+                "speedup_vs_no_spec": paired(n, "fixed-0"),
+                "speedup_vs_best_fixed": paired(n, best_fixed), "best_fixed": best_fixed,
+                "speedup_vs_oracle": paired(n, "oracle") if "oracle" in names else None,
+                "queue_speedup_vs_no_spec": paired(n, "fixed-0", queue=True),
+                "queue_speedup_vs_best_fixed": paired(n, best_fixed_queue, queue=True),
+                "queue_best_fixed": best_fixed_queue,
                 "seconds_median": _median(seconds[(n, b)]),
                 "phase_seconds": {k: tm[k] for k in ("draft_s", "plan_s", "verify_s", "accept_s", "prefill_s")},
             })
@@ -371,8 +382,7 @@ def goal_check(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["policy"] != "adaptive":
             continue
-        oracle = next((o for o in rows if o["batch"] == r["batch"] and o["policy"] == "oracle"), None)
-        vs_oracle = r["steady_tokens_per_s"] / oracle["steady_tokens_per_s"] if oracle else None
+        vs_oracle = r["speedup_vs_oracle"]
         bias = r["tau_relative_bias"]
         out.append({
             "batch": r["batch"], "vs_best_fixed": r["speedup_vs_best_fixed"], "vs_oracle": vs_oracle,

@@ -24,7 +24,8 @@ from dspark.cost import (
     StepsPerSecondTable,
     TieredCostModel,
 )
-from dspark.engine.decode import SpecDecoder
+from dspark.engine.decode import GenerateResult, SpecDecoder
+from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import FixedK, PolicyPlan
 from dspark.profiling import tier_rows
 
@@ -63,13 +64,10 @@ def profile_points(batch_sizes: Sequence[int], gamma: int, tiers: Sequence[int] 
     return [(b, m) for b in batch_sizes for m in tier_rows(tiers, b, gamma + 1) if m <= tiers[-1]]
 
 
-def _median_step(decoder: SpecDecoder, prompts: Tensor, policy: object, tokens: int, mode: VerifyMode,
-                 reserve: int | None) -> float:
+def _median_step(res: GenerateResult) -> float:
     """Median seconds of one run's steps that still had every request in the batch."""
-    b = prompts.shape[0]
-    res = decoder.generate(prompts, tokens, policy, mode=mode, reserve_new_tokens=reserve)
     secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
-                         for s in res.steps if s.requests.numel() == b], dtype=torch.float64)
+                         for s in res.steps if s.requests.numel() == res.slots], dtype=torch.float64)
     return float(secs.median())
 
 
@@ -114,23 +112,29 @@ def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tup
     """Whole-step seconds of a speculative step at each (B, M) point and of a plain step at each B.
 
     Each value is the median over `repeats` sweeps of each run's median step with all B requests still
-    in the batch (one warm-up run per B first). A sweep visits, per B, the plain step and then every M,
-    so bursts of machine load spread over all points (and over both sides of the speculate-or-not
-    comparison) instead of biasing one. `reserve_new_tokens`: the timed runs' max_new_tokens, so the
+    in the batch (one warm-up run per B first). A sweep runs, per B, the plain run and every M's run in
+    `lockstep` (interleaved step by step on forked decoders), so bursts of machine load hit all points
+    (and both sides of the speculate-or-not comparison) alike instead of biasing one. `reserve_new_tokens`: the timed runs' max_new_tokens, so the
     profiled steps see the KV geometry (pages per request) of the steps they predict.
     """
     batch_sizes = sorted({b for b, _ in grid})
     for b in batch_sizes:
         decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1), b), mode=mode)
+    width = max(sum(1 for bb, _ in grid if bb == b) for b in batch_sizes) + 1
+    forks = [decoder.fork() for _ in range(width)]  # one decoder per run of a B's lockstep sweep
     runs: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
     plain: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for _ in range(repeats):
         for b in batch_sizes:
-            plain[b].append(_median_step(decoder, prompts[:b], FixedK(0), tokens, VerifyMode.STATIC,
-                                         reserve_new_tokens))
-            for m in (m for bb, m in grid if bb == b):
-                runs[(b, m)].append(_median_step(decoder, prompts[:b], ForcedRows(gamma, m, b), tokens, mode,
-                                                 reserve_new_tokens))
+            rows = [m for bb, m in grid if bb == b]
+            started = {"plain": forks[0].start(prompts[:b], tokens, FixedK(0), mode=VerifyMode.STATIC,
+                                               reserve_new_tokens=reserve_new_tokens)}
+            started.update({m: f.start(prompts[:b], tokens, ForcedRows(gamma, m, b), mode=mode,
+                                       reserve_new_tokens=reserve_new_tokens) for f, m in zip(forks[1:], rows)})
+            results = lockstep(started)
+            plain[b].append(_median_step(results["plain"]))
+            for m in rows:
+                runs[(b, m)].append(_median_step(results[m]))
                 if progress:
                     progress()
     samples = [ProfileSample(num_requests=b, rows=m, seconds=float(torch.tensor(runs[(b, m)]).median()))
