@@ -13,7 +13,7 @@ from torch import Tensor
 
 from dspark.budget import candidate_window, host_survival
 from dspark.config import ScheduleConfig
-from dspark.kernels import topk
+from dspark.kernels import dispatch, topk
 
 
 def check_budget(budget: object) -> int:
@@ -32,7 +32,7 @@ def check_budget(budget: object) -> int:
 def allocate_verify_lens(survival: Tensor, budget: int, cfg: ScheduleConfig) -> Tensor:
     """[B] int32 verify lengths in [F, M_max]: F plus the request's share of the global top-`budget`."""
     k = check_budget(budget)
-    if isinstance(survival, Tensor) and topk.use_host(survival):
+    if isinstance(survival, Tensor) and dispatch.use_host(survival):
         return topk.verify_lens_host(host_survival(survival, cfg), k, cfg.floor, cfg.cap, cfg.survival_eps)
     s, _ = candidate_window(survival, cfg)
     return topk.verify_lens(s.contiguous(), k, cfg.floor, cfg.cap, cfg.survival_eps)

@@ -11,10 +11,12 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from dspark._validate import check_int, check_verify_lens, int_tensor
+from dspark.kernels import dispatch
 from dspark.kernels import layout as _k
 
 log = logging.getLogger(__name__)
@@ -100,10 +102,11 @@ class RaggedVerifyLayout:
         if on_overflow not in ("eager", "error"):
             raise ValueError(f"on_overflow must be 'eager' or 'error', got {on_overflow!r}")
         tiers_t = check_tiers(tiers)
-        lens_host = vl.cpu()
-        if b:
-            check_verify_lens(lens_host, width if width is not None else int(lens_host.max()))
-        total = int(lens_host.sum())
+        host = dispatch.use_host(vl)
+        lens_np = vl.numpy() if host else vl.cpu().numpy()  # the host read the layout needs anyway
+        if b and (lens_np.min() < 1 or (width is not None and lens_np.max() > width)):
+            check_verify_lens(vl.cpu(), width if width is not None else int(lens_np.max()))  # names the value
+        total = int(lens_np.sum())
         tier, reason = None, None
         if tiers_t:
             tier = round_up_to_tier(total, tiers_t)
@@ -116,10 +119,17 @@ class RaggedVerifyLayout:
         leftover = rows - total
         num_slots = _slot_count(b, slots, leftover, width)
         ghost = _ghost_lens(num_slots - b, leftover, width, b, num_slots)
-        slot_lens = torch.cat([vl, ghost.to(vl.device)])
-        seqused = torch.cat([vl, torch.zeros_like(ghost, device=vl.device)])
-        row_slot, row_within = _k.row_maps(slot_lens, rows)
-        slot_qo = _k.qo_indptr(slot_lens)
+        if host:
+            slot_lens_np = np.concatenate([lens_np, ghost])
+            slot_qo, row_slot, row_within = map(torch.from_numpy, _k.slot_maps_host(slot_lens_np, rows))
+            slot_lens = torch.from_numpy(slot_lens_np)
+            seqused = torch.from_numpy(np.concatenate([lens_np, np.zeros_like(ghost)]))
+        else:
+            ghost_t = torch.from_numpy(ghost).to(vl.device)
+            slot_lens = torch.cat([vl, ghost_t])
+            seqused = torch.cat([vl, torch.zeros_like(ghost_t)])
+            row_slot, row_within = _k.row_maps(slot_lens, rows)
+            slot_qo = _k.qo_indptr(slot_lens)
         return cls(
             verify_lens=vl,
             qo_indptr=slot_qo[: b + 1].clone(),
@@ -217,13 +227,13 @@ def _slot_count(b: int, slots: int | None, leftover: int, width: int | None) -> 
     return slots
 
 
-def _ghost_lens(num_ghosts: int, leftover: int, width: int | None, b: int, num_slots: int) -> Tensor:
-    """Padding rows spread over ghost slots, first ghost first, at most W rows each."""
+def _ghost_lens(num_ghosts: int, leftover: int, width: int | None, b: int, num_slots: int) -> np.ndarray:
+    """Padding rows spread over ghost slots, first ghost first, at most W rows each (host int32)."""
     cap = width if width is not None else max(leftover, 1)
     if leftover > num_ghosts * cap:
         raise ValueError(
             f"{leftover} padding rows do not fit {num_ghosts} ghost slots of width {cap} "
             f"(batch {b}, slots {num_slots}); capture more slots for this tier"
         )
-    g = torch.arange(num_ghosts, dtype=torch.int64)
-    return (leftover - g * cap).clamp(0, cap).to(torch.int32)
+    g = np.arange(num_ghosts, dtype=np.int64)
+    return np.clip(leftover - g * cap, 0, cap).astype(np.int32)

@@ -28,7 +28,7 @@ from dspark.config import ScheduleConfig
 from dspark.cost import CostModel
 from dspark.distributed import DpTier, ParallelAgreement, ParallelConfig
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
-from dspark.survival import SurvivalLagRing, calibrated_survival, check_temperatures
+from dspark.survival import SurvivalLagRing, _check_matrix, check_temperatures, survival_from_checked
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,9 @@ class VerifyPlanner:
         slots / generations ([B] integer tensors, best kept on the CPU) key the lag ring; with lag = 0
         there is no ring and they are not read.
         """
-        survival = calibrated_survival(logits, self.temperatures)
-        if survival.shape[1] != self.cfg.gamma:
+        if _check_matrix("logits", logits).shape[1] != self.cfg.gamma:
             raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")
+        survival = survival_from_checked(logits, self.temperatures)
         if self.ring is None:
             decision = greedy_budget(survival, self.cost_model, self.cfg)
         else:

@@ -38,23 +38,33 @@ def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Te
 
 def cumulative_survival(conditional: Tensor) -> Tensor:
     """Left-to-right product of conditional probabilities along positions (fixed order, no scan)."""
-    cols = [conditional[:, 0]]
-    for k in range(1, conditional.shape[1]):
-        cols.append(cols[-1] * conditional[:, k])
-    return torch.stack(cols, dim=1) if cols else conditional.clone()
+    if not conditional.shape[1]:
+        return conditional.clone()
+    cols = conditional.unbind(1)
+    out = [cols[0]]
+    for col in cols[1:]:
+        out.append(out[-1] * col)
+    return torch.stack(out, dim=1)
 
 
 def calibrated_survival(logits: Tensor, temperatures: Tensor | Sequence[float] | None = None) -> Tensor:
     """Survival [B, gamma] float32 from confidence logits [B, gamma]; non-finite logits give c = 0."""
-    z = _check_matrix("logits", logits).to(torch.float32)
+    z = _check_matrix("logits", logits)
     gamma = z.shape[1]
     if gamma == 0:
         raise ValueError("logits must have at least one draft position (gamma >= 1), got shape "
                          f"{tuple(z.shape)}")
+    return survival_from_checked(z, None if temperatures is None else check_temperatures(temperatures, gamma))
+
+
+def survival_from_checked(logits: Tensor, temperatures: Tensor | None) -> Tensor:
+    """`calibrated_survival` (same float32 values, bit for bit) for per-step callers that validated once:
+    logits a floating [B, gamma >= 1] tensor, temperatures what `check_temperatures` returned (or None).
+    Skips re-validating the temperatures, a host read and a dozen small ops per step."""
+    z = logits.to(torch.float32)
     if temperatures is not None:
-        t = check_temperatures(temperatures, gamma).to(z.device)
-        z = z / t
-    c = torch.where(torch.isfinite(z), torch.sigmoid(z), torch.zeros_like(z))
+        z = z / temperatures.to(z.device)
+    c = torch.sigmoid(z).masked_fill_(~torch.isfinite(z), 0.0)
     return cumulative_survival(c)
 
 

@@ -182,7 +182,7 @@ def test_host_path_and_torch_reference_agree_with_the_global_order(case):
 def test_forced_torch_backend_uses_the_reference(torch_backend, device):
     cfg = ScheduleConfig(gamma=2, survival_eps=0.0)
     s = torch.tensor([[0.5, 0.5], [0.5, 0.4], [0.5, 0.5]], device=device)
-    assert not topk.use_host(s)
+    assert not dispatch.use_host(s)
     assert allocate_verify_lens(s, 4, cfg).tolist() == [3, 2, 2]
 
 

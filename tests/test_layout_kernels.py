@@ -41,6 +41,40 @@ def test_row_maps(policy, b, w, extra, seed, device):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
+@given(b=st.integers(0, 40), w=st.integers(1, 9), extra=st.integers(0, 20), seed=st.integers(0, 10**6))
+@settings(max_examples=25)
+def test_slot_maps_host(b, w, extra, seed):
+    slot_lens = torch.cat([_lens(b, w, seed, torch.device("cpu")), torch.tensor([extra, 0, 2 * extra + 1],
+                                                                                 dtype=torch.int32)])
+    rows = int(slot_lens.sum())
+    indptr, row_slot, row_within = map(torch.from_numpy, k.slot_maps_host(slot_lens.numpy(), rows))
+    ref_slot, ref_within = k.row_maps_ref(slot_lens, rows)
+    assert torch.equal(indptr, k.qo_indptr_ref(slot_lens))
+    assert torch.equal(row_slot, ref_slot) and torch.equal(row_within, ref_within)
+
+
+@given(lens=st.lists(st.integers(1, 7), min_size=0, max_size=30), tier_extra=st.integers(0, 12),
+       slots_extra=st.integers(1, 4))
+@settings(max_examples=25)
+def test_layout_host_path_equals_torch_path(lens, tier_extra, slots_extra):
+    """The CPU layout (numpy host path under `auto`) equals the torch path field by field."""
+    vl = torch.tensor(lens, dtype=torch.int32)
+    tiers = [sum(lens) + tier_extra] if lens else None
+    kw = dict(tiers=tiers, slots=len(lens) + slots_extra + tier_extra, width=7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(dispatch.BACKEND_ENV, "torch")
+        assert not dispatch.use_host(vl)
+        torch_path = RaggedVerifyLayout.from_verify_lens(vl, **kw)
+        mp.setenv(dispatch.BACKEND_ENV, "auto")
+        assert dispatch.use_host(vl)
+        host_path = RaggedVerifyLayout.from_verify_lens(vl, **kw)
+    for name in ("verify_lens", "qo_indptr", "slot_lens", "slot_qo_indptr", "seqused", "row_slot", "row_within"):
+        a, b = getattr(host_path, name), getattr(torch_path, name)
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name
+    for name in ("width", "total_rows", "graph_num_tokens", "tier", "eager_reason"):
+        assert getattr(host_path, name) == getattr(torch_path, name), name
+
+
 def test_row_maps_many_slots(device):
     slot_lens = _lens(3001, 4, 3, device)
     rows = int(slot_lens.sum())

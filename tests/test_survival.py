@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dspark import SurvivalLagRing, calibrated_survival, monotone_survival
+from dspark.survival import check_temperatures, survival_from_checked
 
 
 def test_teaching_example_survival():
@@ -33,6 +34,23 @@ def test_non_finite_logits_give_zero_confidence():
     assert s[0, 0] > 0 and bool((s[0, 1:] == 0).all())
     assert bool((s[1] == 0).all())
     assert s[2, 1] == pytest.approx(0.25) and s[2, 2] == 0
+
+
+@given(b=st.integers(1, 9), g=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
+def test_fixed_order_float32_product_and_checked_path(b, g, seed):
+    """Bit for bit: divide, sigmoid, then a left-to-right float32 product (no double accumulation, no
+    scan); the planner's pre-validated path gives the same bits."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(b, g, generator=gen) * 4
+    z[0, -1] = math.inf
+    temps = check_temperatures((torch.rand(g, generator=gen) * 2 + 0.2).tolist(), g)
+    s = calibrated_survival(z, temps)
+    c = torch.where(torch.isfinite(z / temps), torch.sigmoid(z / temps), torch.zeros(()))
+    want = c.clone()
+    for k in range(1, g):
+        want[:, k] = want[:, k - 1] * c[:, k]
+    assert torch.equal(s, want)
+    assert torch.equal(survival_from_checked(z, temps), s)
 
 
 def test_bit_identical_across_dtypes_of_input():

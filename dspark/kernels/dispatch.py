@@ -39,6 +39,12 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return any(t.device.type in ("cuda", "npu") for t in tensors)
 
 
+def use_host(*tensors: torch.Tensor) -> bool:
+    """True when a small-tensor numpy host path serves: CPU tensors under the `auto` backend (a chain of
+    torch ops on a few hundred elements costs microseconds per op; numpy, a fraction of that)."""
+    return backend() == "auto" and all(t.device.type == "cpu" for t in tensors)
+
+
 def _device_policy(device: torch.device) -> tuple[str, int | None]:
     if device.type == "npu":
         from dspark.ascend import runtime

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -68,6 +69,17 @@ def row_maps_ref(slot_lens: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     rows = torch.arange(num_rows, dtype=torch.int32, device=device)
     row_within = rows - starts.index_select(0, row_slot.to(torch.int64))
     return row_slot, row_within.to(torch.int32)
+
+
+def slot_maps_host(slot_lens: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slot_qo_indptr [S+1], row_slot [num_rows], row_within [num_rows]) int32 from host slot lengths that
+    sum to num_rows: `qo_indptr` + `row_maps` in one numpy pass, the CPU path for per-step layouts (a
+    few numpy calls instead of a chain of torch ops, each with microseconds of dispatch)."""
+    indptr = np.zeros(slot_lens.size + 1, dtype=np.int32)
+    np.cumsum(slot_lens, out=indptr[1:])
+    row_slot = np.repeat(np.arange(slot_lens.size, dtype=np.int32), slot_lens)
+    row_within = np.arange(num_rows, dtype=np.int32) - indptr[row_slot]
+    return indptr, row_slot, row_within
 
 
 @triton.jit

@@ -154,11 +154,6 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
     return lens
 
 
-def use_host(survival: Tensor) -> bool:
-    """True when the numpy host path serves: CPU tensors under the `auto` backend."""
-    return survival.device.type == "cpu" and dispatch.backend() == "auto"
-
-
 def verify_lens(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
     """Dispatch for device survival: Triton on CUDA/NPU (or when forced), the torch reference otherwise."""
     if triton is not None and dispatch.use_triton(survival):
