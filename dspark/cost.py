@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from dspark.fileio import atomic_write_text, read_json
+from dspark.lsq import nonnegative_lstsq
 
 SCHEMA_VERSION = 1
 
@@ -457,16 +458,25 @@ class AdditiveCostModel(CostModel):
 
     @classmethod
     def fit(cls, samples: Sequence[ProfileSample], *, row_bin: int = 64, platform: str = "unknown",
-            width: int | None = None) -> tuple["AdditiveCostModel", FitReport]:
+            width: int | None = None, convex_rows: bool = False) -> tuple["AdditiveCostModel", FitReport]:
         """Least squares over one-hot B probes and M bins (round(M / row_bin) * row_bin).
 
         alpha and theta are pinned to 0 at their first probe (the rest is absorbed in bias). A design
         whose columns are linearly dependent (for example a diagonal static sweep where every B pairs
         with one M bin) is refused: the split between alpha and theta would be arbitrary.
+
+        convex_rows: constrain theta(M) to be non-decreasing and convex (the best such fit: non-negative
+        weights on hinges max(0, M - m_j) at the row bins, `dspark.lsq`). An eager step's cost is flat
+        while the device is latency-bound, then grows with the rows: convex. With T convex in the rows and
+        tau concave in the budget (survivals taken best-first), theta(b) = tau / T is unimodal, so the
+        synchronous greedy scan (lag 0) stops at the global argmax instead of at a timing-noise dip.
+        (Captured tiers make T a staircase: they have their own model, `TieredCostModel`.)
         """
         samples = _check_samples(samples)
         if not _is_int(row_bin) or row_bin < 1:
             raise ValueError(f"row_bin must be an int >= 1, got {row_bin!r}")
+        if convex_rows:
+            return cls._fit_convex(samples, row_bin, platform, width)
         bins = [bin_rows(s.rows, row_bin) for s in samples]
         batch_probes = sorted({s.num_requests for s in samples})
         row_probes = sorted(set(bins))
@@ -496,6 +506,36 @@ class AdditiveCostModel(CostModel):
         report = FitReport.from_predictions(
             y.tolist(), [model.step_seconds(s.num_requests, s.rows) for s in samples],
             extras={"row_bin": row_bin, "rank": rank},
+        )
+        model.fit_report = report
+        return model, report
+
+    @classmethod
+    def _fit_convex(cls, samples: list[ProfileSample], row_bin: int, platform: str,
+                    width: int | None) -> tuple["AdditiveCostModel", FitReport]:
+        bins = [bin_rows(s.rows, row_bin) for s in samples]
+        batch_probes = sorted({s.num_requests for s in samples})
+        row_probes = sorted(set(bins))
+        free = np.zeros((len(samples), len(batch_probes)))
+        free[:, 0] = 1.0  # bias, then alpha(B) for every batch probe but the first
+        for i, s in enumerate(samples):
+            j = batch_probes.index(s.num_requests)
+            if j:
+                free[i, j] = 1.0
+        knots = np.array(row_probes[:-1], dtype=np.float64)
+        hinges = np.maximum(0.0, np.array(bins, dtype=np.float64)[:, None] - knots[None, :])
+        if np.linalg.matrix_rank(free) < free.shape[1]:
+            raise ValueError(f"rank-deficient design: batch probes {batch_probes} from {len(samples)} samples")
+        y = np.array([s.seconds for s in samples])
+        coef = nonnegative_lstsq(np.concatenate([free, hinges], axis=1), y, free=free.shape[1])
+        weights = coef[free.shape[1]:]
+        theta = np.maximum(0.0, np.array(row_probes, dtype=np.float64)[:, None] - knots[None, :]) @ weights
+        alpha = [0.0] + coef[1:free.shape[1]].tolist()
+        model = cls(float(coef[0]), batch_probes, alpha, row_probes, theta.tolist(), platform=platform,
+                    width=width)
+        report = FitReport.from_predictions(
+            y.tolist(), [model.step_seconds(s.num_requests, s.rows) for s in samples],
+            extras={"row_bin": row_bin, "convex_rows": True},
         )
         model.fit_report = report
         return model, report

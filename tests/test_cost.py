@@ -92,6 +92,29 @@ def test_additive_fit_reports_residuals_of_a_noisy_fit():
     assert 0.9 < report.r2 <= 1.0
 
 
+@settings(max_examples=20)
+@given(seed=st.integers(0, 2**32 - 1), noise=st.floats(0, 2e-3))
+def test_convex_rows_fit_is_non_decreasing_convex_and_exact_on_a_convex_truth(seed, noise):
+    rng = np.random.default_rng(seed)
+    batches, rows = [1, 4, 16], [4, 8, 16, 32, 64, 112]
+    alpha = dict(zip(batches, [0.0, *rng.uniform(0, 3e-3, 2)]))
+    slopes = np.cumsum(rng.uniform(0, 1e-4, len(rows) - 1))  # non-decreasing slopes: convex theta
+    theta = dict(zip(rows, np.concatenate([[0.0], np.cumsum(slopes * np.diff(rows))])))
+    truth = {(b, m): 2e-3 + alpha[b] + theta[m] for b in batches for m in rows if m >= b}
+    exact, _ = AdditiveCostModel.fit([ProfileSample(b, m, t) for (b, m), t in truth.items()], row_bin=1,
+                                     convex_rows=True)
+    for (b, m), t in truth.items():
+        assert exact.step_seconds(b, m) == pytest.approx(t, abs=1e-12)
+    noisy = [ProfileSample(b, m, t + noise * float(rng.uniform())) for (b, m), t in truth.items()]
+    model, report = AdditiveCostModel.fit(noisy, row_bin=1, convex_rows=True)
+    th = np.array(model.theta)
+    assert model.row_probes == tuple(rows) and th[0] == 0.0
+    assert (np.diff(th) >= -1e-15).all()
+    slope = np.diff(th) / np.diff(rows)
+    assert (np.diff(slope) >= -1e-12).all()
+    assert report.extras["convex_rows"] is True and len(report.residuals) == len(noisy)
+
+
 def test_rank_deficient_design_is_refused():
     diagonal = [ProfileSample(b, 8 * b, 1e-3 * b) for b in (8, 16, 32, 64)]
     with pytest.raises(ValueError, match="rank-deficient"):

@@ -248,7 +248,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
 
     probe = (cfg.probe_every, cfg.max_probe_every)
     decoders = {name: decoder.fork() for name in names}  # one per policy: each round runs them in lockstep
-    records: dict[tuple[str, int], list[StepRecord]] = {}
+    records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: demo.json and the plots
+    every_round: dict[tuple[str, int], list[StepRecord]] = {}  # every round's: the table's step statistics
     seconds: dict[tuple[str, int], list[float]] = {}
     steady: dict[tuple[str, int], list[float]] = {}  # steady-state committed tokens / s per timed run
     lossless_checks = 0
@@ -278,10 +279,11 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 seconds.setdefault((name, b), []).append(res.seconds)
                 tokens, busy_seconds = res.steady()
                 steady.setdefault((name, b), []).append(tokens / busy_seconds)
+                recs = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
+                                    lag=cfg.lag if name == "adaptive" else 0, temperatures=temps)
+                every_round.setdefault((name, b), []).extend(recs)
                 if rep == 0:
-                    lag = cfg.lag if name == "adaptive" else 0
-                    records[(name, b)] = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
-                                                      lag=lag, temperatures=temps)
+                    records[(name, b)] = recs
     small = prompts[:6]  # every mode x every policy on 2 reused slots, equal to target-only greedy (no reuse)
     if not cfg.sampling:
         ref = decoder.generate(small, cfg.max_new_tokens // 2, FixedK(0), mode=VerifyMode.STATIC)
@@ -293,7 +295,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")
     bar.close()
-    rows = _table_rows(cfg, names, records, seconds, steady, queue_tokens)
+    rows = _table_rows(cfg, names, every_round, seconds, steady, queue_tokens)
     goals = goal_check(rows)
     summary = {
         "config": {**{k: v for k, v in asdict(cfg).items() if k != "train"}, "policies": names,
@@ -309,7 +311,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         "calibration": {"path": "calibration.json", "temperatures": temps, "warnings": calib.warnings},
         "results": rows,
         "goals": goals,
-        "tau_bias": tau_bias([r for recs in records.values() for r in recs]),
+        "tau_bias": tau_bias([r for recs in every_round.values() for r in recs]),
         "steps": {f"{n}@{b}": [r.to_dict() for r in recs] for (n, b), recs in records.items()},
         "seconds": time.perf_counter() - t_start,
     }
@@ -341,11 +343,15 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict,
         best_fixed = max((n for n in names if n.startswith("fixed-")), key=sps.get)
         best_fixed_queue = max((n for n in names if n.startswith("fixed-")), key=tps.get)
 
-        def paired(n: str, m: str, queue: bool = False) -> float:
-            """Median over rounds of n's speed / m's in the same (lockstep) round."""
+        def ratios(n: str, m: str, queue: bool = False) -> list[float]:
+            """n's speed / m's, per (lockstep) round."""
             if queue:
-                return _median([t_m / t_n for t_n, t_m in zip(seconds[(n, b)], seconds[(m, b)])])
-            return _median([x / y for x, y in zip(steady[(n, b)], steady[(m, b)])])
+                return [t_m / t_n for t_n, t_m in zip(seconds[(n, b)], seconds[(m, b)])]
+            return [x / y for x, y in zip(steady[(n, b)], steady[(m, b)])]
+
+        def paired(n: str, m: str, queue: bool = False) -> float:
+            """Median over rounds of n's speed / m's in the same round."""
+            return _median(ratios(n, m, queue))
 
         for n in names:
             recs = records[(n, b)]
@@ -364,6 +370,7 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict,
                 "tau_relative_bias": bias[0]["relative_bias"] if bias else None,
                 "speedup_vs_no_spec": paired(n, "fixed-0"),
                 "speedup_vs_best_fixed": paired(n, best_fixed), "best_fixed": best_fixed,
+                "speedup_vs_best_fixed_spread": (max(ratios(n, best_fixed)) - min(ratios(n, best_fixed))) / 2,
                 "speedup_vs_oracle": paired(n, "oracle") if "oracle" in names else None,
                 "queue_speedup_vs_no_spec": paired(n, "fixed-0", queue=True),
                 "queue_speedup_vs_best_fixed": paired(n, best_fixed_queue, queue=True),
@@ -412,16 +419,17 @@ def format_goals(goals: list[dict]) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'B':>4} {'policy':<9} {'tok/s':>7} {'steady':>7} {'+-':>4} {'AL':>5} {'acc.rate':>15} {'rows/step':>9} "
-            f"{'spec%':>5} {'tau bias':>8} {'vs k=0':>7} {'vs best k':>10} {'queue vs best k':>15}")
+    head = (f"{'B':>4} {'policy':<9} {'tok/s':>7} {'steady':>7} {'AL':>5} {'acc.rate':>15} {'rows/step':>9} "
+            f"{'spec%':>5} {'tau bias':>8} {'vs k=0':>7} {'vs best k':>9} {'+-':>4} {'':<9} {'queue vs best k':>15}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rate = ("n/a" if r["acceptance_rate"] is None
                 else f"{r['acceptance_rate']:.2f} ({r['accepted_drafts']}/{r['proposed_drafts']})")
         bias = "n/a" if r["tau_relative_bias"] is None else f"{100 * r['tau_relative_bias']:+.1f}%"
         lines.append(f"{r['batch']:>4} {r['policy']:<9} {r['tokens_per_s']:>7.0f} {r['steady_tokens_per_s']:>7.0f} "
-                     f"{100 * r['steady_spread']:>3.0f}% {r['acceptance_length']:>5.2f} {rate:>15} {r['rows_per_step']:>9.1f} "
+                     f"{r['acceptance_length']:>5.2f} {rate:>15} {r['rows_per_step']:>9.1f} "
                      f"{100 * r['speculative_step_share']:>5.0f} {bias:>8} {r['speedup_vs_no_spec']:>6.2f}x "
-                     f"{r['speedup_vs_best_fixed']:>6.2f}x ({r['best_fixed']}) "
+                     f"{r['speedup_vs_best_fixed']:>8.2f}x {100 * r['speedup_vs_best_fixed_spread']:>3.0f}% "
+                     f"({r['best_fixed']}) "
                      f"{r['queue_speedup_vs_best_fixed']:>6.2f}x ({r['queue_best_fixed']})")
     return "\n".join(lines)

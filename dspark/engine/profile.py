@@ -165,9 +165,10 @@ def monotone_in_rows(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
 def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, tiers: Sequence[int] = (),
                    row_bins: Sequence[int] = (1, 8, 32, 64)) -> tuple[CostModel, FitReport, int | None]:
     """With tiers: TieredCostModel (one value per tier). Without: the additive model
-    `bias + alpha(B) + theta(M)` at the finest M binning whose fit is valid (noisy timings can make the
-    finest fit predict a non-positive time somewhere, which the model refuses; coarser bins average
-    the noise out); when no binning gives a valid fit (very noisy timings), the 1-D steps/s table fitted
+    `bias + alpha(B) + theta(M)` with theta non-decreasing and convex in M (`convex_rows`: the lag-0
+    greedy budget scan then finds the argmax; an unconstrained per-row theta threads every noisy sample,
+    and its dips stop the scan early) at the finest M binning whose fit is valid (a fit that predicts a
+    non-positive time somewhere is refused; coarser bins average the noise out); when no binning gives a valid fit (very noisy timings), the 1-D steps/s table fitted
     on the same samples, with a logged warning. The samples are first made non-decreasing in the rows per
     batch size (`monotone_in_rows`). Returns (model, report, row_bin used or None)."""
     samples = monotone_in_rows(samples)
@@ -177,7 +178,8 @@ def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, 
     errors = []
     for row_bin in row_bins:
         try:
-            model, report = AdditiveCostModel.fit(samples, row_bin=row_bin, platform=platform, width=gamma + 1)
+            model, report = AdditiveCostModel.fit(samples, row_bin=row_bin, platform=platform, width=gamma + 1,
+                                                  convex_rows=True)
             return model, report, row_bin
         except ValueError as e:
             errors.append(f"row_bin={row_bin}: {e}")
