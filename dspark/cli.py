@@ -41,7 +41,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                         "0: every request the same length)")
     p.add_argument("--requests-per-slot", type=int, default=3,
                    help="continuous batching: a queue of N = this x B requests is served on B slots (default 3)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per (policy, batch); median reported")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed rounds per batch size, every policy once per round, interleaved step by step "
+                        "(lockstep); speed-ups are medians of the per-round ratios (default 5)")
     p.add_argument("--sampling", action="store_true", help="rejection sampling instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lag", type=int, default=0,
@@ -51,6 +53,11 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive: after this many plain steps in a row, speculate once (default 8)")
     p.add_argument("--max-probe-every", type=int, default=64,
                    help="adaptive: the probe interval doubles while plain keeps winning, up to this (default 64)")
+    p.add_argument("--cost-feedback", action="store_true",
+                   help="adaptive: rescale the profiled step costs online by measured / predicted step times "
+                        "(median of the last 9 per step kind). Off by default: the profile is taken in the same "
+                        "lockstep conditions as the timed runs, and on a shared CPU a slow spell during a few "
+                        "speculative steps would flip the speculate-or-not decision")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: tiny ops)")
     p.add_argument("--tiers", type=ints, default=(),
                    help="comma list of token tiers: compact steps pad to the smallest tier >= rows and the "
@@ -60,8 +67,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                         "outweighs the gain in a 5-minute demo)")
     p.add_argument("--clock", default="auto", choices=("auto", "wall", "thread"),
                    help="step timing: wall, or thread (the decoding thread's CPU time; CPU with --threads 1: "
-                        "immune to other processes on a shared machine). auto (default): thread on the CPU "
-                        "with 1 thread, else wall")
+                        "not charged while other processes hold the core, though still slowed by neighbours "
+                        "sharing caches). auto (default): thread on the CPU with 1 thread, else wall")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=None, help="model weights cache (default ~/.cache/dspark)")
 
@@ -75,7 +82,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, length_spread=args.length_spread, requests_per_slot=args.requests_per_slot, repeats=args.repeats, sampling=args.sampling,
         temperature=args.temperature, lag=args.lag, probe_every=args.probe_every, max_probe_every=args.max_probe_every,
         threads=args.threads, seed=args.seed, cache_dir=args.cache_dir,
-        compile=args.compile, tiers=args.tiers, clock=args.clock,
+        compile=args.compile, tiers=args.tiers, clock=args.clock, cost_feedback=args.cost_feedback,
     )
     try:
         run_demo(cfg)

@@ -75,7 +75,7 @@ STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median,
 
 def step_timer(device: torch.device, clock: str = "wall") -> Callable[[Callable[[], None]], float]:
     """Seconds of one call: device events on cuda / npu; on the CPU `wall` (perf_counter) or `thread`
-    (this thread's CPU time: immune to preemption on a shared machine, exact with 1 intra-op thread)."""
+    (this thread's CPU time: not charged while preempted on a shared machine, exact with 1 intra-op thread)."""
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
     if device.type in ("cuda", "npu"):

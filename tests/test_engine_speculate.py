@@ -51,7 +51,7 @@ def test_realised_acceptance_decides_once_observed() -> None:
     """Before any outcome the lagged survival predicts; afterwards the moving averages of accepted / verified
     drafts per request do: confident survival, but nothing accepted -> plain; accepted again -> speculate."""
     slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
-    policy = Adaptive(_planner(), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5)  # plain: 400 tok/s
+    policy = Adaptive(_planner(), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5, prior_weight=0)
     confident = torch.full((2, GAMMA), 8.0)  # survival ~1 at every position
     assert policy.speculate(slots, gens) and policy.realised is None
     plan = policy.plan(confident, slots, gens)
@@ -66,7 +66,7 @@ def test_realised_acceptance_decides_once_observed() -> None:
     policy.plan(confident, slots, gens)
     policy.observe(torch.tensor([1, 2]))  # 0.5 accepted per request: (1.5 + 0.5) / 2 = 1.0
     assert not policy.speculate(slots, gens)  # tau = 2 * 2 per 10 ms = 400 tok/s: not more than plain
-    mean = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=0.8)
+    mean = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=0.8, prior_weight=0)
     for commit in ([1, 1], [GAMMA + 1, GAMMA + 1], [GAMMA + 1, GAMMA + 1]):
         mean.plan(confident, slots, gens)
         mean.observe(torch.tensor(commit))
@@ -84,7 +84,7 @@ def test_realised_cost_feedback_follows_measured_step_times() -> None:
     (247 tok/s), the next decision goes plain; if plain steps measure 3x theirs too, speculation is back."""
     planner = _planner()
     slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
-    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_decay=0.0)
+    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_window=1)
     sure = torch.full((2, GAMMA), 3.0)  # sigmoid ~0.95 per position
     assert policy.speculate(slots, gens)
     policy.plan(sure, slots, gens)
@@ -102,21 +102,18 @@ def test_realised_cost_feedback_follows_measured_step_times() -> None:
     policy.plan(sure, slots, gens)
     policy.observe_seconds(STEP)  # a speculative step after a speculative step is
     assert policy.cost_ratio[True] == pytest.approx(1.0)
-    ema = Adaptive(planner, plain_seconds=lambda b: b / 400.0)  # default cost_decay 0.8: the first sample
-    ema.speculate(slots, gens)                                    # sets the ratio, later ones move it 20 %
-    ema.plan(sure, slots, gens)
-    ema.observe_seconds(1.5 * STEP)  # 740 / 1.5 = 493 tok/s: still beats plain
-    assert ema.speculate(slots, gens)
-    ema.plan(sure, slots, gens)
-    ema.observe_seconds(STEP)
-    assert ema.cost_ratio[True] == pytest.approx(0.8 * 1.5 + 0.2 * 1.0)
-    off = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_decay=None)
+    median = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_window=3)  # median of the last 3
+    for measured, ratio in ((1.2, 1.0), (10.0, 1.0), (1.0, 1.2), (1.1, 1.1)):  # from 3 samples; a 10x stall: no
+        median.plan(sure, slots, gens)
+        median.observe_seconds(measured * STEP)
+        assert median.cost_ratio[True] == pytest.approx(ratio)
+    off = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_window=None)
     off.speculate(slots, gens)
     off.plan(sure, slots, gens)
     off.observe_seconds(3 * STEP)
     assert off.cost_ratio[True] == 1.0
-    with pytest.raises(ValueError, match="cost_decay must be in"):
-        Adaptive(planner, plain_seconds=lambda b: 0.01, cost_decay=1.0)
+    with pytest.raises(ValueError, match="cost_window must be"):
+        Adaptive(planner, plain_seconds=lambda b: 0.01, cost_window=0)
 
 
 def _plain_runs(out) -> list[int]:
@@ -126,8 +123,8 @@ def _plain_runs(out) -> list[int]:
 
 def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
     n = 3
-    # plain wins; cost_decay=None: the decision must follow these predictions, not the measured step times
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n, cost_decay=None)
+    # plain wins; cost_window=None: the decision must follow these predictions, not the measured step times
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n, cost_window=None)
     out = decoder.generate(_prompts(3, 5), 14, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[0] == n and all(r == n for r in runs[:-1]) and len(runs) >= 3 and runs[-1] <= n
@@ -135,14 +132,14 @@ def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
 
 
 def test_probe_interval_backs_off_while_plain_keeps_winning(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8, cost_decay=None)
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8, cost_window=None)
     out = decoder.generate(_prompts(2, 5), 40, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[:4] == [2, 4, 8, 8]
 
 
 def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 10.0, cost_decay=None)  # plain: 10 s per step
+    policy = Adaptive(_planner(), plain_seconds=lambda b: 10.0, cost_window=None)  # plain: 10 s per step
     out = decoder.generate(_prompts(3, 5), 10, policy, mode="compact")
     assert all(_speculated(out))
 
@@ -174,6 +171,23 @@ def test_lag0_speculates_until_outcomes_then_follows_them() -> None:
     policy.plan(torch.full((2, GAMMA), 8.0), slots, gens)
     policy.observe(torch.tensor([1, 1]))  # nothing accepted: tau = 2 per 10 ms
     assert not policy.speculate(slots, gens)
+
+
+def test_prior_from_the_first_prediction_outweighs_one_unlucky_outcome() -> None:
+    """The averages start at the first planned step's calibrated prediction, worth `prior_weight` outcomes:
+    a confident head (every draft expected) and one step with nothing accepted stay speculative; without
+    the prior that one outcome alone sends the policy plain."""
+    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+    confident = torch.full((2, GAMMA), 8.0)  # survival ~1 at every position: ~GAMMA accepted predicted
+    for prior_weight, speculates in ((4, True), (0, False)):
+        policy = Adaptive(_planner(lag=0), lambda b: b / 400.0, prior_weight=prior_weight)  # plain: 400 tok/s
+        assert policy.speculate(slots, gens)
+        policy.plan(confident, slots, gens)
+        policy.observe(torch.tensor([1, 1]))  # nothing accepted
+        if prior_weight:
+            expected = float((torch.sigmoid(torch.tensor(8.0)).double() ** torch.arange(1, GAMMA + 1)).sum())
+            assert policy.realised == pytest.approx((0.8 * expected, GAMMA))  # (4 x prior + 1 x 0) / 5
+        assert policy.speculate(slots, gens) is speculates
 
 
 def test_plain_step_cost_interpolates() -> None:

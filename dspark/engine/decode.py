@@ -106,8 +106,9 @@ class SpecDecoder:
     """Target + draft with their paged KV caches; runs one policy over a batch of equal-length prompts.
 
     clock: how step phases are timed. `wall` (perf_counter) or, on the CPU with one intra-op thread,
-    `thread` (this thread's CPU time): the same number on an idle machine, but immune to other processes
-    taking the core on a shared one, so side-by-side policy comparisons are not decided by neighbours.
+    `thread` (this thread's CPU time): the same number on an idle machine, and not charged while other
+    processes hold the core on a shared one. It still moves with neighbours sharing caches or an SMT
+    sibling (measured here: 30 % between back-to-back runs), which is why comparisons run in `lockstep`.
     """
 
     def __init__(self, target: TinyLM, draft: DraftLM, *, cache_tokens: int = 65536, page_size: int = 16,

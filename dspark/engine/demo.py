@@ -64,6 +64,7 @@ class DemoConfig:
     lag: int = 0                # synchronous decode loop: live-survival budget (1: the overlap scheduler's lag)
     probe_every: int = 8        # adaptive: plain steps in a row before a probe (a speculative step) ...
     max_probe_every: int = 64   # ... doubling while probes keep confirming plain, up to this
+    cost_feedback: bool = False  # adaptive: rescale the profiled costs by measured step times (see the CLI help)
     threads: int = 1
     tiers: tuple[int, ...] = ()  # captured token tiers for compact steps (() = eager, no padding)
     clock: str = "auto"     # step timing: wall / thread (CPU time of the decoding thread); auto: see `demo_clock`
@@ -126,7 +127,7 @@ def available_cores() -> int:
 
 def demo_clock(cfg: DemoConfig) -> str:
     """`thread` on the CPU with one intra-op thread (all the work runs on the timed thread, so its CPU time
-    is the step time without other processes' interference), else `wall`."""
+    is the step time minus the time other processes held the core), else `wall`."""
     if cfg.clock != "auto":
         return cfg.clock
     return "thread" if check_device(cfg.device).type == "cpu" and cfg.threads == 1 else "wall"
@@ -166,10 +167,11 @@ class Progress:
 
 
 def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int], VerifyPlanner],
-                 plain: PlainStepCost | None = None, probe: tuple[int, int] = (8, 64)):
+                 plain: PlainStepCost | None = None, probe: tuple[int, int, bool] = (8, 64, False)):
     if name == "adaptive":
-        planner = planner_factory(b)
-        return Adaptive(planner, plain.step_seconds if plain is not None else None, *probe)
+        every, most, cost_feedback = probe
+        return Adaptive(planner_factory(b), plain.step_seconds if plain is not None else None, every, most,
+                        cost_window=9 if cost_feedback else None)
     if name == "oracle":
         return Oracle(gamma)
     return FixedK(int(name[6:]))
@@ -246,7 +248,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps,
                              tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
 
-    probe = (cfg.probe_every, cfg.max_probe_every)
+    probe = (cfg.probe_every, cfg.max_probe_every, cfg.cost_feedback)
     decoders = {name: decoder.fork() for name in names}  # one per policy: each round runs them in lockstep
     records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: demo.json and the plots
     every_round: dict[tuple[str, int], list[StepRecord]] = {}  # every round's: the table's step statistics

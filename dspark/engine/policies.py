@@ -10,14 +10,16 @@
 """
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from dspark.budget import choose_budget
+from dspark.budget import choose_budget, expected_commit
 from dspark.layout import RaggedVerifyLayout
 from dspark.planner import VerifyPlanner
 
@@ -67,12 +69,14 @@ class Adaptive:
     Realised-acceptance feedback: the lagged survival is the head's view of the *previous* step; with a
     sharp head (the engine's ranks at AUROC ~0.99) it says little about the next one, and at small B one
     request's last step decides the whole batch. After each speculative step the decoder reports the
-    committed lengths (`observe`); the policy keeps moving averages (weight `feedback_decay` on the past,
-    a plain mean over the first few outcomes) of accepted and of verified drafts per request per
-    speculative step, and once it has any,
+    committed lengths (`observe`); the policy keeps moving averages (weight `feedback_decay` on the past)
+    of accepted and of verified drafts per request per speculative step, and once it has any,
     the decision predicts a speculative step from them: tau = B (1 + accepted), rows = B (1 + verified),
-    theta = tau / T(B, rows), what the planner's steps actually delivered lately. Only outcomes of earlier
-    steps enter (non-anticipating); `feedback_decay=None` keeps the lagged-survival prediction throughout.
+    theta = tau / T(B, rows), what the planner's steps actually delivered lately. The averages start from
+    the calibrated prediction of the first planned step (expected accepted drafts of its allocation),
+    worth `prior_weight` outcomes: one unlucky first outcome must not send the policy plain (it would
+    then learn only from rare probes). Only outcomes of earlier steps enter (non-anticipating);
+    `feedback_decay=None` keeps the lagged-survival prediction throughout.
     The planner's own budget and allocation are unchanged. With a lag-0 planner (synchronous budget from the
     live survival, right for a decode loop that does not overlap drafting with verification) there is no
     lagged survival: the policy speculates until the first outcome, then decides from the realised averages.
@@ -86,12 +90,14 @@ class Adaptive:
     Realised-cost feedback: both sides of the decision are profiled once, before serving; when the
     machine's speed drifts afterwards (load, clocks, other tenants) the two predictions can drift apart.
     After each step the decoder reports the step's measured seconds (`observe_seconds`); per kind (plain /
-    speculative) the policy keeps an exponential moving average (weight `cost_decay` on the past) of
-    measured / predicted seconds (the planner's T(B, M) of its budget, or T_plain(B)) and divides each side's
-    predicted throughput by its ratio. A speculative step right after plain steps (a probe, or the switch
-    back) is not sampled: its draft first catches up on every token the plain steps committed, a cost of
-    having been plain, not of speculating, and counting it would keep a policy that once went plain there.
-    The planner's budget is unchanged (a common scale of T moves no argmax); `cost_decay=None` turns this
+    speculative) the policy keeps the median of the last `cost_window` ratios measured / predicted seconds
+    (the planner's T(B, M) of its budget, or T_plain(B)) and, once it has three, divides each side's
+    predicted throughput by it. A median, because step times on a shared machine are heavy-tailed: one step
+    stalled 5x (or a run's first step, whose draft reads every new prompt) must not flip the decision. The first speculative step after plain steps (a probe, or the switch back) is not sampled:
+    its draft first catches up on every token the plain steps committed, a cost of having been plain, not of
+    speculating, and counting it would keep a policy that once went plain there. (A refilled request's
+    prompt is caught up the same way; that one is a steady cost of speculating at all, and is sampled.)
+    The planner's budget is unchanged (a common scale of T moves no argmax); `cost_window=None` turns this
     off.
     """
 
@@ -100,13 +106,15 @@ class Adaptive:
 
     def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
                  probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.8,
-                 cost_decay: float | None = 0.8):
-        for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every)):
+                 cost_window: int | None = 9, prior_weight: int = 4):
+        for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every),
+                             ("cost_window", 1 if cost_window is None else cost_window, 1),
+                             ("prior_weight", prior_weight, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-        for name, v in (("feedback_decay", feedback_decay), ("cost_decay", cost_decay)):
-            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1):
-                raise ValueError(f"{name} must be in [0, 1) or None, got {v!r}")
+        if feedback_decay is not None and not (isinstance(feedback_decay, (int, float))
+                                               and not isinstance(feedback_decay, bool) and 0 <= feedback_decay < 1):
+            raise ValueError(f"feedback_decay must be in [0, 1) or None, got {feedback_decay!r}")
         self.planner = planner
         self.num_drafts = planner.cfg.gamma
         self.plain_seconds = plain_seconds
@@ -115,13 +123,15 @@ class Adaptive:
         self._interval = probe_every  # plain steps before the next probe
         self._decided: tuple[int, bool] | None = None  # (B, speculate) until the lag ring changes
         self.feedback_decay = feedback_decay
-        self.cost_decay = cost_decay
-        self.cost_ratio = {True: 1.0, False: 1.0}  # speculative? -> EMA of measured / predicted step seconds
-        self._cost_seen = {True: False, False: False}
+        self.prior_weight = prior_weight
+        self.cost_window = cost_window
+        self.cost_ratio = {True: 1.0, False: 1.0}  # speculative? -> median of recent measured / predicted seconds
+        self._cost_samples = {kind: collections.deque(maxlen=cost_window or 1) for kind in (True, False)}
         self._pending_cost: tuple[bool, float] | None = None  # (speculative, predicted seconds) of this step
-        self._after_plain = False  # the step being planned follows a plain step (its draft catches up)
+        self._catch_up = False  # the next speculative step's draft catches up on plain steps' tokens
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
+        self._prior: tuple[float, float] | None = None  # the first planned step's predicted (accepted, verified)
         self._observed = 0  # speculative outcomes seen
         self._pending: Tensor | None = None  # verify_lens [B] (host) of the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
@@ -145,7 +155,7 @@ class Adaptive:
             return True
         self._plain_run += 1
         self._pending_cost = (False, self.plain_seconds(b))
-        self._after_plain = True
+        self._catch_up = True
         return False
 
     def _speculative_rate(self, slots: Tensor, generations: Tensor) -> float:
@@ -167,12 +177,16 @@ class Adaptive:
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
         self._decided = None  # the lag ring holds new survival
-        self._pending_cost = None if self._after_plain else (True, p.decision.step_seconds)
-        self._after_plain = False
+        self._pending_cost = None if self._catch_up else (True, p.decision.step_seconds)
+        self._catch_up = False
         if self.planner.ring is not None:
             self._unseen[slots.cpu()] = (self._unseen[slots.cpu()] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_decay is not None:
             self._pending = p.verify_lens.cpu().to(torch.int64)
+            if self._prior is None and self.prior_weight:
+                b = self._pending.numel()
+                expected = expected_commit(p.survival, p.verify_lens, self.planner.cfg)
+                self._prior = (expected / b - 1, float(self._pending.sum()) / b - 1)
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
 
     def admit(self, slots: Tensor) -> None:
@@ -184,15 +198,15 @@ class Adaptive:
 
     def observe_seconds(self, seconds: float) -> None:
         """After any step: its measured seconds (draft + plan + verify + accept, no refill prefill)."""
-        if self._pending_cost is None or self.cost_decay is None:
+        if self._pending_cost is None or self.cost_window is None:
             self._pending_cost = None
             return
         speculative, predicted = self._pending_cost
         self._pending_cost = None
-        ratio = seconds / predicted if predicted > 0 else 1.0
-        d = self.cost_decay if self._cost_seen[speculative] else 0.0
-        self.cost_ratio[speculative] = d * self.cost_ratio[speculative] + (1 - d) * ratio
-        self._cost_seen[speculative] = True
+        samples = self._cost_samples[speculative]
+        samples.append(seconds / predicted if predicted > 0 else 1.0)
+        if len(samples) >= min(3, samples.maxlen):  # a median of at least three: one stall cannot decide
+            self.cost_ratio[speculative] = statistics.median(samples)
 
     def observe(self, commit_lens: Tensor) -> None:
         """After a speculative step: host commit lengths [B] of the step's requests (the decoder's sync)."""
@@ -202,10 +216,10 @@ class Adaptive:
         accepted = float((torch.minimum(commit_lens.to(torch.int64), vl) - 1).double().mean())  # within the verified rows
         verified = float((vl - 1).double().mean())
         self._observed += 1
-        # the plain mean of the first outcomes, then the moving average: one unlucky first step must not
-        # outweigh the next ones (after it the policy may go plain and learn only from rare probes)
-        w = max(1 - self.feedback_decay, 1 / self._observed)
-        old = self.realised if self.realised is not None else (accepted, verified)
+        # the mean of the prior and the first outcomes, then the moving average
+        prior = self.prior_weight if self._prior is not None else 0
+        w = max(1 - self.feedback_decay, 1 / (self._observed + prior))
+        old = self.realised if self.realised is not None else (self._prior or (accepted, verified))
         self.realised = ((1 - w) * old[0] + w * accepted, (1 - w) * old[1] + w * verified)
         self._decided = None
 
