@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 from torch import Tensor
 
 from dspark.budget import candidate_window, host_survival
@@ -27,6 +28,12 @@ def check_budget(budget: object) -> int:
     if value < 0:
         raise ValueError(f"budget must be >= 0, got {value}")
     return value
+
+
+def allocate_verify_lens_host(host: np.ndarray, budget: int, cfg: ScheduleConfig) -> Tensor:
+    """`allocate_verify_lens` of survival already on the host (float32 numpy [B, gamma], non-increasing
+    along positions, NaN-free: see `dspark.budget.greedy_budget_host`); [B] int32 on the CPU."""
+    return topk.verify_lens_host(host, check_budget(budget), cfg.floor, cfg.cap, cfg.survival_eps)
 
 
 def allocate_verify_lens(survival: Tensor, budget: int, cfg: ScheduleConfig) -> Tensor:

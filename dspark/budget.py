@@ -73,7 +73,10 @@ class _Curves:
 def _host_curves(survival: Tensor, cost_model: CostModel | None, cfg: ScheduleConfig) -> _Curves:
     """Curves from `host_survival`: a values-only numpy sort (about ten times faster than torch.sort at
     planner sizes on the CPU) and sequential float64 prefix sums."""
-    host = host_survival(survival, cfg)
+    return _curves(host_survival(survival, cfg), cost_model, cfg)
+
+
+def _curves(host: np.ndarray, cost_model: CostModel | None, cfg: ScheduleConfig) -> _Curves:
     cand = host[:, cfg.floor - 1: cfg.cap - 1]
     valid = cand >= cfg.survival_eps
     n = int(np.count_nonzero(valid))
@@ -137,7 +140,14 @@ def greedy_budget(survival: Tensor, cost_model: CostModel, cfg: ScheduleConfig) 
     non-anticipating only to the extent the survival of a draft is fixed before its token is known;
     it may also stop at a local maximum below the free argmax. Use lag >= 1 for the strict guarantee.
     """
-    c = _host_curves(survival, _require(cost_model), cfg)
+    return greedy_budget_host(host_survival(survival, cfg), cost_model, cfg)
+
+
+def greedy_budget_host(host: np.ndarray, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
+    """`greedy_budget` of survival already on the host: float32 numpy [B, gamma], non-increasing along
+    positions and NaN-free (what `host_survival` returns, or calibrated survival as computed). The
+    planner shares one host copy between the budget and the allocation."""
+    c = _curves(host, _require(cost_model), cfg)
     theta = c.theta
     stops = np.flatnonzero(theta[1:] <= theta[:-1])
     return _decide(c, int(stops[0]) if stops.size else theta.size - 1)

@@ -235,5 +235,4 @@ def _ghost_lens(num_ghosts: int, leftover: int, width: int | None, b: int, num_s
             f"{leftover} padding rows do not fit {num_ghosts} ghost slots of width {cap} "
             f"(batch {b}, slots {num_slots}); capture more slots for this tier"
         )
-    g = np.arange(num_ghosts, dtype=np.int64)
-    return np.clip(leftover - g * cap, 0, cap).astype(np.int32)
+    return np.array([min(cap, max(0, leftover - g * cap)) for g in range(num_ghosts)], dtype=np.int32)

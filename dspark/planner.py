@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from dspark._validate import check_int
-from dspark.allocate import allocate_verify_lens
-from dspark.budget import BudgetDecision, check_config, choose_budget, greedy_budget
+from dspark.allocate import allocate_verify_lens, allocate_verify_lens_host
+from dspark.budget import BudgetDecision, check_config, choose_budget, greedy_budget, greedy_budget_host
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel
 from dspark.distributed import DpTier, ParallelAgreement, ParallelConfig
+from dspark.kernels import dispatch
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 from dspark.survival import SurvivalLagRing, _check_matrix, check_temperatures, survival_from_checked
 
@@ -98,14 +99,19 @@ class VerifyPlanner:
         if _check_matrix("logits", logits).shape[1] != self.cfg.gamma:
             raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")
         survival = survival_from_checked(logits, self.temperatures)
+        # CPU: one host copy serves the budget scan and the allocation (calibrated survival is already
+        # non-increasing along positions and NaN-free, bit for bit, so no running minimum is needed)
+        host = survival.numpy() if dispatch.use_host(survival) else None
         if self.ring is None:
-            decision = greedy_budget(survival, self.cost_model, self.cfg)
+            decision = (greedy_budget(survival, self.cost_model, self.cfg) if host is None
+                        else greedy_budget_host(host, self.cost_model, self.cfg))
         else:
             lagged = self.ring.exchange(slots, generations, survival).to(survival.device)
             decision = choose_budget(lagged, self.cost_model, self.cfg)
         b = survival.shape[0]
         budget = tier_fill_budget(decision.budget, b, self.cfg.floor, self.tiers) if self.tiers else decision.budget
-        verify_lens = allocate_verify_lens(survival, budget, self.cfg)
+        verify_lens = (allocate_verify_lens(survival, budget, self.cfg) if host is None
+                       else allocate_verify_lens_host(host, budget, self.cfg))
         dp = None
         if self.parallel is not None:
             verify_lens = self.parallel.verify_lens(verify_lens)

@@ -83,6 +83,28 @@ def test_lag_zero_uses_the_greedy_scan_on_live_survival(device):
     assert torch.equal(plan.verify_lens, allocate_verify_lens(s, plan.decision.budget, cfg))
 
 
+@settings(max_examples=30)
+@given(b=st.integers(1, 12), seed=st.integers(0, 2**31 - 1), scale=st.floats(0.1, 8.0),
+       special=st.sampled_from([None, math.inf, -math.inf, math.nan]))
+def test_lag_zero_host_path_equals_the_torch_path(b, seed, scale, special):
+    """On the CPU the planner shares one numpy copy of the live survival between budget and allocation
+    (no running minimum: calibrated survival is already monotone); the torch path must agree exactly."""
+    cfg = ScheduleConfig(gamma=GAMMA)
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(b, GAMMA, generator=gen) * scale + 1.0
+    if special is not None:
+        z[0, 1] = special
+    with pytest.MonkeyPatch.context() as mp:
+        plans = []
+        for backend in ("auto", "torch"):
+            mp.setenv("DSPARK_KERNEL_BACKEND", backend)
+            plans.append(VerifyPlanner(cfg, cost(), lag=0, temperatures=[1.3, 0.7, 1.0, 2.0, 0.9]).plan(z, *ids(b)))
+    host, ref = plans
+    assert host.decision.budget == ref.decision.budget and host.decision.theta == ref.decision.theta
+    assert torch.equal(host.verify_lens, ref.verify_lens) and torch.equal(host.survival, ref.survival)
+    assert torch.equal(host.layout.row_slot, ref.layout.row_slot)
+
+
 def test_temperatures_reach_the_live_survival(device):
     cfg = ScheduleConfig(gamma=GAMMA)
     temps = [0.5, 1.0, 2.0, 1.5, 0.8]

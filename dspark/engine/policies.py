@@ -16,6 +16,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -133,7 +134,7 @@ class Adaptive:
         self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
         self._prior: tuple[float, float] | None = None  # the first planned step's predicted (accepted, verified)
         self._observed = 0  # speculative outcomes seen
-        self._pending: Tensor | None = None  # verify_lens [B] (host) of the speculative step awaiting its outcome
+        self._pending: np.ndarray | None = None  # verify_lens [B] (int64 numpy) of the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
@@ -165,7 +166,7 @@ class Adaptive:
         if self.realised is not None:
             accepted, verified = self.realised
             rows = min(max(b, round(b * (1 + verified))), b * self.planner.cfg.width)
-            return b * (1 + accepted) / float(self.planner.cost_model.step_seconds(b, rows))
+            return b * (1 + accepted) / float(self.planner.cost_model.seconds_curve(b, rows, 1)[0])
         if self.planner.ring is None:  # lag 0: no earlier survival to read; speculate until outcomes exist
             return math.inf
         lagged = self.planner.ring.read(slots, generations).cpu()
@@ -182,9 +183,9 @@ class Adaptive:
         if self.planner.ring is not None:
             self._unseen[slots.cpu()] = (self._unseen[slots.cpu()] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_decay is not None:
-            self._pending = p.verify_lens.cpu().to(torch.int64)
+            self._pending = p.verify_lens.cpu().numpy().astype(np.int64)
             if self._prior is None and self.prior_weight:
-                b = self._pending.numel()
+                b = self._pending.size
                 expected = expected_commit(p.survival, p.verify_lens, self.planner.cfg)
                 self._prior = (expected / b - 1, float(self._pending.sum()) / b - 1)
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
@@ -213,8 +214,8 @@ class Adaptive:
         if self._pending is None:
             return
         vl, self._pending = self._pending, None
-        accepted = float((torch.minimum(commit_lens.to(torch.int64), vl) - 1).double().mean())  # within the verified rows
-        verified = float((vl - 1).double().mean())
+        accepted = float((np.minimum(commit_lens.numpy(), vl) - 1).mean())  # within the verified rows
+        verified = float((vl - 1).mean())
         self._observed += 1
         # the mean of the prior and the first outcomes, then the moving average
         prior = self.prior_weight if self._prior is not None else 0
