@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,9 +38,16 @@ def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Te
 
 
 def cumulative_survival(conditional: Tensor) -> Tensor:
-    """Left-to-right product of conditional probabilities along positions (fixed order, no scan)."""
+    """Left-to-right product of conditional probabilities along positions (fixed order, no scan).
+
+    On the CPU (no autograd) numpy's `multiply.accumulate` runs the same sequential products in the
+    tensor's dtype (each correctly rounded, so the bits match the column loop) in one call instead of
+    2 gamma torch ops; torch's own `cumprod` is no substitute (on the CPU it accumulates float32 in
+    float64, on GPUs it scans)."""
     if not conditional.shape[1]:
         return conditional.clone()
+    if conditional.device.type == "cpu" and not conditional.requires_grad:
+        return torch.from_numpy(np.multiply.accumulate(conditional.numpy(), axis=1))
     cols = conditional.unbind(1)
     out = [cols[0]]
     for col in cols[1:]:
@@ -64,7 +72,11 @@ def survival_from_checked(logits: Tensor, temperatures: Tensor | None) -> Tensor
     z = logits.to(torch.float32)
     if temperatures is not None:
         z = z / temperatures.to(z.device)
-    c = torch.sigmoid(z).masked_fill_(~torch.isfinite(z), 0.0)
+    c = torch.sigmoid(z)
+    if c.device.type == "cpu" and not c.requires_grad:
+        c.numpy()[~np.isfinite(z.numpy())] = 0.0  # the same zeros, set on the host in one numpy call
+    else:
+        c.masked_fill_(~torch.isfinite(z), 0.0)
     return cumulative_survival(c)
 
 

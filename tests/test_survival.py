@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dspark import SurvivalLagRing, calibrated_survival, monotone_survival
-from dspark.survival import check_temperatures, survival_from_checked
+from dspark.survival import check_temperatures, cumulative_survival, survival_from_checked
 
 
 def test_teaching_example_survival():
@@ -51,6 +51,8 @@ def test_fixed_order_float32_product_and_checked_path(b, g, seed):
         want[:, k] = want[:, k - 1] * c[:, k]
     assert torch.equal(s, want)
     assert torch.equal(survival_from_checked(z, temps), s)
+    # the device path (column loop; on the CPU it serves tensors that require grad) gives the same bits
+    assert torch.equal(cumulative_survival(c.clone().requires_grad_()).detach(), cumulative_survival(c))
 
 
 def test_bit_identical_across_dtypes_of_input():
