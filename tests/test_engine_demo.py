@@ -117,3 +117,39 @@ def test_request_lengths_vary_within_the_spread() -> None:
 
 def test_parse_policies_puts_baseline_first() -> None:
     assert parse_policies(["adaptive", "fixed"], 2) == ["fixed-0", "adaptive", "fixed-1", "fixed-2"]
+
+
+def test_speed_ups_are_paired_medians_over_lockstep_rounds(tmp_path: Path) -> None:
+    """Every speed-up is the median over rounds of the same round's ratio; the best fixed k is the fixed k
+    with the highest such speed-up over fixed-0 (absolute medians drift between rounds)."""
+    summary = run_demo(_cfg(tmp_path, batch_sizes=(2,), repeats=3, policies=("adaptive", "fixed", "oracle")),
+                       echo=lambda s: None, show_progress=False)
+    rows = {r["policy"]: r for r in summary["results"]}
+    runs = {n: r["steady_tokens_per_s_runs"] for n, r in rows.items()}
+    assert all(len(v) == 3 for v in runs.values())
+
+    def paired(n: str, m: str) -> float:
+        return float(torch.tensor([x / y for x, y in zip(runs[n], runs[m])], dtype=torch.float64).median())
+
+    best = max((n for n in rows if n.startswith("fixed-")), key=lambda n: paired(n, "fixed-0"))
+    for n, r in rows.items():
+        assert r["speedup_vs_no_spec"] == pytest.approx(paired(n, "fixed-0"))
+        assert r["best_fixed"] == best and r["speedup_vs_best_fixed"] == pytest.approx(paired(n, best))
+        assert r["speedup_vs_oracle"] == pytest.approx(paired(n, "oracle"))
+        ratios = [x / y for x, y in zip(runs[n], runs[best])]
+        assert r["speedup_vs_best_fixed_spread"] == pytest.approx((max(ratios) - min(ratios)) / 2)
+    assert rows[best]["speedup_vs_best_fixed"] == 1.0 and rows["fixed-0"]["speedup_vs_no_spec"] == 1.0
+
+
+def test_cost_feedback_flag_reaches_the_adaptive_policy() -> None:
+    from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
+    from dspark.engine.profile import PlainStepCost
+
+    cost = AdditiveCostModel(1e-3, [1], [0.0], [1, 3], [0.0, 1e-4])
+    planner = lambda b: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4)  # noqa: E731
+    plain = PlainStepCost((1,), (1e-3,))
+    off = demo_mod._make_policy("adaptive", 2, 1, planner, plain, (8, 64, False))
+    on = demo_mod._make_policy("adaptive", 2, 1, planner, plain, (8, 64, True))
+    assert off.cost_window is None and on.cost_window == 9
+    args = ["demo", "--cost-feedback", "--device", "nope"]
+    assert main(args) != 0  # parsed (the flag exists), then the bad device is refused
