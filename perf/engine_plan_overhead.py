@@ -1,0 +1,119 @@
+"""Host planning cost of dspark's adaptive policy per speculative step, inside the reference decode loop.
+
+For each batch size B, the adaptive policy (VerifyPlanner, lag 0, always speculating) and fixed-gamma
+serve the same continuous-batching queue in `lockstep` rounds (as in `dspark demo`); printed are the
+median phase times of their speculative steps (draft / plan / verify / accept, thread CPU time) and the
+plan share of the adaptive step. Then the planner's parts are timed in isolation on the confidence
+logits the adaptive run recorded: calibrated survival, greedy budget, allocation, layout, the whole
+`VerifyPlanner.plan` (warm caches: the in-loop numbers are higher, the model's forwards evict the
+planner's data between steps). Writes perf/results/engine_plan_overhead.json.
+
+    PYTHONPATH=. python perf/engine_plan_overhead.py [--batch-sizes 1,4,16,64] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from dspark.allocate import allocate_verify_lens_host
+from dspark.budget import greedy_budget_host
+from dspark.config import ScheduleConfig
+from dspark.cost import AdditiveCostModel
+from dspark.engine.decode import SpecDecoder
+from dspark.engine.demo import heldout_prompts, request_lengths
+from dspark.engine.lockstep import lockstep
+from dspark.engine.policies import Adaptive, FixedK
+from dspark.engine.train import TrainConfig, load_or_train
+from dspark.fileio import write_json_atomic
+from dspark.layout import RaggedVerifyLayout
+from dspark.planner import VerifyPlanner
+from dspark.survival import survival_from_checked
+
+PHASES = ("draft", "plan", "verify", "accept")
+
+
+def _cost(gamma: int) -> AdditiveCostModel:
+    """A convex-in-rows step cost of this CPU's order (2 ms + B-dependent + 40 us per verify row): the
+    budget's size matters here, not the exact seconds."""
+    rows = [1, 64, 448]
+    return AdditiveCostModel(2e-3, [1, 64], [0.0, 8e-3], rows, [0.0, 40e-6 * 63, 40e-6 * 447], width=gamma + 1)
+
+
+def _median_us(fn: Callable[[], object], calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,4,16,64")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gamma", type=int, default=6)
+    ap.add_argument("--out", default="perf/results/engine_plan_overhead.json")
+    args = ap.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    torch.set_num_threads(1)
+    target, draft, _ = load_or_train(TrainConfig(), None, None)
+    cfg, cost = ScheduleConfig(gamma=args.gamma), _cost(args.gamma)
+    base = SpecDecoder(target, draft, cache_tokens=max(batch_sizes) * target.cfg.max_seq_len, clock="thread")
+    decoders = {"adaptive": base.fork(), f"fixed-{args.gamma}": base.fork()}
+    prompts = heldout_prompts(3 * max(batch_sizes), 32, 0)
+    lengths = request_lengths(prompts.shape[0], 32, 0.5, 0)
+    results = []
+    print(f"{'B':>4} {'policy':<9} " + " ".join(f"{p + ' ms':>10}" for p in PHASES) + f" {'plan share':>10}")
+    for b in batch_sizes:
+        queue, counts = prompts[: 3 * b], lengths[: 3 * b]
+
+        def policies() -> dict:
+            return {"adaptive": Adaptive(VerifyPlanner(cfg, cost, lag=0, num_slots=b)),
+                    f"fixed-{args.gamma}": FixedK(args.gamma)}
+
+        for name, policy in policies().items():  # warm-up at this B
+            decoders[name].generate(queue[:b], 4, policy, slots=b)
+        steps: dict[str, list] = {name: [] for name in decoders}
+        for _ in range(args.rounds):
+            runs = lockstep({n: decoders[n].start(queue, counts, p, slots=b) for n, p in policies().items()})
+            for name, res in runs.items():
+                steps[name] += [s for s in res.steps if s.confidence_logits.shape[1]]
+        row = {"batch": b, "in_loop_ms": {}}
+        for name, ss in steps.items():
+            med = {p: 1e3 * statistics.median(getattr(s.times, p) for s in ss) for p in PHASES}
+            share = med["plan"] / sum(med.values())
+            row["in_loop_ms"][name] = {**med, "plan_share": share, "steps": len(ss)}
+            print(f"{b:>4} {name:<9} " + " ".join(f"{med[p]:>10.3f}" for p in PHASES) + f" {100 * share:>9.1f}%")
+        full = [s.confidence_logits for s in steps["adaptive"] if s.confidence_logits.shape[0] == b][:200]
+        planner = VerifyPlanner(cfg, cost, lag=0, num_slots=b)
+        slots, gens = torch.arange(b), torch.zeros(b, dtype=torch.int64)
+        z = full[len(full) // 2]
+        host = survival_from_checked(z, None).numpy()
+        budget = greedy_budget_host(host, cost, cfg).budget
+        lens = allocate_verify_lens_host(host, budget, cfg)
+        parts = {
+            "survival": lambda: survival_from_checked(z, None),
+            "greedy_budget": lambda: greedy_budget_host(host, cost, cfg),
+            "allocation": lambda: allocate_verify_lens_host(host, budget, cfg),
+            "layout": lambda: RaggedVerifyLayout.from_verify_lens(lens, width=cfg.width),
+            "VerifyPlanner.plan": lambda: planner.plan(z, slots, gens),
+        }
+        row["isolated_us"] = {k: _median_us(fn, 2000) for k, fn in parts.items()}
+        print("      isolated: " + ", ".join(f"{k} {v:.0f} us" for k, v in row["isolated_us"].items()))
+        results.append(row)
+    write_json_atomic(args.out, {
+        "command": f"PYTHONPATH=. python perf/engine_plan_overhead.py --batch-sizes {args.batch_sizes} "
+                   f"--rounds {args.rounds} --gamma {args.gamma}",
+        "platform": platform.platform(), "torch": torch.__version__, "threads": 1, "clock": "thread",
+        "results": results})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
