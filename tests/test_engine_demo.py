@@ -153,3 +153,16 @@ def test_cost_feedback_flag_reaches_the_adaptive_policy() -> None:
     assert off.cost_window is None and on.cost_window == 9
     args = ["demo", "--cost-feedback", "--device", "nope"]
     assert main(args) != 0  # parsed (the flag exists), then the bad device is refused
+
+
+def test_goal_check_says_when_the_rounds_disagree() -> None:
+    def row(b: int, med: float, lo: float, hi: float) -> dict:
+        return {"batch": b, "policy": "adaptive", "speedup_vs_oracle": 0.95, "tau_relative_bias": 0.01,
+                "speedup_vs_best_fixed": med, "speedup_vs_best_fixed_range": [lo, hi]}
+
+    goals = demo_mod.goal_check([row(1, 0.95, 0.90, 0.98), row(4, 0.98, 0.90, 1.05), row(16, 1.02, 1.00, 1.04)])
+    assert [g["no_worse_than_best_fixed"] for g in goals] == [False, False, True]
+    assert [g["decided_by_every_round"] for g in goals] == [True, False, True]
+    assert "faster_than_best_fixed_at_largest_batch" in goals[-1] and goals[-1]["faster_than_best_fixed_at_largest_batch"]
+    text = demo_mod.format_goals(goals)
+    assert text.count("within round-to-round noise") == 1 and "rounds 0.90-1.05" in text

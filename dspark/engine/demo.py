@@ -376,6 +376,7 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict,
                 "speedup_vs_no_spec": paired(n, "fixed-0"),
                 "speedup_vs_best_fixed": paired(n, best_fixed), "best_fixed": best_fixed,
                 "speedup_vs_best_fixed_spread": (max(ratios(n, best_fixed)) - min(ratios(n, best_fixed))) / 2,
+                "speedup_vs_best_fixed_range": [min(ratios(n, best_fixed)), max(ratios(n, best_fixed))],
                 "speedup_vs_oracle": paired(n, "oracle") if "oracle" in names else None,
                 "queue_speedup_vs_no_spec": paired(n, "fixed-0", queue=True),
                 "queue_speedup_vs_best_fixed": paired(n, best_fixed_queue, queue=True),
@@ -388,7 +389,10 @@ def _table_rows(cfg: DemoConfig, names: list[str], records: dict, seconds: dict,
 
 def goal_check(rows: list[dict]) -> list[dict]:
     """Issue 9's goals per batch size, on steady-state tokens/s: adaptive within 1 % of the best fixed k,
-    within 10 % of the oracle, |tau bias| <= 5 %; and whether adaptive beats the best fixed k at the largest B."""
+    within 10 % of the oracle, |tau bias| <= 5 %; and whether adaptive beats the best fixed k at the largest B.
+    Met / missed is decided on the median of the per-round ratios; `decided_by_every_round` says whether
+    every round's ratio to the best fixed k falls on the same side of 0.99 (else the verdict is within
+    the machine's round-to-round noise)."""
     out = []
     top = max(r["batch"] for r in rows)
     for r in rows:
@@ -398,6 +402,9 @@ def goal_check(rows: list[dict]) -> list[dict]:
         bias = r["tau_relative_bias"]
         out.append({
             "batch": r["batch"], "vs_best_fixed": r["speedup_vs_best_fixed"], "vs_oracle": vs_oracle,
+            "vs_best_fixed_range": r["speedup_vs_best_fixed_range"],
+            "decided_by_every_round": (min(r["speedup_vs_best_fixed_range"]) >= 0.99
+                                       or max(r["speedup_vs_best_fixed_range"]) < 0.99),
             "tau_relative_bias": bias,
             "no_worse_than_best_fixed": r["speedup_vs_best_fixed"] >= 0.99,
             "within_10pct_of_oracle": vs_oracle is not None and vs_oracle >= 0.9,
@@ -414,8 +421,10 @@ def format_goals(goals: list[dict]) -> str:
         ok = lambda flag: "met" if flag else "MISSED"  # noqa: E731
         oracle = "n/a" if g["vs_oracle"] is None else f"{g['vs_oracle']:.3f}x"
         bias = "n/a" if g["tau_relative_bias"] is None else f"{100 * g['tau_relative_bias']:+.1f}%"
-        line = (f"  B={g['batch']:<3} vs best fixed {g['vs_best_fixed']:.3f}x (>= 0.99: "
-                f"{ok(g['no_worse_than_best_fixed'])}), vs oracle {oracle} (>= 0.90: {ok(g['within_10pct_of_oracle'])}), "
+        lo, hi = g["vs_best_fixed_range"]
+        noise = "" if g["decided_by_every_round"] else ", within round-to-round noise"
+        line = (f"  B={g['batch']:<3} vs best fixed {g['vs_best_fixed']:.3f}x, rounds {lo:.2f}-{hi:.2f} (>= 0.99: "
+                f"{ok(g['no_worse_than_best_fixed'])}{noise}), vs oracle {oracle} (>= 0.90: {ok(g['within_10pct_of_oracle'])}), "
                 f"tau bias {bias} (<= 5%: {ok(g['tau_bias_within_5pct'])})")
         if "faster_than_best_fixed_at_largest_batch" in g:
             line += f", faster than best fixed: {ok(g['faster_than_best_fixed_at_largest_batch'])}"
