@@ -227,8 +227,10 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     runs = len(cfg.batch_sizes) * (len(names) + cfg.repeats) + len(VerifyMode) * len(names)
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
     bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), show_progress)
-    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, mode=mode, repeats=cfg.profile_repeats,
-                                        reserve_new_tokens=longest,
+    # profiled runs decode the mean output length: their steps see the timed runs' typical context, and a
+    # plain-vs-speculative comparison from a dozen steps per run flipped the speculate-or-not decision
+    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, tokens=cfg.max_new_tokens, mode=mode,
+                                        repeats=cfg.profile_repeats, reserve_new_tokens=longest,
                                         progress=lambda: bar("profiling step cost"))
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
