@@ -256,6 +256,7 @@ class SpecDecoder:
                     owner[free] = torch.arange(queued, queued + free.numel())
                     end[free] = p + new_tokens[queued: queued + free.numel()]
                     queued += free.numel()
+                    self._sync()
                     prefill = self._now() - t0
                 reqs = (owner >= 0).nonzero().squeeze(1)
                 if not reqs.numel():
@@ -283,6 +284,13 @@ class SpecDecoder:
             self.dcache.release()
             self._running = False
         return result
+
+    def _sync(self) -> None:
+        """End of a timed step or prefill on an accelerator: wait for its kernels, so the step is charged its
+        own device time (the commit read right after would wait anyway; without this, the next step's first
+        read, possibly another lockstep run's, would be charged for it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _check_idle(self) -> None:
         if self._running:
@@ -347,6 +355,7 @@ class SpecDecoder:
             acc = pre  # sampling: the outcome the prepass drew (greedy: identical anyway)
         t3 = self._now()
         self._commit(buf, dev_reqs, lens, acc.tokens, acc.commit_lens)
+        self._sync()
         times.accept += self._now() - t3
         return StepOutcome(requests=reqs, plan=plan, layout=layout, caps=caps, confidence_logits=conf,
                            commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1,
@@ -367,6 +376,7 @@ class SpecDecoder:
             token = logits.argmax(-1, keepdim=True)
         ones = torch.ones(b, dtype=torch.int32, device=self.device)
         self._commit(buf, dev_reqs, lens, token, ones)
+        self._sync()
         times = StepTimes(plan=plan_seconds, verify=t1 - t0, accept=self._now() - t1)
         return StepOutcome(requests=reqs, plan=PolicyPlan(ones), layout=layout, caps=ones,
                            confidence_logits=torch.zeros(b, 0, device=self.device), commit_lens=ones,
