@@ -7,6 +7,7 @@ the KV cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -144,6 +145,12 @@ class RaggedVerifyLayout:
             tier=tier,
             eager_reason=reason,
         )
+
+    def to(self, device: torch.device | str) -> "RaggedVerifyLayout":
+        """The same layout with its tensors on `device` (a host-built layout handed to an accelerator)."""
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True)
+                 for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, **moved)
 
     def positions(self, prefix_lens: Tensor) -> Tensor:
         """[graph_num_tokens] int64 absolute positions `prefix_len + within`; padding rows get 0."""

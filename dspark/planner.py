@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,6 +31,9 @@ from dspark.distributed import DpTier, ParallelAgreement, ParallelConfig
 from dspark.kernels import dispatch
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 from dspark.survival import SurvivalLagRing, _check_matrix, check_temperatures, survival_from_checked
+
+
+HOST_PLAN_MAX = 16384  # survival entries (B * gamma) up to which an accelerator's step is planned on the host
 
 
 @dataclass(frozen=True)
@@ -99,9 +103,7 @@ class VerifyPlanner:
         if _check_matrix("logits", logits).shape[1] != self.cfg.gamma:
             raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")
         survival = survival_from_checked(logits, self.temperatures)
-        # CPU: one host copy serves the budget scan and the allocation (calibrated survival is already
-        # non-increasing along positions and NaN-free, bit for bit, so no running minimum is needed)
-        host = survival.numpy() if dispatch.use_host(survival) else None
+        host = self._host_survival(survival)
         if self.ring is None:
             decision = (greedy_budget(survival, self.cost_model, self.cfg) if host is None
                         else greedy_budget_host(host, self.cost_model, self.cfg))
@@ -120,4 +122,23 @@ class VerifyPlanner:
         else:
             layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, self.graph_slots,
                                                          width=self.cfg.width)
+            if layout.verify_lens.device != survival.device:  # planned on the host for an accelerator
+                layout = layout.to(survival.device)
+                verify_lens = layout.verify_lens
         return VerifyPlan(verify_lens, layout, decision, survival, budget, dp)
+
+    def _host_survival(self, survival: Tensor) -> np.ndarray | None:
+        """The live survival as a host numpy array when this step is planned on the host, else None.
+
+        On the CPU one host copy serves the budget scan and the allocation (calibrated survival is already
+        non-increasing along positions and NaN-free, bit for bit, so no running minimum is needed). On an
+        accelerator with lag 0 and no parallel agreement, a small batch (B * gamma <= HOST_PLAN_MAX) is
+        planned on the host too: the budget needs the survival on the host anyway (its one sync), and the
+        allocation and layout then cost a few numpy calls instead of a chain of kernel launches; the
+        layout is copied to the device once."""
+        if dispatch.use_host(survival):
+            return survival.numpy()
+        if (dispatch.backend() == "auto" and self.ring is None and self.parallel is None
+                and survival.numel() <= HOST_PLAN_MAX):
+            return survival.cpu().numpy()
+        return None

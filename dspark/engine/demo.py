@@ -264,9 +264,13 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         def make(name: str, b: int = b):
             return _make_policy(name, gamma, b, planner, plain, probe)
 
-        for name in names:  # untimed warm-up at this batch size: the first runs at new shapes are slow
-            decoders[name].generate(queue[:b], max(2, cfg.max_new_tokens // 4), make(name),
-                                    mode=mode, sampling=cfg.sampling, temperature=cfg.temperature, seed=cfg.seed)
+        # untimed warm-up at this batch size: the first runs at new shapes are slow. On an accelerator the
+        # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels (about a second
+        # each, measured on an H200), which must not land in a timed round.
+        warm = (queue, counts) if device.type != "cpu" else (queue[:b], max(2, cfg.max_new_tokens // 4))
+        for name in names:
+            decoders[name].generate(*warm, make(name), mode=mode, sampling=cfg.sampling,
+                                    temperature=cfg.temperature, seed=cfg.seed, slots=b)
             bar(f"B={b} warm-up {name}")
         for rep in range(cfg.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
