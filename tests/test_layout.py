@@ -78,3 +78,16 @@ def test_kv_slots_match_the_block_table_formula(b, w, extra, page_size, seed, de
     assert got.dtype == torch.int64 and got.shape == (lay.graph_num_tokens,)
     assert got[:total].tolist() == [int(x) for x in want]
     assert bool((got[total:] == PAD_SLOT).all()) and lay.num_padding_rows == extra + 1
+
+
+def test_to_moves_every_tensor_and_keeps_the_geometry():
+    """A host-built layout handed to another device (the planner's accelerator path): every tensor moves,
+    the ints and the tier stay."""
+    lay = RaggedVerifyLayout.from_verify_lens(torch.tensor([3, 1, 4], dtype=torch.int32), tiers=[10], slots=5,
+                                              width=4)
+    moved = lay.to("meta")
+    tensors = ("verify_lens", "qo_indptr", "slot_lens", "slot_qo_indptr", "seqused", "row_slot", "row_within")
+    assert all(getattr(moved, f).device.type == "meta" and getattr(moved, f).shape == getattr(lay, f).shape
+               and getattr(moved, f).dtype == getattr(lay, f).dtype for f in tensors)
+    assert (moved.total_rows, moved.graph_num_tokens, moved.tier, moved.width) == (8, 10, 10, 4)
+    assert lay.to("cpu").row_slot.data_ptr() == lay.row_slot.data_ptr()  # same device: no copy
