@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check: the whole suite on --device cuda, then the GPU benchmarks, in one run
-# (sized for about 8 minutes on one H200). Uses the machine's own python3 (torch + triton); nothing is
+# (limits sum to 560 s: one 600 s device call). Uses the machine's own python3 (torch + triton); nothing is
 # installed. Logs and JSON go to $OUT (default perf/results/device/): 7 files
 # (env, pytest, attention bench log + JSON, tier sweep log, demo log + demo.json); the tier sweep's
 # tables land in graphs/device-cuda.*. The demo reads model weights from .dspark_cache/ (git-ignored):
@@ -24,9 +24,10 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
 }
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   | tee "$OUT/env.log"
-step pytest_cuda 300 $PY -m pytest -q --device cuda -p no:cacheprovider tests
-step attention_bench 120 $PY perf/attention_bench.py --device cuda --out "$OUT/attention_bench.json"
-step tier_sweep 90 $PY perf/tier_sweep.py --device cuda --repeats 5 --name device-cuda
-step demo 150 $PY -m dspark.cli demo --device cuda --out /tmp/dspark_device_demo --cache-dir .dspark_cache --repeats 2
+step pytest_cuda 200 $PY -m pytest -q --device cuda -p no:cacheprovider tests
+step attention_bench 100 $PY perf/attention_bench.py --device cuda --batch 8 64 256 --width 4 8 --prefix 4096 32768 \
+  --out "$OUT/attention_bench.json"
+step tier_sweep 60 $PY perf/tier_sweep.py --device cuda --repeats 5 --name device-cuda
+step demo 200 $PY -m dspark.cli demo --device cuda --out /tmp/dspark_device_demo --cache-dir .dspark_cache --repeats 2
 cp /tmp/dspark_device_demo/demo.json "$OUT/demo.json" 2>/dev/null
 exit $status
