@@ -38,8 +38,8 @@ def allocate_verify_lens_host(host: np.ndarray, budget: int, cfg: ScheduleConfig
 
 def allocate_verify_lens(survival: Tensor, budget: int, cfg: ScheduleConfig) -> Tensor:
     """[B] int32 verify lengths in [F, M_max]: F plus the request's share of the global top-`budget`."""
-    k = check_budget(budget)
     if isinstance(survival, Tensor) and dispatch.use_host(survival):
-        return topk.verify_lens_host(host_survival(survival, cfg), k, cfg.floor, cfg.cap, cfg.survival_eps)
+        return allocate_verify_lens_host(host_survival(survival, cfg), budget, cfg)
+    k = check_budget(budget)
     s, _ = candidate_window(survival, cfg)
     return topk.verify_lens(s.contiguous(), k, cfg.floor, cfg.cap, cfg.survival_eps)

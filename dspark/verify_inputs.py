@@ -73,7 +73,8 @@ def build_verify_inputs(
     compact = mode is VerifyMode.COMPACT
     reused = _check_layout(layout, compact, b, tiers, slots)
     # one device read for the checks (and the reused layout's lengths)
-    host = torch.stack([vl.to(torch.int64), prefix] + ([reused.to(device, torch.int64)] if reused is not None else [])).cpu()
+    rows = [vl.to(torch.int64), prefix] + ([reused.to(device, torch.int64)] if reused is not None else [])
+    host = torch.stack(rows).cpu()
     host_vl, host_prefix = host[0], host[1]
     check_verify_lens(host_vl, w)
     check_nonnegative("prefix_lens", host_prefix)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dspark.budget import choose_budget, expected_commit
 from dspark.layout import RaggedVerifyLayout
-from dspark.planner import VerifyPlanner
+from dspark.planner import VerifyPlan, VerifyPlanner
 
 
 @dataclass
@@ -94,8 +94,9 @@ class Adaptive:
     speculative) the policy keeps the median of the last `cost_window` ratios measured / predicted seconds
     (the planner's T(B, M) of its budget, or T_plain(B)) and, once it has three, divides each side's
     predicted throughput by it. A median, because step times on a shared machine are heavy-tailed: one step
-    stalled 5x (or a run's first step, whose draft reads every new prompt) must not flip the decision. The first speculative step after plain steps (a probe, or the switch back) is not sampled:
-    its draft first catches up on every token the plain steps committed, a cost of having been plain, not of
+    stalled 5x (or a run's first step, whose draft reads every new prompt) must not flip the decision. The
+    first speculative step after plain steps (a probe, or the switch back) is not sampled: its draft first
+    catches up on every token the plain steps committed, a cost of having been plain, not of
     speculating, and counting it would keep a policy that once went plain there. (A refilled request's
     prompt is caught up the same way; that one is a steady cost of speculating at all, and is sampled.)
     The planner's budget is unchanged (a common scale of T moves no argmax); `cost_window=None` turns this
@@ -134,7 +135,7 @@ class Adaptive:
         self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
         self._prior: tuple[float, float] | None = None  # the first planned step's predicted (accepted, verified)
         self._observed = 0  # speculative outcomes seen
-        self._pending: np.ndarray | None = None  # verify_lens [B] (int64 numpy) of the speculative step awaiting its outcome
+        self._pending: VerifyPlan | None = None  # the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
@@ -181,13 +182,10 @@ class Adaptive:
         self._pending_cost = None if self._catch_up else (True, p.decision.step_seconds)
         self._catch_up = False
         if self.planner.ring is not None:
-            self._unseen[slots.cpu()] = (self._unseen[slots.cpu()] - 1).clamp(min=0)
+            host_slots = slots.cpu()
+            self._unseen[host_slots] = (self._unseen[host_slots] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_decay is not None:
-            self._pending = p.verify_lens.cpu().numpy().astype(np.int64)
-            if self._prior is None and self.prior_weight:
-                b = self._pending.size
-                expected = expected_commit(p.survival, p.verify_lens, self.planner.cfg)
-                self._prior = (expected / b - 1, float(self._pending.sum()) / b - 1)
+            self._pending = p  # read in `observe`, after the step's commit sync: no device read mid-step
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
 
     def admit(self, slots: Tensor) -> None:
@@ -213,7 +211,11 @@ class Adaptive:
         """After a speculative step: host commit lengths [B] of the step's requests (the decoder's sync)."""
         if self._pending is None:
             return
-        vl, self._pending = self._pending, None
+        plan, self._pending = self._pending, None
+        vl = plan.verify_lens.cpu().numpy().astype(np.int64)
+        if self._prior is None and self.prior_weight:
+            expected = expected_commit(plan.survival, plan.verify_lens, self.planner.cfg)
+            self._prior = (expected / vl.size - 1, float(vl.sum()) / vl.size - 1)
         accepted = float((np.minimum(commit_lens.numpy(), vl) - 1).mean())  # within the verified rows
         verified = float((vl - 1).mean())
         self._observed += 1
