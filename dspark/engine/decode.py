@@ -108,7 +108,8 @@ class SpecDecoder:
     clock: how step phases are timed. `wall` (perf_counter) or, on the CPU with one intra-op thread,
     `thread` (this thread's CPU time): the same number on an idle machine, and not charged while other
     processes hold the core on a shared one. It still moves with neighbours sharing caches or an SMT
-    sibling (measured here: 30 % between back-to-back runs), which is why comparisons run in `lockstep`.
+    sibling (back-to-back runs here: up to 1.6x apart, `perf/engine_timing_noise.py`), which is why
+    comparisons run in `lockstep`.
     """
 
     def __init__(self, target: TinyLM, draft: DraftLM, *, cache_tokens: int = 65536, page_size: int = 16,

@@ -1,7 +1,7 @@
 """Run several decode runs interleaved step by step, so that machine noise hits them alike.
 
 Side-by-side timings of policies run one after another are decided by when each ran: on a shared
-machine (other tenants, an SMT sibling, clock changes) a whole run can be 30 % slower than the next one
+machine (other tenants, an SMT sibling, clock changes) a whole run can be far slower than the next one
 of the same policy, and even the CPU time of the decoding thread moves with it. `lockstep` advances the
 runs (each on its own decoder, `SpecDecoder.fork`) one step at a time, always the one with the least
 charged time so far: every run's time is spent over the same stretch of wall time, so a slow spell is
