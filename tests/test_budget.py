@@ -170,7 +170,9 @@ def test_greedy_scan_finds_the_argmax_when_cost_is_convex_in_rows(b, gamma, seed
     the synchronous early-stop scan reaches the free argmax (the reason the demo fits convex rows)."""
     rng = np.random.default_rng(seed)
     survival = torch.from_numpy(rng.uniform(0, 1, size=(b, gamma)).astype(np.float32))
-    rows = list(range(1, b * (gamma + 1) + 1, max(1, b // 2)))
+    # the probes must reach B*W, the most rows a step can verify: past the last probe T is held flat,
+    # which is not convex, and the scan may stop at a local maximum there
+    rows = sorted({*range(1, b * (gamma + 1), max(1, b // 2)), b * (gamma + 1)})
     slopes = np.cumsum(rng.uniform(0, 2e-4, len(rows) - 1))
     theta = np.concatenate([[0.0], np.cumsum(slopes * np.diff(rows))])
     model = AdditiveCostModel(float(rng.uniform(1e-3, 5e-3)), [1], [0.0], rows, theta.tolist())
