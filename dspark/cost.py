@@ -131,6 +131,16 @@ def _check_samples(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
     return out
 
 
+def _require_full_rank(x: Tensor, params: str, hint: str) -> int:
+    """The rank of the design matrix x [samples, parameters]; a fit that cannot identify every
+    parameter (rank < columns) is refused: the split between the confounded terms would be arbitrary."""
+    rank = int(torch.linalg.matrix_rank(x))
+    if rank < x.shape[1]:
+        raise ValueError(f"rank-deficient design: rank {rank} < {x.shape[1]} parameters ({params}) from "
+                         f"{x.shape[0]} samples; {hint}")
+    return rank
+
+
 def check_probes(name: str, probes: Sequence[object], minimum: int, maximum: int | None = None) -> tuple[int, ...]:
     """Probe points: non-empty, ints in [minimum, maximum], strictly increasing (sorted and unique)."""
     out = tuple(probes)
@@ -399,6 +409,11 @@ def bin_rows(rows: int, row_bin: int) -> int:
     return ((2 * rows + row_bin) // (2 * row_bin)) * row_bin
 
 
+def _confounded(batch_probes: Sequence[int], row_probes: Sequence[int]) -> str:
+    return (f"batch probes {list(batch_probes)} and row bins {list(row_probes)} are confounded (add samples "
+            "with other (B, M) pairs, e.g. off-diagonal)")
+
+
 @register_cost_model
 class AdditiveCostModel(CostModel):
     """T(B, M) = bias + alpha(B) + theta(M), alpha and theta linearly interpolated between probes.
@@ -463,7 +478,8 @@ class AdditiveCostModel(CostModel):
 
         alpha and theta are pinned to 0 at their first probe (the rest is absorbed in bias). A design
         whose columns are linearly dependent (for example a diagonal static sweep where every B pairs
-        with one M bin) is refused: the split between alpha and theta would be arbitrary.
+        with one M bin) is refused, with or without `convex_rows`: the split between alpha and theta
+        would be arbitrary.
 
         convex_rows: constrain theta(M) to be non-decreasing and convex (the best such fit: non-negative
         weights on hinges max(0, M - m_j) at the row bins, `dspark.lsq`). An eager step's cost is flat
@@ -490,14 +506,8 @@ class AdditiveCostModel(CostModel):
                 x[i, 1 + bcol[s.num_requests]] = 1.0
             if m in mcol:
                 x[i, 1 + mcol[m]] = 1.0
-        rank = int(torch.linalg.matrix_rank(x))
-        if rank < num_params:
-            raise ValueError(
-                f"rank-deficient design: rank {rank} < {num_params} parameters (bias + "
-                f"{len(batch_probes) - 1} batch + {len(row_probes) - 1} row-bin levels) from "
-                f"{len(samples)} samples; batch probes {batch_probes} and row bins {row_probes} are "
-                "confounded (add samples with other (B, M) pairs, e.g. off-diagonal)"
-            )
+        rank = _require_full_rank(x, f"bias + {len(bcol)} batch + {len(mcol)} row-bin levels",
+                                  _confounded(batch_probes, row_probes))
         y = torch.tensor([s.seconds for s in samples], dtype=torch.float64)
         coef = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
         alpha = [0.0] + coef[1:1 + len(bcol)]
@@ -524,10 +534,12 @@ class AdditiveCostModel(CostModel):
                 free[i, j] = 1.0
         knots = np.array(row_probes[:-1], dtype=np.float64)
         hinges = np.maximum(0.0, np.array(bins, dtype=np.float64)[:, None] - knots[None, :])
-        if np.linalg.matrix_rank(free) < free.shape[1]:
-            raise ValueError(f"rank-deficient design: batch probes {batch_probes} from {len(samples)} samples")
+        design = np.concatenate([free, hinges], axis=1)
+        rank = _require_full_rank(torch.from_numpy(design),
+                                  f"bias + {len(batch_probes) - 1} batch + {len(knots)} row-hinge levels",
+                                  _confounded(batch_probes, row_probes))
         y = np.array([s.seconds for s in samples])
-        coef = nonnegative_lstsq(np.concatenate([free, hinges], axis=1), y, free=free.shape[1])
+        coef = nonnegative_lstsq(design, y, free=free.shape[1])
         weights = coef[free.shape[1]:]
         theta = np.maximum(0.0, np.array(row_probes, dtype=np.float64)[:, None] - knots[None, :]) @ weights
         alpha = [0.0] + coef[1:free.shape[1]].tolist()
@@ -535,7 +547,7 @@ class AdditiveCostModel(CostModel):
                     width=width)
         report = FitReport.from_predictions(
             y.tolist(), [model.step_seconds(s.num_requests, s.rows) for s in samples],
-            extras={"row_bin": row_bin, "convex_rows": True},
+            extras={"row_bin": row_bin, "convex_rows": True, "rank": rank},
         )
         model.fit_report = report
         return model, report
@@ -699,10 +711,8 @@ class TieredCostModel(CostModel):
                 x[i, bcol[b]] = 1.0
             if t in tcol:
                 x[i, tcol[t]] = 1.0
-        rank = int(torch.linalg.matrix_rank(x))
-        if rank < x.shape[1]:
-            raise ValueError(f"rank-deficient design: rank {rank} < {x.shape[1]} parameters (bias + "
-                             f"{len(bcol)} batch + {len(tcol)} tier levels) from {len(samples)} samples")
+        rank = _require_full_rank(x, f"bias + {len(bcol)} batch + {len(tcol)} tier levels",
+                                  "add samples that pair each batch probe with more tiers")
         y = torch.tensor([s.seconds for s in samples], dtype=torch.float64)
         coef = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
         alpha = [0.0] + coef[1:1 + len(bcol)]

@@ -115,10 +115,14 @@ def test_convex_rows_fit_is_non_decreasing_convex_and_exact_on_a_convex_truth(se
     assert report.extras["convex_rows"] is True and len(report.residuals) == len(noisy)
 
 
-def test_rank_deficient_design_is_refused():
+@pytest.mark.parametrize("convex_rows", [False, True])
+@pytest.mark.parametrize("row_bin", [1, 64])
+def test_rank_deficient_design_is_refused(convex_rows, row_bin):
+    """A diagonal sweep (each B at one row count) cannot split alpha(B) from theta(M): every fit refuses it
+    (the convex fit once accepted it with theta = 0, so rows looked free)."""
     diagonal = [ProfileSample(b, 8 * b, 1e-3 * b) for b in (8, 16, 32, 64)]
-    with pytest.raises(ValueError, match="rank-deficient"):
-        AdditiveCostModel.fit(diagonal)
+    with pytest.raises(ValueError, match=r"rank-deficient design: rank 4 < 7 parameters .*confounded"):
+        AdditiveCostModel.fit(diagonal, row_bin=row_bin, convex_rows=convex_rows)
 
 
 def test_json_round_trip_and_fingerprint(tmp_path):
