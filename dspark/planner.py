@@ -40,7 +40,9 @@ HOST_PLAN_MAX = 16384  # survival entries (B * gamma) up to which an accelerator
 class VerifyPlan:
     """One step's plan: verify_lens [B] int32, its layout, the budget decision, the live survival.
 
-    `budget` is the executed budget (the decision's budget grown to the tier top by graph-tier fill).
+    `budget` is what was executed: the extra rows actually allocated, sum(verify_lens) - B * F.
+    `tier_budget` is what the allocation was offered: the decision's budget grown to the tier top by
+    graph-tier fill; it exceeds `budget` when the candidates run out first (the rest is padding).
     `dp` is the DP-global tier decision when the planner runs with a DP group.
     """
 
@@ -49,6 +51,7 @@ class VerifyPlan:
     decision: BudgetDecision
     survival: Tensor
     budget: int
+    tier_budget: int
     dp: DpTier | None = None
 
 
@@ -111,9 +114,9 @@ class VerifyPlanner:
             lagged = self.ring.exchange(slots, generations, survival).to(survival.device)
             decision = choose_budget(lagged, self.cost_model, self.cfg)
         b = survival.shape[0]
-        budget = tier_fill_budget(decision.budget, b, self.cfg.floor, self.tiers) if self.tiers else decision.budget
-        verify_lens = (allocate_verify_lens(survival, budget, self.cfg) if host is None
-                       else allocate_verify_lens_host(host, budget, self.cfg))
+        offered = tier_fill_budget(decision.budget, b, self.cfg.floor, self.tiers) if self.tiers else decision.budget
+        verify_lens = (allocate_verify_lens(survival, offered, self.cfg) if host is None
+                       else allocate_verify_lens_host(host, offered, self.cfg))
         dp = None
         if self.parallel is not None:
             verify_lens = self.parallel.verify_lens(verify_lens)
@@ -125,7 +128,7 @@ class VerifyPlanner:
             if layout.verify_lens.device != survival.device:  # planned on the host for an accelerator
                 layout = layout.to(survival.device)
                 verify_lens = layout.verify_lens
-        return VerifyPlan(verify_lens, layout, decision, survival, budget, dp)
+        return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * self.cfg.floor, offered, dp)
 
     def _host_survival(self, survival: Tensor) -> np.ndarray | None:
         """The live survival as a host numpy array when this step is planned on the host, else None.

@@ -125,17 +125,18 @@ def test_tier_fill_fills_the_paid_tier_and_never_crosses_it(b, seed, lag, tiers,
     tier = round_up_to_tier(decided_rows, tiers)
     plain = allocate_verify_lens(plan.survival, plan.decision.budget, cfg)
     assert bool((plan.verify_lens >= plain).all())
-    assert torch.equal(plan.verify_lens, allocate_verify_lens(plan.survival, plan.budget, cfg))
+    assert torch.equal(plan.verify_lens, allocate_verify_lens(plan.survival, plan.tier_budget, cfg))
     total = int(plan.verify_lens.sum())
     assert plan.layout.total_rows == total
+    assert total == b * cfg.floor + plan.budget  # the executed budget: rows actually allocated
     if tier is None:
-        assert plan.budget == plan.decision.budget and total <= decided_rows
+        assert plan.budget == plan.tier_budget == plan.decision.budget and total <= decided_rows
         assert (plan.layout.tier is None) == (plan.layout.eager_reason is not None)
     else:
-        assert plan.budget == tier - b * cfg.floor
+        assert plan.tier_budget == tier - b * cfg.floor
         assert total <= tier and plan.layout.graph_num_tokens == plan.layout.tier <= tier
         n_valid = int((plan.survival[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum())
-        assert total == b * cfg.floor + min(plan.budget, n_valid)
+        assert plan.budget == min(plan.tier_budget, n_valid)
 
 
 def test_tier_fill_example(device):
@@ -144,9 +145,18 @@ def test_tier_fill_example(device):
     planner = VerifyPlanner(cfg, cliff, lag=0, tiers=(16, 32), graph_slots=8)
     z = torch.full((4, GAMMA), 6.0, device=device)  # confident: every candidate is valid
     plan = planner.plan(z, *ids(4))
-    assert plan.decision.budget == 6 and plan.decision.rows == 10 and plan.budget == 12
+    assert plan.decision.budget == 6 and plan.decision.rows == 10 and plan.budget == plan.tier_budget == 12
     assert int(plan.verify_lens.sum()) == 16 and plan.layout.tier == 16 and plan.layout.num_padding_rows == 0
     assert plan.layout.num_slots == 8
+
+
+def test_budget_reports_the_rows_executed_when_candidates_run_out(device):
+    """B = 1, gamma = 2, tier 64: the tier offers 63 extra rows, but only 2 drafts exist to fill them."""
+    cfg = ScheduleConfig(gamma=2)
+    planner = VerifyPlanner(cfg, AdditiveCostModel(1e-3, [1], [0.0], [0, 64], [0.0, 1e-4]), lag=0, tiers=(64,))
+    plan = planner.plan(torch.full((1, 2), 4.0, device=device), *ids(1))
+    assert plan.verify_lens.tolist() == [3] and plan.layout.tier == 64
+    assert plan.budget == 2 and plan.tier_budget == 63
 
 
 def test_nan_logits_and_empty_batch(device):
