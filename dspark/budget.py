@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dspark._validate import check_verify_lens
 from dspark.config import ScheduleConfig
-from dspark.cost import CostModel
+from dspark.cost import CostModel, check_cost_model
 from dspark.survival import _check_matrix, monotone_survival
 
 
@@ -127,8 +127,11 @@ def _decide(c: _Curves, budget: int) -> BudgetDecision:
 
 
 def choose_budget(survival: Tensor, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
-    """argmax_b theta(b) over b in [0, #candidates], ties to the smaller b (hand in lagged survival)."""
-    c = _host_curves(survival, _require(cost_model), cfg)
+    """argmax_b theta(b) over b in [0, #candidates], ties to the smaller b (hand in lagged survival).
+
+    The cost model must have been profiled at the config's W (`check_cost_model`)."""
+    cfg = check_config(cfg)
+    c = _host_curves(survival, check_cost_model(cost_model, width=cfg.width), cfg)
     return _decide(c, int(np.argmax(c.theta)))
 
 
@@ -147,16 +150,11 @@ def greedy_budget_host(host: np.ndarray, cost_model: CostModel, cfg: ScheduleCon
     """`greedy_budget` of survival already on the host: float32 numpy [B, gamma], non-increasing along
     positions and NaN-free (what `host_survival` returns, or calibrated survival as computed). The
     planner shares one host copy between the budget and the allocation."""
-    c = _curves(host, _require(cost_model), cfg)
+    cfg = check_config(cfg)
+    c = _curves(host, check_cost_model(cost_model, width=cfg.width), cfg)
     theta = c.theta
     stops = np.flatnonzero(theta[1:] <= theta[:-1])
     return _decide(c, int(stops[0]) if stops.size else theta.size - 1)
-
-
-def _require(cost_model: object) -> CostModel:
-    if not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-    return cost_model
 
 
 def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) -> float:

@@ -26,7 +26,7 @@ from dspark._validate import check_int
 from dspark.allocate import allocate_verify_lens, allocate_verify_lens_host
 from dspark.budget import BudgetDecision, check_config, choose_budget, greedy_budget, greedy_budget_host
 from dspark.config import ScheduleConfig
-from dspark.cost import CostModel
+from dspark.cost import CostModel, check_cost_model
 from dspark.distributed import DpTier, ParallelAgreement, ParallelConfig
 from dspark.kernels import dispatch
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
@@ -68,6 +68,8 @@ class VerifyPlanner:
     (None = 1); tiers: captured graph token tiers (None = eager, no fill); graph_slots: captured slot
     count S handed to the layout (None = B + 1 when padding exists); parallel: TP/DP process groups
     (start-up compares the cost table's fingerprint across them; a rank with another table is refused).
+    The cost model must fit the run (`check_cost_model`): its W at construction, its platform at the
+    first `plan` on each device type.
     """
 
     def __init__(self, cfg: ScheduleConfig, cost_model: CostModel, lag: int = 1,
@@ -75,16 +77,12 @@ class VerifyPlanner:
                  temperatures: Tensor | Sequence[float] | None = None, graph_slots: int | None = None,
                  device: torch.device | str = "cpu", parallel: ParallelConfig | None = None):
         self.cfg = check_config(cfg)
-        if not isinstance(cost_model, CostModel):
-            raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-        if cost_model.width is not None and cost_model.width != cfg.width:
-            raise ValueError(
-                f"cost model was profiled at W={cost_model.width}, but the config has W = gamma + 1 = {cfg.width}"
-            )
+        check_cost_model(cost_model, width=cfg.width)
         check_int("lag", lag, 0)
         if graph_slots is not None:
             check_int("graph_slots", graph_slots, 1)
         self.cost_model = cost_model
+        self._platform_checked: str | None = None  # device type the cost model's platform was checked for
         self.lag = lag
         self.tiers = check_tiers(tiers)
         self.graph_slots = graph_slots
@@ -105,6 +103,9 @@ class VerifyPlanner:
         """
         if _check_matrix("logits", logits).shape[1] != self.cfg.gamma:
             raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")
+        if logits.device.type != self._platform_checked:  # the run's platform: where its logits live
+            check_cost_model(self.cost_model, platform=logits.device.type)
+            self._platform_checked = logits.device.type
         survival = survival_from_checked(logits, self.temperatures)
         host = self._host_survival(survival)
         if self.ring is None:

@@ -31,7 +31,7 @@ def illustrative_cost_model() -> AdditiveCostModel:
         alpha=[0.0, 0.4e-3, 1.6e-3],
         row_probes=[0, 32, 64, 65, 96],
         theta=[0.0, 0.6e-3, 2.2e-3, 3.8e-3, 5.0e-3],
-        platform="illustrative (not measured)",
+        platform="unknown",  # made up, not measured: no platform to check
         width=GAMMA + 1,
     )
 

@@ -251,3 +251,28 @@ def test_host_planned_step_equals_the_device_path_on_cuda(b, monkeypatch):
         a, r = getattr(host.layout, name), getattr(ref.layout, name)
         assert a.device == r.device and a.dtype == r.dtype and torch.equal(a, r), name
     assert host.verify_lens.device.type == "cuda" and torch.equal(host.verify_lens, ref.verify_lens)
+
+
+@pytest.mark.parametrize("entry", ["choose_budget", "greedy_budget", "VerifyPlanner"])
+def test_every_entry_refuses_a_cost_model_profiled_at_another_width(entry, device):
+    """One rule wherever a cost model meets a config: a table profiled at W=8 does not plan W=6."""
+    cfg, table = ScheduleConfig(gamma=GAMMA), cost(width=8)
+    run = {"choose_budget": lambda: choose_budget(calibrated_survival(logits(3, 0, device)), table, cfg),
+           "greedy_budget": lambda: greedy_budget(calibrated_survival(logits(3, 0, device)), table, cfg),
+           "VerifyPlanner": lambda: VerifyPlanner(cfg, table, lag=0)}[entry]
+    with pytest.raises(ValueError, match=r"profiled for W=8, this run has W=6 \(gamma=5\): re-profile the "
+                                         r"verify step at gamma=5 .* or run with gamma=7"):
+        run()
+    assert choose_budget(calibrated_survival(logits(3, 0, device)), cost(width=6), cfg).budget >= 0
+
+
+def test_planner_refuses_a_cost_model_profiled_on_another_platform(device):
+    other = "npu" if device.type != "npu" else "cuda"
+    cfg = ScheduleConfig(gamma=GAMMA)
+    foreign = AdditiveCostModel(2e-3, [1], [0.0], [0, 40], [0.0, 8e-3], platform=f"x86_64-{other}")
+    planner = VerifyPlanner(cfg, foreign, lag=0)
+    with pytest.raises(ValueError, match=rf"platform 'x86_64-{other}', this run is on '{device.type}': re-profile"):
+        planner.plan(logits(2, 0, device), *ids(2))
+    for platform in (device.type, f"x86_64-{device.type}", "unknown"):
+        native = AdditiveCostModel(2e-3, [1], [0.0], [0, 40], [0.0, 8e-3], platform=platform)
+        assert VerifyPlanner(cfg, native, lag=0).plan(logits(2, 0, device), *ids(2)).verify_lens.shape == (2,)
