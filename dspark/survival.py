@@ -1,8 +1,14 @@
 """Calibrated survival from confidence logits, and the lag ring with its generation guard.
 
 `s[r, k] = prod_{i<=k} sigmoid(z[r, i] / T_i)` is P(the accepted prefix of request r reaches draft k).
-Every path evaluates it in float32 in one fixed order (divide, sigmoid, left-to-right product) so that
-all ranks and devices agree bit for bit.
+Every path evaluates it in one fixed order: the confidence `c = 1 / (1 + exp(-z / T))` in float64, rounded
+once to float32, then the left-to-right float32 product. Why float64: a float32 sigmoid is not correctly
+rounded and its implementations differ in the last bit (on the CPU torch runs the vectorised body and the
+scalar tail of a tensor through different code, so a request's bits depended on its batch size and
+position; CUDA's expf is a third). In float64 they differ by at most an ulp of float64, which the rounding
+to float32 hides, so a request's survival does not depend on its batch, and paths and ranks agree. The
+division cannot overflow either: a finite logit keeps its confidence (3e38 / 0.5 gives c = 1);
+non-finite logits give c = 0.
 """
 from __future__ import annotations
 
@@ -69,15 +75,29 @@ def survival_from_checked(logits: Tensor, temperatures: Tensor | None) -> Tensor
     """`calibrated_survival` (same float32 values, bit for bit) for per-step callers that validated once:
     logits a floating [B, gamma >= 1] tensor, temperatures what `check_temperatures` returned (or None).
     Skips re-validating the temperatures, a host read and a dozen small ops per step."""
-    z = logits.to(torch.float32)
+    return cumulative_survival(confidence(logits, temperatures))
+
+
+def confidence(logits: Tensor, temperatures: Tensor | None) -> Tensor:
+    """c = 1 / (1 + exp(-z / T)) evaluated elementwise in float64, rounded to float32 [B, gamma]; 0 where
+    the logit is not finite. CPU tensors without autograd take one numpy pass (a few calls instead of a
+    chain of torch ops), others the same formula in torch ops."""
+    z = logits.to(torch.float64)  # exact, and finite wherever the logit is
+    if z.device.type == "cpu" and not z.requires_grad:
+        zn = z.numpy()
+        finite = np.isfinite(zn)
+        if temperatures is not None:
+            zn = zn / temperatures.numpy().astype(np.float64)
+        with np.errstate(over="ignore"):  # exp(-z) overflows to inf for z < -709: c = 0, as it should
+            c = (1.0 / (1.0 + np.exp(-np.where(finite, zn, 0.0)))).astype(np.float32)
+        c[~finite] = 0.0
+        return torch.from_numpy(c)
+    finite = torch.isfinite(z)
     if temperatures is not None:
-        z = z / temperatures.to(z.device)
-    c = torch.sigmoid(z)
-    if c.device.type == "cpu" and not c.requires_grad:
-        c.numpy()[~np.isfinite(z.numpy())] = 0.0  # the same zeros, set on the host in one numpy call
-    else:
-        c.masked_fill_(~torch.isfinite(z), 0.0)
-    return cumulative_survival(c)
+        z = z / temperatures.to(z.device, torch.float64)
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    c = (1.0 / (1.0 + torch.exp(-torch.where(finite, z, zero)))).to(torch.float32)
+    return torch.where(finite, c, zero.to(torch.float32))
 
 
 def monotone_survival(survival: Tensor) -> Tensor:
