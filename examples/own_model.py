@@ -38,7 +38,8 @@ def main() -> None:
     # prefill: both prompts packed into one forward
     prompts = [torch.tensor([5, 17, 42, 9, 88]), torch.tensor([3, 61, 7])]
     lens = torch.tensor([len(p) for p in prompts])
-    logits = forward(torch.cat(prompts), dspark.RaggedVerifyLayout.from_verify_lens(lens), torch.zeros(2, dtype=torch.int64))
+    prefill = dspark.RaggedVerifyLayout.from_verify_lens(lens)
+    logits = forward(torch.cat(prompts), prefill, torch.zeros(batch, dtype=torch.int64))
     roots = logits[lens.cumsum(0) - 1].argmax(-1)            # each request's first generated token
 
     # verify: request 0 proposes the target's own greedy tokens, request 1 random ones; compact rows
