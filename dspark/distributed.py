@@ -5,9 +5,11 @@ In production the planner runs on every rank. Two tensor-parallel (TP) ranks hol
 different shapes and hang. This module makes the agreement explicit and cheap, and turns every
 disagreement into an error that names the ranks:
 
-- `TpAgreement`: `mode="broadcast"` sends the group's first rank's `verify_lens` to the others;
-  `mode="verify"` keeps the locally computed lens (the planner's inputs are replicated) and checks
-  them with one 4-element int32 MAX all-reduce of a 62-bit hash (MIN folded into MAX by bitwise not).
+- `TpAgreement`: `mode="broadcast"` checks that every rank holds the same B (one 2-element int32 MAX
+  all-reduce) and sends the group's first rank's `verify_lens` to the others; `mode="verify"` keeps the
+  locally computed lens (the planner's inputs are replicated) and checks them with one 4-element int32
+  MAX all-reduce of a 62-bit hash (MIN folded into MAX by bitwise not). A mismatch, or a rank's invalid
+  input, raises on every rank in the same step.
 - `DpTierAgreement`: one all-gather of `(requests, rows)` per step on a CPU (gloo) group; every DP rank
   replays the tier of the largest row count; an idle rank builds a ghost-only layout and joins.
 - `check_cost_table`: the budget is computed from replicated inputs (lagged survival, same cost table),
@@ -128,8 +130,28 @@ def _by_value(values: Sequence[object], ranks: Sequence[int]) -> dict[object, li
     return out
 
 
+def _local_lens(verify_lens: object) -> tuple[Tensor | None, str | None]:
+    """(lens as int32, None), or (None, what is wrong) for input that is not a 1-D integer tensor. The
+    problem is not raised before the collective: the other ranks would wait in it forever."""
+    if not isinstance(verify_lens, Tensor):
+        return None, f"verify_lens must be a torch.Tensor, got {type(verify_lens).__name__}: {verify_lens!r}"
+    if verify_lens.dim() != 1 or verify_lens.dtype.is_floating_point or verify_lens.dtype.is_complex \
+            or verify_lens.dtype == torch.bool:
+        return None, (f"verify_lens must be a 1-D integer tensor, got {verify_lens.dtype} "
+                      f"{tuple(verify_lens.shape)}")
+    return verify_lens.to(torch.int32), None
+
+
+_INVALID = -1  # reported in place of B (and of the hash) by a rank whose own input is invalid
+
+
 class TpAgreement:
-    """Identical `verify_lens` on every rank of a tensor-parallel group, or an error naming the ranks."""
+    """Identical `verify_lens` on every rank of a tensor-parallel group, or an error naming the ranks.
+
+    Every disagreement (batch size, value, or a rank's invalid input) is found by the step's collective
+    on every rank at once, so all ranks raise `TpDisagreementError` in the same step and none is left
+    waiting in a collective the others skipped.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None = None, mode: str = "verify"):
         if mode not in TP_MODES:
@@ -141,41 +163,73 @@ class TpAgreement:
     def agree(self, verify_lens: Tensor) -> Tensor:
         """The group's `verify_lens` for this step ([B] int32 on the input's device).
 
-        broadcast: the first rank's lens overwrite the others' (every rank must hold the same B, as a
-        replicated TP batch does). verify: one all-reduce; a mismatch (lens or B) raises
-        `TpDisagreementError` on every rank in the same step, so no rank proceeds into a hanging forward.
-        The check reads 4 ints on the host, a sync the layout build makes anyway.
+        broadcast: one MAX all-reduce of (B, ~B) checks that every rank holds the same B (a replicated
+        TP batch does), then the first rank's lens overwrite the others'. verify: one MAX all-reduce of
+        a hash of (B, lens) and its complement. Either way a mismatch raises on every rank in the same
+        step, so no rank proceeds into a hanging forward. The check reads a few ints on the host, a sync
+        the layout build makes anyway.
         """
-        lens = verify_lens.to(torch.int32)
+        lens, problem = _local_lens(verify_lens)
         if len(self.ranks) == 1:
+            if problem:
+                raise TypeError(problem)
             return lens
+        device = lens.device if lens is not None else _collective_device(self.group)
         if self.mode == "broadcast":
-            out = lens.clone()
-            dist.broadcast(out, group=self.group, group_src=0)
-            return out
-        digest = verify_lens_hash(lens).to(torch.int32)
-        folded = torch.cat([digest, torch.bitwise_not(digest)])
+            mine = torch.tensor([_INVALID if problem else lens.shape[0]], dtype=torch.int32, device=device)
+        else:
+            mine = (torch.full((2,), _INVALID, dtype=torch.int32, device=device) if problem
+                    else verify_lens_hash(lens).to(torch.int32))
+        folded = torch.cat([mine, torch.bitwise_not(mine)])
         dist.all_reduce(folded, op=dist.ReduceOp.MAX, group=self.group)
-        if not torch.equal(folded[:2], torch.bitwise_not(folded[2:])):
-            self._raise_disagreement(digest, lens.shape[0])
+        n = mine.numel()
+        if not torch.equal(folded[:n], torch.bitwise_not(folded[n:])):
+            self._raise_disagreement(mine, _INVALID if problem else lens.shape[0], problem)
+        if problem:  # every rank's input is invalid: all raise here, in the same step
+            raise TypeError(problem)
+        if self.mode == "broadcast":
+            lens = lens.clone()  # `.to` may have returned the caller's own tensor
+            dist.broadcast(lens, group=self.group, group_src=0)
         return lens
 
-    def _raise_disagreement(self, digest: Tensor, batch: int) -> None:
+    def _raise_disagreement(self, digest: Tensor, batch: int, problem: str | None) -> None:
         """Failure path only: every rank gathers (hash, B) to name who differs, then raises."""
-        mine = torch.cat([digest, torch.tensor([batch], dtype=torch.int32, device=digest.device)])
+        pad = torch.full((2 - digest.numel(),), _INVALID, dtype=torch.int32, device=digest.device)
+        mine = torch.cat([digest, pad, torch.tensor([batch], dtype=torch.int32, device=digest.device)])
         parts = [torch.empty_like(mine) for _ in self.ranks]
         dist.all_gather(parts, mine, group=self.group)
-        reports = [(_hash_hex(int(p[0]), int(p[1])), int(p[2])) for p in parts]
+        reports = [(int(p[0]), int(p[1]), int(p[2])) for p in parts]
         groups = _by_value(reports, self.ranks)
-        first = reports[0]
-        differ = [r for rep, rs in groups.items() if rep != first for r in rs]
-        detail = "; ".join(f"ranks {rs} hold verify_lens hash {h} (B={b})" for (h, b), rs in groups.items())
+        differ = [r for rep, rs in groups.items() if rep != reports[0] for r in rs]
+        detail = "; ".join(f"ranks {rs} {_describe(rep, self.mode)}" for rep, rs in groups.items())
+        what = "the batch size B" if self.mode == "broadcast" else "verify_lens"
+        fix = ("every TP rank must plan the same requests (B); the first rank's verify_lens are then sent to "
+               "the others" if self.mode == "broadcast" else
+               "the planner inputs (logits, slots, generations, cost table) are not replicated across the TP "
+               "group; use tp_mode='broadcast' or fix the replication")
+        own = f" This rank: {problem}." if problem else ""
         raise TpDisagreementError(
-            f"TP ranks disagree on verify_lens: ranks {differ} differ from rank {self.ranks[0]}: {detail}. "
-            "The planner inputs (logits, slots, generations, cost table) are not replicated across the "
-            "TP group; use tp_mode='broadcast' or fix the replication.",
+            f"TP ranks disagree on {what}: ranks {differ} differ from rank {self.ranks[0]}: {detail}. "
+            f"In tp_mode={self.mode!r} {fix}.{own}",
             differ,
         )
+
+
+def _describe(report: tuple[int, int, int], mode: str) -> str:
+    h1, h2, b = report
+    if b == _INVALID:
+        return "hold invalid verify_lens (not a 1-D integer tensor)"
+    return f"hold B={b}" if mode == "broadcast" else f"hold verify_lens hash {_hash_hex(h1, h2)} (B={b})"
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a rank without a usable tensor puts its report: the group backend's device."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "hccl" in backend:
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)

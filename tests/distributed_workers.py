@@ -52,9 +52,12 @@ def tp_steps(rank: int, group: dist.ProcessGroup, steps: int, mode: str) -> dict
     return {"local": local, "agreed": agreed}
 
 
-def tp_injected(rank: int, world: int, group: dist.ProcessGroup, steps: int, inject: dict[int, str]) -> list:
-    """Run `steps` verify-mode steps; at step k the last rank corrupts its lens (`value` or `batch`)."""
-    tp = TpAgreement(group, "verify")
+def tp_injected(rank: int, world: int, group: dist.ProcessGroup, steps: int, inject: dict[int, str],
+                mode: str = "verify") -> list:
+    """Run `steps` steps; at step k the last rank corrupts its lens: `value` (one entry), `batch` (one
+    request more or fewer) or `type` (a list, not a tensor). Returns (step, message, ranks) per error and
+    the agreed lens of the clean steps (the collectives stay in step after an error)."""
+    tp = TpAgreement(group, mode)
     events = []
     for step in range(steps):
         lens = replicated_lens(step)
@@ -62,10 +65,12 @@ def tp_injected(rank: int, world: int, group: dist.ProcessGroup, steps: int, inj
             lens = lens.clone()
             if inject[step] == "value":
                 lens[-1] = lens[-1] % WIDTH + 1
-            else:
+            elif inject[step] == "batch":
                 lens = lens[:-1] if lens.shape[0] > 1 else torch.cat([lens, lens])
+            else:
+                lens = lens.tolist()
         try:
-            tp.agree(lens)
+            events.append((step, tp.agree(lens).tolist(), None))
         except TpDisagreementError as e:
             events.append((step, str(e), list(e.ranks)))
     return events
@@ -173,6 +178,7 @@ def scenarios(rank: int, world: int, steps: dict[int, dict[str, int]], inject: d
             "verify": tp_steps(rank, g, k["verify"], "verify"),
             "broadcast": tp_steps(rank, g, k["broadcast"], "broadcast"),
             "injected": tp_injected(rank, n, g, max(inject) + 3, inject),
+            "broadcast_injected": tp_injected(rank, n, g, max(inject) + 3, inject, "broadcast"),
             "dp": dp_steps(rank, n, g, k["dp"]),
             "cost": cost_table(rank, n, g),
             "planner": planner_steps(rank, n, g, tp_pairs, k["planner"]),

@@ -34,7 +34,7 @@ STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch 
     2: {"verify": 600, "broadcast": 200, "dp": 60, "planner": 30},
     4: {"verify": 300, "broadcast": 100, "dp": 30, "planner": 30},
 }
-INJECT = {5: "value", 9: "batch"}
+INJECT = {5: "value", 9: "batch", 12: "type"}
 LAUNCH_TIMEOUT = 150.0
 
 
@@ -113,17 +113,42 @@ def test_tp_broadcast_mode_takes_first_rank_lens(launches, world):
         assert differ == len(first), "non-first ranks must start from different lens"
 
 
+def _errors(events: list) -> dict[int, tuple[str, list]]:
+    return {step: (message, bad) for step, message, bad in events if bad is not None}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_injected_disagreement_detected_same_step_on_every_rank(launches, world):
     for r in launches(world):
-        events = r["injected"]
-        assert [e[0] for e in events] == sorted(INJECT)
-        for step, message, bad in events:
+        errors = _errors(r["injected"])
+        assert sorted(errors) == sorted(INJECT)
+        for message, bad in errors.values():
             assert bad == [world - 1]
             assert f"ranks [{world - 1}] differ from rank 0" in message
             assert f"ranks {list(range(world - 1))} hold verify_lens hash" in message
-        b_value = w.replicated_lens(9).shape[0]
-        assert f"(B={b_value})" in events[1][1]
+        assert f"(B={w.replicated_lens(9).shape[0]})" in errors[9][0]
+        assert f"ranks [{world - 1}] hold invalid verify_lens" in errors[12][0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_broadcast_mode_detects_another_batch_size_same_step_on_every_rank(launches, world):
+    """Broadcast mode once returned different lens silently when B differed ([2, 3] on one rank, [2, 3, 4]
+    on the other); now every rank raises in that step, naming the rank; a differing value is overwritten."""
+    ranks = launches(world)
+    for rank, r in enumerate(ranks):
+        events = r["broadcast_injected"]
+        errors = _errors(events)
+        assert sorted(errors) == [9, 12], errors
+        b = w.replicated_lens(9).shape[0]
+        other = b - 1 if b > 1 else 2 * b
+        assert errors[9][1] == errors[12][1] == [world - 1]
+        assert (f"TP ranks disagree on the batch size B: ranks [{world - 1}] differ from rank 0: ranks "
+                f"{list(range(world - 1))} hold B={b}; ranks [{world - 1}] hold B={other}") in errors[9][0]
+        assert f"ranks [{world - 1}] hold invalid verify_lens" in errors[12][0]
+        assert ("This rank: verify_lens must be a torch.Tensor, got list" in errors[12][0]) == (rank == world - 1)
+        for step, agreed, bad in events:
+            if bad is None:
+                assert agreed == w.replicated_lens(step).tolist(), step  # the first rank's lens, every rank
 
 
 @pytest.mark.parametrize("world", [2, 4])
