@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE_SIZE = 4
 MAX_ROWS = 64
 TOL = dict(rtol=1e-4, atol=1e-4)
+CPU = torch.device("cpu")
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
 @functools.cache
-def tiny(model_type: str = "llama", q_heads: int = 4, kv_heads: int = 2
+def tiny(model_type: str = "llama", q_heads: int = 4, kv_heads: int = 2, device: torch.device = CPU
          ) -> tuple[TransformersCausalLM, torch.nn.Module]:
     """(dspark adapter, transformers reference with its default attention) sharing one random init."""
     torch.manual_seed(0)
@@ -38,7 +39,7 @@ def tiny(model_type: str = "llama", q_heads: int = 4, kv_heads: int = 2
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=q_heads,
         num_key_value_heads=kv_heads, head_dim=64 // q_heads, vocab_size=128, max_position_embeddings=256,
         initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    lm = TransformersCausalLM.from_config(config)
+    lm = TransformersCausalLM.from_config(config).to(device)
     ref = copy.deepcopy(lm.hf_model)
     ref.set_attn_implementation("sdpa")
     return lm, ref
@@ -48,15 +49,16 @@ class PagedBatch:
     """A NaN-poisoned paged cache for `batch` requests of up to `max_len` tokens on shuffled pages."""
 
     def __init__(self, lm: TransformersCausalLM, batch: int, max_len: int, seed: int = 0):
-        g = self.geometry = lm.geometry
+        g, self.device = lm.geometry, lm.hf_model.device
         per_req = -(-max_len // PAGE_SIZE)
         num_pages = batch * per_req + 2   # two spare pages nobody owns
         shape = (g.num_layers, num_pages, PAGE_SIZE, g.num_kv_heads, g.head_dim)
-        self.k, self.v = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+        self.k = torch.full(shape, float("nan"), device=self.device)
+        self.v = torch.full_like(self.k, float("nan"))
         perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
-        self.block_table = perm[: batch * per_req].to(torch.int32).reshape(batch, per_req)
+        self.block_table = perm[: batch * per_req].to(self.device, torch.int32).reshape(batch, per_req)
         self.attn = dspark.RaggedVerifyAttention(
-            MAX_ROWS, batch + MAX_ROWS, per_req, g.num_q_heads, g.num_kv_heads, g.head_dim, PAGE_SIZE, "cpu",
+            MAX_ROWS, batch + MAX_ROWS, per_req, g.num_q_heads, g.num_kv_heads, g.head_dim, PAGE_SIZE, self.device,
             torch.float32, sm_scale=g.sm_scale, num_pages=num_pages)
         self.lm = lm
 
@@ -68,7 +70,8 @@ class PagedBatch:
     def prefill(self, prompts: list[torch.Tensor]) -> torch.Tensor:
         """All prompts packed into one forward; logits [sum(lens), V]."""
         layout = dspark.RaggedVerifyLayout.from_verify_lens([len(p) for p in prompts])
-        return self.logits(torch.cat(prompts), layout, torch.zeros(len(prompts), dtype=torch.int64))
+        prefix_lens = torch.zeros(len(prompts), dtype=torch.int64, device=self.device)
+        return self.logits(torch.cat(prompts), layout.to(self.device), prefix_lens)
 
 
 def hf_logits(ref: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
@@ -76,17 +79,17 @@ def hf_logits(ref: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
         return ref(seq[None]).logits[0]
 
 
-def random_tokens(gen: torch.Generator, n: int) -> torch.Tensor:
-    return torch.randint(1, 128, (n,), generator=gen)
+def random_tokens(gen: torch.Generator, n: int, device: torch.device = CPU) -> torch.Tensor:
+    return torch.randint(1, 128, (n,), generator=gen).to(device)
 
 
 def greedy_decode(lm: TransformersCausalLM, prompts: list[torch.Tensor], new_tokens: int) -> list[list[int]]:
     """Batched greedy decoding over the adapter: one packed prefill, then one row per request per step."""
     batch = PagedBatch(lm, len(prompts), max(len(p) for p in prompts) + new_tokens)
-    lens = torch.tensor([len(p) for p in prompts])
+    lens = torch.tensor([len(p) for p in prompts], device=batch.device)
     logits = batch.prefill(prompts)
     out = [logits[torch.cumsum(lens, 0) - 1].argmax(-1)]
-    one_row = dspark.RaggedVerifyLayout.from_verify_lens([1] * len(prompts))
+    one_row = dspark.RaggedVerifyLayout.from_verify_lens([1] * len(prompts)).to(batch.device)
     for step in range(new_tokens - 1):
         out.append(batch.logits(out[-1], one_row, lens + step).argmax(-1))
     return torch.stack(out, 1).tolist()
@@ -94,10 +97,10 @@ def greedy_decode(lm: TransformersCausalLM, prompts: list[torch.Tensor], new_tok
 
 @settings(max_examples=12)
 @given(lens=st.lists(st.integers(1, 12), min_size=1, max_size=4), seed=st.integers(0, 2**16))
-def test_packed_prefill_equals_each_request_alone(lens: list[int], seed: int) -> None:
-    lm, ref = tiny()
+def test_packed_prefill_equals_each_request_alone(device: torch.device, lens: list[int], seed: int) -> None:
+    lm, ref = tiny(device=device)
     gen = torch.Generator().manual_seed(seed)
-    prompts = [random_tokens(gen, n) for n in lens]
+    prompts = [random_tokens(gen, n, device) for n in lens]
     logits = PagedBatch(lm, len(lens), max(lens), seed).prefill(prompts)
     torch.testing.assert_close(logits, torch.cat([hf_logits(ref, p) for p in prompts]), **TOL)
 
@@ -108,23 +111,23 @@ def verify_step(lm, ref, mode: str, prefix: list[int], verify_lens: list[int], g
     padding rows (random ids) write nothing, and the cache changes exactly at the real rows' slots."""
     gen = torch.Generator().manual_seed(seed)
     b, w = len(prefix), gamma + 1
-    seqs = [random_tokens(gen, p + w) for p in prefix]
     batch = PagedBatch(lm, b, max(prefix) + w, seed)
+    seqs = [random_tokens(gen, p + w, batch.device) for p in prefix]
     batch.prefill([s[:p] for s, p in zip(seqs, prefix)])
-    prefix_t = torch.tensor(prefix)
+    prefix_t = torch.tensor(prefix, device=batch.device)
     inputs = dspark.build_verify_inputs(
-        mode, torch.tensor(verify_lens), torch.stack([s[p] for s, p in zip(seqs, prefix)]),
+        mode, torch.tensor(verify_lens, device=batch.device), torch.stack([s[p] for s, p in zip(seqs, prefix)]),
         torch.stack([s[p + 1: p + w] for s, p in zip(seqs, prefix)]), prefix_t, tiers=tiers,
         block_table=batch.block_table, page_size=PAGE_SIZE)
     layout = inputs.layout
-    ids = torch.where(layout.row_valid, inputs.input_ids, random_tokens(gen, layout.graph_num_tokens))
+    ids = torch.where(layout.row_valid, inputs.input_ids, random_tokens(gen, layout.graph_num_tokens, batch.device))
     before = batch.k.clone(), batch.v.clone()
     logits = batch.logits(ids, layout, prefix_t)
     start, stop = layout.qo_indptr[:-1].tolist(), layout.qo_indptr[1:].tolist()
     for r, p in enumerate(prefix):
         rows = stop[r] - start[r]
         torch.testing.assert_close(logits[start[r]: stop[r]], hf_logits(ref, seqs[r][: p + rows])[p:], **TOL)
-    written = torch.zeros(batch.k.shape[1] * PAGE_SIZE, dtype=torch.bool)
+    written = torch.zeros(batch.k.shape[1] * PAGE_SIZE, dtype=torch.bool, device=batch.device)
     written[inputs.kv_slots[layout.row_valid]] = True
     assert int(written.sum()) == layout.total_rows
     for old, new in zip(before, (batch.k, batch.v)):
@@ -136,35 +139,36 @@ def verify_step(lm, ref, mode: str, prefix: list[int], verify_lens: list[int], g
 @settings(max_examples=15)
 @given(data=st.data(), mode=st.sampled_from(["static", "cap-accept", "compact"]),
        gamma=st.integers(1, 5), seed=st.integers(0, 2**16))
-def test_verify_modes_equal_transformers(data: st.DataObject, mode: str, gamma: int, seed: int) -> None:
+def test_verify_modes_equal_transformers(device: torch.device, data: st.DataObject, mode: str, gamma: int,
+                                         seed: int) -> None:
     b = data.draw(st.integers(1, 4), label="B")
     prefix = data.draw(st.lists(st.integers(1, 10), min_size=b, max_size=b), label="prefix_lens")
     verify_lens = data.draw(st.lists(st.integers(1, gamma + 1), min_size=b, max_size=b), label="verify_lens")
-    verify_step(*tiny(), mode, prefix, verify_lens, gamma, seed)
+    verify_step(*tiny(device=device), mode, prefix, verify_lens, gamma, seed)
 
 
-def test_compact_beyond_the_largest_tier_runs_eager() -> None:
-    verify_step(*tiny(), "compact", [5, 9, 2], [4, 3, 4], 3, seed=7, tiers=(4,))
+def test_compact_beyond_the_largest_tier_runs_eager(device: torch.device) -> None:
+    verify_step(*tiny(device=device), "compact", [5, 9, 2], [4, 3, 4], 3, seed=7, tiers=(4,))
 
 
-def test_compact_on_the_triton_kernels(triton_backend: None) -> None:
-    verify_step(*tiny(), "compact", [6, 3], [2, 4], 3, seed=3)
+def test_compact_on_the_triton_kernels(device: torch.device, triton_backend: None) -> None:
+    verify_step(*tiny(device=device), "compact", [6, 3], [2, 4], 3, seed=3)
 
 
 @pytest.mark.parametrize("model_type,q_heads,kv_heads", [
     ("llama", 4, 4), ("llama", 4, 1), ("llama", 8, 2), ("qwen2", 4, 2), ("qwen3", 4, 2)])
-def test_gqa_and_llama_family(model_type: str, q_heads: int, kv_heads: int) -> None:
-    lm, ref = tiny(model_type, q_heads, kv_heads)
+def test_gqa_and_llama_family(device: torch.device, model_type: str, q_heads: int, kv_heads: int) -> None:
+    lm, ref = tiny(model_type, q_heads, kv_heads, device)
     g = lm.geometry
     assert (g.num_q_heads, g.num_kv_heads, g.head_dim, g.num_layers) == (q_heads, kv_heads, 64 // q_heads, 2)
     assert g.sm_scale == (64 // q_heads) ** -0.5
     verify_step(lm, ref, "compact", [7, 2, 11], [3, 1, 3], 3, seed=11)  # 7 rows + 1 padding
 
 
-def test_greedy_decode_equals_generate() -> None:
-    lm, ref = tiny()
+def test_greedy_decode_equals_generate(device: torch.device) -> None:
+    lm, ref = tiny(device=device)
     gen = torch.Generator().manual_seed(5)
-    prompts = [random_tokens(gen, n) for n in (3, 9, 6)]
+    prompts = [random_tokens(gen, n, device) for n in (3, 9, 6)]
     ours = greedy_decode(lm, prompts, new_tokens=12)
     for p, tokens in zip(prompts, ours):
         expect = ref.generate(p[None], max_new_tokens=12, do_sample=False)[0, len(p):]
@@ -255,9 +259,10 @@ def test_own_model_example_runs() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_pair(one_thread: None) -> tuple[TransformersCausalLM, object, torch.nn.Module]:
+def smollm2_pair(one_thread: None, device: torch.device) -> tuple[TransformersCausalLM, object, torch.nn.Module]:
     """The real target, loaded once for this module (about 18 s), with a default-attention twin."""
     lm, tokenizer = load_smollm2()
+    lm.to(device)
     ref = copy.deepcopy(lm.hf_model)
     ref.set_attn_implementation("sdpa")
     return lm, tokenizer, ref
@@ -268,7 +273,7 @@ def test_smollm2_greedy_equals_generate(smollm2_pair) -> None:
     lm, tokenizer, ref = smollm2_pair
     assert lm.geometry == ModelGeometry(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
                                         vocab_size=49152, max_seq_len=lm.geometry.max_seq_len, sm_scale=0.125)
-    prompts = [tokenizer(text, return_tensors="pt").input_ids[0]
+    prompts = [tokenizer(text, return_tensors="pt").input_ids[0].to(lm.hf_model.device)
                for text in ("def fibonacci(n):", "The capital of France is")]
     ours = greedy_decode(lm, prompts, new_tokens=8)
     for p, tokens in zip(prompts, ours):

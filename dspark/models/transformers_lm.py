@@ -15,6 +15,7 @@ request boundaries are the layout's, enforced by the ragged attention.
 """
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from dspark.models.extra import require
@@ -51,7 +52,7 @@ def paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention needs the step's attend= (run the model "
                            f"through TransformersCausalLM.forward, or set_attn_implementation('sdpa') for "
                            f"plain transformers forwards)")
-    if scaling != attend.sm_scale:
+    if scaling is None or not math.isclose(scaling, attend.sm_scale, rel_tol=1e-6):
         raise ValueError(f"layer {module.layer_idx} scales attention by {scaling}, but attend applies "
                          f"sm_scale={attend.sm_scale}; build RaggedVerifyAttention with "
                          f"sm_scale=geometry.sm_scale")
@@ -84,7 +85,7 @@ class TransformersCausalLM(nn.Module):
     @classmethod
     def from_config(cls, config: PretrainedConfig, *, dtype: torch.dtype = torch.float32) -> "TransformersCausalLM":
         """A randomly initialised model of `config` (tests, demos) through the same path as a pretrained one."""
-        check_supported(config)
+        check_supported(config)  # before any weights are built
         return cls(AutoModelForCausalLM.from_config(config, dtype=dtype))
 
     @torch.no_grad()
