@@ -4,10 +4,49 @@ The tensor checks read the device once (`any()`), so per-step code runs them onl
 """
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from pathlib import Path
+from typing import Sequence, TypeVar
 
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_type(name: str, value: object, cls: type[T] | tuple[type, ...], *, optional: bool = False) -> T:
+    """`value` when it is an instance of `cls` (or None with optional=True); TypeError naming it otherwise."""
+    if (optional and value is None) or isinstance(value, cls):
+        return value  # type: ignore[return-value]
+    want = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+    raise TypeError(f"{name} must be a {want}{' or None' if optional else ''}, got "
+                    f"{type(value).__name__}: {_shown(value)}")
+
+
+def check_tensor(name: str, value: object) -> Tensor:
+    """`value` when it is a torch.Tensor; TypeError naming it and what was given otherwise."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}: {_shown(value)}")
+    return value
+
+
+def check_path(name: str, value: object) -> Path:
+    """A str or os.PathLike as a Path; TypeError naming it otherwise."""
+    return Path(check_type(name, value, (str, os.PathLike)))
+
+
+def check_directory(name: str, value: object) -> Path:
+    """A folder path (created when missing); ValueError when it exists and is not a folder."""
+    path = check_path(name, value)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name} {str(path)!r} exists and is not a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def check_int(name: str, value: object, minimum: int = 0) -> int:
@@ -54,3 +93,15 @@ def check_kv_fits(kv_ends: Tensor, pages_per_row: int, page_size: int) -> None:
         r = int(short.nonzero()[0])
         raise ValueError(f"request {r} writes positions up to {int(kv_ends[r]) - 1} but its block table row "
                          f"holds {pages_per_row} pages of {page_size} = {capacity} positions")
+
+
+def first_duplicate(values: Tensor) -> tuple[int, int, int] | None:
+    """(value, first index, second index) of the first repeated entry of the 1-D `values`, else None."""
+    order = torch.argsort(values, stable=True)
+    sorted_vals = values[order]
+    same = (sorted_vals[1:] == sorted_vals[:-1]).nonzero()
+    if not same.numel():
+        return None
+    k = int(same[0])
+    i, j = sorted(int(x) for x in order[k: k + 2])
+    return int(values[i]), i, j

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dspark._validate import check_verify_lens
+from dspark._validate import check_tensor, check_type, check_verify_lens
 from dspark.kernels import accept as _k
 from dspark.layout import RaggedVerifyLayout
 
@@ -67,8 +67,9 @@ def accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Ten
     results on every rank and on every backend.
     """
     vl, row_start = _check_common(draft_tokens, target_probs, verify_lens, layout, "target_probs")
+    check_type("generator", generator, torch.Generator, optional=True)
     b, gamma = draft_tokens.shape
-    if draft_probs.shape != (b, gamma, target_probs.shape[-1]):
+    if check_tensor("draft_probs", draft_probs).shape != (b, gamma, target_probs.shape[-1]):
         raise ValueError(
             f"draft_probs must be [B={b}, gamma={gamma}, V={target_probs.shape[-1]}], "
             f"got {tuple(draft_probs.shape)}"
@@ -115,6 +116,8 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
     if gamma < 1:
         raise ValueError(f"draft_tokens must hold gamma >= 1 drafts per request, got shape {tuple(draft.shape)}")
     w = gamma + 1
+    check_tensor(name, target)
+    check_type("layout", layout, RaggedVerifyLayout, optional=True)
     if not isinstance(verify_lens, Tensor) or verify_lens.shape != (b,) or verify_lens.dtype.is_floating_point:
         raise ValueError(f"verify_lens must be an integer [B={b}] tensor, got {_desc(verify_lens)}")
     vl = verify_lens.to(device=draft.device, dtype=torch.int32)

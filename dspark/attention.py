@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int, check_kv_fits, check_nonnegative, int_tensor
+from dspark._validate import check_int, check_kv_fits, check_nonnegative, check_tensor, check_type, int_tensor
 from dspark.kernels import dispatch
 from dspark.kernels import kv_write as _kv
 from dspark.kernels import ragged_attention as _k
@@ -96,6 +96,8 @@ class RaggedVerifyAttention:
         (P <= max_pages_per_slot): page ids of each request; the verify rows' K/V sit at positions
         `prefix .. prefix + verify_len - 1`. Ghost slots get kv length 0 and read nothing.
         """
+        check_type("layout", layout, RaggedVerifyLayout)
+        check_tensor("block_table", block_table)
         b, s, rows = layout.num_requests, layout.num_slots, layout.graph_num_tokens
         if s > self.max_slots or rows > self.max_rows:
             raise ValueError(f"layout has {s} slots / {rows} rows; this plan holds at most "
@@ -176,6 +178,9 @@ def verify_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: Ragged
                      prefix_lens: Tensor | Sequence[int], block_table: Tensor, *, sm_scale: float | None = None,
                      return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """One-shot plan + run sized to this call (eager use; capture a `RaggedVerifyAttention` for graphs)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
+        check_tensor(name, t)
+    check_type("layout", layout, RaggedVerifyLayout)
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q must be [rows, Hq, D] and k_cache [pages, page_size, Hkv, D], "
                          f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
@@ -197,6 +202,8 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: T
     Shapes and dtypes are checked; slot values are not (no device sync): take them from
     `RaggedVerifyAttention.kv_slots`, which `plan` validated against the block table.
     """
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("kv_slots", kv_slots)):
+        check_tensor(name, t)
     if k.dim() != 3 or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
         raise ValueError(f"k must be [rows, Hkv, D] matching k_cache [pages, page_size, Hkv, D], "
                          f"got {tuple(k.shape)} and {tuple(k_cache.shape)}")
@@ -234,6 +241,7 @@ def _check_dtype(name: str, dtype: torch.dtype) -> None:
 
 def _check_tensor(name: str, t: Tensor, shape: tuple[int | None, ...] | None, dtype: torch.dtype,
                   device: torch.device) -> None:
+    check_tensor(name, t)
     if shape is not None and (t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape))):
         want = ["*" if e is None else e for e in shape]
         raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")

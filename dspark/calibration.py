@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int
+from dspark._validate import check_int, check_path, check_tensor, check_type
 from dspark.calibration_metrics import (Sample, bin_index, bootstrap_interval, ece_noise_floor, metric_functions,
                                         occupied_bins)
 from dspark.calibration_recorder import POLICIES, StsData
@@ -93,7 +93,7 @@ class Calibration:
     def load(cls, path: str | os.PathLike) -> "Calibration":
         """Read and validate a calibration file (schema, gamma, temperatures, policy)."""
         try:
-            obj = json.loads(Path(path).read_text())
+            obj = json.loads(check_path("path", path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a readable calibration JSON: {e}") from None
         if not isinstance(obj, dict):
@@ -170,8 +170,8 @@ def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
     lo, hi = (float(b) for b in bounds)
     if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 < lo < hi):
         raise ValueError(f"bounds must be finite with 0 < low < high, got {bounds!r}")
-    z = logits.detach().to("cpu", torch.float64).numpy()
-    y = labels.detach().to("cpu", torch.float64).numpy()
+    z = check_tensor("logits", logits).detach().to("cpu", torch.float64).numpy()
+    y = check_tensor("labels", labels).detach().to("cpu", torch.float64).numpy()
     if z.ndim != 2 or z.shape != y.shape or z.shape[0] == 0:
         raise ValueError(f"logits and labels must be non-empty [N, gamma] of equal shape, got "
                          f"{tuple(logits.shape)} and {tuple(labels.shape)}")
@@ -272,7 +272,7 @@ def _margin_worse(rep: dict | None) -> bool:
 def evaluate(data: StsData, temperatures: list[float], *, num_bins: int = 15, bootstrap: int = 200,
              level: float = 0.95, seed: int = 0, progress: Progress | None = None) -> dict:
     """Held-out report: per position (conditional and cumulative events) and pooled, before vs after."""
-    data = data.cpu()
+    data = check_type("data", data, StsData).cpu()
     z = data.logits
     t = torch.tensor(temperatures, dtype=torch.float32)
     s_before = calibrated_survival(z).double().numpy()
@@ -327,7 +327,7 @@ def fit_sts(data: StsData, *, policy: str | None = None, method: str = "nll",
             bootstrap: int = 200, level: float = 0.95, seed: int = 0,
             progress: Progress | None = None) -> Calibration:
     """Fit STS temperatures for one acceptance policy on the train requests; report on held-out ones."""
-    data = data.cpu().validate()
+    data = check_type("data", data, StsData).cpu().validate()
     if data.num_rows == 0:
         raise ValueError("empty STS data: no rows to calibrate on")
     present = sorted({POLICIES[int(c)] for c in torch.unique(data.policy)})

@@ -12,14 +12,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int
+from dspark._validate import check_int, check_tensor, check_type
 
 NLL_EPS = 1.0e-12  # probabilities are clamped to [eps, 1 - eps] before the log (documented, finite NLL)
 
 
+def _host_vector(name: str, values: object) -> np.ndarray:
+    """A tensor, array or list of numbers as a flat float64 host array (TypeError naming anything else)."""
+    check_type(name, values, (Tensor, np.ndarray, list, tuple))
+    return torch.as_tensor(values).detach().to("cpu", torch.float64).reshape(-1).numpy()
+
+
 def _pair(probs: Tensor, labels: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    p = torch.as_tensor(probs).detach().to("cpu", torch.float64).reshape(-1).numpy()
-    y = torch.as_tensor(labels).detach().to("cpu", torch.float64).reshape(-1).numpy()
+    p, y = _host_vector("probs", probs), _host_vector("labels", labels)
     if p.shape != y.shape:
         raise ValueError(f"probs and labels must have the same length, got {p.size} and {y.size}")
     if p.size == 0:
@@ -155,8 +160,7 @@ def nll(probs: Tensor, labels: Tensor) -> float:
 
 def auroc(scores: Tensor, labels: Tensor) -> float:
     """Area under the ROC curve (Mann-Whitney, ties count half); NaN when only one class is present."""
-    s = torch.as_tensor(scores).detach().to("cpu", torch.float64).reshape(-1).numpy()
-    y = torch.as_tensor(labels).detach().to("cpu", torch.float64).reshape(-1).numpy()
+    s, y = _host_vector("scores", scores), _host_vector("labels", labels)
     if s.shape != y.shape or s.size == 0:
         raise ValueError(f"scores and labels must be non-empty and of equal length, got {s.size} and {y.size}")
     if not np.isin(y, (0.0, 1.0)).all():
@@ -199,7 +203,7 @@ def ece_noise_floor(probs: np.ndarray, num_bins: int, strategy: str, draws: int,
 
 def top2_margin(draft_logits: Tensor) -> Tensor:
     """Baseline confidence score: top-1 minus top-2 draft logit per position, [..., V] -> [...] float32."""
-    if draft_logits.dim() < 1 or draft_logits.shape[-1] < 2:
+    if check_tensor("draft_logits", draft_logits).dim() < 1 or draft_logits.shape[-1] < 2:
         raise ValueError(f"draft_logits must be [..., V] with V >= 2, got {tuple(draft_logits.shape)}")
     top = torch.topk(draft_logits.to(torch.float32), 2, dim=-1).values
     return top[..., 0] - top[..., 1]

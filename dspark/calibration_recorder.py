@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int
+from dspark._validate import check_directory, check_int, check_path, check_type
 from dspark.fileio import atomic_write
 from dspark.calibration_metrics import top2_margin
 from dspark.confidence import check_prefix_mask
@@ -134,8 +134,7 @@ class StsRecorder:
             check_int(name, v, lo)
         if not prefix or not re.fullmatch(r"[A-Za-z0-9_.]+", prefix):
             raise ValueError(f"prefix must be a non-empty [A-Za-z0-9_.] name, got {prefix!r}")
-        self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = check_directory("out_dir", out_dir)
         self.gamma, self.rank, self.shard_rows, self.prefix = gamma, rank, shard_rows, prefix
         taken = [int(m["index"]) for p in self.out_dir.iterdir()
                  if (m := _SHARD_RE.match(p.name)) and m["prefix"] == prefix and int(m["rank"]) == rank]
@@ -243,7 +242,7 @@ class StsRecorder:
 
 def load_shard(path: str | os.PathLike) -> StsData:
     """Load and validate one shard; refuses temporary files, pickled objects and corrupt files."""
-    p = Path(path)
+    p = check_path("path", path)
     if p.name.endswith(TEMP_SUFFIX):
         raise ValueError(f"{p}: a temporary (incomplete) shard file, not a recorded shard")
     try:
@@ -267,9 +266,11 @@ def load_shard(path: str | os.PathLike) -> StsData:
 
 def shard_paths(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Expand directories into their shard files (sorted); explicit files are kept as given."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]  # one file or folder
     out: list[Path] = []
-    for raw in paths:
-        p = Path(raw)
+    for i, raw in enumerate(check_type("paths", paths, Iterable)):
+        p = check_path(f"paths[{i}]", raw)
         if p.is_dir():
             out.extend(sorted(q for q in p.iterdir() if _SHARD_RE.match(q.name)))
         elif p.exists():

@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark._validate import check_int
+from dspark._validate import check_int, check_tensor
 
 
 def previous_tokens(anchor_tokens: Tensor, draft_tokens: Tensor) -> Tensor:
     """Token preceding each draft position: [anchor, d_0, ..., d_{gamma-2}] -> [B, gamma]."""
+    check_tensor("anchor_tokens", anchor_tokens)
+    check_tensor("draft_tokens", draft_tokens)
     if anchor_tokens.dim() != 1 or draft_tokens.dim() != 2 or draft_tokens.shape[0] != anchor_tokens.shape[0]:
         raise ValueError(f"anchor_tokens must be [B] and draft_tokens [B, gamma], got "
                          f"{tuple(anchor_tokens.shape)} and {tuple(draft_tokens.shape)}")
@@ -43,11 +45,11 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, hidden: Tensor, prev_tokens: Tensor | None = None) -> Tensor:
         """Confidence logits [B, gamma] from hidden [B, gamma, H] and prev_tokens [B, gamma] (Markov only)."""
-        if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
+        if check_tensor("hidden", hidden).dim() != 3 or hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden must be [B, gamma, {self.hidden_size}], got {tuple(hidden.shape)}")
         x = hidden
         if self.embed is not None:
-            if prev_tokens is None or tuple(prev_tokens.shape) != tuple(hidden.shape[:2]):
+            if prev_tokens is None or tuple(check_tensor("prev_tokens", prev_tokens).shape) != tuple(hidden.shape[:2]):
                 got = None if prev_tokens is None else tuple(prev_tokens.shape)
                 raise ValueError(f"prev_tokens must be [B, gamma] = {tuple(hidden.shape[:2])} "
                                  f"(see previous_tokens), got {got}")
@@ -59,7 +61,8 @@ class ConfidenceHead(nn.Module):
 
 def soft_accept_target(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
     """`1 - TV(softmax q, softmax p)` over the last dim, float32: the mean rejection-sampling accept rate."""
-    if draft_logits.shape != target_logits.shape or draft_logits.dim() < 1:
+    if (check_tensor("draft_logits", draft_logits).shape != check_tensor("target_logits", target_logits).shape
+            or draft_logits.dim() < 1):
         raise ValueError(f"draft_logits and target_logits must have equal shape [..., V], got "
                          f"{tuple(draft_logits.shape)} and {tuple(target_logits.shape)}")
     q = torch.softmax(draft_logits.to(torch.float32), dim=-1)
@@ -70,7 +73,7 @@ def soft_accept_target(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
 
 def check_prefix_mask(mask: Tensor, name: str = "mask") -> Tensor:
     """Validate a [B, gamma] prefix mask (ones then zeros per row); returns it as bool."""
-    if mask.dim() != 2:
+    if check_tensor(name, mask).dim() != 2:
         raise ValueError(f"{name} must be [B, gamma], got shape {tuple(mask.shape)}")
     if mask.dtype != torch.bool:
         bad = (mask != 0) & (mask != 1)
@@ -91,6 +94,8 @@ def confidence_loss(logits: Tensor, target: Tensor, mask: Tensor, decay: float) 
 
     Returns the weighted mean (0 when no position is valid). `decay = math.inf` weights all positions equally.
     """
+    for name, t in (("logits", logits), ("target", target), ("mask", mask)):
+        check_tensor(name, t)
     if logits.shape != target.shape or logits.shape != mask.shape or logits.dim() != 2:
         raise ValueError(f"logits, target and mask must all be [B, gamma], got {tuple(logits.shape)}, "
                          f"{tuple(target.shape)} and {tuple(mask.shape)}")

@@ -37,6 +37,8 @@ _REGISTRY: dict[str, type["CostModel"]] = {}
 
 def register_cost_model(cls: type["CostModel"]) -> type["CostModel"]:
     """Class decorator: make `load_cost_model` / `CostModel.from_dict` know this model's `kind`."""
+    if not isinstance(cls, type) or not issubclass(cls, CostModel):
+        raise TypeError(f"register_cost_model takes a CostModel subclass, got {cls!r}")
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind:
         raise TypeError(f"{cls.__name__} must define a non-empty class attribute `kind`")
@@ -117,8 +119,11 @@ class FitReport:
         extras = d.get("extras", {})
         if not isinstance(extras, dict):
             raise ValueError(f"fit report extras must be a JSON object, got {extras!r}")
-        return cls(tuple(float(r) for r in d["residuals"]), float(d["rms"]), float(d["r2"]),
-                   int(d["num_samples"]), dict(extras))
+        residuals = check_values("fit report residuals", d["residuals"], None, False)
+        rms, r2 = (check_scalar(f"fit report {k}", d[k]) for k in ("rms", "r2"))
+        if not _is_int(d["num_samples"]) or d["num_samples"] < 0:
+            raise ValueError(f"fit report num_samples must be an int >= 0, got {d['num_samples']!r}")
+        return cls(residuals, rms, r2, d["num_samples"], dict(extras))
 
 
 def _check_samples(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
@@ -141,9 +146,19 @@ def _require_full_rank(x: Tensor, params: str, hint: str) -> int:
     return rank
 
 
+def _sequence(name: str, values: object, what: str) -> tuple:
+    """A list / tuple / 1-D tensor or array as a tuple; ValueError naming the field otherwise (a JSON
+    `null` or a scalar where a list belongs)."""
+    if isinstance(values, (Tensor, np.ndarray)) and values.ndim == 1:
+        return tuple(values.tolist())
+    if not isinstance(values, (list, tuple, range)):
+        raise ValueError(f"{name} must be a list of {what}, got {values!r}")
+    return tuple(values)
+
+
 def check_probes(name: str, probes: Sequence[object], minimum: int, maximum: int | None = None) -> tuple[int, ...]:
     """Probe points: non-empty, ints in [minimum, maximum], strictly increasing (sorted and unique)."""
-    out = tuple(probes)
+    out = _sequence(name, probes, "ints")
     if not out:
         raise ValueError(f"{name} must not be empty")
     for i, p in enumerate(out):
@@ -159,7 +174,7 @@ def check_probes(name: str, probes: Sequence[object], minimum: int, maximum: int
 
 def check_values(name: str, values: Sequence[object], length: int | None, positive: bool) -> tuple[float, ...]:
     """Finite reals (and > 0 when `positive`), with the expected length when given."""
-    out = tuple(values)
+    out = _sequence(name, values, "numbers")
     if length is not None and len(out) != length:
         raise ValueError(f"{name} must have one value per probe ({length}), got {len(out)}")
     for i, v in enumerate(out):
@@ -167,6 +182,13 @@ def check_values(name: str, values: Sequence[object], length: int | None, positi
             need = "finite and > 0" if positive else "finite"
             raise ValueError(f"{name}[{i}] must be {need}, got {v!r}")
     return tuple(float(v) for v in out)
+
+
+def check_scalar(name: str, value: object) -> float:
+    """A finite real as a float; ValueError naming the field otherwise (a JSON `null` included)."""
+    if not _is_real(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _rows_tensor(rows: Tensor | int) -> tuple[Tensor, bool]:
@@ -430,7 +452,7 @@ class AdditiveCostModel(CostModel):
                  row_probes: Sequence[int], theta: Sequence[float], *, platform: str = "unknown",
                  width: int | None = None, fit_report: FitReport | None = None):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
-        self.bias = check_values("bias", [bias], None, False)[0]
+        self.bias = check_scalar("bias", bias)
         self.batch_probes = check_probes("batch_probes", batch_probes, 1)
         self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
         self.row_probes = check_probes("row_probes", row_probes, 0, MAX_ROW_PROBE)
@@ -636,7 +658,7 @@ class TieredCostModel(CostModel):
                  phi: Sequence[float], *, table: Sequence[Sequence[float]] | None = None,
                  platform: str = "unknown", width: int | None = None, fit_report: FitReport | None = None):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
-        self.bias = check_values("bias", [bias], None, False)[0]
+        self.bias = check_scalar("bias", bias)
         self.batch_probes = check_probes("batch_probes", batch_probes, 1)
         self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
         self.tiers = check_probes("tiers", tiers, 1)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dspark._validate import check_int
+from dspark._validate import check_int, check_type
 from dspark.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
 TP_MODES = ("verify", "broadcast")
@@ -116,7 +116,8 @@ def _hash_hex(h1: int, h2: int) -> str:
     return f"{(h1 << 31) | h2:016x}"
 
 
-def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+def _group_ranks(group: dist.ProcessGroup | None, name: str = "group") -> list[int]:
+    check_type(name, group, dist.ProcessGroup, optional=True)
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
@@ -261,7 +262,7 @@ class DpTierAgreement:
         slots: int | None = None,
         width: int | None = None,
     ):
-        self.ranks = _group_ranks(cpu_group)
+        self.ranks = _group_ranks(cpu_group, "cpu_group")
         backend = str(dist.get_backend(cpu_group)).lower()
         if not any(name in backend for name in ("gloo", "mpi", "ucc")):
             raise ValueError(f"the DP tier group must be a CPU (gloo) group, got backend {backend!r}")

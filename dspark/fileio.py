@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from dspark._validate import check_path
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call `write(temp_path)`, then rename the temp file to `path` (parents created; the file gets the
@@ -57,7 +59,7 @@ def write_json_atomic(path: str | os.PathLike, obj: object) -> Path:
 
 def read_json(path: str | os.PathLike) -> object:
     """Parse a JSON file; corrupt JSON -> ValueError naming the file and position."""
-    text = Path(path).read_text()
+    text = check_path("path", path).read_text()
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int, check_verify_lens, int_tensor
+from dspark._validate import check_int, check_tensor, check_verify_lens, int_tensor
 from dspark.kernels import dispatch
 from dspark.kernels import layout as _k
 
@@ -187,7 +187,7 @@ class RaggedVerifyLayout:
 
     def pack(self, strided: Tensor, fill: float = 0) -> Tensor:
         """`[B, W, ...] -> [graph_num_tokens, ...]` (padding rows = fill)."""
-        if strided.dim() < 2 or strided.shape[0] != self.num_requests:
+        if check_tensor("strided", strided).dim() < 2 or strided.shape[0] != self.num_requests:
             raise ValueError(
                 f"strided must be [B={self.num_requests}, W, ...], got {tuple(strided.shape)}"
             )
@@ -200,7 +200,8 @@ class RaggedVerifyLayout:
 
     def scatter(self, packed: Tensor, width: int | None = None, fill: float = 0) -> Tensor:
         """`[rows, ...] -> [B, W, ...]` (rows >= total_rows; positions never verified = fill)."""
-        w = width if width is not None else self.width
+        check_tensor("packed", packed)
+        w = check_int("width", width, 1) if width is not None else self.width
         if w is None:
             raise ValueError("scatter needs width=W (the layout was built without a width)")
         if self.num_requests and not self._fits(w):

@@ -12,18 +12,18 @@ non-finite logits give c = 0.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int
+from dspark._validate import check_int, check_tensor, check_type, first_duplicate
 
 
 def _check_matrix(name: str, x: object) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor(name, x)
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [B, gamma], got shape {tuple(x.shape)}")
     if not x.is_floating_point():
@@ -33,6 +33,10 @@ def _check_matrix(name: str, x: object) -> Tensor:
 
 def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Tensor:
     """Validate STS temperatures: length gamma, finite, > 0. Returns a float32 CPU tensor."""
+    if not isinstance(temperatures, Tensor):
+        values = list(check_type("temperatures", temperatures, (list, tuple, np.ndarray)))
+        for i, v in enumerate(values):
+            check_type(f"temperatures[{i}]", v, numbers.Real)
     t = torch.as_tensor(temperatures, dtype=torch.float64).detach().cpu().reshape(-1)
     if t.numel() != gamma:
         raise ValueError(f"temperatures must have length gamma={gamma}, got {t.numel()}: {t.tolist()}")
@@ -126,6 +130,10 @@ class SurvivalLagRing:
         self._cursor = 0
 
     def _check(self, slots: Tensor, generations: Tensor, survival: Tensor | None) -> None:
+        check_tensor("slots", slots)
+        check_tensor("generations", generations)
+        if survival is not None:
+            check_tensor("survival", survival)
         if slots.dim() != 1 or generations.shape != slots.shape:
             raise ValueError(
                 f"slots and generations must be 1-D of equal length, got {tuple(slots.shape)} "
@@ -139,12 +147,17 @@ class SurvivalLagRing:
             )
         if not slots.numel():
             return
-        lo, hi, gen = torch.stack([slots.min().long(), slots.max().long(),  # one device read
-                                   generations.min().long().to(slots.device)]).tolist()
+        ordered = torch.sort(slots).values
+        repeats = (ordered[1:] == ordered[:-1]).sum().long()
+        lo, hi, gen, dup = torch.stack([ordered[0].long(), ordered[-1].long(),  # one device read
+                                        generations.min().long().to(slots.device), repeats]).tolist()
         if lo < 0 or hi >= self.num_slots:
             raise ValueError(f"slots must lie in [0, {self.num_slots}), got min {lo} max {hi}")
         if gen < 0:
             raise ValueError(f"generations must be >= 0, got {gen}")
+        if dup:  # two requests would write one ring row: one of them would read the other's survival
+            value, i, j = first_duplicate(slots.cpu())
+            raise ValueError(f"slots must be distinct within a step, got slot {value} at positions {i} and {j}")
 
     def read(self, slots: Tensor, generations: Tensor) -> Tensor:
         """Lagged survival [B, gamma] for these slots (all-ones where stale or reused)."""

@@ -8,9 +8,12 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
+
+from dspark._validate import check_type
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,22 @@ class Bucket:
         }
 
 
+def _records(records: object) -> list[StepRecord]:
+    """The records as a list, each one a StepRecord (TypeError naming the first that is not)."""
+    out = list(check_type("records", records, Iterable))
+    for i, r in enumerate(out):
+        check_type(f"records[{i}]", r, StepRecord)
+    return out
+
+
 def tau_bias(records: Iterable[StepRecord], by: Sequence[str] = ("batch", "lag", "sampling", "tier")) -> list[dict]:
     """E[actual - predicted tau] per bucket of the given record fields (steps without a prediction skipped)."""
+    fields = {f.name for f in dataclasses.fields(StepRecord)}
+    for name in check_type("by", by, (list, tuple)):
+        if name not in fields:
+            raise ValueError(f"by must name StepRecord fields, got {name!r}; fields: {sorted(fields)}")
     buckets: dict[tuple, Bucket] = {}
-    for r in records:
+    for r in _records(records):
         if r.predicted_tau is None:
             continue
         key = tuple(getattr(r, f) for f in by)
@@ -90,6 +105,7 @@ def tau_bias(records: Iterable[StepRecord], by: Sequence[str] = ("batch", "lag",
 
 def acceptance(records: Sequence[StepRecord]) -> dict:
     """AL and the strict acceptance rate with their counts."""
+    records = _records(records)
     req_steps = sum(r.batch for r in records)
     committed = sum(r.committed for r in records)
     proposed = sum(r.proposed for r in records)
@@ -108,6 +124,7 @@ def acceptance(records: Sequence[StepRecord]) -> dict:
 
 def timing(records: Sequence[StepRecord]) -> dict:
     """Total seconds per phase, rows per step, host syncs per step and the share of speculative steps."""
+    records = _records(records)
     n = max(len(records), 1)
     return {
         "seconds": sum(r.seconds for r in records),

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from dspark._validate import check_int, check_kv_fits, check_nonnegative, check_verify_lens, int_tensor
+from dspark._validate import (check_directory, check_int, check_kv_fits, check_nonnegative, check_path, check_tensor,
+                              check_type, check_verify_lens, first_duplicate, int_tensor)
 
 
 def test_check_int():
@@ -36,3 +37,19 @@ def test_tensor_value_checks_name_the_first_offender():
     with pytest.raises(ValueError, match="request 1 writes positions up to 8 but its block table row holds 2 pages "
                                          "of 4 = 8 positions"):
         check_kv_fits(torch.tensor([8, 9]), 2, 4)
+
+
+def test_type_path_and_duplicate_helpers(tmp_path):
+    assert check_type("g", None, torch.Generator, optional=True) is None
+    with pytest.raises(TypeError, match=r"g must be a Generator or None, got int: 3"):
+        check_type("g", 3, torch.Generator, optional=True)
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list: \[1\]"):
+        check_tensor("x", [1])
+    with pytest.raises(TypeError, match="p must be a str or PathLike, got int: 3"):
+        check_path("p", 3)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="d '.*f' exists and is not a directory"):
+        check_directory("d", tmp_path / "f")
+    assert check_directory("d", tmp_path / "new" / "dir").is_dir()
+    assert first_duplicate(torch.tensor([4, 1, 7])) is None
+    assert first_duplicate(torch.tensor([4, 7, 1, 7, 4])) == (4, 0, 4)
