@@ -1,4 +1,5 @@
-"""Reference engine: losslessness, sampling distribution, bad input (tiny untrained models, short runs)."""
+"""Reference engine: losslessness, sampling distribution, bad input (a tiny random Llama target through
+transformers' own model code and a briefly distilled draft, short runs)."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,11 @@ import torch
 
 from dspark.config import VerifyMode
 from dspark.engine.decode import SpecDecoder, check_device
-from dspark.engine.model import DraftLM, ModelConfig, TinyLM
+from dspark.models.draft import DraftConfig, DraftModel
+from dspark.models.streams import features, greedy_streams
+from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.engine.policies import FixedK, Oracle
+from tests.engine_models import VOCAB, tiny_llama, tiny_models
 
 MODES = [m.value for m in VerifyMode]
 
@@ -15,32 +19,14 @@ MODES = [m.value for m in VerifyMode]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _models(vocab: int = 256, noise: float = 0.3, seed: int = 0, embed_std: float = 1.0,
-            gamma: int = 4) -> tuple[TinyLM, DraftLM]:
-    """A tiny target and a draft = perturbed copy of it with near-identity heads (partial, varied acceptance)."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, vocab_size=vocab)
-    target = TinyLM(cfg)
-    with torch.no_grad():
-        target.embed.weight.normal_(0, embed_std)  # std 1: peaked, greedy agreement is meaningful
-    draft = DraftLM(cfg, gamma, markov_rank=4)  # the previous-token head input: the decode loop passes anchors
-    draft.load_state_dict(target.state_dict(), strict=False)
-    with torch.no_grad():
-        for p in draft.blocks.parameters():
-            p.add_(noise * torch.randn_like(p) * p.std().clamp_min(1e-3))
-        for p in draft.heads.parameters():
-            p.mul_(0.1)
-    return target, draft
-
-
 @pytest.fixture(scope="module")
 def decoder(device) -> SpecDecoder:
-    target, draft = _models()
+    target, draft = tiny_models()
     return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
 
 
 def _prompts(b: int, p: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 256, (b, p), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, VOCAB, (b, p), generator=torch.Generator().manual_seed(seed))
 
 
 def _policies(gamma: int) -> list:
@@ -69,13 +55,13 @@ def test_oracle_verifies_only_accepted_rows(decoder: SpecDecoder) -> None:
         assert s.layout.total_rows == int(s.commit_lens.sum())
 
 
-def _exact_two_token_dist(target: TinyLM, prompt: torch.Tensor, temperature: float) -> torch.Tensor:
-    """p(t1, t2 | prompt) by enumeration with the dense forward: [V, V]."""
-    v = target.cfg.vocab_size
-    with torch.no_grad():
-        p1 = torch.softmax(target.logits(target.forward_dense(prompt[None]))[0, -1] / temperature, -1)
+def _exact_two_token_dist(target: TransformersCausalLM, prompt: torch.Tensor, temperature: float) -> torch.Tensor:
+    """p(t1, t2 | prompt) by enumeration with transformers' own forward: [V, V]."""
+    v = target.geometry.vocab_size
+    with torch.no_grad(), target.own_attention() as model:
+        p1 = torch.softmax(model(prompt[None]).logits[0, -1] / temperature, -1)
         ctx = torch.cat([prompt[None].expand(v, -1), torch.arange(v)[:, None]], 1)
-        p2 = torch.softmax(target.logits(target.forward_dense(ctx))[:, -1] / temperature, -1)
+        p2 = torch.softmax(model(ctx).logits[:, -1] / temperature, -1)
     return p1[:, None] * p2
 
 
@@ -83,9 +69,12 @@ def _exact_two_token_dist(target: TinyLM, prompt: torch.Tensor, temperature: flo
 def test_sampling_matches_target_distribution(mode: str) -> None:
     """Chi-square of the emitted (t1, t2) pairs against the exact target distribution, on a small vocab."""
     vocab, n, temp = 6, 3000, 4.0
-    target, _ = _models(vocab=vocab, seed=3, embed_std=0.3)
-    torch.manual_seed(4)
-    draft = DraftLM(target.cfg, 3)  # independent weights: both accepts and rejects happen
+    target = TransformersCausalLM(tiny_llama(vocab=vocab, seed=3, embed_std=0.3))
+    emb = target.hf_model.get_input_embeddings().weight
+    torch.manual_seed(4)  # an untrained draft: both accepts and rejects happen
+    draft = DraftModel(DraftConfig(hidden_size=64, vocab_size=vocab, draft_vocab_size=vocab, num_q_heads=4,
+                                   num_kv_heads=2, head_dim=16, intermediate_size=32, chain_size=32, gamma=3,
+                                   markov_rank=2, max_seq_len=64), emb, emb, torch.arange(vocab)).eval()
     dec = SpecDecoder(target, draft, cache_tokens=n * 16, page_size=8)
     prompt = torch.tensor([1, 4, 2, 5, 0])
     exact = _exact_two_token_dist(target, prompt, temp).flatten().double()
@@ -102,8 +91,9 @@ def test_sampling_matches_target_distribution(mode: str) -> None:
     assert df >= 10, f"too few populated cells ({df + 1}) for a meaningful test"
     assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
     # the test can fail: the draft's own distribution is far from the target's
-    with torch.no_grad():
-        h = draft.forward_dense(prompt[None])[0, -1]
+    with torch.no_grad(), target.own_attention() as model:
+        th = model.base_model(prompt[None]).last_hidden_state[:, :-1]
+        h = draft.forward_dense(prompt[None], features(th))[0, -1]
         q1 = torch.softmax(draft.propose(h[None], 1, prompt[-1:])[0][0, 0] / temp, -1).double()
     q_counts = torch.bincount(out.tokens[:, 0].cpu(), minlength=vocab).double()
     chi2_q = float(((q_counts - q1 * n) ** 2 / (q1 * n)).sum())
@@ -121,25 +111,16 @@ def test_bad_input(decoder: SpecDecoder) -> None:
         decoder.generate(_prompts(600, 5), 4, FixedK(1))
     with pytest.raises(ValueError, match="max_seq_len"):
         decoder.generate(_prompts(2, 50), 20, FixedK(1))
+    with pytest.raises(TypeError, match="target must be a dspark.models.TransformersCausalLM"):
+        SpecDecoder(decoder.target.hf_model, decoder.draft)
+    with pytest.raises(TypeError, match="draft must be a dspark.models.DraftModel"):
+        SpecDecoder(decoder.target, decoder.target)
     with pytest.raises(ValueError, match="k >= 0"):
         FixedK(-1)
     with pytest.raises(ValueError, match=r"gamma must be in \[0, 4\]"):
         decoder.generate(_prompts(2, 5), 4, Oracle(5))
     with pytest.raises(ValueError, match="clock must be one of .* got 'cpu'"):
         SpecDecoder(decoder.target, decoder.draft, cache_tokens=64, clock="cpu")
-
-
-def test_block_hidden_batches_the_heads_exactly() -> None:
-    """The batched draft heads compute what the k head modules compute one by one."""
-    torch.manual_seed(2)
-    draft = DraftLM(ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16), 4)
-    with torch.no_grad():
-        for p in draft.heads.parameters():
-            p.normal_()
-    for shape, k in (((3, 32), 4), ((2, 5, 32), 2), ((1, 32), 1)):
-        h = torch.randn(shape)
-        ref = torch.stack([h + head(h) for head in draft.heads[:k]], dim=-2)
-        torch.testing.assert_close(draft.block_hidden(h, k), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_reserve_new_tokens_sizes_the_cache_not_the_output(decoder: SpecDecoder) -> None:
@@ -154,7 +135,7 @@ def test_reserve_new_tokens_sizes_the_cache_not_the_output(decoder: SpecDecoder)
         small.generate(prompts, 6, FixedK(2), reserve_new_tokens=30)
     with pytest.raises(ValueError, match="reserve_new_tokens must be a positive int"):
         decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=0)
-    with pytest.raises(ValueError, match="exceeds the model's max_seq_len"):
+    with pytest.raises(ValueError, match="exceeds the TransformersCausalLM's max_seq_len"):
         decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=100)
 
 
@@ -164,7 +145,7 @@ def test_sts_recording_carries_the_margin_baseline(decoder: SpecDecoder, tmp_pat
 
     prompts = _prompts(6, 6, seed=3)
     res = decoder.generate(prompts, 12, FixedK(4), mode="static")
-    assert all(s.draft_logits.shape == (s.requests.numel(), 4, 256) for s in res.steps)
+    assert all(s.draft_logits.shape == (s.requests.numel(), 4, VOCAB) for s in res.steps)
     data = record_sts(decoder, prompts, 4, 12, tmp_path / "a")
     assert data.num_rows == sum(s.requests.numel() for s in res.steps)
     want = torch.cat([top2_margin(s.draft_logits.cpu()) for s in res.steps])
@@ -175,16 +156,18 @@ def test_sts_recording_carries_the_margin_baseline(decoder: SpecDecoder, tmp_pat
 
 
 def test_greedy_streams_are_the_engines_greedy_tokens(decoder: SpecDecoder) -> None:
-    from dspark.engine.streams import greedy_streams
-
     prompts = _prompts(5, 6, seed=4)
     ref = decoder.generate(prompts, 20, FixedK(0), mode="static").tokens
-    streams = greedy_streams(decoder.target, prompts, 20, batch=2)  # odd batch split: 2 + 2 + 1
+    with decoder.target.own_attention() as model:
+        streams, hidden = greedy_streams(model, prompts, 20, batch=2)  # odd batch split: 2 + 2 + 1
+        with pytest.raises(ValueError, match="exceeds the target's max_seq_len"):
+            greedy_streams(model, prompts, 60)
+        with pytest.raises(ValueError, match="batch must be an int >= 1"):
+            greedy_streams(model, prompts, 4, batch=0)
     assert torch.equal(streams[:, :6], prompts) and torch.equal(streams[:, 6:], ref)
-    with pytest.raises(ValueError, match="exceeds the target's max_seq_len"):
-        greedy_streams(decoder.target, prompts, 60)
-    with pytest.raises(ValueError, match="batch must be a positive int"):
-        greedy_streams(decoder.target, prompts, 4, batch=0)
+    assert hidden.shape == (5, 25, decoder.target.geometry.hidden_size) and bool(hidden.abs().sum(-1).gt(0).all())
+    # the hidden states are the target's own on the stream: its LM head gives back the greedy tokens
+    assert torch.equal(decoder.target.logits(hidden[:, 5:].flatten(0, 1)).argmax(-1).view(5, 20), streams[:, 6:])
 
 
 def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tmp_path) -> None:
@@ -221,14 +204,14 @@ def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tm
 
 
 def test_head_training_rows_label_what_the_recorder_records(decoder: SpecDecoder) -> None:
-    from dspark.engine.streams import greedy_streams
     from dspark.engine.sts import block_outcomes
-    from dspark.engine.train import head_rows
+    from dspark.models.train_draft import stream_rows
 
     p, n, g = 6, 20, decoder.draft.gamma
-    streams = greedy_streams(decoder.target, _prompts(6, p, seed=5), n + g - 1)
-    _, _, label, mask = head_rows(decoder.draft, streams, p, chunk=4)  # training starts run to the stream end
-    _, _, accepted = block_outcomes(decoder.draft, streams, p, g, n)
+    with decoder.target.own_attention() as model:
+        streams, hidden = greedy_streams(model, _prompts(6, p, seed=5), n + g - 1)
+    _, _, label, mask = stream_rows(decoder.draft, streams, hidden, p, chunk=4)  # starts run to the stream end
+    _, _, accepted = block_outcomes(decoder.draft, streams, hidden, p, g, n)
     assert label.shape == (6 * n, g) and 0 < float(accepted.float().mean()) < g
     # the recorder's accepted drafts = the leading ones of the training label; the mask ends at the first miss
     assert torch.equal(torch.cumprod(label * mask, -1).sum(-1).long(), accepted.flatten())
@@ -240,16 +223,19 @@ def test_fit_head_reaches_the_logistic_optimum(decoder: SpecDecoder) -> None:
     import math
 
     from dspark.confidence import confidence_loss
-    from dspark.engine.streams import greedy_streams
-    from dspark.engine.train import fit_head, head_rows
+    from dspark.models.train_draft import fit_confidence, stream_rows
 
     draft = copy.deepcopy(decoder.draft)
-    streams = greedy_streams(decoder.target, _prompts(12, 6, seed=7), 30)
-    hidden, prev, label, mask = head_rows(draft, streams, 6)
+    with torch.no_grad():
+        draft.confidence.proj.weight.normal_()  # away from the fitted optimum
+    with decoder.target.own_attention() as model:
+        streams, target_hidden = greedy_streams(model, _prompts(12, 6, seed=7), 30)
+    rows = stream_rows(draft, streams, target_hidden, 6)
+    hidden, prev, label, mask = rows
     prev = prev if draft.confidence.markov_rank else None
     with torch.no_grad():
         before = float(confidence_loss(draft.confidence(hidden, prev), label, mask, math.inf))
-    assert fit_head(draft, streams, 6) < before - 1e-3
+    assert fit_confidence(draft, rows, 1000) < before - 1e-3
     with torch.no_grad():
         p = torch.sigmoid(draft.confidence(hidden, prev))
     # at the optimum the intercept's gradient vanishes: mean predicted = mean label over the trained rows

@@ -7,6 +7,7 @@ import torch
 from dspark.config import VerifyMode
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import Adaptive, FixedK, Oracle
+from dspark.models.streams import features
 from tests.test_engine import _prompts
 from tests.test_engine_speculate import GAMMA, _planner
 
@@ -17,9 +18,9 @@ N, SLOTS, NEW = 7, 3, 12
 
 @pytest.fixture(scope="module")
 def decoder(device) -> SpecDecoder:
-    from tests.test_engine import _models
+    from tests.engine_models import tiny_models
 
-    target, draft = _models(gamma=GAMMA)
+    target, draft = tiny_models(gamma=GAMMA)
     return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
 
 
@@ -133,8 +134,9 @@ def test_refilled_request_is_drafted_from_its_whole_prompt(decoder: SpecDecoder)
     policy = FirstDrafts(GAMMA)
     decoder.generate(prompts, NEW, policy, mode="compact", slots=SLOTS)
     draft = decoder.draft
-    with torch.no_grad():
-        hidden = draft.forward_dense(prompts.to(decoder.device))[:, -1]
+    with torch.no_grad(), decoder.target.own_attention() as model:
+        target_hidden = model.base_model(prompts.to(decoder.device)).last_hidden_state[:, :-1]
+        hidden = draft.forward_dense(prompts.to(decoder.device), features(target_hidden))[:, -1]
         expect = draft.propose(hidden, GAMMA, prompts[:, -1].to(decoder.device))[1].cpu()
     assert len(policy.first) == N
     torch.testing.assert_close(torch.stack(policy.first), expect, rtol=1e-4, atol=1e-4)

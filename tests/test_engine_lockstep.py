@@ -17,9 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def decoder(device) -> SpecDecoder:
-    from tests.test_engine import _models
+    from tests.engine_models import tiny_models
 
-    target, draft = _models(gamma=GAMMA)
+    target, draft = tiny_models(gamma=GAMMA)
     return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
 
 

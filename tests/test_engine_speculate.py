@@ -10,7 +10,8 @@ from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import Adaptive, FixedK
 from dspark.engine.profile import PlainStepCost
 from dspark.planner import VerifyPlanner
-from tests.test_engine import _models, _prompts
+from tests.engine_models import tiny_models
+from tests.test_engine import _prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,7 +26,7 @@ def _planner(lag: int = 1) -> VerifyPlanner:
 
 @pytest.fixture(scope="module")
 def decoder(device) -> SpecDecoder:
-    target, draft = _models(gamma=GAMMA)
+    target, draft = tiny_models(gamma=GAMMA)
     return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
 
 

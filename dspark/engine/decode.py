@@ -5,6 +5,11 @@ written): the draft proposes a block of k tokens in one forward, the policy pick
 runs one forward over the verify rows (root at position L-1, drafts after it), accept decides the
 committed tokens, and only the lengths move: KV rows of rejected drafts are simply overwritten later.
 
+The target is any `dspark.models.TransformersCausalLM` (transformers' own model code over dspark's paged
+KV cache); the draft reads the target's final hidden state one position back (`dspark.models.DraftModel`),
+so every target forward stores its rows' hidden states per slot and position, and the draft's catch-up rows
+(positions it has not seen, up to the root) read them from there.
+
 Host syncs per step are the ones the design needs, counted in the telemetry: the verify lengths
 (to build the layout) and the commit lengths (the next step's positions and the stop test); a
 target-only step needs only the second. Input validation at dspark's API boundaries (verify inputs,
@@ -24,10 +29,12 @@ from torch import Tensor
 from dspark.accept import accept_greedy, accept_sampling
 from dspark.config import VerifyMode
 from dspark.engine.kv_cache import PagedKVCache
-from dspark.engine.model import DraftLM, TinyLM
 from dspark.engine.policies import FixedK, Oracle, PolicyPlan
-from dspark.engine.step_attention import StepAttention, batch_attention
+from dspark.engine.step_attention import batch_attention
 from dspark.layout import RaggedVerifyLayout, check_tiers
+from dspark.models.draft import DraftModel
+from dspark.models.paged_attend import PagedAttend
+from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.profiling import CLOCKS
 from dspark.verify_inputs import build_verify_inputs
 
@@ -112,9 +119,17 @@ class SpecDecoder:
     comparisons run in `lockstep`.
     """
 
-    def __init__(self, target: TinyLM, draft: DraftLM, *, cache_tokens: int = 65536, page_size: int = 16,
-                 device: str | torch.device = "cpu", compile: bool = False, tiers: Sequence[int] | None = None,
+    def __init__(self, target: TransformersCausalLM, draft: DraftModel, *, cache_tokens: int = 65536,
+                 page_size: int = 16, device: str | torch.device = "cpu", tiers: Sequence[int] | None = None,
                  clock: str = "wall"):
+        if not isinstance(target, TransformersCausalLM):
+            raise TypeError(f"target must be a dspark.models.TransformersCausalLM, got {type(target).__name__}")
+        if not isinstance(draft, DraftModel):
+            raise TypeError(f"draft must be a dspark.models.DraftModel, got {type(draft).__name__}")
+        if draft.geometry.hidden_size != target.geometry.hidden_size or draft.cfg.vocab_size != target.geometry.vocab_size:
+            raise ValueError(f"the draft reads hidden size {draft.geometry.hidden_size} / vocab {draft.cfg.vocab_size} "
+                             f"but the target has {target.geometry.hidden_size} / {target.geometry.vocab_size}: "
+                             f"load the draft trained for this target")
         self.device = check_device(device)
         if clock not in CLOCKS:
             raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
@@ -125,9 +140,6 @@ class SpecDecoder:
         self.tiers = check_tiers(tiers)
         self.target = target.to(self.device).eval()
         self.draft = draft.to(self.device).eval()
-        if compile:
-            self.target.compile_dense()
-            self.draft.compile_dense()
         pages = -(-cache_tokens // page_size)
         self.tcache = self._cache(target, pages, page_size)
         self.dcache = self._cache(draft, pages, page_size)
@@ -144,17 +156,23 @@ class SpecDecoder:
         twin._generation, twin._running = 0, False
         return twin
 
-    def _cache(self, model: TinyLM, pages: int, page_size: int) -> PagedKVCache:
-        c = model.cfg
-        return PagedKVCache(num_layers=c.n_layers, num_heads=c.n_heads, head_dim=c.head_dim, num_pages=pages,
+    def _cache(self, model: TransformersCausalLM | DraftModel, pages: int, page_size: int) -> PagedKVCache:
+        g = model.geometry
+        return PagedKVCache(num_layers=g.num_layers, num_heads=g.num_kv_heads, head_dim=g.head_dim, num_pages=pages,
                             page_size=page_size, device=self.device)
 
     # -- forwards -------------------------------------------------------------------------------------
-    def _forward(self, model: TinyLM, cache: PagedKVCache, tokens: Tensor, layout: RaggedVerifyLayout,
-                 prefix: Tensor, reqs: Tensor) -> Tensor:
-        """Hidden states of packed rows for requests `reqs` (device ids into the admitted batch)."""
-        attend = StepAttention(self._attn[id(cache)], cache, layout, prefix, cache.block_table[reqs])
-        return model(tokens, attend.positions, attend)
+    def _attend(self, cache: PagedKVCache, layout: RaggedVerifyLayout, prefix: Tensor, reqs: Tensor) -> PagedAttend:
+        return PagedAttend(self._attn[id(cache)], cache.k, cache.v, layout, prefix, cache.block_table[reqs])
+
+    def _target(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, reqs: Tensor) -> Tensor:
+        """Target logits of packed rows for requests `reqs` (device ids into the admitted batch); the real
+        rows' hidden states are kept for the draft (`_hidden[slot, position]`)."""
+        attend = self._attend(self.tcache, layout, prefix, reqs)
+        hidden = self.target(tokens, attend.positions, attend)
+        real = layout.total_rows
+        self._hidden[reqs[layout.row_slot[:real].long()], attend.positions[:real]] = hidden[:real]
+        return self.target.logits(hidden)
 
     def graph_slots(self, b: int, width: int) -> int | None:
         """Slot count of a tier-padded compact step: B real slots plus enough ghost slots (<= W rows each)
@@ -210,10 +228,11 @@ class SpecDecoder:
         max_new_tokens_reserved = max(max_new_tokens, reserve_new_tokens or 0)
         max_len = p + max_new_tokens_reserved + w
         for m in (self.target, self.draft):
-            if max_len > m.cfg.max_seq_len:
+            if max_len > m.geometry.max_seq_len:
                 raise ValueError(
                     f"prompt {p} + max_new_tokens {max_new_tokens_reserved} + verify width {w} = {max_len} exceeds "
-                    f"the model's max_seq_len {m.cfg.max_seq_len}")
+                    f"the {type(m).__name__}'s max_seq_len {m.geometry.max_seq_len}: shorten the prompts or "
+                    f"max_new_tokens")
         self._check_idle()
         return self._run(prompts, new_tokens, policy, mode, sampling, temperature, seed, b, p, w, max_len)
 
@@ -230,7 +249,9 @@ class SpecDecoder:
         catch_up = w + getattr(policy, "max_probe_every", 0) if getattr(policy, "speculate", None) else w
         rows = max(b * (p + catch_up), self.tiers[-1] if self.tiers else 0)
         self._slots = self.graph_slots(b, w)
-        self._attn = {id(c): batch_attention(c, rows, self._slots or b + 1) for c in (self.tcache, self.dcache)}
+        self._attn = {id(c): batch_attention(c, m.geometry, rows, self._slots or b + 1)
+                      for c, m in ((self.tcache, self.target), (self.dcache, self.draft))}
+        self._hidden = torch.zeros(b, max_len + w, self.target.geometry.hidden_size, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         buf = torch.zeros(b, max_len + w, dtype=torch.long, device=self.device)
         lens = torch.zeros(b, dtype=torch.int64)  # host copy of the committed lengths per slot
@@ -312,7 +333,7 @@ class SpecDecoder:
         buf[dev_slots, :p] = prompts.to(self.device)
         rows = buf[dev_slots, : p - 1].reshape(-1)
         zeros = torch.zeros(slots.numel(), dtype=torch.int64)
-        self._forward(self.target, self.tcache, rows, self._uniform(slots.numel(), p - 1), zeros, dev_slots)
+        self._target(rows, self._uniform(slots.numel(), p - 1), zeros, dev_slots)
         lens[slots], dlen[slots] = p, 0
         self._generation += 1  # new requests: lagged survival of the slot's earlier requests must not leak in
         gens[dev_slots] = self._generation
@@ -369,7 +390,7 @@ class SpecDecoder:
         b, dev_reqs = reqs.numel(), reqs.to(self.device)
         t0 = self._now()
         layout = self._uniform(b, 1)
-        logits = self.target.logits(self._forward(self.target, self.tcache, root, layout, lens - 1, dev_reqs))
+        logits = self._target(root, layout, lens - 1, dev_reqs)
         t1 = self._now()
         if sampling:
             token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
@@ -403,7 +424,10 @@ class SpecDecoder:
         pos = layout.positions(prefix.to(dev))[:real]
         dev_reqs = reqs.to(dev)
         ids = buf[dev_reqs[layout.row_slot[:real].long()], pos]
-        h = self._forward(self.draft, self.dcache, ids, layout, prefix, dev_reqs)
+        slot = dev_reqs[layout.row_slot[:real].long()]
+        feats = self._hidden[slot, (pos - 1).clamp(min=0)] * (pos > 0)[:, None]  # h_{t-1}; zeros at position 0
+        attend = self._attend(self.dcache, layout, prefix, dev_reqs)
+        h = self.draft(ids, attend.positions, feats, attend)
         all_dlen[reqs] = lens
         hk = self.draft.block_hidden(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
         logits = self.draft.logits(hk)
@@ -426,7 +450,7 @@ class SpecDecoder:
         t0 = self._now()
         vin = build_verify_inputs(mode, verify_lens, root, drafts, prefix.to(self.device),
                                   tiers=self.tiers or None, slots=self._slots, layout=layout)
-        logits = self.target.logits(self._forward(self.target, self.tcache, vin.input_ids, vin.layout, prefix, reqs))
+        logits = self._target(vin.input_ids, vin.layout, prefix, reqs)
         t1 = self._now()
         if sampling:
             p = torch.softmax(logits / temperature, -1)

@@ -13,13 +13,17 @@ from torch import Tensor
 from dspark.attention import RaggedVerifyAttention, write_kv
 from dspark.engine.kv_cache import PagedKVCache
 from dspark.layout import RaggedVerifyLayout
+from dspark.models.geometry import ModelGeometry
 
 
-def batch_attention(cache: PagedKVCache, max_rows: int, max_slots: int) -> RaggedVerifyAttention:
-    """Persistent attention metadata for forwards of <= max_rows rows over <= max_slots slots (real + ghost)."""
-    _, num_pages, page_size, heads, head_dim = cache.k.shape
-    return RaggedVerifyAttention(max_rows, max_slots, int(cache.block_table.shape[1]), heads, heads, head_dim,
-                                 page_size, cache.k.device, cache.k.dtype, num_pages=num_pages)
+def batch_attention(cache: PagedKVCache, geometry: ModelGeometry, max_rows: int, max_slots: int
+                    ) -> RaggedVerifyAttention:
+    """Persistent attention metadata for one model's forwards of <= max_rows rows over <= max_slots slots
+    (real + ghost), with the model's GQA head counts and softmax scale."""
+    _, num_pages, page_size, kv_heads, head_dim = cache.k.shape
+    return RaggedVerifyAttention(max_rows, max_slots, int(cache.block_table.shape[1]), geometry.num_q_heads, kv_heads,
+                                 head_dim, page_size, cache.k.device, cache.k.dtype, sm_scale=geometry.sm_scale,
+                                 num_pages=num_pages)
 
 
 class StepAttention:

@@ -7,9 +7,9 @@ Two recorders write the same STS rows (`StsRecorder` shards, read by `load_sts` 
   fixed-gamma), so no position is censored by a cap. Any acceptance policy (greedy or sampling).
 - `record_sts_teacher_forced` (greedy only): under greedy acceptance the committed tokens are the target's
   greedy stream whatever was accepted, so a step at committed length L sees exactly the stream's first L
-  tokens. The recorder decodes the streams once (`dspark.engine.streams`), runs the draft densely over
-  them and takes, at each start L, the draft's block proposal, its confidence logits and the greedy prefix
-  match against the stream. `starts="steps"` keeps only the decode loop's step boundaries (L = P, then
+  tokens. The recorder decodes the streams once (`dspark.models.streams`), runs the draft densely over
+  them (its features: the target's hidden states on the stream) and takes, at each start L, the draft's
+  block proposal, its confidence logits and the greedy prefix match against the stream. `starts="steps"` keeps only the decode loop's step boundaries (L = P, then
   L += accepted + 1: the very rows `record_sts` records, tests check it); `starts="all"` keeps every
   L in [P, P + max_new_tokens) (the `steps` field then holds L - P), ~tau times more engine rows for the
   same decoding work, which is what a per-position ECE of <= 1% needs.
@@ -28,9 +28,9 @@ from dspark.calibration import Calibration, fit_sts
 from dspark.calibration_recorder import StsData, StsRecorder, load_sts
 from dspark.config import VerifyMode
 from dspark.engine.decode import SpecDecoder
-from dspark.engine.model import DraftLM
 from dspark.engine.policies import FixedK
-from dspark.engine.streams import greedy_streams
+from dspark.models.draft import DraftModel
+from dspark.models.streams import features, greedy_streams
 
 STARTS = ("steps", "all")
 RECORDERS = ("decode", "teacher_forced")
@@ -52,21 +52,23 @@ def record_sts(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens
 
 
 @torch.no_grad()
-def block_outcomes(draft: DraftLM, streams: Tensor, prompt_len: int, gamma: int, max_new_tokens: int
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """For every start L = P + i (i < max_new_tokens) of every stream [N, >= P + max_new_tokens + gamma - 1]:
-    the draft's confidence logits [N, n, gamma], its token logits [N, n, gamma, V] and the greedy
-    accepted-draft count [N, n] (prefix match of the block's argmax drafts against stream[L:L+gamma])."""
+def block_outcomes(draft: DraftModel, streams: Tensor, hidden: Tensor, prompt_len: int, gamma: int,
+                   max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For every start L = P + i (i < max_new_tokens) of every stream [N, >= P + max_new_tokens + gamma - 1]
+    with the target's hidden states on it [N, >= P + max_new_tokens - 2, d] (`greedy_streams`): the draft's
+    confidence logits [N, n, gamma], its token logits [N, n, gamma, V] and the greedy accepted-draft count
+    [N, n] (prefix match of the block's argmax drafts against stream[L:L+gamma])."""
     p, n, g = prompt_len, max_new_tokens, gamma
     if streams.shape[1] < p + n + g - 1:
         raise ValueError(f"streams of length {streams.shape[1]} are too short for prompt {p} + max_new_tokens {n} "
                          f"+ gamma {g} - 1")
-    hidden = draft.forward_dense(streams[:, : p + n - 1])[:, p - 1:]   # the root's hidden state at L - 1
-    b, n_starts = hidden.shape[:2]
-    anchor = streams[:, p - 1: p + n - 1]                                # the root: stream[L - 1]
-    logits, conf = draft.propose(hidden.flatten(0, 1), g, anchor.flatten())  # the head takes [rows, d]
+    feats = features(hidden[:, : p + n - 2].to(streams.device))
+    roots = draft.forward_dense(streams[:, : p + n - 1], feats)[:, p - 1:]  # the root's hidden state at L - 1
+    b, n_starts = roots.shape[:2]
+    anchor = streams[:, p - 1: p + n - 1]                                   # the root: stream[L - 1]
+    logits, conf = draft.propose(roots.flatten(0, 1), g, anchor.flatten())
     logits, conf = logits.unflatten(0, (b, n_starts)), conf.unflatten(0, (b, n_starts))
-    truth = streams[:, p: p + n + g - 1].unfold(1, g, 1)                # [N, n, g]: stream[L + j]
+    truth = streams[:, p: p + n + g - 1].unfold(1, g, 1)                   # [N, n, g]: stream[L + j]
     accepted = torch.cumprod((logits.argmax(-1) == truth).to(torch.int64), dim=-1).sum(-1)
     return conf, logits, accepted
 
@@ -89,7 +91,7 @@ def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int,
     """Greedy STS rows of the engine's draft and target without the decode loop (see the module note).
 
     Streams are decoded `batch` requests at a time and the draft's block pass runs `rows` requests at a
-    time (`DraftLM.block_hidden` broadcasts its head weights per start: memory ~ rows * starts * gamma * d^2).
+    time (its token logits are [rows, starts, gamma, V]).
     Returns the loaded rows.
     """
     if starts not in STARTS:
@@ -99,14 +101,16 @@ def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int,
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     draft, p = decoder.draft, prompts.shape[1]
     if not 1 <= gamma <= draft.gamma:
-        raise ValueError(f"gamma must be in [1, {draft.gamma}] (the draft's heads), got {gamma!r}")
+        raise ValueError(f"gamma must be in [1, {draft.gamma}] (the draft's block), got {gamma!r}")
     full = torch.full((1,), gamma + 1, dtype=torch.int32)
     with StsRecorder(shard_dir, gamma=gamma) as rec:
         for first in range(0, prompts.shape[0], batch):
-            streams = greedy_streams(decoder.target, prompts[first: first + batch], max_new_tokens + gamma - 1,
-                                     batch=batch)
+            with decoder.target.own_attention() as model:
+                streams, hidden = greedy_streams(model, prompts[first: first + batch].to(decoder.device),
+                                                 max_new_tokens + gamma - 1, batch=batch)
             for sub in range(0, streams.shape[0], rows):
-                conf, logits, accepted = block_outcomes(draft, streams[sub: sub + rows], p, gamma, max_new_tokens)
+                conf, logits, accepted = block_outcomes(draft, streams[sub: sub + rows], hidden[sub: sub + rows], p,
+                                                        gamma, max_new_tokens)
                 steps = _step_starts(accepted) if starts == "steps" else [
                     (torch.arange(accepted.shape[0], device=accepted.device), torch.full_like(accepted[:, 0], i))
                     for i in range(max_new_tokens)]

@@ -15,8 +15,9 @@ request boundaries are the layout's, enforced by the ragged attention.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from dspark.models.extra import require
 
@@ -87,6 +88,17 @@ class TransformersCausalLM(nn.Module):
         """A randomly initialised model of `config` (tests, demos) through the same path as a pretrained one."""
         check_supported(config)  # before any weights are built
         return cls(AutoModelForCausalLM.from_config(config, dtype=dtype))
+
+    @contextlib.contextmanager
+    def own_attention(self, implementation: str = "sdpa") -> Iterator[PreTrainedModel]:
+        """The wrapped transformers model with its own attention for the duration: its `generate` and dense
+        forwards over whole sequences (references, training streams); dspark's attention is selected again
+        on exit."""
+        self.hf_model.set_attn_implementation(implementation)
+        try:
+            yield self.hf_model
+        finally:
+            self.hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, attend: Attend) -> Tensor:

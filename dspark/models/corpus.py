@@ -1,0 +1,52 @@
+"""Text that ships with Python: the standard library's `.py` files, split for training and held-out prompts.
+
+Nothing is downloaded, and every machine with the same Python version holds the same files, so a seeded
+draw of prompt windows is the same everywhere. Every tenth file (sorted by name) is held out: the draft
+trains on the rest, the demo and the reported acceptance use held-out prompts only.
+"""
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dspark._validate import check_int
+
+SPLITS = ("train", "heldout")
+Encode = Callable[[str], list]  # text -> token ids
+
+
+def stdlib_files(split: str) -> list[Path]:
+    """Top-level stdlib `.py` files: `train` (9 of 10) or `heldout` (every tenth, sorted by name)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if not files:
+        raise RuntimeError(f"no .py files found under {root}: this Python has no standard library sources")
+    keep = (lambda i: i % 10 == 0) if split == "heldout" else (lambda i: i % 10 != 0)
+    return [f for i, f in enumerate(files) if keep(i)]
+
+
+def prompt_windows(split: str, encode: Encode, count: int, length: int, seed: int,
+                   max_chars: int = 60_000) -> Tensor:
+    """[count, length] int64 token windows at seeded random starts, spread evenly over the split's files
+    (each file's first `max_chars` characters)."""
+    check_int("count", count, 1)
+    check_int("length", length, 1)
+    gen = torch.Generator().manual_seed(seed)
+    files = stdlib_files(split)
+    files = [files[i] for i in torch.randperm(len(files), generator=gen)]
+    docs = [ids for ids in (encode(f.read_text(encoding="utf-8", errors="replace")[:max_chars]) for f in files)
+            if len(ids) > length]
+    if not docs:
+        raise ValueError(f"no {split} file has more than length={length} tokens")
+    per_doc = -(-count // len(docs))
+    rows = []
+    for ids in docs:
+        starts = torch.randint(0, len(ids) - length, (per_doc,), generator=gen)
+        rows += [ids[s: s + length] for s in starts.tolist()]
+    return torch.tensor(rows[:count], dtype=torch.int64)

@@ -1,0 +1,52 @@
+"""Tiny models for the engine tests: a random 2-layer Llama target (transformers' own model code) and a
+DraftModel distilled on it for a few seconds, so drafts are partly accepted (both outcomes are exercised)."""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from dspark.models.draft import DraftConfig, DraftModel
+from dspark.models.streams import greedy_streams
+from dspark.models.train_draft import TINY, TrainDraftConfig, distil, fit_confidence, stream_rows
+from dspark.models.transformers_lm import TransformersCausalLM
+
+VOCAB = 64
+
+
+def tiny_llama(vocab: int = VOCAB, seed: int = 0, max_seq_len: int = 128, embed_std: float = 1.0):
+    """A randomly initialised 2-layer Llama (GQA 4 / 2 heads) in transformers' own sdpa attention; its
+    (tied) embedding drawn with `embed_std` (1: a peaked next-token distribution)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=max_seq_len,
+                      rope_theta=1.0e5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                      attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, embed_std)
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_models(vocab: int = VOCAB, seed: int = 0, gamma: int = 4, steps: int = 60, max_seq_len: int = 64
+                ) -> tuple[TransformersCausalLM, DraftModel]:
+    """(target, draft): the draft distilled `steps` steps on the target's greedy streams of random prompts."""
+    hf = tiny_llama(vocab, seed, max_seq_len)
+    cfg = replace(TrainDraftConfig(**TINY), gamma=gamma, steps=steps, draft_vocab=vocab, prompt_len=8,
+                  new_tokens=24, max_seq_len=max_seq_len, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompts = torch.randint(0, vocab, (48, cfg.prompt_len), generator=gen)
+    tokens, hidden = greedy_streams(hf, prompts, cfg.new_tokens, batch=16)
+    emb, head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
+    dcfg = DraftConfig(hidden_size=64, vocab_size=vocab, draft_vocab_size=vocab, num_q_heads=4, num_kv_heads=2,
+                       head_dim=16, intermediate_size=64, chain_size=64, gamma=gamma, markov_rank=4,
+                       max_seq_len=max_seq_len)
+    torch.manual_seed(seed + 2)
+    draft = DraftModel(dcfg, emb, head, torch.arange(vocab))
+    distil(draft, tokens[:32], hidden[:32], cfg, lambda _: None)
+    fit_confidence(draft, stream_rows(draft, tokens[32:], hidden[32:], cfg.prompt_len), 3)  # moderate logits
+    return TransformersCausalLM(hf), draft.eval()
