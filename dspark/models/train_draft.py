@@ -1,0 +1,310 @@
+"""Train the draft (`dspark.models.draft`) for a transformers target: `python -m dspark.models.train_draft`.
+
+Nothing is downloaded. Prompts are token windows of the stdlib's `.py` files (`stdlib_files`: every tenth
+file held out). The target continues each prompt greedily with its own KV cache, and its final-normed
+hidden states along the way are the draft's features, so every training label is the serving event:
+on the target's greedy text, head k at row t learns the token at t + k + 1, which is the target's top-1
+there given the true (= accepted) tokens before it. The draft learns from those labels (hard cross-entropy
+mixed with the target's soft distribution over the draft vocabulary), then `dspark.ConfidenceHead` is
+fitted alone, by L-BFGS, on the greedy conditional-acceptance event of the finished draft (draft k matches
+given drafts < k matched; masked rows are not labels) on streams the draft never trained on. Held-out
+acceptance per draft position is measured the same way on held-out files' prompts and written to the
+manifest beside the safetensors file (both written atomically).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dspark.confidence import confidence_loss, previous_tokens
+from dspark.models.corpus import Encode, prompt_windows
+from dspark.models.draft import (DEFAULT_WEIGHTS, FORMAT, METADATA_KEY, DraftConfig, DraftModel, file_sha256, manifest_path,
+                                 target_identity)
+from dspark.models.streams import features, greedy_streams, stream_labels
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TrainDraftConfig:
+    """Data sizes, draft shape and optimisation schedule of one training run."""
+
+    prompt_len: int = 64          # tokens of stdlib text before each greedy continuation
+    new_tokens: int = 128         # greedy tokens the target writes after each prompt
+    train_streams: int = 1024     # streams the draft distils on
+    head_streams: int = 128       # other train-split streams the confidence head is fitted on
+    heldout_streams: int = 64     # held-out files' streams the reported acceptance is measured on
+    gen_batch: int = 64           # streams per target generation batch
+    draft_vocab: int = 4096
+    intermediate: int = 1024
+    chain: int = 768
+    gamma: int = 6
+    markov_rank: int = 8
+    max_seq_len: int = 2048
+    steps: int = 1200
+    batch: int = 16               # streams per optimisation step
+    lr: float = 2e-3
+    soft_weight: float = 0.5      # loss = (1 - w) * hard CE on the greedy token + w * CE on the target's soft q
+    head_iters: int = 300
+    seed: int = 0
+
+
+TINY = dict(prompt_len=16, new_tokens=24, train_streams=32, head_streams=16, heldout_streams=8, gen_batch=16,
+            draft_vocab=128, intermediate=64, chain=64, max_seq_len=128, steps=30, batch=8, head_iters=50)
+
+
+def tiny_target(seed: int = 0) -> nn.Module:
+    """A randomly initialised 2-layer Llama over bytes (vocab 256): CI's target, through the real code path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rope_theta=1.0e5,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def load_target(tiny: bool, seed: int) -> tuple[nn.Module, Encode]:
+    """(transformers model with its own sdpa attention, text -> token ids): SmolLM2, or the tiny byte Llama."""
+    if tiny:
+        return tiny_target(seed), lambda text: list(text.encode("utf-8"))
+    from transformers.utils import logging
+
+    from dspark.models import load_smollm2
+
+    logging.disable_progress_bar()  # no carriage-return bars in a log file
+    lm, tok = load_smollm2()
+    hf = lm.hf_model
+    hf.set_attn_implementation("sdpa")  # this script runs plain transformers forwards with its own cache
+    return hf.eval(), lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+
+def target_streams(target: nn.Module, prompts: Tensor, new_tokens: int, batch: int, log: Log,
+                   what: str) -> tuple[Tensor, Tensor]:
+    """`greedy_streams` (tokens [n, P + new_tokens], hidden [n, P + new_tokens - 1, d]) logging as `what`."""
+    return greedy_streams(target, prompts, new_tokens, batch=batch, log=lambda msg: log(f"{what} {msg}"))
+
+
+def choose_vocab(tokens: Tensor, prompt_len: int, size: int, vocab_size: int) -> Tensor:
+    """The `size` target ids most frequent among the greedy tokens (ties: smaller id first)."""
+    counts = torch.bincount(tokens[:, prompt_len:].flatten(), minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(order[:size], dtype=torch.int64)
+
+
+def _windows(x: Tensor, start: int, g: int, fill: float) -> Tensor:
+    """[n, T, ...] -> [n, T - start, g, ...]: element t + j of x at row t (from `start`), `fill` past the end."""
+    pad = torch.full((x.shape[0], g - 1, *x.shape[2:]), fill, dtype=x.dtype)
+    w = torch.cat([x, pad], 1)[:, start:].unfold(1, g, 1)
+    return w.movedim(-1, 2) if x.dim() > 2 else w
+
+
+def distil(draft: DraftModel, tokens: Tensor, hidden: Tensor, cfg: TrainDraftConfig, log: Log) -> None:
+    """AdamW (warm-up, cosine decay) on the greedy rows of the streams, autocast to bf16 on the CPU."""
+    p, g, vd = cfg.prompt_len, cfg.gamma, cfg.draft_vocab
+    to_draft = torch.full((draft.cfg.vocab_size + 1,), -100, dtype=torch.int64)  # index -1 (past end) -> ignored
+    to_draft[draft.vocab_ids] = torch.arange(vd)
+    labels = to_draft[_windows(tokens, p, g, -1)]                  # [n, C, g] draft-vocab ids of t + k + 1
+    teacher = _windows(tokens, p, g, 0)[..., :-1]                  # target ids of t + 1 .. t + g - 1
+    params = [q for q in draft.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    warm, t0, shown = max(1, cfg.steps // 20), time.perf_counter(), []
+    draft.train()
+    for step in range(cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / cfg.steps)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        idx = torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)
+        lab = labels[idx]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = draft.forward_dense(tokens[idx], features(hidden[idx]))[:, p - 1: tokens.shape[1] - 1]
+            reduced = draft.chain(x, g, teacher[idx])[1].float()
+            with torch.no_grad():  # the target's own logits at t + k, over the draft vocabulary
+                soft = torch.softmax((_windows(hidden[idx], p - 1, g, 0.0) @ draft.out_rows.t()).float(), -1)
+        valid = lab >= 0
+        logq = torch.log_softmax(reduced, -1)
+        hard = -logq.gather(-1, lab.clamp_min(0)[..., None])[..., 0]
+        soft_ce = -(soft * logq).sum(-1)
+        loss = (((1 - cfg.soft_weight) * hard + cfg.soft_weight * soft_ce) * valid).sum() / valid.sum().clamp_min(1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        shown.append(((reduced.argmax(-1) == lab) & valid).sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1))
+        if (step + 1) % max(1, cfg.steps // 40) == 0 or step + 1 == cfg.steps:
+            acc = torch.stack(shown).mean(0)
+            el = time.perf_counter() - t0
+            log(f"distil step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  train top-1 "
+                f"{' '.join(f'{a:.2f}' for a in acc.tolist())}  {el:.0f} s (eta {el / (step + 1) * (cfg.steps - step - 1):.0f} s)")
+            shown = []
+    draft.eval()
+
+
+@torch.no_grad()
+def stream_rows(draft: DraftModel, tokens: Tensor, hidden: Tensor, prompt_len: int, chunk: int = 16
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """At every serving start whose gamma tokens are all in the stream: the greedy chain's states
+    [R, g, d], the token before each draft [R, g], and greedy conditional labels / masks [R, g]."""
+    g, p, t = draft.gamma, prompt_len, tokens.shape[1]
+    out: list[list[Tensor]] = [[], [], [], []]
+    to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.int64)
+    to_draft[draft.vocab_ids] = torch.arange(draft.vocab_ids.numel())
+    for tok, hid in zip(tokens.split(chunk), hidden.split(chunk)):
+        x = draft.forward_dense(tok, features(hid))[:, p - 1: t - g]
+        hk, reduced = draft.chain(x, g)
+        label, reached = stream_labels(reduced, to_draft[tok[:, p:].unfold(1, g, 1)])
+        drafts = draft.vocab_ids[reduced.argmax(-1)]
+        for acc, v in zip(out, (hk, previous_tokens(tok[:, p - 1: t - g].flatten(), drafts.flatten(0, 1)),
+                                label, reached)):
+            acc.append(v.flatten(0, 1) if v.dim() > 2 else v)
+    return tuple(torch.cat(v) for v in out)  # type: ignore[return-value]
+
+
+def fit_confidence(draft: DraftModel, rows: tuple[Tensor, Tensor, Tensor, Tensor], max_iter: int) -> float:
+    """Fit the ConfidenceHead alone (full batch L-BFGS, unregularised, as `dspark.engine.train.fit_head`
+    argues) on the greedy conditional-acceptance rows; returns the final loss."""
+    hidden, prevs, labels, masks = rows
+    prevs = prevs if draft.confidence.markov_rank else None
+    head = draft.confidence
+    opt = torch.optim.LBFGS(head.parameters(), max_iter=max_iter, tolerance_grad=1e-9, tolerance_change=1e-12,
+                            history_size=50, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = confidence_loss(head(hidden, prevs), labels, masks, math.inf)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return float(confidence_loss(head(hidden, prevs), labels, masks, math.inf))
+
+
+def acceptance(labels: Tensor, masks: Tensor) -> dict:
+    """Per draft position: reached (drafts before it all matched), accepted, their ratio; and the mean
+    accepted drafts per start with all gamma drafts verified."""
+    reached, accepted = masks.sum(0), (labels.bool() & masks).sum(0)
+    return {"reached": reached.tolist(), "accepted": accepted.tolist(),
+            "rate": [round(a / max(r, 1), 4) for a, r in zip(accepted.tolist(), reached.tolist())],
+            "mean_accepted": round(float((labels.bool() & masks).sum(1).float().mean()), 4)}
+
+
+def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
+    """write(temp path) in the destination folder, then rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_draft(draft: DraftModel, target: nn.Module, out: Path, manifest: dict) -> dict:
+    """fp16 safetensors (vocab ids int32) with the config and target identity as metadata, then the manifest
+    with the file's sha256; both atomic. Returns the manifest."""
+    from safetensors.torch import save_file
+
+    state = {k: (v.to(torch.int32) if k == "vocab_ids" else v.detach().to(torch.float16)).contiguous()
+             for k, v in draft.state_dict().items()}
+    # one metadata key: safetensors writes several in hash order, which would change the file's bytes
+    meta = {METADATA_KEY: json.dumps({"format": FORMAT, "config": draft.cfg.to_dict(),
+                                      "target": target_identity(target)}, sort_keys=True)}
+    _write_atomic(out, lambda tmp: save_file(state, tmp, metadata=meta))
+    manifest = {"weights": out.name, "sha256": file_sha256(out), "bytes": out.stat().st_size, **manifest}
+    _write_atomic(manifest_path(out), lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1) + "\n"))
+    return manifest
+
+
+def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, log: Log) -> dict:
+    """The whole run: streams, vocabulary, distillation, head fit, held-out acceptance, save."""
+    wall, t0 = {}, time.perf_counter()
+    p, c, total = cfg.prompt_len, cfg.new_tokens, cfg.train_streams + cfg.head_streams
+    prompts = prompt_windows("train", encode, total, p, cfg.seed)
+    tokens, hidden = target_streams(target, prompts, c, cfg.gen_batch, log, "train")
+    held_tok, held_hid = target_streams(target, prompt_windows("heldout", encode, cfg.heldout_streams, p, cfg.seed),
+                                        c, cfg.gen_batch, log, "held-out")
+    wall["target_streams"] = time.perf_counter() - t0
+    emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    tr, hd = slice(0, cfg.train_streams), slice(cfg.train_streams, total)
+    vocab = choose_vocab(tokens[tr], p, cfg.draft_vocab, emb.shape[0])
+    coverage = {name: round(float(torch.isin(t[:, p:], vocab).float().mean()), 4)
+                for name, t in (("train", tokens[tr]), ("heldout", held_tok))}
+    log(f"draft vocabulary {cfg.draft_vocab}: covers {coverage['train']:.3f} of train / "
+        f"{coverage['heldout']:.3f} of held-out greedy tokens")
+    dcfg = DraftConfig(hidden_size=emb.shape[1], vocab_size=emb.shape[0], draft_vocab_size=cfg.draft_vocab,
+                       num_q_heads=target.config.num_attention_heads,
+                       num_kv_heads=target.config.num_key_value_heads or target.config.num_attention_heads,
+                       head_dim=getattr(target.config, "head_dim", None)
+                       or target.config.hidden_size // target.config.num_attention_heads,
+                       intermediate_size=cfg.intermediate, chain_size=cfg.chain, gamma=cfg.gamma,
+                       markov_rank=cfg.markov_rank, max_seq_len=cfg.max_seq_len)
+    torch.manual_seed(cfg.seed + 1)
+    draft = DraftModel(dcfg, emb.detach(), head.detach(), vocab)
+    t1 = time.perf_counter()
+    distil(draft, tokens[tr], hidden[tr], cfg, log)
+    wall["distil"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    loss = fit_confidence(draft, stream_rows(draft, tokens[hd], hidden[hd], p), cfg.head_iters)
+    wall["confidence_head"] = time.perf_counter() - t1
+    log(f"confidence head fitted: loss {loss:.4f}")
+    t1 = time.perf_counter()
+    rows = stream_rows(draft, held_tok, held_hid, p)
+    with torch.no_grad():
+        held_loss = float(confidence_loss(draft.confidence(rows[0], rows[1] if dcfg.markov_rank else None),
+                                          rows[2], rows[3], math.inf))
+    acc = acceptance(rows[2], rows[3])
+    wall["heldout_eval"] = time.perf_counter() - t1
+    wall["total"] = time.perf_counter() - t0
+    log(f"held-out greedy conditional acceptance per position {acc['rate']} (reached {acc['reached']}); "
+        f"mean accepted drafts per start {acc['mean_accepted']}")
+    return save_draft(draft, target, out, {
+        "training": asdict(cfg), "threads": torch.get_num_threads(), "vocab_coverage": coverage,
+        "heldout_acceptance": acc, "confidence_loss": {"fit": round(loss, 5), "heldout": round(held_loss, 5)},
+        "wall_s": {k: round(v, 1) for k, v in wall.items()}})
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Command line: every TrainDraftConfig field is an option (`--train-streams 1024`), plus the target."""
+    ap = argparse.ArgumentParser(prog="python -m dspark.models.train_draft", description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny random byte Llama target and tiny sizes (CI)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS, help="weights file (manifest: same name .json)")
+    ap.add_argument("--threads", type=int, default=1)
+    defaults = TrainDraftConfig()
+    for name, value in asdict(defaults).items():
+        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
+    args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    given = {k: getattr(args, k) for k in asdict(defaults) if getattr(args, k) is not None}
+    cfg = TrainDraftConfig(**{**(TINY if args.tiny else {}), **given})
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
+
+    torch.manual_seed(cfg.seed)
+    target, encode = load_target(args.tiny, cfg.seed)
+    log(f"target loaded; config {asdict(cfg)}")
+    manifest = train(cfg, target, encode, args.out, log)
+    log(f"wrote {args.out} ({manifest['bytes'] / 1e6:.1f} MB, sha256 {manifest['sha256']})")
+    return manifest
+
+
+if __name__ == "__main__":
+    main()

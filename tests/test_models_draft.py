@@ -1,0 +1,168 @@
+"""The draft for a transformers target (dspark.models.draft) and its training command (tiny target)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from dspark.attention import RaggedVerifyAttention  # noqa: E402
+from dspark.engine.kv_cache import PagedKVCache  # noqa: E402
+from dspark.engine.step_attention import StepAttention  # noqa: E402
+from dspark.layout import RaggedVerifyLayout  # noqa: E402
+from dspark.models.draft import (DEFAULT_WEIGHTS, DraftConfig, DraftModel, load_draft,  # noqa: E402
+                                 manifest_path)
+from dspark.models.train_draft import main, tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(0)
+
+
+def _draft(target, gamma: int = 4, markov_rank: int = 4) -> DraftModel:
+    torch.manual_seed(1)
+    emb = target.get_input_embeddings().weight
+    cfg = DraftConfig(hidden_size=64, vocab_size=256, draft_vocab_size=40, num_q_heads=4, num_kv_heads=2,
+                      head_dim=16, intermediate_size=48, chain_size=32, gamma=gamma, markov_rank=markov_rank,
+                      max_seq_len=64)
+    model = DraftModel(cfg, emb, target.get_output_embeddings().weight, torch.randperm(256)[:40]).eval()
+    with torch.no_grad():  # non-zero chain position biases, so every parameter matters
+        model.chain_pos.normal_()
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, target):
+    out = tmp_path_factory.mktemp("draft") / "tiny.safetensors"
+    return out, main(["--tiny", "--out", str(out), "--steps", "12"])
+
+
+def test_packed_forward_over_paged_cache_equals_dense(target):
+    """Two requests in two forwards (a prefill, then ragged rows) through the engine's StepAttention over
+    a paged cache give the dense causal path's hidden states."""
+    draft = _draft(target)
+    g = draft.geometry
+    gen = torch.Generator().manual_seed(0)
+    lens, first = [9, 6], [5, 2]
+    tokens = [torch.randint(0, 256, (n,), generator=gen) for n in lens]
+    feats = [torch.randn(n, 64, generator=gen) for n in lens]
+    dense = [draft.forward_dense(t[None], f[None])[0] for t, f in zip(tokens, feats)]
+    cache = PagedKVCache(num_layers=g.num_layers, num_heads=g.num_kv_heads, head_dim=g.head_dim, num_pages=8,
+                         page_size=4)
+    table = cache.admit(2, 12)
+    attn = RaggedVerifyAttention(32, 3, int(table.shape[1]), g.num_q_heads, g.num_kv_heads, g.head_dim, 4,
+                                 "cpu", torch.float32, sm_scale=g.sm_scale, num_pages=8)
+    for lo, hi in ((lambda i: 0, lambda i: first[i]), (lambda i: first[i], lambda i: lens[i])):
+        spans = [(lo(i), hi(i)) for i in range(2)]
+        layout = RaggedVerifyLayout.from_verify_lens([b - a for a, b in spans])
+        prefix = torch.tensor([a for a, _ in spans], dtype=torch.int32)
+        step = StepAttention(attn, cache, layout, prefix, table)
+        rows = torch.cat([tokens[i][a:b] for i, (a, b) in enumerate(spans)])
+        out = draft(rows, step.positions, torch.cat([feats[i][a:b] for i, (a, b) in enumerate(spans)]), step)
+        want = torch.cat([dense[i][a:b] for i, (a, b) in enumerate(spans)])
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_logits_live_on_the_draft_vocabulary(target):
+    draft = _draft(target)
+    hk = draft.block_hidden(torch.randn(3, 64), 4)
+    logits = draft.logits(hk)
+    assert logits.shape == (3, 4, 256) and hk.shape == (3, 4, 64)
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[draft.vocab_ids] = False
+    assert torch.isneginf(logits[..., outside]).all() and torch.isfinite(logits[..., ~outside]).all()
+    assert torch.isin(logits.argmax(-1), draft.vocab_ids).all()
+    props, _ = draft.propose(torch.randn(3, 64), 4, torch.tensor([1, 2, 3]))
+    assert props.shape == (3, 4, 256)
+
+
+def test_greedy_chain_feeds_each_step_the_previous_argmax(target):
+    """block_hidden's step j reads draft j - 1 = argmax of step j - 1: teacher-forcing those drafts gives
+    the same states, and propose's logits are logits(block_hidden)."""
+    draft = _draft(target)
+    h, anchor = torch.randn(5, 64), torch.randint(0, 256, (5,))
+    hk = draft.block_hidden(h, 4)
+    drafts = draft.logits(hk).argmax(-1)
+    torch.testing.assert_close(draft.chain(h, 4, drafts[:, :-1])[0], hk)
+    logits, conf = draft.propose(h, 4, anchor)
+    torch.testing.assert_close(logits, draft.logits(hk))
+    torch.testing.assert_close(conf, draft.confidence_logits(hk, anchor, drafts))
+    assert draft.block_hidden(h, 0).shape == (5, 0, 64)
+    with pytest.raises(ValueError, match="k=5 exceeds gamma=4"):
+        draft.block_hidden(h, 5)
+
+
+def test_confidence_of_a_draft_ignores_its_own_token(target):
+    draft = _draft(target)
+    with torch.no_grad():
+        draft.confidence.embed.weight.normal_()
+    hk, anchor = torch.randn(2, 4, 64), torch.tensor([7, 9])
+    drafts = torch.randint(0, 256, (2, 4))
+    base = draft.confidence_logits(hk, anchor, drafts)
+    for k in range(4):
+        other = drafts.clone()
+        other[:, k] = (other[:, k] + 1) % 256
+        conf = draft.confidence_logits(hk, anchor, other)
+        torch.testing.assert_close(conf[:, : k + 1], base[:, : k + 1])  # draft k and earlier unchanged
+        if k < 3:
+            assert not torch.equal(conf[:, k + 1], base[:, k + 1])  # draft k + 1 sees it (previous token)
+    assert not torch.equal(draft.confidence_logits(hk, torch.tensor([8, 9]), drafts)[:, 0], base[:, 0])
+
+
+def test_tiny_training_run_writes_a_loadable_draft(tiny_run, target):
+    out, manifest = tiny_run
+    on_disk = json.loads(manifest_path(out).read_text())
+    assert on_disk == manifest and len(on_disk["heldout_acceptance"]["rate"]) == on_disk["training"]["gamma"]
+    assert set(on_disk["wall_s"]) >= {"target_streams", "distil", "confidence_head", "total"}
+    assert not list(out.parent.glob("*.tmp"))
+    draft = load_draft(target, out)
+    logits, conf = draft.propose(torch.randn(2, 64), draft.gamma, torch.tensor([3, 4]))
+    assert logits.shape == (2, draft.gamma, 256) and torch.isfinite(conf).all()
+    again = main(["--tiny", "--out", str(out.parent / "again.safetensors"), "--steps", "12"])
+    assert again["sha256"] == manifest["sha256"]  # seeded: the same run writes the same bytes
+
+
+def test_load_checks_hash_presence_and_target(tiny_run, target, tmp_path):
+    out, manifest = tiny_run
+    with pytest.raises(FileNotFoundError, match="missing.safetensors is missing"):
+        load_draft(target, tmp_path / "missing.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    data = bytearray(out.read_bytes())
+    data[-1] ^= 1
+    bad.write_bytes(bytes(data))
+    manifest_path(bad).write_text(manifest_path(out).read_text())
+    with pytest.raises(ValueError, match=f"{bad}.*sha256 [0-9a-f]{{64}}.*says {manifest['sha256']}"):
+        load_draft(target, bad)
+    with pytest.raises(ValueError, match="trained for another target: embed_probe"):
+        load_draft(tiny_target(1), out)
+
+
+def test_config_errors_name_the_value():
+    with pytest.raises(ValueError, match="draft_vocab_size=300 exceeds vocab_size=256"):
+        DraftConfig(hidden_size=64, vocab_size=256, draft_vocab_size=300)
+    with pytest.raises(ValueError, match="gamma must be an int >= 1, got 0"):
+        DraftConfig(hidden_size=64, vocab_size=256, draft_vocab_size=16, gamma=0)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("gguf")
+    from dspark.models import load_smollm2
+
+    return load_smollm2()[0]
+
+
+def test_shipped_weights_load_for_smollm2(smollm2):
+    """The shipped file's sha256 matches its manifest and it was trained for this target."""
+    if not DEFAULT_WEIGHTS.is_file():
+        pytest.fail(f"shipped draft weights {DEFAULT_WEIGHTS} are missing")
+    draft = load_draft(smollm2)
+    assert draft.gamma == 6 and draft.geometry.num_layers == 1
+    assert (draft.geometry.num_q_heads, draft.geometry.num_kv_heads, draft.geometry.head_dim) == (9, 3, 64)
+    logits, conf = draft.propose(torch.randn(1, 576), 6, torch.tensor([1]))
+    assert logits.shape == (1, 6, 49152) and not math.isnan(float(conf.sum()))
