@@ -45,7 +45,7 @@ def _attention_case(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, hea
     ptr = _PTR[dtype]
     dst = "*fp32" if splits > 1 else ptr  # split partials go to the fp32 workspace
     dst_lse = "*fp32" if splits > 1 or has_lse else ptr  # without lse the launcher passes `out` again
-    dot_dtype = tl.float32 if dtype == torch.float32 else RA._TL_DTYPES[dtype]
+    dot_dtype = tl.float32 if dtype == torch.float32 else RA.tl_dtype(dtype)
     group = num_q_heads // num_kv_heads
     blocks = RA.kernel_blocks(group, head_dim, max_q, torch.device("cuda"))
     ones = dict.fromkeys(["stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_bp"]

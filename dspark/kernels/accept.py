@@ -17,14 +17,13 @@ the tests accept exactly that difference on a device (tests/test_accept_kernels.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from dspark.kernels import dispatch
+from dspark.kernels._triton import constexpr, jit, tl, triton
 
 REF_CHUNK = 4096  # vocabulary entries per step of the reference's final draw
-_BIG = tl.constexpr(2**30)  # "no index" sentinel, above any vocabulary index
+_BIG = constexpr(2**30)  # "no index" sentinel, above any vocabulary index
 
 
 def vocab_block(vocab: int) -> int:
@@ -71,7 +70,7 @@ def _first_miss(draft: Tensor, match: Tensor, token_at: Tensor, verify_lens: Ten
     return correct, bonus
 
 
-@triton.jit
+@jit
 def _row_argmax(row_ptr, n, stride_v, BLOCK_V: tl.constexpr):
     """torch.argmax of one row: first maximum, NaN above everything (first NaN); reads n entries."""
     best_val = tl.full([], float("-inf"), tl.float32)
@@ -92,7 +91,7 @@ def _row_argmax(row_ptr, n, stride_v, BLOCK_V: tl.constexpr):
     return best_idx
 
 
-@triton.jit
+@jit
 def _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED: tl.constexpr):
     """(r, verify_len, element offset of r's root row: packed row start_ptr[r], or r * stride_req)."""
     r = tl.cast(item, tl.int64)
@@ -103,7 +102,7 @@ def _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED: tl.constex
     return r, tl.load(vl_ptr + r), base
 
 
-@triton.jit
+@jit
 def _greedy_kernel(draft_ptr, logits_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr, num_requests, vocab,
                    d_stride_b, d_stride_g, stride_req, stride_row, stride_v,
                    PACKED: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -211,13 +210,13 @@ def sampling_ref(draft: Tensor, draft_probs: Tensor, target_probs: Tensor, verif
     return correct, torch.minimum(pick, last_pos)
 
 
-@triton.jit
+@jit
 def _last(c, BLOCK: tl.constexpr):
     """The last lane of a block (exact: the other lanes add zeros)."""
     return tl.sum(tl.where(tl.arange(0, BLOCK) == BLOCK - 1, c, 0.0), 0)
 
 
-@triton.jit
+@jit
 def _sampling_kernel(draft_ptr, q_ptr, p_ptr, u_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr,
                      num_requests, vocab, d_stride_b, d_stride_g, q_stride_b, q_stride_g, q_stride_v,
                      stride_req, stride_row, stride_v, u_stride_b, last_col,

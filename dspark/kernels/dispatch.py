@@ -1,8 +1,8 @@
 """Kernel backend choice and launch policy.
 
-CUDA and NPU tensors run Triton kernels, CPU tensors run the torch reference. `DSPARK_KERNEL_BACKEND`
-(`auto` | `triton` | `torch`) overrides this; tests set `triton` to run kernels on the CPU through
-`TRITON_INTERPRET=1`.
+CUDA and NPU tensors run Triton kernels (when triton is installed, `dspark.kernels._triton`), CPU tensors
+run the torch reference. `DSPARK_KERNEL_BACKEND` (`auto` | `triton` | `torch`) overrides this; tests set
+`triton` to run kernels on the CPU through `TRITON_INTERPRET=1`.
 
 Every dspark kernel loops persistently over its work items
 (`for item in tl.range(tl.program_id(0), n, tl.num_programs(0))`), so one source serves both launch
@@ -15,6 +15,8 @@ import os
 from typing import Iterator
 
 import torch
+
+from dspark.kernels import _triton
 
 BACKEND_ENV = "DSPARK_KERNEL_BACKEND"
 _BACKENDS = ("auto", "triton", "torch")
@@ -32,11 +34,14 @@ def backend() -> str:
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when the kernels should run as Triton for these tensors."""
+    """True when the kernels should run as Triton for these tensors. Without triton installed `auto`
+    runs the torch reference everywhere, and forcing `triton` is an error that says what to install."""
     choice = backend()
+    if choice == "triton" and not _triton.available():
+        raise RuntimeError(f"{BACKEND_ENV}=triton but triton is not installed: {_triton.INSTALL_HINT}")
     if choice != "auto":
         return choice == "triton"
-    return any(t.device.type in ("cuda", "npu") for t in tensors)
+    return _triton.available() and any(t.device.type in ("cuda", "npu") for t in tensors)
 
 
 def use_host(*tensors: torch.Tensor) -> bool:

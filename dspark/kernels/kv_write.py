@@ -5,11 +5,10 @@ Rows whose slot is negative (padding rows of ghost slots) write nothing. Triton 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from dspark.kernels import dispatch
+from dspark.kernels._triton import jit, tl, triton
 
 
 def write_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor) -> None:
@@ -25,7 +24,7 @@ def write_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slot
     v_cache.index_put_(where, v.index_select(0, keep).to(v_cache.dtype))
 
 
-@triton.jit
+@jit
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, n_rows, n_items, num_heads, head_dim, page_size,
     stride_kr, stride_kh, stride_kd, stride_vr, stride_vh, stride_vd,

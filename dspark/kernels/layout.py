@@ -13,11 +13,10 @@ import math
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from dspark.kernels import dispatch
+from dspark.kernels._triton import jit, tl, triton
 
 SCAN_BLOCK = 1024   # lengths summed per step of the carried-prefix scan
 ROW_BLOCK = 128     # packed rows mapped per work item
@@ -32,7 +31,7 @@ def qo_indptr_ref(lens: Tensor) -> Tensor:
     return out
 
 
-@triton.jit
+@jit
 def _qo_indptr_kernel(lens_ptr, out_ptr, n, BLOCK: tl.constexpr):
     # One work item: the whole scan, block by block with the running prefix carried in a register.
     for _item in tl.range(tl.program_id(0), 1, tl.num_programs(0)):
@@ -82,7 +81,7 @@ def slot_maps_host(slot_lens: np.ndarray, num_rows: int) -> tuple[np.ndarray, np
     return indptr, row_slot, row_within
 
 
-@triton.jit
+@jit
 def _row_maps_kernel(slot_indptr_ptr, row_slot_ptr, row_within_ptr, num_slots, num_rows, search_steps,
                      BLOCK: tl.constexpr):
     # One work item per block of rows: each row's slot is the last s with slot_indptr[s] <= row, found
@@ -143,7 +142,7 @@ def scatter_ref(packed: Tensor, qo_indptr: Tensor, width: int, num_real_rows: in
     return out
 
 
-@triton.jit
+@jit
 def _copy_row(src_ptr, src_off, dst_row_ptr, d, valid, fill, BLOCK_D: tl.constexpr):
     """Copy one row of d elements when valid, else write fill."""
     src_d = tl.where(valid, d, 0)
@@ -153,7 +152,7 @@ def _copy_row(src_ptr, src_off, dst_row_ptr, d, valid, fill, BLOCK_D: tl.constex
         tl.store(dst_row_ptr + offs, x, mask=offs < d)
 
 
-@triton.jit
+@jit
 def _pack_kernel(src_ptr, dst_ptr, row_slot_ptr, row_within_ptr, rows, num_real_rows, d,
                  src_stride_b, src_stride_w, dst_stride, fill, BLOCK_D: tl.constexpr):
     # One work item per packed row: real rows copy strided[row_slot, row_within], padding rows = fill.
@@ -166,7 +165,7 @@ def _pack_kernel(src_ptr, dst_ptr, row_slot_ptr, row_within_ptr, rows, num_real_
                   d, valid, fill, BLOCK_D)
 
 
-@triton.jit
+@jit
 def _scatter_kernel(src_ptr, dst_ptr, qo_indptr_ptr, cells, width, d, src_stride, dst_stride, fill,
                     BLOCK_D: tl.constexpr):
     # One work item per (request r, position j): packed row qo_indptr[r] + j when j < len(r), else fill.

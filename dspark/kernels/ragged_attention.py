@@ -17,15 +17,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from dspark.kernels import dispatch
+from dspark.kernels._triton import jit, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LN2 = math.log(2.0)
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 class VerifyAttentionMeta(NamedTuple):
@@ -138,7 +136,12 @@ def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Ve
         lse.copy_(lse_rows.masked_fill_(plan.pad, float("-inf")))
 
 
-@triton.jit
+def tl_dtype(dtype: torch.dtype) -> object:
+    """The triton.language dtype of a torch float dtype (the kernels' dot dtype)."""
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+@jit
 def _ragged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr,
     qo_start_ptr, slot_lens_ptr, seqused_ptr, prefix_ptr,
@@ -223,7 +226,7 @@ def _ragged_attention_kernel(
                 tl.store(lse_base + rows * stride_lr + heads * stride_lh, lse, mask=owned)
 
 
-@triton.jit
+@jit
 def _merge_splits_kernel(
     po_ptr, pl_ptr, o_ptr, lse_ptr, n_rows, num_heads, head_dim,
     stride_pos, stride_por, stride_poh, stride_pod, stride_pls, stride_plr, stride_plh,
@@ -320,7 +323,7 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
         lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
     # the Triton 3.9 interpreter computes bf16 tl.dot wrongly, so interpreted bf16 runs its dots in fp32
     interpreted_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
-    dot_dtype = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else _TL_DTYPES[q.dtype]
+    dot_dtype = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else tl_dtype(q.dtype)
     _ragged_attention_kernel[dispatch.grid(n_items, q.device)](
         q, k_cache, v_cache, dst, dst_lse, meta.block_table,
         meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens,

@@ -31,12 +31,7 @@ import torch
 from torch import Tensor
 
 from dspark.kernels import dispatch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is Linux-only
-    triton = None
+from dspark.kernels._triton import jit, tl, triton
 
 
 def _eps_key(eps: float) -> int:
@@ -84,55 +79,54 @@ def candidate_keys(survival: Tensor, floor: int, cap: int, eps: float) -> Tensor
     return torch.where(cand >= eps, bits, torch.full_like(bits, -1)).t().contiguous()
 
 
-if triton is not None:
-
-    @triton.jit
-    def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr):
-        """One work item: out = [t, cut]; t = key of the k-th best valid candidate (radix-16 select by
-        counting), cut = 1 + index of the last tie taken at t (0 when none)."""
-        d16 = tl.arange(0, 16)
-        for _ in tl.range(tl.program_id(0), 1, tl.num_programs(0)):
-            k_eff = k
-            t = tl.zeros((), dtype=tl.int32)
-            for level in tl.static_range(8):
-                counts = tl.zeros((16,), dtype=tl.int32)
-                for start in range(0, n, BLOCK):
-                    i = start + tl.arange(0, BLOCK)
-                    u = tl.load(key_ptr + i, mask=i < n, other=-1)
-                    ge = (u >> (28 - 4 * level))[:, None] >= (t * 16 + d16)[None, :]
-                    counts += tl.sum(((u >= 0)[:, None] & ge).to(tl.int32), axis=0)
-                if level == 0:
-                    k_eff = tl.minimum(k, tl.max(counts, axis=0))
-                digit = tl.sum((counts >= k_eff).to(tl.int32), axis=0) - 1
-                t = tl.where(k_eff > 0, t * 16 + digit, t)
-            need = k_eff
+@jit
+def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr):
+    """One work item: out = [t, cut]; t = key of the k-th best valid candidate (radix-16 select by
+    counting), cut = 1 + index of the last tie taken at t (0 when none)."""
+    d16 = tl.arange(0, 16)
+    for _ in tl.range(tl.program_id(0), 1, tl.num_programs(0)):
+        k_eff = k
+        t = tl.zeros((), dtype=tl.int32)
+        for level in tl.static_range(8):
+            counts = tl.zeros((16,), dtype=tl.int32)
             for start in range(0, n, BLOCK):
                 i = start + tl.arange(0, BLOCK)
                 u = tl.load(key_ptr + i, mask=i < n, other=-1)
-                need -= tl.sum((u > t).to(tl.int32), axis=0)
-            cut = tl.zeros((), dtype=tl.int32)
-            for level in range(key_levels):
-                counts = tl.zeros((16,), dtype=tl.int32)
-                for start in range(0, n, BLOCK):
-                    i = start + tl.arange(0, BLOCK)
-                    u = tl.load(key_ptr + i, mask=i < n, other=-1)
-                    le = (i >> (4 * (key_levels - 1 - level)))[:, None] <= (cut * 16 + d16)[None, :]
-                    counts += tl.sum((((u == t) & (u >= 0))[:, None] & le).to(tl.int32), axis=0)
-                cut = cut * 16 + 16 - tl.sum((counts >= need).to(tl.int32), axis=0)
-            tl.store(out_ptr, t)
-            tl.store(out_ptr + 1, tl.where(need > 0, cut + 1, 0))
+                ge = (u >> (28 - 4 * level))[:, None] >= (t * 16 + d16)[None, :]
+                counts += tl.sum(((u >= 0)[:, None] & ge).to(tl.int32), axis=0)
+            if level == 0:
+                k_eff = tl.minimum(k, tl.max(counts, axis=0))
+            digit = tl.sum((counts >= k_eff).to(tl.int32), axis=0) - 1
+            t = tl.where(k_eff > 0, t * 16 + digit, t)
+        need = k_eff
+        for start in range(0, n, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            u = tl.load(key_ptr + i, mask=i < n, other=-1)
+            need -= tl.sum((u > t).to(tl.int32), axis=0)
+        cut = tl.zeros((), dtype=tl.int32)
+        for level in range(key_levels):
+            counts = tl.zeros((16,), dtype=tl.int32)
+            for start in range(0, n, BLOCK):
+                i = start + tl.arange(0, BLOCK)
+                u = tl.load(key_ptr + i, mask=i < n, other=-1)
+                le = (i >> (4 * (key_levels - 1 - level)))[:, None] <= (cut * 16 + d16)[None, :]
+                counts += tl.sum((((u == t) & (u >= 0))[:, None] & le).to(tl.int32), axis=0)
+            cut = cut * 16 + 16 - tl.sum((counts >= need).to(tl.int32), axis=0)
+        tl.store(out_ptr, t)
+        tl.store(out_ptr + 1, tl.where(need > 0, cut + 1, 0))
 
-    @triton.jit
-    def _lens_kernel(key_ptr, thr_ptr, lens_ptr, B, C, floor, BLOCK_C: tl.constexpr):
-        """Per request (persistent loop): verify_len = F + #selected in its window column."""
-        t = tl.load(thr_ptr)
-        cut = tl.load(thr_ptr + 1)
-        j = tl.arange(0, BLOCK_C)
-        for r in tl.range(tl.program_id(0), B, tl.num_programs(0)):
-            i = j * B + r
-            u = tl.load(key_ptr + i, mask=j < C, other=-1)
-            sel = (u >= 0) & ((u > t) | ((u == t) & (i < cut)))
-            tl.store(lens_ptr + r, floor + tl.sum(sel.to(tl.int32), axis=0))
+
+@jit
+def _lens_kernel(key_ptr, thr_ptr, lens_ptr, B, C, floor, BLOCK_C: tl.constexpr):
+    """Per request (persistent loop): verify_len = F + #selected in its window column."""
+    t = tl.load(thr_ptr)
+    cut = tl.load(thr_ptr + 1)
+    j = tl.arange(0, BLOCK_C)
+    for r in tl.range(tl.program_id(0), B, tl.num_programs(0)):
+        i = j * B + r
+        u = tl.load(key_ptr + i, mask=j < C, other=-1)
+        sel = (u >= 0) & ((u > t) | ((u == t) & (i < cut)))
+        tl.store(lens_ptr + r, floor + tl.sum(sel.to(tl.int32), axis=0))
 
 
 def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps: float,
@@ -156,6 +150,6 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
 
 def verify_lens(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
     """Dispatch for device survival: Triton on CUDA/NPU (or when forced), the torch reference otherwise."""
-    if triton is not None and dispatch.use_triton(survival):
+    if dispatch.use_triton(survival):
         return verify_lens_triton(survival, budget, floor, cap, eps)
     return verify_lens_ref(survival, budget, floor, cap, eps)
