@@ -50,7 +50,11 @@ def device(pytestconfig: pytest.Config):
 
 @pytest.fixture
 def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force the Triton kernels (interpreted on the CPU)."""
+    """Force the Triton kernels (interpreted on the CPU); skipped where triton is not installed."""
+    from dspark.kernels import _triton
+
+    if not _triton.available():
+        pytest.skip("needs triton (the gpu extra)")
     monkeypatch.setenv("DSPARK_KERNEL_BACKEND", "triton")
 
 
