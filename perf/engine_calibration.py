@@ -26,9 +26,9 @@ import torch
 
 from dspark.calibration import fit_sts
 from dspark.engine.decode import SpecDecoder
-from dspark.engine.demo import heldout_prompts
+from dspark.engine.demo import load_models
 from dspark.engine.sts import STARTS, record_sts, record_sts_teacher_forced
-from dspark.engine.train import TrainConfig, load_or_train
+from dspark.models.corpus import prompt_windows
 from dspark.fileio import write_json_atomic
 
 
@@ -80,10 +80,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    target, draft, trained = load_or_train(TrainConfig())
+    target, draft, encode = load_models(torch.device("cpu"))
     decode_loop = args.recorder == "decode"
-    decoder = SpecDecoder(target, draft, cache_tokens=(args.prompts if decode_loop else 1) * target.cfg.max_seq_len)
-    prompts = heldout_prompts(args.prompts, args.prompt_len, args.seed)
+    decoder = SpecDecoder(target, draft, cache_tokens=(args.prompts if decode_loop else 1) * 1024)
+    prompts = prompt_windows("heldout", encode, args.prompts, args.prompt_len, args.seed)
     t1 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         if decode_loop:
@@ -98,7 +98,7 @@ def main() -> None:
 
     rows = [_row(p, ev) for ev in ("cumulative", "conditional") for p in calib.metrics["positions"] if p[ev]]
     source = "decode loop" if decode_loop else f"teacher-forced, starts={args.starts}"
-    print(f"models {'trained now' if trained else 'from cache'}; recorded {data.num_rows} rows ({source}; "
+    print(f"SmolLM2 + shipped draft; recorded {data.num_rows} rows ({source}; "
           f"{args.prompts} prompts x {args.new_tokens} new tokens, gamma {args.gamma}) in {t2 - t1:.1f}s; "
           f"fit+report {t3 - t2:.1f}s; held-out {calib.data['heldout_rows']} rows / "
           f"{calib.data['heldout_requests']} requests")
@@ -129,7 +129,7 @@ def main() -> None:
         "command": "PYTHONPATH=. python perf/engine_calibration.py " + " ".join(
             f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
             for k, v in vars(args).items() if k != "out" and v is not False),
-        "platform": platform.machine(), "threads": args.threads, "trained_now": trained, "source": source,
+        "platform": platform.machine(), "threads": args.threads, "source": source,
         "record_seconds": t2 - t1, "fit_seconds": t3 - t2, "rows": data.num_rows,
         "temperatures": calib.temperatures, "data": calib.data, "table": rows,
         "ece_le_1pct_every_position": met, "head_better_than_margin_positions": better,

@@ -25,12 +25,12 @@ from dspark.budget import greedy_budget_host
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel
 from dspark.engine.decode import SpecDecoder
-from dspark.engine.demo import heldout_prompts, request_lengths
+from dspark.engine.demo import load_models, request_lengths
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import Adaptive, FixedK
-from dspark.engine.train import TrainConfig, load_or_train
 from dspark.fileio import write_json_atomic
 from dspark.layout import RaggedVerifyLayout
+from dspark.models.corpus import prompt_windows
 from dspark.planner import VerifyPlanner
 from dspark.survival import survival_from_checked
 
@@ -62,11 +62,11 @@ def main() -> None:
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.set_num_threads(1)
-    target, draft, _ = load_or_train(TrainConfig(), None, None)
+    target, draft, encode = load_models(torch.device("cpu"))
     cfg, cost = ScheduleConfig(gamma=args.gamma), _cost(args.gamma)
-    base = SpecDecoder(target, draft, cache_tokens=max(batch_sizes) * target.cfg.max_seq_len, clock="thread")
+    base = SpecDecoder(target, draft, cache_tokens=max(batch_sizes) * 256, clock="thread")
     decoders = {"adaptive": base.fork(), f"fixed-{args.gamma}": base.fork()}
-    prompts = heldout_prompts(3 * max(batch_sizes), 32, 0)
+    prompts = prompt_windows("heldout", encode, 3 * max(batch_sizes), 32, 0)
     lengths = request_lengths(prompts.shape[0], 32, 0.5, 0)
     results = []
     print(f"{'B':>4} {'policy':<9} " + " ".join(f"{p + ' ms':>10}" for p in PHASES) + f" {'plan share':>10}")

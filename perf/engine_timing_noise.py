@@ -18,11 +18,11 @@ import statistics
 import torch
 
 from dspark.engine.decode import SpecDecoder
-from dspark.engine.demo import heldout_prompts, request_lengths
+from dspark.engine.demo import load_models, request_lengths
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import FixedK
-from dspark.engine.train import TrainConfig, load_or_train
 from dspark.fileio import write_json_atomic
+from dspark.models.corpus import prompt_windows
 
 
 def _steady(res) -> float:
@@ -43,11 +43,11 @@ def main() -> None:
     ap.add_argument("--out", default="perf/results/engine_timing_noise.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    target, draft, _ = load_or_train(TrainConfig(), None, None)
+    target, draft, encode = load_models(torch.device("cpu"))
     b = args.batch
-    base = SpecDecoder(target, draft, cache_tokens=b * target.cfg.max_seq_len, clock="thread")
+    base = SpecDecoder(target, draft, cache_tokens=b * 256, clock="thread")
     twins = (base.fork(), base.fork())
-    queue = heldout_prompts(3 * b, 32, 0)
+    queue = prompt_windows("heldout", encode, 3 * b, 32, 0)
     counts = request_lengths(3 * b, 32, 0.5, 0)
     for dec in (base, *twins):  # warm-up
         dec.generate(queue, counts, FixedK(args.k), slots=b)

@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 
 from dspark.attention import RaggedVerifyAttention  # noqa: E402
 from dspark.engine.kv_cache import PagedKVCache  # noqa: E402
-from dspark.engine.step_attention import StepAttention  # noqa: E402
+from dspark.models.paged_attend import PagedAttend  # noqa: E402
 from dspark.layout import RaggedVerifyLayout  # noqa: E402
 from dspark.models.draft import (DEFAULT_WEIGHTS, DraftConfig, DraftModel, load_draft,  # noqa: E402
                                  manifest_path)
@@ -43,8 +43,8 @@ def tiny_run(tmp_path_factory, target):
 
 
 def test_packed_forward_over_paged_cache_equals_dense(target):
-    """Two requests in two forwards (a prefill, then ragged rows) through the engine's StepAttention over
-    a paged cache give the dense causal path's hidden states."""
+    """Two requests in two forwards (a prefill, then ragged rows) through `PagedAttend` (the engine's
+    attention) over a paged cache give the dense causal path's hidden states."""
     draft = _draft(target)
     g = draft.geometry
     gen = torch.Generator().manual_seed(0)
@@ -61,7 +61,7 @@ def test_packed_forward_over_paged_cache_equals_dense(target):
         spans = [(lo(i), hi(i)) for i in range(2)]
         layout = RaggedVerifyLayout.from_verify_lens([b - a for a, b in spans])
         prefix = torch.tensor([a for a, _ in spans], dtype=torch.int32)
-        step = StepAttention(attn, cache, layout, prefix, table)
+        step = PagedAttend(attn, cache.k, cache.v, layout, prefix, table)
         rows = torch.cat([tokens[i][a:b] for i, (a, b) in enumerate(spans)])
         out = draft(rows, step.positions, torch.cat([feats[i][a:b] for i, (a, b) in enumerate(spans)]), step)
         want = torch.cat([dense[i][a:b] for i, (a, b) in enumerate(spans)])

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from dspark._validate import check_int
 from dspark.confidence import ConfidenceHead, previous_tokens
-from dspark.engine.model import apply_rope
 from dspark.models.geometry import ModelGeometry
 
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (layer, q [N,Hq,D], k [N,Hkv,D], v) -> [N,Hq,D]
@@ -39,6 +38,12 @@ DEFAULT_WEIGHTS = WEIGHTS_DIR / "smollm2_135m_draft.safetensors"
 FORMAT = "dspark-draft-v1"
 METADATA_KEY = "dspark_draft"  # the safetensors metadata entry: JSON of format, config, target
 RETRAIN = "python -m dspark.models.train_draft"
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (first half, second half) of the head dim, as Llama does; cos/sin broadcast over heads."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
 @dataclass(frozen=True)
