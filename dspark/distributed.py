@@ -136,8 +136,8 @@ def _local_lens(verify_lens: object) -> tuple[Tensor | None, str | None]:
     problem is not raised before the collective: the other ranks would wait in it forever."""
     if not isinstance(verify_lens, Tensor):
         return None, f"verify_lens must be a torch.Tensor, got {type(verify_lens).__name__}: {verify_lens!r}"
-    if verify_lens.dim() != 1 or verify_lens.dtype.is_floating_point or verify_lens.dtype.is_complex \
-            or verify_lens.dtype == torch.bool:
+    dtype = verify_lens.dtype
+    if verify_lens.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         return None, (f"verify_lens must be a 1-D integer tensor, got {verify_lens.dtype} "
                       f"{tuple(verify_lens.shape)}")
     return verify_lens.to(torch.int32), None
