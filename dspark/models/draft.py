@@ -57,7 +57,7 @@ class DraftConfig:
     num_kv_heads: int = 3
     head_dim: int = 64
     intermediate_size: int = 1024
-    chain_size: int = 768
+    chain_size: int = 512
     gamma: int = 6
     markov_rank: int = 8
     max_seq_len: int = 2048
@@ -81,6 +81,13 @@ class DraftConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm that casts its weight to the input's dtype, so bf16 autocast keeps the fused kernel."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
 class DraftModel(nn.Module):
@@ -107,18 +114,18 @@ class DraftModel(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids)
         self.register_buffer("out_rows", lm_head.detach()[vocab_ids].clone(), persistent=False)
         eps, hq, hkv, hd = cfg.rms_eps, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
-        self.feat_norm, self.emb_norm = nn.RMSNorm(d, eps=eps), nn.RMSNorm(d, eps=eps)
+        self.feat_norm, self.emb_norm = RMSNorm(d, eps=eps), RMSNorm(d, eps=eps)
         self.fuse = nn.Linear(2 * d, d, bias=False)
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(d, eps=eps), nn.RMSNorm(d, eps=eps)
+        self.attn_norm, self.mlp_norm = RMSNorm(d, eps=eps), RMSNorm(d, eps=eps)
         self.q_proj, self.kv_proj = nn.Linear(d, hq * hd, bias=False), nn.Linear(d, 2 * hkv * hd, bias=False)
         self.o_proj = nn.Linear(hq * hd, d, bias=False)
         self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
-        self.chain_norm, self.chain_emb_norm = nn.RMSNorm(d, eps=eps), nn.RMSNorm(d, eps=eps)
+        self.chain_norm, self.chain_emb_norm = RMSNorm(d, eps=eps), RMSNorm(d, eps=eps)
         self.chain_in = nn.Linear(2 * d, 2 * cfg.chain_size, bias=False)
         self.chain_pos = nn.Parameter(torch.zeros(max(cfg.gamma - 1, 1), 2 * cfg.chain_size))
         self.chain_out = nn.Linear(cfg.chain_size, d, bias=False)
-        self.out_norm = nn.RMSNorm(d, eps=eps)
+        self.out_norm = RMSNorm(d, eps=eps)
         self.confidence = ConfidenceHead(d, cfg.markov_rank, v if cfg.markov_rank else None)
         half = hd // 2
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
@@ -175,8 +182,8 @@ class DraftModel(nn.Module):
     def chain(self, hidden: Tensor, k: int, teacher: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(hk [..., k, d], reduced logits [..., k, draft_vocab_size]) from the last row's hidden [..., d].
 
-        Step j > 0 reads the embedding of draft j-1: `teacher[..., j-1]` (target ids, training) or the
-        argmax of step j-1 (serving)."""
+        Step j > 0 reads the embedding of draft j-1: `teacher[..., j-1]` (target ids, training: one logits
+        matmul at the end) or the argmax of step j-1 (serving)."""
         check_int("k", k, 0)
         if k > self.gamma:
             raise ValueError(f"k={k} exceeds gamma={self.gamma}")
@@ -188,11 +195,13 @@ class DraftModel(nn.Module):
                             + self.chain_pos[j - 1]).chunk(2, dim=-1)
                 x = x + self.chain_out(F.silu(gate) * up)
             states.append(self.out_norm(x))
-            logits.append(states[-1] @ self.out_rows.t().to(states[-1].dtype))
-        if not k:
-            shape = hidden.shape[:-1] + (0,)
-            return hidden.new_zeros(shape + (hidden.shape[-1],)), hidden.new_zeros(shape + (self.out_rows.shape[0],))
-        return torch.stack(states, -2), torch.stack(logits, -2)
+            if teacher is None:
+                logits.append(self._reduced_logits(states[-1]))
+        hk = torch.stack(states, -2) if k else hidden.new_zeros(hidden.shape[:-1] + (0, hidden.shape[-1]))
+        return hk, (torch.stack(logits, -2) if teacher is None and k else self._reduced_logits(hk))
+
+    def _reduced_logits(self, hk: Tensor) -> Tensor:
+        return hk @ self.out_rows.t().to(hk.dtype)
 
     def block_hidden(self, hidden: Tensor, k: int) -> Tensor:
         """[..., d] -> [..., k, d]: the states of the first k draft positions (greedy chain)."""
@@ -205,7 +214,7 @@ class DraftModel(nn.Module):
 
     def logits(self, hk: Tensor) -> Tensor:
         """[..., k, d] -> [..., k, V] token logits over the target vocabulary (-inf outside the draft vocab)."""
-        return self.scatter_logits(hk @ self.out_rows.t().to(hk.dtype))
+        return self.scatter_logits(self._reduced_logits(hk))
 
     def confidence_logits(self, hk: Tensor, anchor: Tensor, drafts: Tensor) -> Tensor:
         """[..., k] confidence logits from hk [..., k, d]; draft j also sees the token before it (anchor [...]
@@ -237,6 +246,7 @@ def target_identity(target: nn.Module) -> dict:
 
 
 def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -250,10 +260,15 @@ def manifest_path(path: Path) -> Path:
 
 
 def _check_target(path: Path, stored: dict, actual: dict) -> None:
+    """ValueError naming the first identity field where the file's target and this one differ (the embedding
+    probe to 1 %, so a float16 / bfloat16 copy of the same target passes)."""
     for key, want in stored.items():
         got = actual.get(key)
-        same = (all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(want, got)) and len(want) == len(got)
-                if key == "embed_probe" and isinstance(got, list) else want == got)
+        if key == "embed_probe":
+            same = len(want) == len(got) and all(math.isclose(a, b, rel_tol=1e-2, abs_tol=1e-2)
+                                                 for a, b in zip(want, got))
+        else:
+            same = want == got
         if not same:
             raise ValueError(f"draft weights {path} were trained for another target: {key} is {want!r} in the "
                              f"file but {got!r} for this model; retrain with {RETRAIN}")
