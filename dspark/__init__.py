@@ -2,14 +2,15 @@
 
 The public API, re-exported flat (DESIGN.md section 4b).
 """
-from dspark.accept import AcceptResult, accept_greedy, accept_sampling
-from dspark.allocate import allocate_verify_lens
-from dspark.attention import RaggedVerifyAttention, verify_attention, write_kv
-from dspark.budget import BudgetDecision, choose_budget, expected_commit, greedy_budget, tau_curve
-from dspark.calibration import Calibration, fit_sts, fit_temperatures
-from dspark.calibration_metrics import auroc, brier, ece, nll, top2_margin
-from dspark.calibration_recorder import StsData, StsRecorder, load_sts
-from dspark.confidence import ConfidenceHead, confidence_loss, previous_tokens, soft_accept_target
+from dspark.calibration.confidence import (
+    ConfidenceHead,
+    confidence_loss,
+    previous_tokens,
+    soft_accept_target,
+)
+from dspark.calibration.fit import Calibration, fit_sts, fit_temperatures
+from dspark.calibration.metrics import auroc, brier, ece, nll, top2_margin
+from dspark.calibration.recorder import StsData, StsRecorder, load_sts
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import (
     AdditiveCostModel,
@@ -22,7 +23,7 @@ from dspark.cost import (
     load_cost_model,
     register_cost_model,
 )
-from dspark.distributed import (
+from dspark.parallel import (
     CostTableMismatchError,
     DpTier,
     DpTierAgreement,
@@ -31,12 +32,23 @@ from dspark.distributed import (
     TpDisagreementError,
     check_cost_table,
 )
-from dspark.graphs import GraphBackend, StepBuffers, TierGraphRunner, TierManifest
-from dspark.layout import RaggedVerifyLayout
-from dspark.planner import VerifyPlan, VerifyPlanner
-from dspark.survival import SurvivalLagRing, calibrated_survival, monotone_survival
+from dspark.plan.allocate import allocate_verify_lens
+from dspark.plan.budget import (
+    BudgetDecision,
+    choose_budget,
+    expected_commit,
+    greedy_budget,
+    tau_curve,
+)
+from dspark.plan.planner import VerifyPlan, VerifyPlanner
+from dspark.plan.survival import SurvivalLagRing, calibrated_survival, monotone_survival
 from dspark.telemetry import StepRecord, acceptance, tau_bias
-from dspark.verify_inputs import VerifyInputs, build_verify_inputs
+from dspark.verify.accept import AcceptResult, accept_greedy, accept_sampling
+from dspark.verify.attention import RaggedVerifyAttention, verify_attention, write_kv
+from dspark.verify.graphs import GraphBackend, StepBuffers, TierGraphRunner
+from dspark.verify.inputs import VerifyInputs, build_verify_inputs
+from dspark.verify.layout import RaggedVerifyLayout
+from dspark.verify.manifest import TierManifest
 
 __all__ = [
     "StepRecord",

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
-from dspark._validate import check_type
+from dspark.util.validate import check_type
 
 
 @dataclass(frozen=True)

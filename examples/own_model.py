@@ -11,7 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import dspark
-from dspark.models import PagedAttend, TransformersCausalLM  # importing registers dspark's attention function
+from dspark.models import (  # importing registers dspark's attention function
+    PagedAttend,
+    TransformersCausalLM,
+)
 
 
 def main() -> None:

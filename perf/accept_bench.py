@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark import RaggedVerifyLayout, accept_greedy, accept_sampling
-from dspark.fileio import atomic_write_text
+from dspark.util.fileio import atomic_write_text
 
 METHODS = ("greedy/packed", "greedy/expand", "sampling/packed", "sampling/expand")
 

@@ -23,11 +23,15 @@ from typing import Callable
 import torch
 
 from dspark.ascend import runtime
-from dspark.ascend.capability import NpuVerifyConfig, RaggedGraphCapability, choose_npu_verify_mode
+from dspark.ascend.capability import (
+    NpuVerifyConfig,
+    RaggedGraphCapability,
+    choose_npu_verify_mode,
+)
 from dspark.ascend.graphs import NpuGraphBackend, VerifyMetadataBuffers
 from dspark.ascend.metadata import AscendVerifyMetadata
-from dspark.fileio import atomic_write_text
-from dspark.layout import RaggedVerifyLayout, round_up_to_tier
+from dspark.util.fileio import atomic_write_text
+from dspark.verify.layout import RaggedVerifyLayout, round_up_to_tier
 
 N = 4                      # static width (draft_token_num) of the checks
 TIERS = (8, 16)
@@ -170,8 +174,8 @@ def _graph_replay_checks(dev: torch.device) -> list[Check]:
 
 
 def step3_cpu() -> StepResult:
-    """TP ranks agree by hashing verify_lens (dspark.distributed); equal lens must give equal metadata."""
-    from dspark.distributed import verify_lens_hash
+    """TP ranks agree by hashing verify_lens (dspark.parallel); equal lens must give equal metadata."""
+    from dspark.parallel import verify_lens_hash
 
     res = StepResult(3, "TP only: identical verify lengths on every rank",
                      reason="device part (hash all-reduce over HCCL on >= 2 NPU ranks) needs NPU ranks")

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from dspark.ascend import AscendVerifyMetadata, runtime
-from dspark.fileio import atomic_write_text
-from dspark.layout import RaggedVerifyLayout
+from dspark.util.fileio import atomic_write_text
+from dspark.verify.layout import RaggedVerifyLayout
 
 WIDTH = 8  # W = gamma + 1 with gamma = 7
 

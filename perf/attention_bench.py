@@ -29,11 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark import RaggedVerifyAttention, RaggedVerifyLayout  # noqa: E402
-from dspark.accept import accept_greedy  # noqa: E402
-from dspark.attention import write_kv  # noqa: E402
-from dspark.fileio import atomic_write_text  # noqa: E402
 from dspark.kernels import dispatch  # noqa: E402
-from dspark.verify_inputs import build_verify_inputs  # noqa: E402
+from dspark.util.fileio import atomic_write_text  # noqa: E402
+from dspark.verify.accept import accept_greedy  # noqa: E402
+from dspark.verify.attention import write_kv  # noqa: E402
+from dspark.verify.inputs import build_verify_inputs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PACKED_OUTPUT = {"dspark", "flashinfer"}  # [B*W, Hq, D]; the others return [B, Hq, W, D]

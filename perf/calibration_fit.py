@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from dspark.calibration import evaluate, fit_temperatures, split_by_request
-from dspark.calibration_recorder import StsRecorder, load_sts
-from dspark.fileio import atomic_write_text
+from dspark.calibration.fit import evaluate, fit_temperatures, split_by_request
+from dspark.calibration.recorder import StsRecorder, load_sts
+from dspark.util.fileio import atomic_write_text
 
 
 def synthetic_steps(rows: int, temps: torch.Tensor, batch: int, seed: int):

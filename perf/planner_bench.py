@@ -18,9 +18,15 @@ import time
 
 import torch
 
-from dspark import AdditiveCostModel, ScheduleConfig, allocate_verify_lens, calibrated_survival, choose_budget
-from dspark.fileio import atomic_write_text
-from dspark.survival import monotone_survival
+from dspark import (
+    AdditiveCostModel,
+    ScheduleConfig,
+    allocate_verify_lens,
+    calibrated_survival,
+    choose_budget,
+)
+from dspark.plan.survival import monotone_survival
+from dspark.util.fileio import atomic_write_text
 
 BATCHES = (1, 8, 64, 256, 1024)
 GAMMAS = (4, 7, 16)

@@ -12,7 +12,7 @@ The models are fitted on the pinned samples only. Writes to --out (default graph
   python perf/tier_sweep.py --dense                                  # built-in block verify step, CPU
   python perf/tier_sweep.py --adapter mypkg.mod:make_adapter --device cuda
 The adapter factory is called as factory(tiers=, width=, max_requests=, device=) and returns a
-`dspark.profiling.StepAdapter` (prepare(num_requests, rows) / step()).
+`dspark.engine.sweep.StepAdapter` (prepare(num_requests, rows) / step()).
 """
 from __future__ import annotations
 
@@ -26,10 +26,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from dspark.blockstep import BlockVerifyAdapter
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
-from dspark.fileio import atomic_write, write_json_atomic
-from dspark.profiling import CLOCKS, STATS, StepAdapter, dense_rows, fit_cost_models, profile_steps, tier_rows
+from dspark.engine.blockstep import BlockVerifyAdapter
+from dspark.engine.sweep import (
+    CLOCKS,
+    STATS,
+    StepAdapter,
+    dense_rows,
+    fit_cost_models,
+    profile_steps,
+    tier_rows,
+)
+from dspark.util.fileio import atomic_write, write_json_atomic
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
 SWEEP_VERSION = 1

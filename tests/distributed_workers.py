@@ -12,16 +12,16 @@ import torch.distributed as dist
 
 from dspark.config import ScheduleConfig
 from dspark.cost import StepsPerSecondTable
-from dspark.distributed import (
+from dspark.parallel import (
     CostTableMismatchError,
     DpTierAgreement,
     ParallelConfig,
     TpAgreement,
     TpDisagreementError,
 )
-from dspark.layout import RaggedVerifyLayout
-from dspark.planner import VerifyPlanner
-from dspark.survival import calibrated_survival
+from dspark.plan.planner import VerifyPlanner
+from dspark.plan.survival import calibrated_survival
+from dspark.verify.layout import RaggedVerifyLayout
 
 GAMMA = 7
 WIDTH = GAMMA + 1

@@ -6,7 +6,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark import ScheduleConfig, allocate_verify_lens, calibrated_survival, expected_commit
+from dspark import (
+    ScheduleConfig,
+    allocate_verify_lens,
+    calibrated_survival,
+    expected_commit,
+)
 from dspark.kernels import dispatch, topk
 
 # Survival on a coarse dyadic grid: many exact ties, and sums are exact in float32 and float64.

@@ -154,8 +154,8 @@ def _kv_write_cases(device: torch.device) -> list[Case]:
 
 def _attention_cases(device: torch.device) -> list[Case]:
     """Ragged verify attention (one kv split and three, which adds the merge kernel), with a ghost slot."""
-    from dspark.attention import RaggedVerifyAttention
-    from dspark.layout import RaggedVerifyLayout
+    from dspark.verify.attention import RaggedVerifyAttention
+    from dspark.verify.layout import RaggedVerifyLayout
 
     def case(splits: int, seed: int) -> Case:
         gen = torch.Generator().manual_seed(seed)
@@ -181,7 +181,7 @@ def _attention_cases(device: torch.device) -> list[Case]:
 def _accept_cases(device: torch.device) -> list[Case]:
     """Greedy and rejection-sampling accept, strided and packed rows, B = 1 and odd B; poisoned outputs."""
     from dspark.kernels import accept
-    from dspark.layout import RaggedVerifyLayout
+    from dspark.verify.layout import RaggedVerifyLayout
 
     def case(b: int, gamma: int, vocab: int, packed: bool, sampling: bool, seed: int) -> Case:
         gen = torch.Generator().manual_seed(seed)

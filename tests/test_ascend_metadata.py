@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark.ascend import AscendVerifyMetadata
-from dspark.layout import RaggedVerifyLayout, round_up_to_tier
+from dspark.verify.layout import RaggedVerifyLayout, round_up_to_tier
 
 LIVE = [10, 127, 255]
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.ascend import AscendVerifyMetadata, NpuGraphBackend, VerifyMetadataBuffers, runtime
+from dspark.ascend import (
+    AscendVerifyMetadata,
+    NpuGraphBackend,
+    VerifyMetadataBuffers,
+    runtime,
+)
 from dspark.ascend.launch import npu_launch_policy
 from dspark.kernels import dispatch
-from dspark.layout import RaggedVerifyLayout
+from dspark.verify.layout import RaggedVerifyLayout
 
 pytestmark = pytest.mark.npu
 

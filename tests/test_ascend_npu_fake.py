@@ -17,13 +17,16 @@ from hypothesis import strategies as st
 
 from dspark.ascend import runtime
 from dspark.ascend.capability import (
-    CapabilityStatus, NpuVerifyConfig, RaggedGraphCapability, choose_npu_verify_mode,
+    CapabilityStatus,
+    NpuVerifyConfig,
+    RaggedGraphCapability,
+    choose_npu_verify_mode,
 )
 from dspark.ascend.graphs import NpuGraphBackend, VerifyMetadataBuffers
 from dspark.ascend.metadata import AscendVerifyMetadata
 from dspark.config import VerifyMode
 from dspark.kernels import dispatch
-from dspark.layout import RaggedVerifyLayout
+from dspark.verify.layout import RaggedVerifyLayout
 
 
 def _fake_torch_npu(calls: list) -> types.ModuleType:
@@ -253,7 +256,7 @@ def test_npu_launch_policy_uses_vector_cores(fake_npu: list) -> None:
 def test_tier_graph_runner_drives_the_npu_backend(fake_npu: list) -> None:
     """The tiers runner with the NPU backend: one pool, one capture per tier, replay after the update,
     and updatable ops re-issued with the host lists of the step's metadata."""
-    graphs = pytest.importorskip("dspark.graphs")
+    graphs = pytest.importorskip("dspark.verify.graphs")
     backend = graphs.default_backend(types.SimpleNamespace(type="npu", index=0))
     assert isinstance(backend, NpuGraphBackend)
     host_bufs = {t: VerifyMetadataBuffers(_graph_meta([1], [0]) if t == 8 else

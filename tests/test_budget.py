@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_allocate import cases
 
 from dspark import (
     AdditiveCostModel,
@@ -18,7 +19,6 @@ from dspark import (
     greedy_budget,
     tau_curve,
 )
-from test_allocate import cases
 
 
 def cliff_table() -> StepsPerSecondTable:

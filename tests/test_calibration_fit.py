@@ -6,10 +6,15 @@ import math
 import pytest
 import torch
 
+from dspark.calibration.fit import (
+    Calibration,
+    fit_sts,
+    fit_temperatures,
+    split_by_request,
+)
+from dspark.calibration.plots import plot_reliability
+from dspark.calibration.recorder import POLICIES, StsData, StsRecorder
 from dspark.cli import main as cli_main
-from dspark.calibration import Calibration, fit_sts, fit_temperatures, split_by_request
-from dspark.calibration_plots import plot_reliability
-from dspark.calibration_recorder import POLICIES, StsData, StsRecorder
 
 
 def synthetic(n, temps, seed, device, *, policy="greedy", censor=True, margin_signal=False, rid_offset=0,

@@ -7,8 +7,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dspark.calibration_metrics import (Sample, auroc, bootstrap_interval, brier, ece, ece_noise_floor,
-                                        metric_functions, nll, top2_margin)
+from dspark.calibration.metrics import (
+    Sample,
+    auroc,
+    bootstrap_interval,
+    brier,
+    ece,
+    ece_noise_floor,
+    metric_functions,
+    nll,
+    top2_margin,
+)
 
 
 def t(x, device):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.calibration_recorder import SHARD_FORMAT, StsRecorder, load_shard, load_sts
+from dspark.calibration.recorder import SHARD_FORMAT, StsRecorder, load_shard, load_sts
 
 NAN = float("nan")
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +121,7 @@ def test_foreign_and_empty_inputs_are_refused(tmp_path):
 
 _CHILD = textwrap.dedent("""
     import io, sys, time, torch
-    import dspark.calibration_recorder as cr
+    import dspark.calibration.recorder as cr
     mode, out = sys.argv[1], sys.argv[2]
     real_save, saves = torch.save, [0]
     def slow_save(obj, f):

@@ -4,8 +4,13 @@ import math
 import pytest
 import torch
 
-from dspark.confidence import (ConfidenceHead, check_prefix_mask, confidence_loss, previous_tokens,
-                               soft_accept_target)
+from dspark.calibration.confidence import (
+    ConfidenceHead,
+    check_prefix_mask,
+    confidence_loss,
+    previous_tokens,
+    soft_accept_target,
+)
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 4])

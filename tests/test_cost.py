@@ -18,7 +18,7 @@ from dspark import (
     register_cost_model,
 )
 from dspark.cost import SCHEMA_VERSION, bin_rows
-from dspark.fileio import atomic_write
+from dspark.util.fileio import atomic_write
 
 
 def sps() -> StepsPerSecondTable:

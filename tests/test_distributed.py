@@ -11,24 +11,24 @@ import os
 import tempfile
 import time
 
+import distributed_workers as w
 import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import distributed_workers as w
-from dspark.distributed import (
+from dspark.config import ScheduleConfig
+from dspark.parallel import (
     DpTierAgreement,
     ParallelConfig,
     TpAgreement,
     check_cost_table,
     verify_lens_hash,
 )
-from dspark.config import ScheduleConfig
-from dspark.layout import round_up_to_tier
-from dspark.planner import VerifyPlanner
-from dspark.multiproc import run_local_gloo
+from dspark.parallel.launch import run_local_gloo
+from dspark.plan.planner import VerifyPlanner
+from dspark.verify.layout import round_up_to_tier
 
 STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch runs many steps
     2: {"verify": 600, "broadcast": 200, "dp": 60, "planner": 30},

@@ -7,10 +7,10 @@ import torch
 
 from dspark.config import VerifyMode
 from dspark.engine.decode import SpecDecoder, check_device
+from dspark.engine.policies import FixedK, Oracle
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.streams import features, greedy_streams
 from dspark.models.transformers_lm import TransformersCausalLM
-from dspark.engine.policies import FixedK, Oracle
 from tests.engine_models import VOCAB, tiny_llama, tiny_models
 
 MODES = [m.value for m in VerifyMode]
@@ -140,7 +140,7 @@ def test_reserve_new_tokens_sizes_the_cache_not_the_output(decoder: SpecDecoder)
 
 
 def test_sts_recording_carries_the_margin_baseline(decoder: SpecDecoder, tmp_path) -> None:
-    from dspark.calibration_metrics import top2_margin
+    from dspark.calibration.metrics import top2_margin
     from dspark.engine.sts import record_and_fit, record_sts
 
     prompts = _prompts(6, 6, seed=3)
@@ -222,7 +222,7 @@ def test_fit_head_reaches_the_logistic_optimum(decoder: SpecDecoder) -> None:
     import copy
     import math
 
-    from dspark.confidence import confidence_loss
+    from dspark.calibration.confidence import confidence_loss
     from dspark.models.train_draft import fit_confidence, stream_rows
 
     draft = copy.deepcopy(decoder.draft)

@@ -6,9 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.engine.decode import SpecDecoder, finish
+from dspark.engine.decode import SpecDecoder
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import Adaptive, FixedK, Oracle
+from dspark.engine.results import finish
 from tests.test_engine import _prompts
 from tests.test_engine_speculate import GAMMA, _planner
 

@@ -9,7 +9,7 @@ from dspark.cost import StepsPerSecondTable
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import Adaptive, FixedK
 from dspark.engine.profile import PlainStepCost
-from dspark.planner import VerifyPlanner
+from dspark.plan.planner import VerifyPlanner
 from tests.engine_models import tiny_models
 from tests.test_engine import _prompts
 

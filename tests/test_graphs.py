@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark import RaggedVerifyLayout, TierGraphRunner, TierManifest
-from dspark.blockstep import BlockVerifyStep, split_rows
-from dspark.graphs import CudaGraphBackend, EagerBackend, StepBuffers
+from dspark.engine.blockstep import BlockVerifyStep, split_rows
+from dspark.verify.graphs import CudaGraphBackend, EagerBackend, StepBuffers
 
 TIERS = (4, 8, 16)
 W = 4
@@ -95,7 +95,7 @@ def test_cuda_graph_replay_two_layouts_equal_eager(device):
 
 def test_eager_fallback_past_largest_tier_and_slots(device, caplog):
     model, runner = make_runner(device)
-    caplog.set_level(logging.INFO, logger="dspark.graphs")
+    caplog.set_level(logging.INFO, logger="dspark.verify.graphs")
     big = [4, 4, 4, 4, 2]  # 18 rows > largest tier 16
     lay = runner.layout(big)
     assert lay.tier is None and "largest captured tier 16" in lay.eager_reason
@@ -193,7 +193,7 @@ def test_backend_selection_is_lazy_per_device_type(monkeypatch):
     import sys
     import types
 
-    from dspark.graphs import default_backend
+    from dspark.verify.graphs import default_backend
 
     assert isinstance(default_backend(torch.device("cpu")), EagerBackend)
     with pytest.raises(ValueError, match="needs a cuda device"):

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dspark import RaggedVerifyLayout
-from dspark.layout import PAD_SLOT
+from dspark.verify.layout import PAD_SLOT
 
 
 def test_worked_example_padded_to_tier():

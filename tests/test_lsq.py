@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.lsq import nonnegative_lstsq
+from dspark.cost.lsq import nonnegative_lstsq
 
 
 def _brute_force(a: np.ndarray, y: np.ndarray, free: int) -> float:

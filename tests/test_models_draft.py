@@ -10,13 +10,18 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from dspark.attention import RaggedVerifyAttention  # noqa: E402
 from dspark.engine.kv_cache import PagedKVCache  # noqa: E402
+from dspark.models.draft import (  # noqa: E402
+    DEFAULT_WEIGHTS,
+    DraftConfig,
+    DraftModel,
+    load_draft,
+    manifest_path,
+)
 from dspark.models.paged_attend import PagedAttend  # noqa: E402
-from dspark.layout import RaggedVerifyLayout  # noqa: E402
-from dspark.models.draft import (DEFAULT_WEIGHTS, DraftConfig, DraftModel, load_draft,  # noqa: E402
-                                 manifest_path)
 from dspark.models.train_draft import main, tiny_target  # noqa: E402
+from dspark.verify.attention import RaggedVerifyAttention  # noqa: E402
+from dspark.verify.layout import RaggedVerifyLayout  # noqa: E402
 
 
 @pytest.fixture(scope="module")

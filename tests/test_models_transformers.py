@@ -19,8 +19,14 @@ from hypothesis import strategies as st
 from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 import dspark
-from dspark.models import (ModelGeometry, PagedAttend, TransformersCausalLM, load_gguf_causal_lm, load_smollm2,
-                           smollm2)
+from dspark.models import (
+    ModelGeometry,
+    PagedAttend,
+    TransformersCausalLM,
+    load_gguf_causal_lm,
+    load_smollm2,
+    smollm2,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_SIZE = 4

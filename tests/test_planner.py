@@ -17,7 +17,7 @@ from dspark import (
     greedy_budget,
 )
 from dspark.cli import main as cli_main
-from dspark.layout import round_up_to_tier
+from dspark.verify.layout import round_up_to_tier
 
 GAMMA = 5
 

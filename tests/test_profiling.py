@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from dspark import ProfileSample, ScheduleConfig, TierManifest, load_cost_model
-from dspark.layout import round_up_to_tier
-from dspark.profiling import budget_regret, dense_rows, fit_cost_models, profile_steps, step_timer, tier_rows
+from dspark.engine.sweep import (
+    budget_regret,
+    dense_rows,
+    fit_cost_models,
+    profile_steps,
+    step_timer,
+    tier_rows,
+)
+from dspark.verify.layout import round_up_to_tier
 
 TIERS = (8, 16, 24, 32, 48, 64)
 W = 8
@@ -50,7 +57,7 @@ class FakeAdapter:
 
 
 def test_profile_steps_interleaves_warms_up_and_takes_medians(monkeypatch):
-    import dspark.profiling as prof
+    import dspark.engine.sweep as prof
 
     adapter = FakeAdapter()
     timed: dict = {}

@@ -6,7 +6,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dspark import SurvivalLagRing, calibrated_survival, monotone_survival
-from dspark.survival import check_temperatures, cumulative_survival, survival_from_checked
+from dspark.plan.survival import (
+    check_temperatures,
+    cumulative_survival,
+    survival_from_checked,
+)
 
 
 def test_teaching_example_survival():

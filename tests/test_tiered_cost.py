@@ -6,11 +6,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dspark import (AdditiveCostModel, CostModel, ProfileSample, ScheduleConfig, TieredCostModel, check_cost_model,
-                    choose_budget, load_cost_model)
+from dspark import (
+    AdditiveCostModel,
+    CostModel,
+    ProfileSample,
+    ScheduleConfig,
+    TieredCostModel,
+    check_cost_model,
+    choose_budget,
+    load_cost_model,
+)
 from dspark.cost import tier_edge_errors
-from dspark.layout import round_up_to_tier
-from dspark.profiling import dense_rows, tier_rows
+from dspark.engine.sweep import dense_rows, tier_rows
+from dspark.verify.layout import round_up_to_tier
 
 TIERS = (8, 16, 24, 32, 48, 64)
 W = 8

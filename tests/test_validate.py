@@ -1,9 +1,19 @@
-"""dspark._validate: the shared boundary checks name the offending value."""
+"""dspark.util.validate: the shared boundary checks name the offending value."""
 import pytest
 import torch
 
-from dspark._validate import (check_directory, check_int, check_kv_fits, check_nonnegative, check_path, check_tensor,
-                              check_type, check_verify_lens, first_duplicate, int_tensor)
+from dspark.util.validate import (
+    check_directory,
+    check_int,
+    check_kv_fits,
+    check_nonnegative,
+    check_path,
+    check_tensor,
+    check_type,
+    check_verify_lens,
+    first_duplicate,
+    int_tensor,
+)
 
 
 def test_check_int():

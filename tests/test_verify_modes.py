@@ -157,7 +157,7 @@ def test_bad_inputs(change, err, needle, device):
 def test_reused_planner_layout(device):
     """Compact inputs built on the planner's layout equal those built from scratch; a layout that does not
     belong to these verify_lens / tiers / slots, or any reuse outside compact mode, is refused."""
-    from dspark.layout import RaggedVerifyLayout
+    from dspark.verify.layout import RaggedVerifyLayout
 
     args, _, _ = _step(9, 4, 13, 3, device)
     tiers, slots = [8, 16, 32, 48], 9 + 10

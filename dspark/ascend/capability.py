@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dspark.config import VerifyMode
-from dspark.fileio import atomic_write_text, read_json
+from dspark.util.fileio import atomic_write_text, read_json
 
 log = logging.getLogger(__name__)
 

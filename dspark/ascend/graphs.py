@@ -1,4 +1,4 @@
-"""NPU graph backend for `dspark.graphs.TierGraphRunner`: one torch_npu graph per token tier.
+"""NPU graph backend for `dspark.verify.graphs.TierGraphRunner`: one torch_npu graph per token tier.
 
 Device buffers are refreshed by plain copies before replay, as on CUDA. What a captured NPU graph cannot
 see through buffers are host-side operator parameters: the fused attention ops take the cumulative query
@@ -20,10 +20,10 @@ from typing import Callable
 
 from torch import Tensor
 
-from dspark._validate import check_int
 from dspark.ascend import runtime
 from dspark.ascend.capability import NpuVerifyConfig, RaggedGraphCapability
 from dspark.ascend.metadata import AscendVerifyMetadata
+from dspark.util.validate import check_int
 
 
 @dataclass

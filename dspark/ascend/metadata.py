@@ -21,8 +21,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int, int_tensor
-from dspark.layout import RaggedVerifyLayout
+from dspark.util.validate import check_int, int_tensor
+from dspark.verify.layout import RaggedVerifyLayout
 
 INT32_MAX = 2**31 - 1
 

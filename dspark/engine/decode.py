@@ -10,103 +10,32 @@ KV cache); the draft reads the target's final hidden state one position back (`d
 so every target forward stores its rows' hidden states per slot and position, and the draft's catch-up rows
 (positions it has not seen, up to the root) read them from there.
 
-Host syncs per step are the ones the design needs, counted in the telemetry: the verify lengths
-(to build the layout) and the commit lengths (the next step's positions and the stop test); a
-target-only step needs only the second. Input validation at dspark's API boundaries (verify inputs,
-accept, attention plan) also reads device values; on the CPU that costs nothing, on a GPU it would be
-the next thing to trim.
+Host syncs per step, counted in the telemetry: the verify lengths (to build the layout) and the commit
+lengths (next positions, stop test); a target-only step needs only the second. Validation at dspark's API
+boundaries also reads device values: free on the CPU, the next thing to trim on a GPU.
 """
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
-from typing import Generator, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from dspark.accept import accept_greedy, accept_sampling
 from dspark.config import VerifyMode
+from dspark.engine.checks import check_device, check_new_tokens, check_prompts
 from dspark.engine.kv_cache import PagedKVCache
 from dspark.engine.policies import FixedK, Oracle, PolicyPlan
+from dspark.engine.results import DecodeRun, GenerateResult, StepOutcome, StepTimes, finish
 from dspark.engine.step_attention import batch_attention
-from dspark.layout import RaggedVerifyLayout, check_tiers
+from dspark.engine.sweep import CLOCKS
 from dspark.models.draft import DraftModel
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
-from dspark.profiling import CLOCKS
-from dspark.verify_inputs import build_verify_inputs
-
-DEVICES = ("cpu", "cuda")
-
-
-def check_device(device: str | torch.device) -> torch.device:
-    """`cpu` or `cuda` (the latter only when available)."""
-    name = str(device)
-    if name.split(":")[0] not in DEVICES:
-        raise ValueError(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)}")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
-    return dev
-
-
-@dataclass
-class StepTimes:
-    draft: float = 0.0
-    plan: float = 0.0
-    verify: float = 0.0
-    accept: float = 0.0
-    prefill: float = 0.0  # admitting (prefilling) requests into slots freed just before this step
-
-    @property
-    def total(self) -> float:
-        return self.draft + self.plan + self.verify + self.accept + self.prefill
-
-
-@dataclass
-class StepOutcome:
-    """What one step did (device tensors; the caller reads them after the run, no extra syncs)."""
-
-    requests: Tensor               # [B] host ids of the unfinished requests this step ran for
-    plan: PolicyPlan
-    layout: RaggedVerifyLayout     # the verify forward's layout (static modes: B x W)
-    caps: Tensor                   # [B] verify lengths the accept honoured (static: W)
-    confidence_logits: Tensor      # [B, k] the draft's raw confidence logits
-    commit_lens: Tensor
-    correct_len: Tensor
-    times: StepTimes
-    host_syncs: int
-    useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)
-    draft_logits: Tensor | None = None  # [B, k, V] the draft heads' token logits (top-2 margin baseline)
-
-
-@dataclass
-class GenerateResult:
-    tokens: Tensor                 # [N, max_new_tokens] committed tokens after each request's prompt
-    steps: list[StepOutcome] = field(default_factory=list)
-    seconds: float = 0.0           # charged time: the first admission's prefill + every step's
-                                   # draft+plan+verify+accept+refill prefill (no oracle prepass)
-    startup_seconds: float = 0.0   # prefill of the first admission (all slots at once)
-    slots: int = 0                 # B: requests decoding at once
-
-    def steady(self) -> tuple[int, float]:
-        """(tokens, seconds) of the steady-state window: steps with every slot busy, refills included."""
-        busy = [s for s in self.steps if s.requests.numel() == self.slots]
-        return sum(s.useful for s in busy), sum(s.times.total for s in busy)
-
-
-DecodeRun = Generator[StepOutcome, None, GenerateResult]  # SpecDecoder.start: yields steps, returns the result
-
-
-def finish(run: DecodeRun) -> GenerateResult:
-    """Drive a run to its end; its GenerateResult."""
-    while True:
-        try:
-            next(run)
-        except StopIteration as stop:
-            return stop.value
+from dspark.verify.accept import accept_greedy, accept_sampling
+from dspark.verify.inputs import build_verify_inputs
+from dspark.verify.layout import RaggedVerifyLayout, check_tiers
 
 
 class SpecDecoder:
@@ -211,8 +140,8 @@ class SpecDecoder:
         yields each StepOutcome and returns the GenerateResult (`finish` drains it). Runs on different
         decoders (`fork`) can be interleaved step by step (`dspark.engine.lockstep`)."""
         mode = VerifyMode.parse(mode)
-        n, p = self._check_prompts(prompts)
-        new_tokens = _check_new_tokens(max_new_tokens, n)
+        n, p = check_prompts(prompts)
+        new_tokens = check_new_tokens(max_new_tokens, n)
         max_new_tokens = int(new_tokens.max())
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise ValueError(f"slots must be a positive int or None, got {slots!r}")
@@ -469,27 +398,3 @@ class SpecDecoder:
         idx = lens.to(self.device)[:, None] + cols[None, :]
         idx = torch.where(cols[None, :] < commit_lens[:, None], idx, buf.shape[1] - 1)
         buf[reqs[:, None].expand(-1, w), idx] = tokens
-
-    def _check_prompts(self, prompts: Tensor) -> tuple[int, int]:
-        if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.dtype != torch.long:
-            raise ValueError(f"prompts must be an int64 tensor [B, P], got {getattr(prompts, 'shape', prompts)}")
-        b, p = prompts.shape
-        if b < 1 or p < 3:
-            raise ValueError(f"need at least one prompt of >= 3 tokens, got shape {tuple(prompts.shape)}")
-        return b, p
-
-
-def _check_new_tokens(max_new_tokens: int | Tensor, n: int) -> Tensor:
-    """Per-request new-token counts as a host int64 tensor [n], each >= 1."""
-    if isinstance(max_new_tokens, Tensor):
-        if max_new_tokens.shape != (n,) or max_new_tokens.dtype != torch.int64:
-            raise ValueError(f"max_new_tokens as a tensor must be int64 [{n}] (one count per prompt), got "
-                             f"{max_new_tokens.dtype} {list(max_new_tokens.shape)}")
-        counts = max_new_tokens.cpu()
-        if bool((counts < 1).any()):
-            bad = int((counts < 1).nonzero()[0])
-            raise ValueError(f"max_new_tokens[{bad}] = {int(counts[bad])} must be >= 1")
-        return counts
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int or an int64 tensor [N], got {max_new_tokens!r}")
-    return torch.full((n,), max_new_tokens, dtype=torch.int64)

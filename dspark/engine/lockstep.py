@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping
 
-from dspark.engine.decode import DecodeRun, GenerateResult
+from dspark.engine.results import DecodeRun, GenerateResult
 
 
 def lockstep(runs: Mapping[Hashable, DecodeRun]) -> dict[Hashable, GenerateResult]:

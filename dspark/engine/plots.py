@@ -1,6 +1,6 @@
 """The demo's PNGs: throughput vs batch, predicted vs actual tau, verify-length histogram.
 
-Reliability diagrams come from dspark.calibration_plots."""
+Reliability diagrams come from dspark.calibration.plots."""
 from __future__ import annotations
 
 from pathlib import Path

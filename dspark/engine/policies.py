@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.budget import choose_budget, expected_commit
-from dspark.layout import RaggedVerifyLayout
-from dspark.planner import VerifyPlan, VerifyPlanner
+from dspark.plan.budget import choose_budget, expected_commit
+from dspark.plan.planner import VerifyPlan, VerifyPlanner
+from dspark.verify.layout import RaggedVerifyLayout
 
 
 @dataclass

@@ -24,10 +24,11 @@ from dspark.cost import (
     StepsPerSecondTable,
     TieredCostModel,
 )
-from dspark.engine.decode import GenerateResult, SpecDecoder
+from dspark.engine.decode import SpecDecoder
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import FixedK, PolicyPlan
-from dspark.profiling import tier_rows
+from dspark.engine.results import GenerateResult
+from dspark.engine.sweep import tier_rows
 
 log = logging.getLogger(__name__)
 

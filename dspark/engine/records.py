@@ -5,10 +5,10 @@ from typing import Sequence
 
 import torch
 
-from dspark.budget import expected_commit
 from dspark.config import ScheduleConfig
-from dspark.engine.decode import GenerateResult
-from dspark.survival import calibrated_survival
+from dspark.engine.results import GenerateResult
+from dspark.plan.budget import expected_commit
+from dspark.plan.survival import calibrated_survival
 from dspark.telemetry import StepRecord
 
 

@@ -6,9 +6,9 @@ write nothing) and runs the planned attention. Prefill, draft and verify forward
 """
 from __future__ import annotations
 
-from dspark.attention import RaggedVerifyAttention
 from dspark.engine.kv_cache import PagedKVCache
 from dspark.models.geometry import ModelGeometry
+from dspark.verify.attention import RaggedVerifyAttention
 
 
 def batch_attention(cache: PagedKVCache, geometry: ModelGeometry, max_rows: int, max_slots: int

@@ -14,7 +14,7 @@ Two recorders write the same STS rows (`StsRecorder` shards, read by `load_sts` 
   L in [P, P + max_new_tokens) (the `steps` field then holds L - P), ~tau times more engine rows for the
   same decoding work, which is what a per-position ECE of <= 1% needs.
 
-The recording prompts are separate from the evaluation prompts. The fit (dspark.calibration) holds out a
+The recording prompts are separate from the evaluation prompts. The fit (dspark.calibration.fit) holds out a
 quarter of the requests and reports calibration metrics on them.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dspark.calibration import Calibration, fit_sts
-from dspark.calibration_recorder import StsData, StsRecorder, load_sts
+from dspark.calibration.fit import Calibration, fit_sts
+from dspark.calibration.recorder import StsData, StsRecorder, load_sts
 from dspark.config import VerifyMode
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import FixedK

@@ -70,7 +70,7 @@ def write_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_s
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor) -> None:
-    """Dispatching entry point for the cache write (inputs checked by `dspark.attention.write_kv`)."""
+    """Dispatching entry point for the cache write (inputs checked by `dspark.verify.attention.write_kv`)."""
     if dispatch.use_triton(k, k_cache):
         write_kv_triton(k, v, k_cache, v_cache, kv_slots)
     else:

@@ -8,7 +8,7 @@ prefix plus, causally, the verify rows up to itself). Query head h reads kv head
 Padding rows (j >= seqused) produce zeros (lse = -inf) and read nothing; nothing past a slot's kv length is read.
 
 The metadata are plain tensors of fixed shape (see `VerifyAttentionMeta`), so one launch can be captured in a
-CUDA / NPU graph and replayed after the metadata are refilled in place (`dspark.attention.RaggedVerifyAttention`).
+CUDA / NPU graph and replayed after the metadata are refilled in place (`dspark.verify.attention.RaggedVerifyAttention`).
 """
 from __future__ import annotations
 

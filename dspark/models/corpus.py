@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dspark._validate import check_int
+from dspark.util.validate import check_int
 
 SPLITS = ("train", "heldout")
 Encode = Callable[[str], list]  # text -> token ids

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark._validate import check_int
-from dspark.confidence import ConfidenceHead, previous_tokens
+from dspark.calibration.confidence import ConfidenceHead, previous_tokens
 from dspark.models.geometry import ModelGeometry
+from dspark.util.validate import check_int
 
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]  # (layer, q [N,Hq,D], k [N,Hkv,D], v) -> [N,Hq,D]
 

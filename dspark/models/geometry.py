@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dspark._validate import check_int
+from dspark.util.validate import check_int
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Sequence
 
 from torch import Tensor
 
-from dspark.attention import RaggedVerifyAttention, write_kv
-from dspark.layout import RaggedVerifyLayout
+from dspark.verify.attention import RaggedVerifyAttention, write_kv
+from dspark.verify.layout import RaggedVerifyLayout
 
 
 class PagedAttend:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark._validate import check_int
+from dspark.util.validate import check_int
 
 Log = Callable[[str], None]
 

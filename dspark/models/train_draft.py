@@ -24,13 +24,20 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.confidence import confidence_loss, previous_tokens
+from dspark.calibration.confidence import confidence_loss, previous_tokens
 from dspark.models.corpus import Encode, prompt_windows
-from dspark.models.draft import (DEFAULT_WEIGHTS, FORMAT, METADATA_KEY, DraftConfig, DraftModel, file_sha256, manifest_path,
-                                 target_identity)
+from dspark.models.draft import (
+    DEFAULT_WEIGHTS,
+    FORMAT,
+    METADATA_KEY,
+    DraftConfig,
+    DraftModel,
+    file_sha256,
+    manifest_path,
+    target_identity,
+)
 from dspark.models.streams import features, greedy_streams, stream_labels
 
 Log = Callable[[str], None]

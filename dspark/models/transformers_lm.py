@@ -25,7 +25,12 @@ require("transformers")
 
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
-from transformers import AttentionInterface, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel  # noqa: E402
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from dspark.models.geometry import ModelGeometry  # noqa: E402
 

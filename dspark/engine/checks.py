@@ -1,0 +1,44 @@
+"""The decode loop's argument checks, at its boundary: device, prompts, per-request new-token counts."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """`cpu` or `cuda` (the latter only when available)."""
+    name = str(device)
+    if name.split(":")[0] not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    return dev
+
+
+def check_prompts(prompts: Tensor) -> tuple[int, int]:
+    """(N, P) of int64 prompts [N, P], N >= 1 and P >= 3."""
+    if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.dtype != torch.long:
+        raise ValueError(f"prompts must be an int64 tensor [B, P], got {getattr(prompts, 'shape', prompts)}")
+    b, p = prompts.shape
+    if b < 1 or p < 3:
+        raise ValueError(f"need at least one prompt of >= 3 tokens, got shape {tuple(prompts.shape)}")
+    return b, p
+
+
+def check_new_tokens(max_new_tokens: int | Tensor, n: int) -> Tensor:
+    """Per-request new-token counts as a host int64 tensor [n], each >= 1."""
+    if isinstance(max_new_tokens, Tensor):
+        if max_new_tokens.shape != (n,) or max_new_tokens.dtype != torch.int64:
+            raise ValueError(f"max_new_tokens as a tensor must be int64 [{n}] (one count per prompt), got "
+                             f"{max_new_tokens.dtype} {list(max_new_tokens.shape)}")
+        counts = max_new_tokens.cpu()
+        if bool((counts < 1).any()):
+            bad = int((counts < 1).nonzero()[0])
+            raise ValueError(f"max_new_tokens[{bad}] = {int(counts[bad])} must be >= 1")
+        return counts
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int or an int64 tensor [N], got {max_new_tokens!r}")
+    return torch.full((n,), max_new_tokens, dtype=torch.int64)

@@ -1,0 +1,68 @@
+"""What a decode run returns: per-step outcomes (`StepOutcome`, with phase times) and the run's
+`GenerateResult`; a run itself is a generator of steps (`DecodeRun`) that `finish` drains."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generator
+
+from torch import Tensor
+
+from dspark.engine.policies import PolicyPlan
+from dspark.verify.layout import RaggedVerifyLayout
+
+
+@dataclass
+class StepTimes:
+    draft: float = 0.0
+    plan: float = 0.0
+    verify: float = 0.0
+    accept: float = 0.0
+    prefill: float = 0.0  # admitting (prefilling) requests into slots freed just before this step
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.plan + self.verify + self.accept + self.prefill
+
+
+@dataclass
+class StepOutcome:
+    """What one step did (device tensors; the caller reads them after the run, no extra syncs)."""
+
+    requests: Tensor               # [B] host ids of the unfinished requests this step ran for
+    plan: PolicyPlan
+    layout: RaggedVerifyLayout     # the verify forward's layout (static modes: B x W)
+    caps: Tensor                   # [B] verify lengths the accept honoured (static: W)
+    confidence_logits: Tensor      # [B, k] the draft's raw confidence logits
+    commit_lens: Tensor
+    correct_len: Tensor
+    times: StepTimes
+    host_syncs: int
+    useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)
+    draft_logits: Tensor | None = None  # [B, k, V] the draft heads' token logits (top-2 margin baseline)
+
+
+@dataclass
+class GenerateResult:
+    tokens: Tensor                 # [N, max_new_tokens] committed tokens after each request's prompt
+    steps: list[StepOutcome] = field(default_factory=list)
+    seconds: float = 0.0           # charged time: the first admission's prefill + every step's
+                                   # draft+plan+verify+accept+refill prefill (no oracle prepass)
+    startup_seconds: float = 0.0   # prefill of the first admission (all slots at once)
+    slots: int = 0                 # B: requests decoding at once
+
+    def steady(self) -> tuple[int, float]:
+        """(tokens, seconds) of the steady-state window: steps with every slot busy, refills included."""
+        busy = [s for s in self.steps if s.requests.numel() == self.slots]
+        return sum(s.useful for s in busy), sum(s.times.total for s in busy)
+
+
+DecodeRun = Generator[StepOutcome, None, GenerateResult]  # SpecDecoder.start: yields steps, returns the result
+
+
+def finish(run: DecodeRun) -> GenerateResult:
+    """Drive a run to its end; its GenerateResult."""
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value

@@ -1,0 +1,19 @@
+"""Parallel serving (DESIGN.md 4.10): TP `verify_lens` agreement (`tp`), the DP-global tier with idle ranks
+(`dp`), the planner's view of both plus the start-up cost-table check (`agreement`), and a local gloo
+launcher for tests and benchmarks (`launch`)."""
+from dspark.parallel.agreement import ParallelAgreement, check_cost_table
+from dspark.parallel.dp import DpTier, DpTierAgreement
+from dspark.parallel.tp import (
+    TP_MODES,
+    AgreementError,
+    CostTableMismatchError,
+    ParallelConfig,
+    TpAgreement,
+    TpDisagreementError,
+    verify_lens_hash,
+)
+
+__all__ = [
+    "TP_MODES", "AgreementError", "CostTableMismatchError", "DpTier", "DpTierAgreement", "ParallelAgreement",
+    "ParallelConfig", "TpAgreement", "TpDisagreementError", "check_cost_table", "verify_lens_hash",
+]

@@ -1,0 +1,205 @@
+"""The global verify budget: tau(b), T(B, M(b)) and theta(b) = tau(b) / T over every budget b at once.
+
+With floor F and cap M_max (DESIGN.md 4.2) every request verifies its root and drafts 0..F-2; the
+candidates are draft columns j in [F-1, M_max-2] with survival >= survival_eps, ranked globally by
+survival (DESIGN.md 4.3). Then
+
+    tau(b)  = sum_r (1 + sum_{j < F-1} s[r, j]) + (sum of the b best candidates)
+    rows(b) = B * F + b,   theta(b) = tau(b) / T(B, rows(b)),   b in [0, #candidates].
+
+`choose_budget` takes the argmax of theta (ties to the smaller b). Callers hand it survival at least
+one step old (lagged) so that admitting a draft never depends on that draft's own value
+(non-anticipation, DESIGN.md 4.4); `greedy_budget` is the synchronous alternative.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dspark.config import ScheduleConfig
+from dspark.cost import CostModel, check_cost_model
+from dspark.kernels import dispatch
+from dspark.plan.survival import _check_matrix, monotone_survival
+from dspark.util.validate import check_verify_lens
+
+
+def check_config(cfg: object) -> ScheduleConfig:
+    if not isinstance(cfg, ScheduleConfig):
+        raise TypeError(f"cfg must be a ScheduleConfig, got {type(cfg).__name__}: {cfg!r}")
+    return cfg
+
+
+def _check_survival(survival: Tensor, cfg: ScheduleConfig) -> ScheduleConfig:
+    cfg = check_config(cfg)
+    _check_matrix("survival", survival)
+    if survival.shape[1] != cfg.gamma:
+        raise ValueError(f"survival must be [B, gamma={cfg.gamma}], got shape {tuple(survival.shape)}")
+    return cfg
+
+
+def candidate_window(survival: Tensor, cfg: ScheduleConfig) -> tuple[Tensor, Tensor]:
+    """(monotone survival [B, gamma], candidates [B, C]) for the window of DESIGN.md 4.2.
+
+    Survival is made non-increasing along positions first (NaN -> 0), so every request's valid
+    candidates form a prefix of its window.
+    """
+    cfg = _check_survival(survival, cfg)
+    s = monotone_survival(survival)
+    return s, s[:, cfg.floor - 1: cfg.cap - 1]
+
+
+HOST_PLAN_MAX = 16384  # survival entries (B * gamma) up to which an accelerator's step may be planned on the host
+
+
+@dataclass(frozen=True)
+class HostSurvival:
+    """One step's survival on the host: float32 numpy [B, gamma], non-increasing along positions, NaN-free.
+
+    The budget scan and the allocation both take it in place of the tensor, so a step planned on the host
+    pays one device-to-host copy; small numpy arrays then cost far less per call than a chain of torch
+    ops (perf/planner_bench.py)."""
+
+    values: np.ndarray
+
+
+def host_survival(survival: Tensor, cfg: ScheduleConfig) -> np.ndarray:
+    """`monotone_survival` copied to the host: float32 numpy [B, gamma] (the budget is an int: its curves
+    are computed on the host whatever the device)."""
+    _check_survival(survival, cfg)
+    return monotone_survival(survival).detach().cpu().numpy()
+
+
+def plan_on_host(survival: Tensor, cfg: ScheduleConfig, *, calibrated: bool = False,
+                 small_batches: bool = False) -> HostSurvival | None:
+    """Where a step is planned, decided once: the host copy when it is planned on the host, else None
+    (the allocation then runs on the survival's device).
+
+    CPU tensors are planned on the host. An accelerator's step is too when `small_batches` allows it
+    (the planner's lag-0 steps without TP/DP agreement: their budget reads the survival on the host
+    anyway) and B * gamma <= HOST_PLAN_MAX, so the allocation and layout cost a few numpy calls instead
+    of a chain of kernel launches. `calibrated`: the survival is `calibrated_survival`'s, already
+    non-increasing and NaN-free bit for bit, so no running minimum is taken."""
+    _check_survival(survival, cfg)
+    on_host = dispatch.use_host(survival) or (small_batches and dispatch.backend() == "auto"
+                                              and survival.numel() <= HOST_PLAN_MAX)
+    if not on_host:
+        return None
+    return HostSurvival(survival.detach().cpu().numpy() if calibrated else host_survival(survival, cfg))
+
+
+def _host_values(survival: Tensor | HostSurvival, cfg: ScheduleConfig) -> np.ndarray:
+    if isinstance(survival, HostSurvival):
+        if survival.values.ndim != 2 or survival.values.shape[1] != cfg.gamma:
+            raise ValueError(f"survival must be [B, gamma={cfg.gamma}], got shape {survival.values.shape}")
+        return survival.values
+    return host_survival(survival, cfg)
+
+
+@dataclass(frozen=True)
+class _Curves:
+    """Host (numpy) float64 curves over b = 0..#candidates."""
+
+    base: int  # B * F: rows at b = 0
+    tau: np.ndarray
+    seconds: np.ndarray | None = None
+    theta: np.ndarray | None = None
+
+
+def _host_curves(survival: Tensor, cost_model: CostModel | None, cfg: ScheduleConfig) -> _Curves:
+    """Curves from `host_survival`: a values-only numpy sort (about ten times faster than torch.sort at
+    planner sizes on the CPU) and sequential float64 prefix sums."""
+    return _curves(host_survival(survival, cfg), cost_model, cfg)
+
+
+def _curves(host: np.ndarray, cost_model: CostModel | None, cfg: ScheduleConfig) -> _Curves:
+    cand = host[:, cfg.floor - 1: cfg.cap - 1]
+    valid = cand >= cfg.survival_eps
+    n = int(np.count_nonzero(valid))
+    best = np.sort(np.where(valid, cand, np.float32(0)), axis=None).astype(np.float64)[: -n - 1: -1]
+    floor = host.shape[0] + (host[:, : cfg.floor - 1].sum(dtype=np.float64) if cfg.floor > 1 else 0.0)
+    tau = np.empty(n + 1)
+    tau[0] = 0.0
+    np.cumsum(best, out=tau[1:])
+    tau += floor
+    base = host.shape[0] * cfg.floor
+    if cost_model is None:
+        return _Curves(base, tau)
+    seconds = cost_model.seconds_curve(host.shape[0], base, n + 1)
+    return _Curves(base, tau, seconds, tau / seconds)
+
+
+def tau_curve(survival: Tensor, cfg: ScheduleConfig) -> Tensor:
+    """tau(b) for b = 0..#candidates: float64 [#candidates + 1] on the host (one vectorized pass)."""
+    return torch.from_numpy(_host_curves(survival, None, cfg).tau)
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """The chosen budget, its verify rows and predicted tau, step seconds and theta; whole curves for plots.
+
+    The curves are float64 host tensors indexed by b = 0..#candidates.
+    """
+
+    budget: int
+    tau: float
+    step_seconds: float
+    theta: float
+    rows: int                   # B * F + budget
+    tau_curve: Tensor
+    step_seconds_curve: Tensor
+    theta_curve: Tensor
+
+    @property
+    def rows_curve(self) -> Tensor:
+        """Verify rows B * F + b for each budget b of the curves."""
+        return self.rows - self.budget + torch.arange(self.tau_curve.numel(), dtype=torch.int64)
+
+
+def _decide(c: _Curves, budget: int) -> BudgetDecision:
+    return BudgetDecision(budget, float(c.tau[budget]), float(c.seconds[budget]), float(c.theta[budget]),
+                          c.base + budget, torch.from_numpy(c.tau), torch.from_numpy(c.seconds),
+                          torch.from_numpy(c.theta))
+
+
+def choose_budget(survival: Tensor, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
+    """argmax_b theta(b) over b in [0, #candidates], ties to the smaller b (hand in lagged survival).
+
+    The cost model must have been profiled at the config's W (`check_cost_model`)."""
+    cfg = check_config(cfg)
+    c = _host_curves(survival, check_cost_model(cost_model, width=cfg.width), cfg)
+    return _decide(c, int(np.argmax(c.theta)))
+
+
+def greedy_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
+    """Synchronous (lag = 0) budget: admit candidates best-first while theta strictly rises.
+
+    Equals the sequential scan that stops at the first b with theta(b + 1) <= theta(b) (evaluated
+    vectorized). Caveat: the stop test at b reads the (b+1)-th candidate's own survival, so this is
+    non-anticipating only to the extent the survival of a draft is fixed before its token is known;
+    it may also stop at a local maximum below the free argmax. Use lag >= 1 for the strict guarantee.
+    `survival` may be the step's `HostSurvival` (`plan_on_host`).
+    """
+    cfg = check_config(cfg)
+    c = _curves(_host_values(survival, cfg), check_cost_model(cost_model, width=cfg.width), cfg)
+    theta = c.theta
+    stops = np.flatnonzero(theta[1:] <= theta[:-1])
+    return _decide(c, int(stops[0]) if stops.size else theta.size - 1)
+
+
+def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) -> float:
+    """tau of a given allocation: sum_r (1 + sum_{j < verify_lens[r] - 1} s[r, j]) (E[sum commit_lens])."""
+    s, _ = candidate_window(survival, cfg)
+    if not isinstance(verify_lens, Tensor):
+        raise TypeError(f"verify_lens must be a tensor, got {type(verify_lens).__name__}")
+    if verify_lens.dtype.is_floating_point or verify_lens.dtype == torch.bool:
+        raise TypeError(f"verify_lens must be an integer tensor, got dtype {verify_lens.dtype}")
+    if tuple(verify_lens.shape) != (s.shape[0],):
+        raise ValueError(f"verify_lens must be [B={s.shape[0]}], got shape {tuple(verify_lens.shape)}")
+    vl = verify_lens.to(s.device, torch.int64)
+    check_verify_lens(vl, cfg.width)
+    cols = torch.arange(cfg.gamma, device=s.device)
+    verified = cols.unsqueeze(0) < (vl - 1).unsqueeze(1)
+    return float(s.shape[0] + torch.where(verified, s, torch.zeros_like(s)).to(torch.float64).sum())

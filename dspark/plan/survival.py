@@ -1,0 +1,190 @@
+"""Calibrated survival from confidence logits, and the lag ring with its generation guard.
+
+`s[r, k] = prod_{i<=k} sigmoid(z[r, i] / T_i)` is P(the accepted prefix of request r reaches draft k).
+Every path evaluates it in one fixed order: the confidence `c = 1 / (1 + exp(-z / T))` in float64, rounded
+once to float32, then the left-to-right float32 product. Why float64: a float32 sigmoid is not correctly
+rounded and its implementations differ in the last bit (on the CPU torch runs the vectorised body and the
+scalar tail of a tensor through different code, so a request's bits depended on its batch size and
+position; CUDA's expf is a third). In float64 they differ by at most an ulp of float64, which the rounding
+to float32 hides, so a request's survival does not depend on its batch, and paths and ranks agree. The
+division cannot overflow either: a finite logit keeps its confidence (3e38 / 0.5 gives c = 1);
+non-finite logits give c = 0.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dspark.util.validate import check_int, check_tensor, check_type, first_duplicate
+
+
+def _check_matrix(name: str, x: object) -> Tensor:
+    check_tensor(name, x)
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [B, gamma], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+    return x
+
+
+def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Tensor:
+    """Validate STS temperatures: length gamma, finite, > 0. Returns a float32 CPU tensor."""
+    if not isinstance(temperatures, Tensor):
+        values = list(check_type("temperatures", temperatures, (list, tuple, np.ndarray)))
+        for i, v in enumerate(values):
+            check_type(f"temperatures[{i}]", v, numbers.Real)
+    t = torch.as_tensor(temperatures, dtype=torch.float64).detach().cpu().reshape(-1)
+    if t.numel() != gamma:
+        raise ValueError(f"temperatures must have length gamma={gamma}, got {t.numel()}: {t.tolist()}")
+    bad = ~torch.isfinite(t) | (t <= 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"temperatures must be finite and > 0; temperatures[{i}] = {t[i].item()}")
+    return t.to(torch.float32)
+
+
+def cumulative_survival(conditional: Tensor) -> Tensor:
+    """Left-to-right product of conditional probabilities along positions (fixed order, no scan).
+
+    On the CPU (no autograd) numpy's `multiply.accumulate` runs the same sequential products in the
+    tensor's dtype (each correctly rounded, so the bits match the column loop) in one call instead of
+    2 gamma torch ops; torch's own `cumprod` is no substitute (on the CPU it accumulates float32 in
+    float64, on GPUs it scans)."""
+    if not conditional.shape[1]:
+        return conditional.clone()
+    if conditional.device.type == "cpu" and not conditional.requires_grad:
+        return torch.from_numpy(np.multiply.accumulate(conditional.numpy(), axis=1))
+    cols = conditional.unbind(1)
+    out = [cols[0]]
+    for col in cols[1:]:
+        out.append(out[-1] * col)
+    return torch.stack(out, dim=1)
+
+
+def calibrated_survival(logits: Tensor, temperatures: Tensor | Sequence[float] | None = None) -> Tensor:
+    """Survival [B, gamma] float32 from confidence logits [B, gamma]; non-finite logits give c = 0."""
+    z = _check_matrix("logits", logits)
+    gamma = z.shape[1]
+    if gamma == 0:
+        raise ValueError("logits must have at least one draft position (gamma >= 1), got shape "
+                         f"{tuple(z.shape)}")
+    return survival_from_checked(z, None if temperatures is None else check_temperatures(temperatures, gamma))
+
+
+def survival_from_checked(logits: Tensor, temperatures: Tensor | None) -> Tensor:
+    """`calibrated_survival` (same float32 values, bit for bit) for per-step callers that validated once:
+    logits a floating [B, gamma >= 1] tensor, temperatures what `check_temperatures` returned (or None).
+    Skips re-validating the temperatures, a host read and a dozen small ops per step."""
+    return cumulative_survival(confidence(logits, temperatures))
+
+
+def confidence(logits: Tensor, temperatures: Tensor | None) -> Tensor:
+    """c = 1 / (1 + exp(-z / T)) evaluated elementwise in float64, rounded to float32 [B, gamma]; 0 where
+    the logit is not finite. CPU tensors without autograd take one numpy pass (a few calls instead of a
+    chain of torch ops), others the same formula in torch ops."""
+    z = logits.to(torch.float64)  # exact, and finite wherever the logit is
+    if z.device.type == "cpu" and not z.requires_grad:
+        zn = z.numpy()
+        finite = np.isfinite(zn)
+        if temperatures is not None:
+            zn = zn / temperatures.numpy().astype(np.float64)
+        with np.errstate(over="ignore"):  # exp(-z) overflows to inf for z < -709: c = 0, as it should
+            c = (1.0 / (1.0 + np.exp(-np.where(finite, zn, 0.0)))).astype(np.float32)
+        c[~finite] = 0.0
+        return torch.from_numpy(c)
+    finite = torch.isfinite(z)
+    if temperatures is not None:
+        z = z / temperatures.to(z.device, torch.float64)
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    c = (1.0 / (1.0 + torch.exp(-torch.where(finite, z, zero)))).to(torch.float32)
+    return torch.where(finite, c, zero.to(torch.float32))
+
+
+def monotone_survival(survival: Tensor) -> Tensor:
+    """Survival handed in directly, made usable: float32, NaN -> 0, running minimum along positions."""
+    s = _check_matrix("survival", survival).to(torch.float32)
+    s = torch.nan_to_num(s, nan=0.0)
+    if s.shape[1] == 0:
+        return s
+    return torch.cummin(s, dim=1).values
+
+
+class SurvivalLagRing:
+    """Per-slot survival history `lag` steps deep, each row stamped with its generation at write time.
+
+    `exchange` returns, for the given slots, the survival written at least `lag` exchanges ago under the
+    same generation, or all-ones (optimistic) when the slot was never written or was reused by a new
+    request (generation guard), then stores the live survival in its place.
+    """
+
+    def __init__(self, num_slots: int, gamma: int, lag: int = 1, device: torch.device | str = "cpu"):
+        for name, v, lo in (("num_slots", num_slots, 1), ("gamma", gamma, 1), ("lag", lag, 1)):
+            check_int(name, v, lo)
+        self.num_slots, self.gamma, self.lag = num_slots, gamma, lag
+        self._values = torch.ones(lag, num_slots, gamma, dtype=torch.float32, device=device)
+        self._stamps = torch.full((lag, num_slots), -1, dtype=torch.int64, device=device)
+        self._cursor = 0
+
+    def _check(self, slots: Tensor, generations: Tensor, survival: Tensor | None) -> None:
+        check_tensor("slots", slots)
+        check_tensor("generations", generations)
+        if survival is not None:
+            check_tensor("survival", survival)
+        if slots.dim() != 1 or generations.shape != slots.shape:
+            raise ValueError(
+                f"slots and generations must be 1-D of equal length, got {tuple(slots.shape)} "
+                f"and {tuple(generations.shape)}"
+            )
+        if slots.dtype.is_floating_point or generations.dtype.is_floating_point:
+            raise TypeError(f"slots/generations must be integer tensors, got {slots.dtype}/{generations.dtype}")
+        if survival is not None and tuple(survival.shape) != (slots.numel(), self.gamma):
+            raise ValueError(
+                f"survival must be [{slots.numel()}, {self.gamma}], got {tuple(survival.shape)}"
+            )
+        if not slots.numel():
+            return
+        ordered = torch.sort(slots).values
+        repeats = (ordered[1:] == ordered[:-1]).sum().long()
+        lo, hi, gen, dup = torch.stack([ordered[0].long(), ordered[-1].long(),  # one device read
+                                        generations.min().long().to(slots.device), repeats]).tolist()
+        if lo < 0 or hi >= self.num_slots:
+            raise ValueError(f"slots must lie in [0, {self.num_slots}), got min {lo} max {hi}")
+        if gen < 0:
+            raise ValueError(f"generations must be >= 0, got {gen}")
+        if dup:  # two requests would write one ring row: one of them would read the other's survival
+            value, i, j = first_duplicate(slots.cpu())
+            raise ValueError(f"slots must be distinct within a step, got slot {value} at positions {i} and {j}")
+
+    def read(self, slots: Tensor, generations: Tensor) -> Tensor:
+        """Lagged survival [B, gamma] for these slots (all-ones where stale or reused)."""
+        self._check(slots, generations, None)
+        return self._read(slots, generations)
+
+    def write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
+        """Store live survival for these slots, stamped with their generation, and advance one step."""
+        self._check(slots, generations, survival)
+        self._write(slots, generations, survival)
+
+    def exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
+        """read() then write() with one validation: the lagged survival for this step, the live one stored."""
+        self._check(slots, generations, survival)
+        lagged = self._read(slots, generations)
+        self._write(slots, generations, survival)
+        return lagged
+
+    def _read(self, slots: Tensor, generations: Tensor) -> Tensor:
+        slots = slots.to(self._values.device, torch.long)
+        gens = generations.to(self._values.device, torch.int64)
+        vals = self._values[self._cursor].index_select(0, slots)
+        fresh = self._stamps[self._cursor].index_select(0, slots) == gens
+        return torch.where(fresh.unsqueeze(1), vals, torch.ones_like(vals))
+
+    def _write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
+        slots = slots.to(self._values.device, torch.long)
+        self._values[self._cursor].index_copy_(0, slots, survival.to(self._values))
+        self._stamps[self._cursor].index_copy_(0, slots, generations.to(self._stamps))
+        self._cursor = (self._cursor + 1) % self.lag

@@ -1,0 +1,1 @@
+"""Small helpers every stage uses: argument validation and atomic file io."""

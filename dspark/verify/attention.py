@@ -1,0 +1,258 @@
+"""Verify attention with a plan/run split (like FlashInfer), safe to capture in a CUDA / NPU graph.
+
+`RaggedVerifyAttention.plan(layout, prefix_lens, block_table)` runs on the host, validates, and copies the
+step's geometry into persistent device buffers of fixed shape; `run(q, k_cache, v_cache, out=...)` only
+launches (no host work, no allocation when `out` is given), so one captured `run` replays correctly for
+any layout of the same tier once `plan` has refilled the buffers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.kernels import dispatch
+from dspark.kernels import kv_write as _kv
+from dspark.kernels import ragged_attention as _k
+from dspark.util.validate import (
+    check_int,
+    check_kv_fits,
+    check_nonnegative,
+    check_tensor,
+    check_type,
+    int_tensor,
+)
+from dspark.verify.layout import RaggedVerifyLayout
+
+
+class RaggedVerifyAttention:
+    """Persistent metadata + launcher for ragged verify attention over a paged KV cache.
+
+    Sizes are capture-time maxima: `max_rows` packed rows (the largest tier), `max_slots` request slots
+    (real + ghost), `max_pages_per_slot` block-table columns. `max_verify_len` (optional) bounds the rows of
+    one slot and fixes the kernel's query tile; `num_pages` (optional) lets `plan` check page ids.
+    `num_kv_splits` splits every kv range into that many shares merged afterwards (more parallel work at small
+    batch x long prefix; default: enough to fill the GPU's SMs twice, 1 off CUDA).
+    """
+
+    def __init__(self, max_rows: int, max_slots: int, max_pages_per_slot: int, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int, device: torch.device | str,
+                 dtype: torch.dtype, *, sm_scale: float | None = None, max_verify_len: int | None = None,
+                 num_pages: int | None = None, num_kv_splits: int | None = None) -> None:
+        for name, value in (("max_rows", max_rows), ("max_slots", max_slots),
+                            ("max_pages_per_slot", max_pages_per_slot), ("num_q_heads", num_q_heads),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("page_size", page_size)):
+            check_int(name, value, 0 if name in ("max_rows", "max_slots") else 1)
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if max_verify_len is not None:
+            check_int("max_verify_len", max_verify_len, 1)
+        if num_pages is not None:
+            check_int("num_pages", num_pages, 1)
+        if num_kv_splits is not None:
+            check_int("num_kv_splits", num_kv_splits, 1)
+        _check_dtype("dtype", dtype)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.page_size, self.max_rows, self.max_slots = page_size, max_rows, max_slots
+        self.max_pages_per_slot, self.max_verify_len, self.num_pages = max_pages_per_slot, max_verify_len, num_pages
+        self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.num_kv_splits = (num_kv_splits if num_kv_splits is not None
+                              else _k.default_kv_splits(self.device, max_slots * num_kv_heads))
+        self._split_kv = _k.split_workspace(self.num_kv_splits, max_rows, num_q_heads, head_dim, self.device)
+
+        def buf(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        self._block_table = buf(max_slots, max_pages_per_slot)
+        self._qo_start, self._slot_lens, self._seqused, self._prefix = (buf(max_slots) for _ in range(4))
+        self._row_slot, self._row_within = buf(max_rows), buf(max_rows)
+        self._kv_slots = buf(max_rows, dtype=torch.int64).fill_(-1)
+        self._device_buffers = {
+            "block_table": self._block_table, "qo_start": self._qo_start, "slot_lens": self._slot_lens,
+            "seqused": self._seqused, "prefix": self._prefix, "row_slot": self._row_slot,
+            "row_within": self._row_within, "kv_slots": self._kv_slots}
+        # plan writes a host mirror (the buffers themselves on the CPU) and clears only the previous plan's tail
+        self._host = self._device_buffers if self.device.type == "cpu" else \
+            {name: t.cpu() for name, t in self._device_buffers.items()}
+        self._filled = (0, 0, 0)
+        self._meta: _k.VerifyAttentionMeta | None = None
+        self._torch_plan: _k.TorchAttentionPlan | None = None
+        self._torch_meta: _k.VerifyAttentionMeta | None = None
+        self.num_rows = 0
+
+    @property
+    def meta(self) -> _k.VerifyAttentionMeta:
+        """The planned metadata (views of the persistent buffers); used by references and tests."""
+        if self._meta is None:
+            raise RuntimeError("no plan yet: call plan(layout, prefix_lens, block_table) first")
+        return self._meta
+
+    @property
+    def kv_slots(self) -> Tensor:
+        """[planned rows] int64 flat cache slot of each verify row (-1 for padding): feed `write_kv`."""
+        return self._kv_slots[: self.num_rows]
+
+    def plan(self, layout: RaggedVerifyLayout, prefix_lens: Tensor | Sequence[int], block_table: Tensor) -> None:
+        """Host side: validate this step's geometry and copy it into the persistent device buffers.
+
+        prefix_lens [B]: committed kv length of each request before its verify rows. block_table [B, P]
+        (P <= max_pages_per_slot): page ids of each request; the verify rows' K/V sit at positions
+        `prefix .. prefix + verify_len - 1`. Ghost slots get kv length 0 and read nothing.
+        """
+        check_type("layout", layout, RaggedVerifyLayout)
+        check_tensor("block_table", block_table)
+        b, s, rows = layout.num_requests, layout.num_slots, layout.graph_num_tokens
+        if s > self.max_slots or rows > self.max_rows:
+            raise ValueError(f"layout has {s} slots / {rows} rows; this plan holds at most "
+                             f"max_slots={self.max_slots} / max_rows={self.max_rows}")
+        slot_lens = layout.slot_lens.cpu().to(torch.int64)
+        longest = int(slot_lens.max()) if s else 0
+        if self.max_verify_len is not None and longest > self.max_verify_len:
+            raise ValueError(f"a slot has {longest} rows > max_verify_len={self.max_verify_len}")
+        prefix = _host_ints("prefix_lens", prefix_lens, (b,))
+        check_nonnegative("prefix_lens", prefix)
+        table = _host_ints("block_table", block_table, None)
+        if table.dim() != 2 or table.shape[0] != b or table.shape[1] > self.max_pages_per_slot:
+            raise ValueError(f"block_table must be [B={b}, P<={self.max_pages_per_slot}], got {tuple(table.shape)}")
+        kv_len = prefix + layout.verify_lens.cpu().to(torch.int64)
+        _check_kv_lens(kv_len, table, self.page_size, self.num_pages)
+
+        host, (old_b, old_s, old_rows) = self._host, self._filled
+        host["block_table"][:b, : table.shape[1]] = table
+        host["block_table"][:b, table.shape[1]:] = 0
+        for name, value, n, old in (
+                ("block_table", 0, b, old_b), ("prefix", prefix, b, old_b),
+                ("qo_start", layout.slot_qo_indptr[:-1], s, old_s), ("slot_lens", slot_lens, s, old_s),
+                ("seqused", layout.seqused, s, old_s), ("row_slot", layout.row_slot, rows, old_rows),
+                ("row_within", layout.row_within, rows, old_rows),
+                ("kv_slots", layout.kv_slots(layout.positions(prefix), table, self.page_size), rows, old_rows)):
+            if name != "block_table":
+                host[name][:n] = value
+            host[name][n:old] = -1 if name == "kv_slots" else 0   # only what the last plan left behind
+        self._filled = (b, s, rows)
+        if host is not self._device_buffers:
+            for name, t in self._device_buffers.items():
+                t.copy_(host[name])
+        self.num_rows = rows
+        meta = _k.VerifyAttentionMeta(
+            block_table=self._block_table, qo_start=self._qo_start, slot_lens=self._slot_lens,
+            seqused=self._seqused, prefix_lens=self._prefix, row_slot=self._row_slot[:rows],
+            row_within=self._row_within[:rows],
+            max_q=self.max_verify_len if self.max_verify_len is not None else max(longest, 1),
+        )
+        self._meta = meta
+        # the torch path's gather indices and mask depend only on the plan: built here once, reused per run.
+        # It is never captured in a graph, so it covers only this plan's s slots, not all max_slots buffers
+        # (a one-request prefill must not pay for a 64-slot padded attention)
+        if dispatch.use_triton(self._block_table):
+            self._torch_meta, self._torch_plan = None, None
+        else:
+            self._torch_meta = meta._replace(block_table=meta.block_table[:s], qo_start=meta.qo_start[:s],
+                                             slot_lens=meta.slot_lens[:s], seqused=meta.seqused[:s],
+                                             prefix_lens=meta.prefix_lens[:s])
+            self._torch_plan = _k.plan_torch_attention(self._torch_meta, self.page_size, self.dtype,
+                                                       int(kv_len.max()) if b else 0)
+
+    def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
+            lse: Tensor | None = None) -> Tensor:
+        """Attention of the planned step: q [rows, Hq, D] -> out [rows, Hq, D] (and lse [rows, Hq] fp32).
+
+        Checks only shapes/dtypes (no device sync); allocates only when `out` is None.
+        """
+        if self._meta is None:
+            raise RuntimeError("run() before plan(): call plan(layout, prefix_lens, block_table) first")
+        expect_q = (self.num_rows, self.num_q_heads, self.head_dim)
+        _check_tensor("q", q, expect_q, self.dtype, self.device)
+        cache_shape = (None, self.page_size, self.num_kv_heads, self.head_dim)
+        _check_tensor("k_cache", k_cache, cache_shape, self.dtype, self.device)
+        _check_tensor("v_cache", v_cache, (k_cache.shape[0], *cache_shape[1:]), self.dtype, self.device)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            _check_tensor("out", out, expect_q, self.dtype, self.device)
+        if lse is not None:
+            _check_tensor("lse", lse, expect_q[:2], torch.float32, self.device)
+        meta = self._meta if self._torch_meta is None else self._torch_meta
+        _k.ragged_attention(q, k_cache, v_cache, meta, self.sm_scale, out, lse, self._split_kv, self._torch_plan)
+        return out
+
+
+def verify_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: RaggedVerifyLayout,
+                     prefix_lens: Tensor | Sequence[int], block_table: Tensor, *, sm_scale: float | None = None,
+                     return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """One-shot plan + run sized to this call (eager use; capture a `RaggedVerifyAttention` for graphs)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
+        check_tensor(name, t)
+    check_type("layout", layout, RaggedVerifyLayout)
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be [rows, Hq, D] and k_cache [pages, page_size, Hkv, D], "
+                         f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    _check_dtype("q.dtype", q.dtype)
+    attn = RaggedVerifyAttention(
+        layout.graph_num_tokens, layout.num_slots, max(int(block_table.shape[-1]), 1), q.shape[1],
+        k_cache.shape[2], q.shape[2], k_cache.shape[1], q.device, q.dtype, sm_scale=sm_scale,
+        num_pages=k_cache.shape[0],
+    )
+    attn.plan(layout, prefix_lens, block_table)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    out = attn.run(q, k_cache, v_cache, lse=lse)
+    return (out, lse) if return_lse else out
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor) -> None:
+    """Store rows k, v [rows, Hkv, D] at flat cache slots `page * page_size + offset`; slot < 0 writes nothing.
+
+    Shapes and dtypes are checked; slot values are not (no device sync): take them from
+    `RaggedVerifyAttention.kv_slots`, which `plan` validated against the block table.
+    """
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("kv_slots", kv_slots)):
+        check_tensor(name, t)
+    if k.dim() != 3 or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(f"k must be [rows, Hkv, D] matching k_cache [pages, page_size, Hkv, D], "
+                         f"got {tuple(k.shape)} and {tuple(k_cache.shape)}")
+    _check_dtype("k_cache.dtype", k_cache.dtype)
+    _check_tensor("v", v, tuple(k.shape), k.dtype, k.device)
+    _check_tensor("k_cache", k_cache, None, k_cache.dtype, k.device)
+    _check_tensor("v_cache", v_cache, tuple(k_cache.shape), k_cache.dtype, k.device)
+    if kv_slots.shape != (k.shape[0],) or kv_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_slots must be int32/int64 [{k.shape[0]}], got {kv_slots.dtype} {tuple(kv_slots.shape)}")
+    _kv.write_kv(k, v, k_cache, v_cache, kv_slots)
+
+
+def _check_kv_lens(kv_len: Tensor, table: Tensor, page_size: int, num_pages: int | None) -> None:
+    check_kv_fits(kv_len, table.shape[1], page_size)
+    used = torch.arange(table.shape[1])[None, :] * page_size < kv_len[:, None]
+    bad = used & ((table < 0) | (table >= num_pages if num_pages is not None else table < 0))
+    if bool(bad.any()):
+        r, p = (int(x) for x in bad.nonzero()[0])
+        valid = f"in [0, {num_pages})" if num_pages is not None else ">= 0"
+        raise ValueError(f"block_table[{r}, {p}] = {int(table[r, p])} is not a page id {valid}")
+
+
+def _host_ints(name: str, value: Tensor | Sequence[int], shape: tuple[int, ...] | None) -> Tensor:
+    t = int_tensor(name, value).cpu()
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    return t
+
+
+def _check_dtype(name: str, dtype: torch.dtype) -> None:
+    if dtype not in _k.SUPPORTED_DTYPES:
+        raise TypeError(f"{name} = {dtype} is not supported; use one of "
+                        f"{', '.join(str(d) for d in _k.SUPPORTED_DTYPES)}")
+
+
+def _check_tensor(name: str, t: Tensor, shape: tuple[int | None, ...] | None, dtype: torch.dtype,
+                  device: torch.device) -> None:
+    check_tensor(name, t)
+    if shape is not None and (t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape))):
+        want = ["*" if e is None else e for e in shape]
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {dtype}")
+    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+        raise ValueError(f"{name} is on {t.device}, expected {device}")

@@ -1,0 +1,338 @@
+"""TierGraphRunner: one captured graph per token tier, replayed with the live layout padded to the tier.
+
+A compact verify step has a data-dependent row count; a captured graph has a static one. The runner
+captures one graph per token tier (largest first, all in one memory pool) over static buffers, and a
+step replays the smallest tier that holds its rows: the live layout and row inputs are copied into the
+tier's buffers, padding rows go to ghost slots (`seqused = 0`, so a well-formed step never writes the
+KV cache for them). Past the largest tier, or with more requests than the tier's captured slots, the
+step runs eager with a logged reason. Backends (CUDA graphs, NPU graphs, eager CPU) sit behind the small
+`GraphBackend` protocol; the CPU backend runs eagerly at the padded tier shape so that CPU timings show
+the same staircase as graph replay.
+
+Tier manifests (`TierManifest`) record what was captured and live as JSON under `graphs/`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from dspark.util.validate import int_tensor
+from dspark.verify.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
+from dspark.verify.manifest import TierManifest
+
+log = logging.getLogger(__name__)
+
+
+StepOutput = Union[Tensor, dict[str, Tensor]]
+RowSpec = tuple[tuple[int, ...], torch.dtype]
+
+
+class GraphBackend(Protocol):
+    """What the runner needs from a graph platform (CUDA graphs, NPU graphs, or eager)."""
+
+    name: str
+
+    def new_pool(self) -> object:
+        """A memory pool handle shared by every tier's graph (may be None)."""
+        ...
+
+    def capture(self, fn: Callable[[], None], pool: object) -> object:
+        """Capture `fn` (which reads and writes only static buffers); return a graph handle."""
+        ...
+
+    def replay(self, graph: object, update: Callable[[], None] | None = None) -> None:
+        """Replay a captured graph; `update` refreshes buffers / host-visible metadata first."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for the device."""
+        ...
+
+
+class EagerBackend:
+    """CPU (or any device) backend: 'replay' runs the step eagerly at the padded tier shape."""
+
+    name = "eager"
+
+    def new_pool(self) -> object:
+        return None
+
+    def capture(self, fn: Callable[[], None], pool: object) -> object:
+        fn()
+        return fn
+
+    def replay(self, graph: object, update: Callable[[], None] | None = None) -> None:
+        if update is not None:
+            update()
+        graph()
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CudaGraphBackend:
+    """`torch.cuda.CUDAGraph` capture with warm-up on a side stream and one shared pool."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, warmup: int = 2) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CudaGraphBackend needs a cuda device, got {device}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 (lazy kernel init must not be captured), got {warmup}")
+        self.device = device
+        self.warmup = warmup
+
+    def new_pool(self) -> object:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], None], pool: object) -> object:
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                fn()
+        return graph
+
+    def replay(self, graph: object, update: Callable[[], None] | None = None) -> None:
+        if update is not None:
+            update()
+        graph.replay()  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def default_backend(device: torch.device) -> GraphBackend:
+    """CUDA graphs on cuda, NPU graphs (imported lazily from dspark.ascend) on npu, eager elsewhere."""
+    if device.type == "cuda":
+        return CudaGraphBackend(device)
+    if device.type == "npu":
+        from dspark.ascend.graphs import NpuGraphBackend
+
+        return NpuGraphBackend(device)
+    return EagerBackend()
+
+
+@dataclass(frozen=True)
+class StepBuffers:
+    """What a step function sees: per-row inputs and the layout metadata, all of static shape per tier.
+
+    Rows `>= the real total` are padding rows of ghost slots; `row_valid` marks the real ones, computed
+    on the device (graph-safe, no host sync).
+    """
+
+    rows: dict[str, Tensor]   # name -> [num_tokens, ...] per-row inputs (padding rows zeroed)
+    slot_lens: Tensor         # [S] int32
+    seqused: Tensor           # [S] int32, 0 for ghost slots
+    slot_qo_indptr: Tensor    # [S+1] int32
+    row_slot: Tensor          # [num_tokens] int32
+    row_within: Tensor        # [num_tokens] int32
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.row_slot.numel())
+
+    @property
+    def row_valid(self) -> Tensor:
+        """[num_tokens] bool: the row is a real verify row (its slot uses it)."""
+        return self.row_within < self.seqused.index_select(0, self.row_slot.to(torch.int64))
+
+
+
+class TierGraphRunner:
+    """Capture `step_fn` once per token tier and replay the smallest tier that holds a step's rows.
+
+    step_fn(StepBuffers) -> Tensor | dict[str, Tensor] (row-major outputs `[num_tokens, ...]`). It must
+    be capturable: static shapes, no host sync, no writes for rows where `row_valid` is False.
+    tiers: strictly increasing token counts. slots_per_tier: one int for every tier or one per tier
+    (slot count S incl. ghost slots; a padded step with B requests needs B + ceil(padding / W) <= S, so
+    `max_requests + ceil(tier / W)` always suffices). width: W, the most rows per request.
+    row_inputs: name -> (trailing shape, dtype) of every per-row input the step reads.
+    """
+
+    def __init__(
+        self,
+        step_fn: Callable[[StepBuffers], StepOutput],
+        tiers: Sequence[int],
+        slots_per_tier: int | Sequence[int],
+        device: torch.device | str,
+        backend: GraphBackend | None = None,
+        *,
+        width: int,
+        row_inputs: Mapping[str, RowSpec],
+        model_id: str = "",
+    ) -> None:
+        device = torch.device(device)
+        tiers_t = check_tiers(tiers)
+        slots = (slots_per_tier,) * len(tiers_t) if isinstance(slots_per_tier, int) else tuple(slots_per_tier)
+        self.manifest = TierManifest(tiers=tiers_t, slots=slots, width=width, platform=device.type,
+                                     model_id=model_id, device_name=_device_name(device))
+        for name, spec in row_inputs.items():
+            if (not isinstance(spec, tuple) or len(spec) != 2 or not isinstance(spec[1], torch.dtype)
+                    or not all(isinstance(d, int) and d >= 0 for d in spec[0])):
+                raise TypeError(f"row_inputs[{name!r}] must be ((dims...), torch.dtype), got {spec!r}")
+        self.step_fn = step_fn
+        self.device = device
+        self.backend = backend if backend is not None else default_backend(device)
+        self.row_inputs = dict(row_inputs)
+        self.tiers = tiers_t
+        self.width = width
+        self._graphs: dict[int, object] = {}
+        self._buffers: dict[int, StepBuffers] = {}
+        self._outputs: dict[int, StepOutput] = {}
+        self.replays = {t: 0 for t in tiers_t}
+        self.eager_steps = 0
+
+    @classmethod
+    def from_manifest(cls, step_fn: Callable[[StepBuffers], StepOutput], manifest: TierManifest,
+                      device: torch.device | str, backend: GraphBackend | None = None, *,
+                      row_inputs: Mapping[str, RowSpec]) -> "TierGraphRunner":
+        """A runner for the tiers and slot counts a manifest records (same width and model id)."""
+        return cls(step_fn, manifest.tiers, manifest.slots, device, backend, width=manifest.width,
+                   row_inputs=row_inputs, model_id=manifest.model_id)
+
+    @property
+    def captured(self) -> bool:
+        return len(self._graphs) == len(self.tiers)
+
+    def capture(self) -> "TierGraphRunner":
+        """Capture every tier, largest first, into one shared pool (idempotent)."""
+        if self.captured:
+            return self
+        top = self.tiers[-1]
+        max_slots = max(self.manifest.slots)
+        rows = {n: torch.zeros((top, *shape), dtype=dt, device=self.device)
+                for n, (shape, dt) in self.row_inputs.items()}
+        meta = {k: torch.zeros(n, dtype=torch.int32, device=self.device)
+                for k, n in (("slot_lens", max_slots), ("seqused", max_slots),
+                             ("slot_qo_indptr", max_slots + 1), ("row_slot", top), ("row_within", top))}
+        pool = self.backend.new_pool()
+        for tier in reversed(self.tiers):
+            s = self.manifest.slots_for(tier)
+            bufs = StepBuffers(rows={n: r[:tier] for n, r in rows.items()}, slot_lens=meta["slot_lens"][:s],
+                               seqused=meta["seqused"][:s], slot_qo_indptr=meta["slot_qo_indptr"][: s + 1],
+                               row_slot=meta["row_slot"][:tier], row_within=meta["row_within"][:tier])
+            idle = RaggedVerifyLayout.from_verify_lens(
+                torch.zeros(0, dtype=torch.int32, device=self.device), tiers=[tier], slots=s, width=self.width)
+            _load_layout(bufs, idle)
+            self._buffers[tier] = bufs
+            self._graphs[tier] = self.backend.capture(self._body(tier), pool)
+        self.backend.synchronize()
+        return self
+
+    def _body(self, tier: int) -> Callable[[], None]:
+        bufs = self._buffers[tier]
+
+        def body() -> None:
+            self._outputs[tier] = self.step_fn(bufs)
+
+        return body
+
+    def layout(self, verify_lens: Tensor | Sequence[int]) -> RaggedVerifyLayout:
+        """The layout a step with these verify lengths runs: padded to its tier with that tier's slots,
+        or eager (unpadded, `eager_reason` set) past the largest tier or the tier's slot count. A list
+        becomes a tensor on the runner's device (validation syncs once, at this boundary)."""
+        lens = int_tensor("verify_lens", verify_lens, torch.int32)
+        lens = lens if isinstance(verify_lens, Tensor) else lens.to(self.device)
+        if lens.dim() == 1:
+            total, b = int(lens.sum()), int(lens.numel())
+            tier = round_up_to_tier(total, self.tiers)
+            if tier is not None:
+                s = self.manifest.slots_for(tier)
+                ghosts = -(-(tier - total) // self.width)  # ghost slots the padding needs (<= W rows each)
+                if b + ghosts > s:
+                    reason = (f"{b} requests + {ghosts} ghost slots for {tier - total} padding rows exceed "
+                              f"the {s} slots captured for tier {tier}")
+                    lay = RaggedVerifyLayout.from_verify_lens(lens, width=self.width)
+                    return dataclasses.replace(lay, eager_reason=reason)
+                return RaggedVerifyLayout.from_verify_lens(lens, self.tiers, slots=s, width=self.width)
+        return RaggedVerifyLayout.from_verify_lens(lens, self.tiers, width=self.width)
+
+    def run(self, layout: RaggedVerifyLayout, **rows: Tensor) -> StepOutput:
+        """Run one step: replay the layout's tier (rows copied into its static buffers, padding zeroed)
+        or run eager with a logged reason. Returns outputs for the real rows `[total_rows, ...]`; on a
+        replay they are views of the tier's static outputs, valid until the next step of that tier."""
+        self._check_rows(layout, rows)
+        if layout.tier is None:
+            if layout.eager_reason is None:
+                raise ValueError(
+                    f"layout has no tier and no eager reason (built without tiers); use runner.layout() "
+                    f"so the step pads to one of the captured tiers {list(self.tiers)}"
+                )
+            log.info("eager verify step: %s", layout.eager_reason)
+            self.eager_steps += 1
+            bufs = StepBuffers(rows={n: r[: layout.total_rows] for n, r in rows.items()},
+                               slot_lens=layout.slot_lens, seqused=layout.seqused,
+                               slot_qo_indptr=layout.slot_qo_indptr, row_slot=layout.row_slot,
+                               row_within=layout.row_within)
+            return self.step_fn(bufs)
+        if layout.tier not in self._graphs:
+            raise ValueError(
+                f"layout tier {layout.tier} is not a captured tier {list(self.tiers)}"
+                + ("" if self.captured else " (call runner.capture() first)")
+            )
+        bufs = self._buffers[layout.tier]
+        if layout.num_slots != bufs.slot_lens.numel():
+            raise ValueError(
+                f"layout has {layout.num_slots} slots but tier {layout.tier} was captured with "
+                f"{bufs.slot_lens.numel()}; build it with runner.layout()"
+            )
+
+        def update() -> None:
+            _load_layout(bufs, layout)
+            for name, src in rows.items():
+                dst = bufs.rows[name]
+                dst[: layout.total_rows].copy_(src[: layout.total_rows])
+                dst[layout.total_rows:].zero_()
+
+        self.backend.replay(self._graphs[layout.tier], update)
+        self.replays[layout.tier] += 1
+        return _slice_rows(self._outputs[layout.tier], layout.total_rows)
+
+    def _check_rows(self, layout: RaggedVerifyLayout, rows: Mapping[str, Tensor]) -> None:
+        if set(rows) != set(self.row_inputs):
+            raise ValueError(f"row inputs must be exactly {sorted(self.row_inputs)}, got {sorted(rows)}")
+        if layout.width != self.width:
+            raise ValueError(f"layout width {layout.width} != runner width W={self.width}")
+        for name, x in rows.items():
+            shape, dtype = self.row_inputs[name]
+            if x.dim() != 1 + len(shape) or tuple(x.shape[1:]) != shape or x.shape[0] < layout.total_rows:
+                raise ValueError(
+                    f"row input {name!r} must be [>= {layout.total_rows}, *{shape}], got {tuple(x.shape)}"
+                )
+            if x.dtype != dtype:
+                raise TypeError(f"row input {name!r} must be {dtype}, got {x.dtype}")
+
+    def synchronize(self) -> None:
+        self.backend.synchronize()
+
+
+def _load_layout(bufs: StepBuffers, layout: RaggedVerifyLayout) -> None:
+    bufs.slot_lens.copy_(layout.slot_lens)
+    bufs.seqused.copy_(layout.seqused)
+    bufs.slot_qo_indptr.copy_(layout.slot_qo_indptr)
+    bufs.row_slot.copy_(layout.row_slot)
+    bufs.row_within.copy_(layout.row_within)
+
+
+def _slice_rows(out: StepOutput, n: int) -> StepOutput:
+    if isinstance(out, Tensor):
+        return out[:n]
+    return {k: v[:n] for k, v in out.items()}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type

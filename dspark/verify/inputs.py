@@ -1,0 +1,155 @@
+"""One call builds the target's verify forward inputs for any execution mode (DESIGN.md section 2).
+
+- static: every request verifies W = gamma + 1 rows and may accept all of them (caps = W).
+- cap-accept: the same W rows per request, acceptance capped at accept time (caps = verify_lens);
+  the target does the full B*W rows of work.
+- compact: only `verify_lens[r]` rows per request, packed request-major and padded to the captured tier.
+
+Request r's rows are its root token then its drafts, at absolute positions `prefix_lens[r] + i`.
+Padding rows (ghost slots, section 4.8) get input id 0, position 0 and KV write slot -1: a model must skip
+writes to slot -1 (the usual "no slot" convention of paged KV writes), so padding never touches the cache.
+Model code then runs one forward over `input_ids` and hands the logits, `layout` and `caps` to accept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.config import VerifyMode
+from dspark.util.validate import (
+    check_int,
+    check_kv_fits,
+    check_nonnegative,
+    check_verify_lens,
+)
+from dspark.verify.layout import PAD_SLOT, RaggedVerifyLayout  # noqa: F401  (PAD_SLOT: re-exported)
+
+
+@dataclass(frozen=True)
+class VerifyInputs:
+    """Inputs of one verify forward (rows = layout.graph_num_tokens).
+
+    input_ids [rows] int64: root then drafts per request, 0 for padding rows.
+    positions [rows] int64: absolute positions `prefix_len + i`, 0 for padding rows.
+    kv_slots [rows] int64 or None: paged KV write slot of each row, PAD_SLOT (-1) for padding rows;
+        None when no block table was given.
+    layout: the packed geometry of the forward (static / cap-accept: W rows per request).
+    caps [B] int32: the verify lengths accept uses (static: W; cap-accept and compact: verify_lens).
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    kv_slots: Tensor | None
+    layout: RaggedVerifyLayout
+    caps: Tensor
+
+
+def build_verify_inputs(
+    mode: VerifyMode | str,
+    verify_lens: Tensor,
+    root_tokens: Tensor,
+    draft_tokens: Tensor,
+    prefix_lens: Tensor,
+    *,
+    tiers: Sequence[int] | None = None,
+    slots: int | None = None,
+    block_table: Tensor | None = None,
+    page_size: int | None = None,
+    layout: RaggedVerifyLayout | None = None,
+) -> VerifyInputs:
+    """Verify inputs for `mode`: ids, positions, KV write slots, the layout and the accept caps.
+
+    verify_lens [B] int in [1, W]; root_tokens [B]; draft_tokens [B, gamma]; prefix_lens [B] (tokens
+    already in the KV cache, so the root sits at position prefix_len); tiers / slots: captured graph
+    tiers and slot count (padding to the smallest tier >= rows); block_table [B, pages] and page_size:
+    KV slot of (r, pos) = `block_table[r, pos // page_size] * page_size + pos % page_size`.
+    layout (compact only): the layout the planner already built from these verify_lens with the same tiers
+    and slots (`VerifyPlan.layout`), reused instead of built a second time; its lengths are checked.
+    """
+    mode = VerifyMode.parse(mode)
+    b, gamma = _check_tokens(root_tokens, draft_tokens)
+    w = gamma + 1
+    device = draft_tokens.device
+    vl = _check_lens("verify_lens", verify_lens, b, device)
+    prefix = _check_lens("prefix_lens", prefix_lens, b, device).to(torch.int64)
+    compact = mode is VerifyMode.COMPACT
+    reused = _check_layout(layout, compact, b, tiers, slots)
+    # one device read for the checks (and the reused layout's lengths)
+    rows = [vl.to(torch.int64), prefix] + ([reused.to(device, torch.int64)] if reused is not None else [])
+    host = torch.stack(rows).cpu()
+    host_vl, host_prefix = host[0], host[1]
+    check_verify_lens(host_vl, w)
+    check_nonnegative("prefix_lens", host_prefix)
+    if reused is not None and not torch.equal(host[2], host_vl):
+        raise ValueError(f"layout was built for verify_lens {host[2].tolist()}, not {host_vl.tolist()}")
+    full = torch.full_like(vl, w)
+    if layout is None:
+        layout = RaggedVerifyLayout.from_verify_lens(vl if compact else full, tiers, slots, width=w)
+    tokens = torch.cat([root_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
+    positions = layout.positions(prefix)
+    kv_slots = None
+    if block_table is not None or page_size is not None:
+        _check_block_table(block_table, page_size, b, host_prefix + (host_vl if compact else w))
+        kv_slots = layout.kv_slots(positions, block_table, page_size)
+    return VerifyInputs(
+        input_ids=layout.pack(tokens, fill=0),
+        positions=positions,
+        kv_slots=kv_slots,
+        layout=layout,
+        caps=full if mode is VerifyMode.STATIC else vl,
+    )
+
+
+def _check_tokens(root_tokens: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
+    for name, t, dims in (("draft_tokens", draft_tokens, 2), ("root_tokens", root_tokens, 1)):
+        if not isinstance(t, Tensor) or t.dim() != dims or t.dtype.is_floating_point:
+            shape = "[B, gamma]" if dims == 2 else "[B]"
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else repr(t)
+            raise TypeError(f"{name} must be an integer {shape} tensor, got {got}")
+    b, gamma = draft_tokens.shape
+    if gamma < 1:
+        raise ValueError(f"draft_tokens must hold gamma >= 1 drafts, got shape {tuple(draft_tokens.shape)}")
+    if root_tokens.shape != (b,):
+        raise ValueError(f"root_tokens must be [B={b}], got {tuple(root_tokens.shape)}")
+    return b, gamma
+
+
+def _check_layout(layout: RaggedVerifyLayout | None, compact: bool, b: int, tiers: Sequence[int] | None,
+                  slots: int | None) -> Tensor | None:
+    """The reused layout's verify_lens (None without a layout) after the host-side checks."""
+    if layout is None:
+        return None
+    if not isinstance(layout, RaggedVerifyLayout):
+        raise TypeError(f"layout must be a RaggedVerifyLayout, got {type(layout).__name__}")
+    if not compact:
+        raise ValueError("a prebuilt layout is only used in compact mode (static / cap-accept verify W rows each)")
+    if layout.num_requests != b:
+        raise ValueError(f"layout holds {layout.num_requests} requests, the batch has {b}")
+    tier_ok = layout.tier in tiers if layout.tier is not None and tiers else (
+        layout.tier is None and (not tiers or layout.eager_reason is not None))
+    if not tier_ok or (slots is not None and layout.num_slots != slots):
+        raise ValueError(f"layout (tier {layout.tier}, {layout.num_slots} slots) was not built with "
+                         f"tiers={list(tiers or [])} and slots={slots}")
+    return layout.verify_lens
+
+
+def _check_lens(name: str, values: Tensor, b: int, device: torch.device) -> Tensor:
+    if not isinstance(values, Tensor) or values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {values!r}")
+    if values.shape != (b,):
+        raise ValueError(f"{name} must be [B={b}], got {tuple(values.shape)}")
+    return values.to(device=device, dtype=torch.int32)
+
+
+def _check_block_table(block_table: Tensor | None, page_size: int | None, b: int, ends: Tensor) -> None:
+    """Both given, integer table [B, pages], and every written position inside the request's pages."""
+    if block_table is None or page_size is None:
+        raise ValueError("block_table and page_size go together: give both or neither")
+    check_int("page_size", page_size, 1)
+    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype.is_floating_point:
+        raise ValueError(f"block_table must be an integer [B={b}, pages] tensor, got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    check_kv_fits(ends, block_table.shape[1], page_size)
