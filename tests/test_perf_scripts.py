@@ -1,0 +1,95 @@
+"""The real-model perf scripts at tiny scale: `perf/verify_modes.py` and `perf/sampling_distribution.py` run
+end to end with `--model tiny` (the tests' random Llama through the same code path), write the JSON fields
+their README sections describe, and the sampling test has power against a wrong distribution."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+PERF = Path(__file__).resolve().parents[1] / "perf"
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"perf_{name}", PERF / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def one_thread():
+    """The scripts time one intra-op thread; restore the suite's thread count afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_verify_lens_draws_have_the_asked_sum_and_bounds() -> None:
+    vm = _script("verify_modes")
+    gen = torch.Generator().manual_seed(0)
+    for b, w, mean in ((1, 7, 2.0), (16, 7, 3.0), (5, 4, 1.0), (3, 7, 7.0), (16, 7, 2.4)):
+        vl = vm.draw_verify_lens(b, w, mean, gen)
+        assert vl.dtype == torch.int32 and vl.shape == (b,)
+        assert int(vl.min()) >= 1 and int(vl.max()) <= w
+        assert int(vl.sum()) == min(max(round(mean * b), b), b * w)
+    with pytest.raises(ValueError, match="mean verify length must be in"):
+        vm.draw_verify_lens(4, 7, 7.5, gen)
+
+
+def test_verify_modes_tiny_run_writes_its_fields(tmp_path: Path, one_thread: None) -> None:
+    vm = _script("verify_modes")
+    out = tmp_path / "vm.json"
+    summary = vm.main(["--model", "tiny", "--batch-sizes", "1,4", "--mean-lens", "2.5", "--repeats", "2",
+                       "--prompt-len", "12", "--tiers", "8,16,32", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(summary))
+    assert set(summary["results"]) == {"1", "4"}
+    for b, r in summary["results"].items():
+        full = [s for s in r["sets"] if s["full"]]
+        assert len(r["sets"]) == 2 and len(full) == 1 and full[0]["rows_ratio"] == 1.0
+        for s in r["sets"]:
+            assert set(s["ms"]) == {"static", "cap-accept", "compact"}
+            assert all(len(v) == 2 for v in s["ms"].values())
+            assert s["rows"] == sum(s["verify_lens"]) and s["rows_ratio"] == s["rows"] / (int(b) * 7)
+            assert s["forward_rows"]["static"] >= int(b) * 7 and s["forward_rows"]["compact"] >= s["rows"]
+            assert max(s["max_abs_diff"].values()) <= summary["logit_atol"]
+            assert s["time_ratio"] == s["median_ms"]["compact"] / s["median_ms"]["static"]
+            assert s["meets"] == (s["time_ratio"] <= 1.15 * s["rows_ratio"])
+    c = summary["criterion"]
+    assert c["batch"] == 4 and c["sets"] == 1 and isinstance(c["meets_all"], bool)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_distribution_test_accepts_the_truth_and_rejects_a_shift() -> None:
+    sd = _script("sampling_distribution")
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.linspace(0, 4, 50, dtype=torch.float64), 0)
+    shifted = torch.softmax(torch.linspace(0, 4.8, 50, dtype=torch.float64), 0)  # TV 0.062 from probs
+    same = torch.multinomial(probs, 2000, replacement=True, generator=gen)
+    other = torch.multinomial(shifted, 2000, replacement=True, generator=gen)
+    ok, bad = sd.distribution_test(same, probs, 400, gen), sd.distribution_test(other, probs, 400, gen)
+    assert ok["n"] == 2000 and ok["tv"]["p_value"] > 0.01 and ok["chi2"]["p_value"] > 0.01
+    assert bad["tv"]["p_value"] < 0.01 and bad["chi2"]["p_value"] < 0.01
+    direct = 0.5 * (torch.bincount(same, minlength=50) / 2000 - probs).abs().sum()
+    assert ok["tv"]["observed"] == pytest.approx(float(direct))
+
+
+def test_sampling_distribution_tiny_run_is_lossless(tmp_path: Path, one_thread: None) -> None:
+    sd = _script("sampling_distribution")
+    out = tmp_path / "sd.json"
+    summary = sd.main(["--model", "tiny", "--samples", "384", "--chunk", "192", "--ks", "1,4", "--prompt-len", "8",
+                       "--candidates", "16", "--bootstrap", "200", "--out", str(out)])
+    assert json.loads(out.read_text())["lossless"] is True
+    assert summary["lossless"] and summary["plain_control_passes"]
+    assert [r["policy"] for r in summary["runs"]] == ["plain", "fixed-1", "fixed-4"]
+    assert summary["num_tests"] == 18 and summary["bootstrap"] >= 4 / summary["p_value_threshold"]
+    for r in summary["runs"]:
+        assert set(r["tests"]) == {"position 1", "position 2", "joint 1-2"}
+        assert r["tests"]["position 1"]["n"] == 384
+        if r["policy"] != "plain":  # both accept paths ran: some first drafts accepted, some rejected
+            assert 0.05 < r["first_draft_accept_rate"] < 0.95
