@@ -3,7 +3,8 @@
 Built once per forward from the step's `RaggedVerifyLayout` (this plans the persistent
 `RaggedVerifyAttention`); each layer then writes its K/V rows into the cache (`write_kv`; padding rows
 carry slot -1 and write nothing) and runs the planned attention. Prefill, draft and verify forwards
-share it; `positions` are the rows' absolute positions for the model's `position_ids`.
+share it; `positions` are the rows' absolute positions for the model's `position_ids`. `PlannedAttend`
+is the per-layer part alone, for a step captured in a graph whose attention is planned before each replay.
 """
 from __future__ import annotations
 
@@ -15,24 +16,33 @@ from dspark.verify.attention import RaggedVerifyAttention, write_kv
 from dspark.verify.layout import RaggedVerifyLayout
 
 
-class PagedAttend:
-    """Plan `attn` for one forward, then `(layer, q [N, Hq, D], k, v [N, Hkv, D]) -> out [N, Hq, D]`.
+class PlannedAttend:
+    """`(layer, q [N, Hq, D], k, v [N, Hkv, D]) -> out [N, Hq, D]` with `attn` as last planned: no host work.
 
-    k_cache / v_cache: `[num_layers, num_pages, page_size, Hkv, D]`; prefix_lens [B]: tokens already in
-    the cache per request; block_table [B, P]: each request's pages.
+    k_cache / v_cache: `[num_layers, num_pages, page_size, Hkv, D]`.
     """
 
-    def __init__(self, attn: RaggedVerifyAttention, k_cache: Tensor, v_cache: Tensor, layout: RaggedVerifyLayout,
-                 prefix_lens: Tensor | Sequence[int], block_table: Tensor):
+    def __init__(self, attn: RaggedVerifyAttention, k_cache: Tensor, v_cache: Tensor):
         if k_cache.dim() != 5 or v_cache.shape != k_cache.shape:
             raise ValueError(f"k_cache and v_cache must both be [layers, pages, page_size, Hkv, D], got "
                              f"{list(k_cache.shape)} and {list(v_cache.shape)}")
-        attn.plan(layout, prefix_lens, block_table)
         self.attn, self.k_cache, self.v_cache = attn, k_cache, v_cache
         self.sm_scale = attn.sm_scale
-        self.positions = layout.positions(attn.meta.prefix_lens[: layout.num_requests])  # the planned copy
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         write_kv(k, v, kc, vc, self.attn.kv_slots)
         return self.attn.run(q.contiguous(), kc, vc)
+
+
+class PagedAttend(PlannedAttend):
+    """Plan `attn` for one forward, then attend as `PlannedAttend`.
+
+    prefix_lens [B]: tokens already in the cache per request; block_table [B, P]: each request's pages.
+    """
+
+    def __init__(self, attn: RaggedVerifyAttention, k_cache: Tensor, v_cache: Tensor, layout: RaggedVerifyLayout,
+                 prefix_lens: Tensor | Sequence[int], block_table: Tensor):
+        super().__init__(attn, k_cache, v_cache)
+        attn.plan(layout, prefix_lens, block_table)
+        self.positions = layout.positions(attn.meta.prefix_lens[: layout.num_requests])  # the planned copy

@@ -159,6 +159,9 @@ class TierGraphRunner:
     (slot count S incl. ghost slots; a padded step with B requests needs B + ceil(padding / W) <= S, so
     `max_requests + ceil(tier / W)` always suffices). width: W, the most rows per request.
     row_inputs: name -> (trailing shape, dtype) of every per-row input the step reads.
+    prepare(layout): host work the step needs for each layout it runs (the attention's `plan`), called
+    with the tier's idle layout before its capture and with the live layout before every replay (inside
+    the backend's `update`) or eager run, so that `step_fn` itself does no host work.
     """
 
     def __init__(
@@ -172,6 +175,7 @@ class TierGraphRunner:
         width: int,
         row_inputs: Mapping[str, RowSpec],
         model_id: str = "",
+        prepare: Callable[[RaggedVerifyLayout], None] | None = None,
     ) -> None:
         device = torch.device(device)
         tiers_t = check_tiers(tiers)
@@ -183,6 +187,7 @@ class TierGraphRunner:
                     or not all(isinstance(d, int) and d >= 0 for d in spec[0])):
                 raise TypeError(f"row_inputs[{name!r}] must be ((dims...), torch.dtype), got {spec!r}")
         self.step_fn = step_fn
+        self.prepare = prepare
         self.device = device
         self.backend = backend if backend is not None else default_backend(device)
         self.row_inputs = dict(row_inputs)
@@ -197,10 +202,11 @@ class TierGraphRunner:
     @classmethod
     def from_manifest(cls, step_fn: Callable[[StepBuffers], StepOutput], manifest: TierManifest,
                       device: torch.device | str, backend: GraphBackend | None = None, *,
-                      row_inputs: Mapping[str, RowSpec]) -> "TierGraphRunner":
+                      row_inputs: Mapping[str, RowSpec],
+                      prepare: Callable[[RaggedVerifyLayout], None] | None = None) -> "TierGraphRunner":
         """A runner for the tiers and slot counts a manifest records (same width and model id)."""
         return cls(step_fn, manifest.tiers, manifest.slots, device, backend, width=manifest.width,
-                   row_inputs=row_inputs, model_id=manifest.model_id)
+                   row_inputs=row_inputs, model_id=manifest.model_id, prepare=prepare)
 
     @property
     def captured(self) -> bool:
@@ -226,6 +232,7 @@ class TierGraphRunner:
             idle = RaggedVerifyLayout.from_verify_lens(
                 torch.zeros(0, dtype=torch.int32, device=self.device), tiers=[tier], slots=s, width=self.width)
             _load_layout(bufs, idle)
+            self._prepare(idle)
             self._buffers[tier] = bufs
             self._graphs[tier] = self.backend.capture(self._body(tier), pool)
         self.backend.synchronize()
@@ -272,6 +279,7 @@ class TierGraphRunner:
                 )
             log.info("eager verify step: %s", layout.eager_reason)
             self.eager_steps += 1
+            self._prepare(layout)
             bufs = StepBuffers(rows={n: r[: layout.total_rows] for n, r in rows.items()},
                                slot_lens=layout.slot_lens, seqused=layout.seqused,
                                slot_qo_indptr=layout.slot_qo_indptr, row_slot=layout.row_slot,
@@ -290,6 +298,7 @@ class TierGraphRunner:
             )
 
         def update() -> None:
+            self._prepare(layout)
             _load_layout(bufs, layout)
             for name, src in rows.items():
                 dst = bufs.rows[name]
@@ -299,6 +308,10 @@ class TierGraphRunner:
         self.backend.replay(self._graphs[layout.tier], update)
         self.replays[layout.tier] += 1
         return _slice_rows(self._outputs[layout.tier], layout.total_rows)
+
+    def _prepare(self, layout: RaggedVerifyLayout) -> None:
+        if self.prepare is not None:
+            self.prepare(layout)
 
     def _check_rows(self, layout: RaggedVerifyLayout, rows: Mapping[str, Tensor]) -> None:
         if set(rows) != set(self.row_inputs):
