@@ -1,8 +1,11 @@
-"""The decode loop's argument checks, at its boundary: device, prompts, per-request new-token counts."""
+"""The decode loop's argument checks, at its boundary: device, prompts, per-request new-token counts, options,
+sequence lengths."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 DEVICES = ("cpu", "cuda")
 
@@ -42,3 +45,22 @@ def check_new_tokens(max_new_tokens: int | Tensor, n: int) -> Tensor:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int or an int64 tensor [N], got {max_new_tokens!r}")
     return torch.full((n,), max_new_tokens, dtype=torch.int64)
+
+
+def check_positive_or_none(name: str, value: int | None) -> None:
+    """An optional count: None or an int >= 1 (ValueError naming the option and the value otherwise)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def check_seq_len(models: Iterable[nn.Module], prompt_len: int, new_tokens: int, width: int) -> int:
+    """The longest sequence a run reaches (prompt + new tokens + one verify width); ValueError naming the
+    model whose `geometry.max_seq_len` it exceeds."""
+    max_len = prompt_len + new_tokens + width
+    for m in models:
+        if max_len > m.geometry.max_seq_len:
+            raise ValueError(
+                f"prompt {prompt_len} + max_new_tokens {new_tokens} + verify width {width} = {max_len} exceeds "
+                f"the {type(m).__name__}'s max_seq_len {m.geometry.max_seq_len}: shorten the prompts or "
+                f"max_new_tokens")
+    return max_len

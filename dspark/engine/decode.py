@@ -24,12 +24,13 @@ import torch
 from torch import Tensor
 
 from dspark.config import VerifyMode
-from dspark.engine.checks import check_device, check_new_tokens, check_prompts
+from dspark.engine.checks import check_device, check_new_tokens, check_positive_or_none, check_prompts, check_seq_len
 from dspark.engine.kv_cache import PagedKVCache
 from dspark.engine.policies import FixedK, Oracle, PolicyPlan
 from dspark.engine.results import DecodeRun, GenerateResult, StepOutcome, StepTimes, finish
 from dspark.engine.step_attention import batch_attention
 from dspark.engine.sweep import CLOCKS
+from dspark.engine.verify_step import VerifySteps, graph_slots
 from dspark.models.draft import DraftModel
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
@@ -72,6 +73,7 @@ class SpecDecoder:
         pages = -(-cache_tokens // page_size)
         self.tcache = self._cache(target, pages, page_size)
         self.dcache = self._cache(draft, pages, page_size)
+        self._verify_steps = VerifySteps(self.target, self.tcache, self.tiers)
         self._generation = 0
         self._running = False  # a started run has not finished
 
@@ -82,6 +84,7 @@ class SpecDecoder:
         pages = self.tcache.allocator.num_pages
         twin.tcache = self._cache(self.target, pages, self.tcache.page_size)
         twin.dcache = self._cache(self.draft, pages, self.dcache.page_size)
+        twin._verify_steps = VerifySteps(self.target, twin.tcache, self.tiers)
         twin._generation, twin._running = 0, False
         return twin
 
@@ -96,17 +99,21 @@ class SpecDecoder:
 
     def _target(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, reqs: Tensor) -> Tensor:
         """Target logits of packed rows for requests `reqs` (device ids into the admitted batch); the real
-        rows' hidden states are kept for the draft (`_hidden[slot, position]`)."""
-        attend = self._attend(self.tcache, layout, prefix, reqs)
-        hidden = self.target(tokens, attend.positions, attend)
+        rows' hidden states are kept for the draft (`_hidden[slot, position]`). A layout built with the tiers
+        (padded to one, or past the largest) runs the run's `VerifyStep`, which replays its tier."""
+        if self._verify_step is not None and (layout.tier is not None or layout.eager_reason is not None):
+            hidden, logits, positions = self._verify_step(tokens, layout, prefix, self.tcache.block_table[reqs])
+        else:
+            attend = self._attend(self.tcache, layout, prefix, reqs)
+            hidden = self.target(tokens, attend.positions, attend)
+            logits, positions = self.target.logits(hidden), attend.positions
         real = layout.total_rows
-        self._hidden[reqs[layout.row_slot[:real].long()], attend.positions[:real]] = hidden[:real]
-        return self.target.logits(hidden)
+        self._hidden[reqs[layout.row_slot[:real].long()], positions[:real]] = hidden[:real]
+        return logits
 
     def graph_slots(self, b: int, width: int) -> int | None:
-        """Slot count of a tier-padded compact step: B real slots plus enough ghost slots (<= W rows each)
-        for the largest possible padding; None without tiers."""
-        return b + -(-self.tiers[-1] // width) if self.tiers else None
+        """Slot count of a tier-padded compact step (`verify_step.graph_slots`); None without tiers."""
+        return graph_slots(b, self.tiers, width) if self.tiers else None
 
     def _uniform(self, b: int, rows: int) -> RaggedVerifyLayout:
         return RaggedVerifyLayout.from_verify_lens(torch.full((b,), rows, dtype=torch.int32), width=rows)
@@ -143,25 +150,16 @@ class SpecDecoder:
         n, p = check_prompts(prompts)
         new_tokens = check_new_tokens(max_new_tokens, n)
         max_new_tokens = int(new_tokens.max())
-        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
-            raise ValueError(f"slots must be a positive int or None, got {slots!r}")
+        check_positive_or_none("slots", slots)
         b = min(n, slots or n)
         k = policy.num_drafts
         if k > self.draft.gamma:
             raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the draft model has only "
                              f"{self.draft.gamma} heads (gamma must be in [0, {self.draft.gamma}])")
         w = k + 1
-        if reserve_new_tokens is not None and (isinstance(reserve_new_tokens, bool)
-                                               or not isinstance(reserve_new_tokens, int) or reserve_new_tokens < 1):
-            raise ValueError(f"reserve_new_tokens must be a positive int or None, got {reserve_new_tokens!r}")
+        check_positive_or_none("reserve_new_tokens", reserve_new_tokens)
         max_new_tokens_reserved = max(max_new_tokens, reserve_new_tokens or 0)
-        max_len = p + max_new_tokens_reserved + w
-        for m in (self.target, self.draft):
-            if max_len > m.geometry.max_seq_len:
-                raise ValueError(
-                    f"prompt {p} + max_new_tokens {max_new_tokens_reserved} + verify width {w} = {max_len} exceeds "
-                    f"the {type(m).__name__}'s max_seq_len {m.geometry.max_seq_len}: shorten the prompts or "
-                    f"max_new_tokens")
+        max_len = check_seq_len((self.target, self.draft), p, max_new_tokens_reserved, w)
         self._check_idle()
         return self._run(prompts, new_tokens, policy, mode, sampling, temperature, seed, b, p, w, max_len)
 
@@ -173,12 +171,11 @@ class SpecDecoder:
         self.dcache.admit(b, max_len)
         self._running = True
         n, max_new_tokens = prompts.shape[0], int(new_tokens.max())
-        # target prefill (P - 1 rows), full verify, or top tier; the draft's first forward of a request is
-        # its prompt plus what plain steps committed before it (<= max_probe_every + W rows)
+        # target prefill (P - 1 rows) or full verify (tiered verify steps plan their own); the draft's first
+        # forward of a request is its prompt plus what plain steps committed before it (<= max_probe_every + W rows)
         catch_up = w + getattr(policy, "max_probe_every", 0) if getattr(policy, "speculate", None) else w
-        rows = max(b * (p + catch_up), self.tiers[-1] if self.tiers else 0)
-        self._slots = self.graph_slots(b, w)
-        self._attn = {id(c): batch_attention(c, m.geometry, rows, self._slots or b + 1)
+        self._slots, self._verify_step = self.graph_slots(b, w), self._verify_steps.get(b, w)
+        self._attn = {id(c): batch_attention(c, m.geometry, b * (p + catch_up), b + 1)
                       for c, m in ((self.tcache, self.target), (self.dcache, self.draft))}
         self._hidden = torch.zeros(b, max_len + w, self.target.geometry.hidden_size, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)

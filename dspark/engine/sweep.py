@@ -1,6 +1,7 @@
 """Measure verify-step cost and judge cost models by the budgets they choose.
 
-Sweep: which (B, rows) points to pin, and a timed, interleaved sweep.
+Sweep: which (B, rows) points to pin, and a timed, interleaved sweep of a `StepAdapter` (the built-in one
+is `dspark.engine.verify_step.VerifyStepAdapter`: the engine's own verify step over a transformers model).
 
 Rows are pinned at every tier top and at tier-2 .. tier+2 (where a smooth cost fit is most wrong), plus
 the static point B*W; `dense_rows` gives every row count, for the measured oracle. Each repeat is one
@@ -73,6 +74,14 @@ def dense_rows(num_requests: int, width: int, floor: int = 1) -> list[int]:
     """Every row count a step with B requests can have: [B*F, B*W]."""
     lo, hi = _row_range(num_requests, width, floor)
     return list(range(lo, hi + 1))
+
+
+def split_rows(num_requests: int, rows: int, width: int) -> list[int]:
+    """verify_lens with `rows` in total spread as evenly as possible over `num_requests` (each in [1, W])."""
+    if num_requests < 1 or not num_requests <= rows <= num_requests * width:
+        raise ValueError(f"rows={rows} must lie in [B, B*W] = [{num_requests}, {num_requests * width}]")
+    q, r = divmod(rows, num_requests)
+    return [q + 1] * r + [q] * (num_requests - r)
 
 
 CLOCKS = ("wall", "thread")

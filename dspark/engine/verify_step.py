@@ -1,0 +1,166 @@
+"""VerifyStep: the target's verify forward as one capturable step, replayed per token tier by `TierGraphRunner`.
+
+A verify step padded to a tier has a static shape: the token ids and positions of the tier's rows go in,
+the final hidden states and logits of the same rows come out. The step function reads only the runner's
+`StepBuffers` and the persistent buffers of the step's own `RaggedVerifyAttention` (sized for the largest
+tier, at most W rows per slot, so a captured launch fits every layout of its tier). The attention's `plan`
+(host work: validation, the step's geometry copied into those buffers) runs in the runner's `prepare` hook
+before each capture and replay, so the captured forward does no host work: CUDA graphs on a GPU, eager at
+the padded tier shape on the CPU. Padding rows sit in ghost slots with KV slot -1 and never write the
+cache. A layout past the largest tier runs the same forward eagerly on its unpadded rows (the runner logs
+why and counts it). `VerifyStepAdapter` is the same step as the tier sweep's `StepAdapter`
+(`perf/tier_sweep.py`), so the cost tables profile exactly what the engine replays.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.engine.kv_cache import PagedKVCache
+from dspark.engine.sweep import split_rows
+from dspark.models.paged_attend import PlannedAttend
+from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.util.validate import check_int
+from dspark.verify.attention import RaggedVerifyAttention
+from dspark.verify.graphs import GraphBackend, RowSpec, StepBuffers, TierGraphRunner
+from dspark.verify.layout import RaggedVerifyLayout, check_tiers
+
+ROW_INPUTS: dict[str, RowSpec] = {"tokens": ((), torch.int64), "positions": ((), torch.int64)}
+
+
+def graph_slots(max_requests: int, tiers: Sequence[int], width: int) -> int:
+    """Slots of a tier-padded step: the real requests plus enough ghost slots (<= W rows each) for the
+    largest possible padding, so every tier holds any batch of up to `max_requests` requests."""
+    return max_requests + -(-check_tiers(tiers)[-1] // width)
+
+
+class VerifyOutput(NamedTuple):
+    """The real rows of one verify forward."""
+
+    hidden: Tensor     # [total_rows, d] final-normed hidden states
+    logits: Tensor     # [total_rows, V]
+    positions: Tensor  # [total_rows] int64 absolute positions
+
+
+class VerifyStep:
+    """The target's verify forward over `cache` for up to `max_requests` requests of <= `width` rows each,
+    captured once per tier of `tiers` (the runner is `self.runner`; its replay / eager counts are the
+    telemetry of which tier each step replayed).
+
+    slots: the runner's slot count (one, or one per tier); default `graph_slots(max_requests, tiers, width)`.
+    `cache.block_table` must be admitted (its page count per request sizes the attention's block table).
+    """
+
+    def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, *, tiers: Sequence[int], width: int,
+                 max_requests: int, slots: int | Sequence[int] | None = None, backend: GraphBackend | None = None,
+                 model_id: str = "") -> None:
+        check_int("width", width, 1)
+        check_int("max_requests", max_requests, 1)
+        tiers = check_tiers(tiers)
+        if not tiers:
+            raise ValueError("tiers must hold at least one token tier to capture, got none")
+        if cache.block_table.dim() != 2 or cache.block_table.shape[1] < 1:
+            raise ValueError(f"cache has no admitted block table (shape {list(cache.block_table.shape)}): "
+                             f"admit the batch before building its verify step")
+        g, device = target.geometry, cache.k.device
+        _, num_pages, page_size, kv_heads, head_dim = cache.k.shape
+        pages_per_request = int(cache.block_table.shape[1])
+        slots = graph_slots(max_requests, tiers, width) if slots is None else slots
+        max_slots = max(max_requests, slots if isinstance(slots, int) else max(slots))
+        self.target, self.device = target, device
+        self.attn = RaggedVerifyAttention(max(tiers[-1], max_requests * width), max_slots, pages_per_request,
+                                          g.num_q_heads, kv_heads, head_dim, page_size, device, cache.k.dtype,
+                                          sm_scale=g.sm_scale, max_verify_len=width, num_pages=num_pages)
+        self._attend = PlannedAttend(self.attn, cache.k, cache.v)
+        # what `_plan` plans with: no request for the idle layouts of the captures, then each step's own
+        self._context = (torch.zeros(0, dtype=torch.int64),
+                         torch.zeros(0, pages_per_request, dtype=torch.int32, device=device))
+        self.runner = TierGraphRunner(self._forward, tiers, slots, device, backend, width=width,
+                                      row_inputs=ROW_INPUTS, model_id=model_id, prepare=self._plan).capture()
+
+    def __call__(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix_lens: Tensor,
+                 block_table: Tensor) -> VerifyOutput:
+        """Verify the packed rows `tokens [>= total_rows]` of `layout` (built with the runner's tiers and slots:
+        `self.runner.layout`, or `RaggedVerifyLayout.from_verify_lens(lens, tiers, slots, width=W)`);
+        prefix_lens [B]: tokens already cached per request; block_table [B, P]: their pages. On a replay the
+        outputs are views of the tier's static buffers, valid until that tier's next step."""
+        positions = layout.positions(prefix_lens.to(device=self.device, dtype=torch.int64))
+        self._context = (prefix_lens, block_table)
+        out = self.runner.run(layout, tokens=tokens, positions=positions)  # the real rows
+        return VerifyOutput(out["hidden"], out["logits"], positions[: layout.total_rows])
+
+    def _plan(self, layout: RaggedVerifyLayout) -> None:
+        """The runner's `prepare` hook: the attention's host-side plan for the layout about to run."""
+        self.attn.plan(layout, *self._context)
+
+    def _forward(self, bufs: StepBuffers) -> dict[str, Tensor]:
+        hidden = self.target(bufs.rows["tokens"], bufs.rows["positions"], self._attend)
+        return {"hidden": hidden, "logits": self.target.logits(hidden)}
+
+
+class VerifySteps:
+    """A decoder's verify steps over one target and cache, captured once per (B, W, pages per request) and
+    reused by every later run of that shape (captures are the expensive part on a GPU)."""
+
+    def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, tiers: Sequence[int]) -> None:
+        self.target, self.cache, self.tiers = target, cache, check_tiers(tiers)
+        self._steps: dict[tuple[int, int, int], VerifyStep] = {}
+
+    def get(self, max_requests: int, width: int) -> VerifyStep | None:
+        """The step for the batch admitted in the cache; None without tiers or drafts (W = 1: no verify step)."""
+        if not self.tiers or width == 1:
+            return None
+        key = (max_requests, width, int(self.cache.block_table.shape[1]))
+        if key not in self._steps:
+            self._steps[key] = VerifyStep(self.target, self.cache, tiers=self.tiers, width=width,
+                                          max_requests=max_requests)
+        return self._steps[key]
+
+
+class VerifyStepAdapter:
+    """`dspark.engine.sweep.StepAdapter` for a target's `VerifyStep`: the engine's verify forward of B requests
+    over `context` cached tokens each (random token ids, random cached K/V), padded to its tier.
+
+    slots: as for `VerifyStep`; name: what the sweep's files are called after (default
+    `<model_type>-L<layers>-d<hidden>-ctx<context>`).
+    """
+
+    def __init__(self, target: TransformersCausalLM, *, tiers: Sequence[int], width: int, max_requests: int,
+                 device: torch.device | str = "cpu", backend: GraphBackend | None = None, context: int = 32,
+                 page_size: int = 16, slots: int | Sequence[int] | None = None, seed: int = 0,
+                 name: str | None = None) -> None:
+        check_int("context", context, 0)
+        g, self.device = target.geometry, torch.device(device)
+        if context + width > g.max_seq_len:
+            raise ValueError(f"context {context} + width {width} exceeds the target's max_seq_len {g.max_seq_len}")
+        hf = target.hf_model.config
+        self.name = name or f"{hf.model_type}-L{g.num_layers}-d{g.hidden_size}-ctx{context}"
+        self.target = target.to(self.device)
+        per_request = -(-(context + width) // page_size)
+        self.cache = PagedKVCache(num_layers=g.num_layers, num_heads=g.num_kv_heads, head_dim=g.head_dim,
+                                  num_pages=max_requests * per_request, page_size=page_size, device=self.device,
+                                  dtype=target.hf_model.dtype)
+        self.cache.admit(max_requests, context + width)
+        self._gen = torch.Generator().manual_seed(seed)
+        for buf in (self.cache.k, self.cache.v):
+            buf.copy_(torch.randn(buf.shape, generator=self._gen))
+        self.verify = VerifyStep(target, self.cache, tiers=tiers, width=width, max_requests=max_requests,
+                                 slots=slots, backend=backend, model_id=self.name)
+        self.runner = self.verify.runner
+        self.context, self.width, self.max_requests = context, width, max_requests
+        self._step: tuple | None = None
+
+    def prepare(self, num_requests: int, rows: int) -> None:
+        if num_requests > self.max_requests:
+            raise ValueError(f"num_requests={num_requests} exceeds max_requests={self.max_requests}")
+        layout = self.runner.layout(split_rows(num_requests, rows, self.width))
+        tokens = torch.randint(0, self.target.geometry.vocab_size, (rows,), generator=self._gen).to(self.device)
+        prefix = torch.full((num_requests,), self.context, dtype=torch.int64)
+        self._step = (tokens, layout, prefix, self.cache.block_table[:num_requests])
+
+    def step(self) -> None:
+        if self._step is None:
+            raise RuntimeError("call prepare(num_requests, rows) before step()")
+        self.verify(*self._step)

@@ -1,0 +1,68 @@
+"""The engine's verify forward through `TierGraphRunner`: a decoder with tiers replays each compact step's tier
+(eager backend on the CPU) and commits the same tokens as a decoder without tiers."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from dspark.engine.decode import SpecDecoder
+from dspark.engine.policies import FixedK, Oracle
+from tests.engine_models import VOCAB, tiny_models
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TIERS = (4, 8, 12)
+
+
+def _prompts(b: int, p: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, p), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("policy", [FixedK(3), Oracle(3)], ids=lambda p: p.name)
+def test_compact_steps_replay_their_tier_and_commit_the_same_tokens(policy, device, caplog) -> None:
+    target, draft = tiny_models()
+    plain = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device)
+    tiered = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=TIERS)
+    prompts = _prompts(4, 6)
+    want = plain.generate(prompts, 10, policy, mode="compact", slots=3)
+    caplog.set_level(logging.INFO, logger="dspark.verify.graphs")
+    got = tiered.generate(prompts, 10, policy, mode="compact", slots=3)  # continuous batching: 3 slots, 4 prompts
+    assert torch.equal(got.tokens, want.tokens)
+    # the draft reads the target's hidden states: the graph step stores the same ones, so drafts agree too
+    assert [s.commit_lens.tolist() for s in got.steps] == [s.commit_lens.tolist() for s in want.steps]
+    runner = tiered._verify_steps.get(3, 4).runner
+    tiers_seen = [s.layout.tier for s in got.steps]
+    for tier in TIERS:  # every step that replayed a tier is counted by the runner (the oracle also replays its prepass)
+        assert runner.replays[tier] >= tiers_seen.count(tier)
+    assert sum(runner.replays.values()) >= sum(t is not None for t in tiers_seen) > 0
+    past = sum(s.layout.total_rows > TIERS[-1] for s in got.steps)  # 3 requests x 4 rows = 12 rows: never past
+    assert past == 0 and all(s.layout.graph_num_tokens == s.layout.tier for s in got.steps)
+    if isinstance(policy, Oracle):  # ragged verify lengths: padding rows in ghost slots
+        assert any(s.layout.num_padding_rows > 0 for s in got.steps)
+
+
+def test_steps_past_the_largest_tier_run_eager_through_the_same_step(device, caplog) -> None:
+    target, draft = tiny_models()
+    tiered = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=(4,))
+    plain = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device)
+    prompts = _prompts(3, 6)
+    caplog.set_level(logging.INFO, logger="dspark.verify.graphs")
+    got = tiered.generate(prompts, 8, FixedK(3), mode="static")  # 3 x 4 = 12 rows > tier 4
+    assert torch.equal(got.tokens, plain.generate(prompts, 8, FixedK(3), mode="static").tokens)
+    runner = tiered._verify_steps.get(3, 4).runner
+    assert runner.eager_steps == len(got.steps) and sum(runner.replays.values()) == 0
+    assert all(s.layout.tier is None for s in got.steps) and "largest captured tier 4" in caplog.text
+
+
+def test_captures_are_reused_across_runs_and_forks_capture_their_own(device) -> None:
+    target, draft = tiny_models()
+    dec = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=TIERS)
+    dec.generate(_prompts(2, 6), 4, FixedK(2))
+    step = dec._verify_steps.get(2, 3)
+    dec.generate(_prompts(2, 6), 4, FixedK(2))
+    assert dec._verify_steps.get(2, 3) is step
+    twin = dec.fork()
+    assert twin._verify_steps.cache is twin.tcache and twin._verify_steps is not dec._verify_steps
+    assert dec._verify_steps.get(2, 1) is None  # target-only runs have no verify step
