@@ -1,5 +1,11 @@
 """Tier sweep: profile a verify step over B x rows, fit the 1-D, additive and tiered cost models side by side.
 
+The step is the engine's own verify forward (`dspark.engine.verify_step.VerifyStepAdapter`: a transformers
+causal LM over the paged KV cache, captured per tier by `TierGraphRunner`: CUDA graphs on cuda, eager at the
+padded tier shape on the CPU) of `--model smollm2` (SmolLM2-135M-Instruct, `dspark.models.load_smollm2`) or
+`--model tiny` (the engine tests' random 2-layer Llama; needs the repo root on PYTHONPATH), with `--context`
+cached tokens per request.
+
 Rows are pinned at every tier top and at tier-2 .. tier+2 (plus B*F and the static point B*W); with
 --dense every row count in [B*F, B*W] is measured too (the oracle `perf/cost_regret.py` judges against).
 The models are fitted on the pinned samples only. Writes to --out (default graphs/):
@@ -9,7 +15,8 @@ The models are fitted on the pinned samples only. Writes to --out (default graph
   <name>.tiers.json      the tier manifest of the runner that was profiled (when the adapter has one)
   <name>.png             measured vs predicted cost per B, tiers marked
 
-  python perf/tier_sweep.py --dense                                  # built-in block verify step, CPU
+  python perf/tier_sweep.py --dense                                  # SmolLM2's verify step, CPU
+  PYTHONPATH=. python perf/tier_sweep.py --model tiny --dense         # the tests' tiny Llama
   python perf/tier_sweep.py --adapter mypkg.mod:make_adapter --device cuda
 The adapter factory is called as factory(tiers=, width=, max_requests=, device=) and returns a
 `dspark.engine.sweep.StepAdapter` (prepare(num_requests, rows) / step()).
@@ -27,7 +34,6 @@ from typing import Callable, Sequence
 import torch
 
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
-from dspark.engine.blockstep import BlockVerifyAdapter
 from dspark.engine.sweep import (
     CLOCKS,
     STATS,
@@ -37,6 +43,7 @@ from dspark.engine.sweep import (
     profile_steps,
     tier_rows,
 )
+from dspark.engine.verify_step import VerifyStepAdapter
 from dspark.util.fileio import atomic_write, write_json_atomic
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
@@ -61,14 +68,26 @@ def progress_bar(done: int, total: int) -> None:
     sys.stderr.flush()
 
 
+def load_target(model: str):
+    """The `--model` target: SmolLM2-135M-Instruct or the engine tests' tiny random Llama."""
+    if model == "smollm2":
+        from dspark.models import load_smollm2
+
+        return load_smollm2()[0]
+    from dspark.models.transformers_lm import TransformersCausalLM
+    from tests.engine_models import tiny_llama  # the repo root on PYTHONPATH
+
+    return TransformersCausalLM(tiny_llama())
+
+
 def make_adapter(spec: str, args: argparse.Namespace, device: torch.device) -> StepAdapter:
-    """`block` (the built-in transformer-block verify step) or `module:factory` for a user's model."""
+    """`model` (the engine's verify step of `--model`) or `module:factory` for a user's model."""
     common = {"tiers": args.tiers, "width": args.width, "max_requests": max(args.batches), "device": device}
-    if spec == "block":
-        return BlockVerifyAdapter(**common, context=args.context, hidden=args.hidden, seed=args.seed)
+    if spec == "model":
+        return VerifyStepAdapter(load_target(args.model), **common, context=args.context, seed=args.seed)
     mod, sep, attr = spec.partition(":")
     if not sep:
-        raise SystemExit(f"--adapter must be 'block' or 'module:factory', got {spec!r}")
+        raise SystemExit(f"--adapter must be 'model' or 'module:factory', got {spec!r}")
     factory: Callable[..., StepAdapter] = getattr(importlib.import_module(mod), attr)
     return factory(**common)
 
@@ -117,7 +136,10 @@ def plot(path: Path, samples: Sequence[ProfileSample], pinned: set, models: dict
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--adapter", default="block", help="'block' or module:factory")
+    ap.add_argument("--adapter", default="model", help="'model' (the engine's verify step of --model) or "
+                                                       "module:factory")
+    ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
+                    help="target of --adapter model: SmolLM2-135M-Instruct or the tests' tiny random Llama")
     ap.add_argument("--tiers", type=ints, default=[8, 16, 24, 32, 48, 64, 80, 96, 112, 128])
     ap.add_argument("--width", type=int, default=8, help="W = gamma + 1")
     ap.add_argument("--batches", type=ints, default=[1, 2, 4, 8, 12, 16])
@@ -131,8 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--clock", choices=CLOCKS, default="wall",
                     help="CPU timer: wall (perf_counter) or thread (thread CPU time; with --threads 1 on a "
                          "shared box)")
-    ap.add_argument("--context", type=int, default=32, help="block step: cached context per request")
-    ap.add_argument("--hidden", type=int, default=64, help="block step: hidden size")
+    ap.add_argument("--context", type=int, default=32, help="cached tokens per request (--adapter model)")
     ap.add_argument("--row-bin", type=int, default=64, help="additive model M bin (the profiler default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None, help="file stem (default: <adapter name>-<platform>-W<W>)")

@@ -1,3 +1,7 @@
+"""TierGraphRunner over the engine's verify step (`VerifyStep`: the tiny random Llama of the engine tests
+through transformers' own model code over a paged KV cache): tier choice, replay equals eager, padding
+never writes the KV cache, eager fallback, manifests, the backend contract."""
+import functools
 import json
 import logging
 
@@ -7,38 +11,69 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark import RaggedVerifyLayout, TierGraphRunner, TierManifest
-from dspark.engine.blockstep import BlockVerifyStep, split_rows
-from dspark.verify.graphs import CudaGraphBackend, EagerBackend, StepBuffers
+from dspark.engine.step_attention import batch_attention
+from dspark.engine.sweep import split_rows
+from dspark.engine.verify_step import VerifyStepAdapter
+from dspark.models.paged_attend import PagedAttend
+from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.verify.graphs import CudaGraphBackend, EagerBackend
+from tests.engine_models import VOCAB, tiny_llama
 
 TIERS = (4, 8, 16)
 W = 4
 SLOTS = 8  # 5 requests + 2 ghost slots hold any padding of these tiers, with one to spare
+CONTEXT, PAGE = 6, 4  # cached tokens per request at most, KV page size
+MAX_REQUESTS = 8  # eager steps past the largest tier reach 5 requests x 4 rows; the slot test 8 requests
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@functools.lru_cache(maxsize=None)
+def tiny_target(device: torch.device) -> TransformersCausalLM:
+    return TransformersCausalLM(tiny_llama(max_seq_len=64)).to(device)
+
+
 def make_runner(device, tiers=TIERS, slots=SLOTS, backend=None):
-    model = BlockVerifyStep(width=W, num_slots=10,
-                            max_context=6, hidden=16, heads=2, vocab=11, device=device, seed=3)
-    runner = TierGraphRunner(model, tiers, slots, device, backend, width=W, row_inputs=model.row_inputs,
-                             model_id="toy")
-    return model, runner.capture()
+    """(the verify step's adapter: its cache, step and runner; the captured runner)."""
+    step = VerifyStepAdapter(tiny_target(device), tiers=tiers, width=W, max_requests=MAX_REQUESTS, device=device,
+                             backend=backend, context=CONTEXT, page_size=PAGE, slots=slots, seed=3, name="toy")
+    return step, step.runner
 
 
-def inputs(layout, model, seed, device):
+def inputs(layout, seed, device):
+    """(tokens [total_rows], prefix_lens [B]) of one step: random ids over random cached context lengths."""
     gen = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(0, model.max_context + 1, (layout.num_requests,), generator=gen)
-    hidden = torch.randn(layout.total_rows, model.hidden, generator=gen).to(device)
-    return {"hidden": hidden, "positions": layout.positions(prefix.to(device))[: layout.total_rows]}
+    prefix = torch.randint(0, CONTEXT + 1, (layout.num_requests,), generator=gen)
+    return torch.randint(0, VOCAB, (layout.total_rows,), generator=gen).to(device), prefix
 
 
-def eager_reference(model, lens, rows, device):
-    """The same step run directly on the unpadded layout (no tiers, no runner)."""
+def run(step, layout, tokens, prefix):
+    """The step's logits of the real rows, through the runner (replay, or eager past the tiers)."""
+    return step.verify(tokens, layout, prefix, step.cache.block_table[: layout.num_requests]).logits
+
+
+def eager_reference(step, lens, tokens, prefix, k_cache, v_cache):
+    """The same forward on the unpadded layout (no tiers, no runner), planned by `PagedAttend` over copies of
+    the cache taken before the step."""
+    device = tokens.device
     lay = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32, device=device), width=W)
-    bufs = StepBuffers(rows=rows, slot_lens=lay.slot_lens, seqused=lay.seqused,
-                       slot_qo_indptr=lay.slot_qo_indptr, row_slot=lay.row_slot, row_within=lay.row_within)
-    return model(bufs)
+    target = step.target
+    attn = batch_attention(step.cache, target.geometry, lay.total_rows, lay.num_slots)
+    attend = PagedAttend(attn, k_cache.clone(), v_cache.clone(), lay, prefix, step.cache.block_table[: len(lens)])
+    return target.logits(target(tokens, attend.positions, attend))
+
+
+def written_slots(step, layout, prefix):
+    """Flat KV slots `page * page_size + offset` the real rows of a step must write."""
+    table = step.cache.block_table.cpu()
+    req = layout.row_slot[: layout.total_rows].cpu().long()
+    pos = layout.positions(prefix.to(layout.row_slot.device))[: layout.total_rows].cpu()
+    return {int(table[r, p // PAGE]) * PAGE + int(p % PAGE) for r, p in zip(req, pos)}
+
+
+def changed_slots(before, after):
+    return set((before != after).any(dim=(0, 3, 4)).flatten().nonzero().flatten().tolist())
 
 
 @pytest.mark.parametrize("lens, tier", [([1], 4), ([4], 4), ([2, 3], 8), ([4, 4], 8), ([4, 4, 1], 16),
@@ -54,60 +89,62 @@ def test_tier_selection_and_padding(lens, tier, device):
 @settings(max_examples=12)
 @given(seed=st.integers(0, 10_000), data=st.data())
 def test_replay_equals_eager_and_padding_never_writes_kv(seed, data, device):
-    model, runner = make_runner(device)
+    step, runner = make_runner(device)
     b = data.draw(st.integers(1, SLOTS - 1))
     lens = data.draw(st.lists(st.integers(1, W), min_size=b, max_size=b).filter(lambda v: sum(v) <= 16))
     lay = runner.layout(lens)
-    rows = inputs(lay, model, seed, device)
-    want = eager_reference(model, lens, rows, device)
-    before_k = model.cache_k.clone()
+    tokens, prefix = inputs(lay, seed, device)
+    before_k, before_v = step.cache.k.clone(), step.cache.v.clone()
+    want = eager_reference(step, lens, tokens, prefix, before_k, before_v)
     # poison the static buffers: stale rows from an earlier, larger step must not leak
-    runner._buffers[lay.tier].rows["hidden"].fill_(float("nan"))
-    got = runner.run(lay, **rows)
+    runner._buffers[lay.tier].rows["tokens"].fill_(VOCAB - 1)
+    runner._buffers[lay.tier].rows["positions"].fill_(CONTEXT + W - 1)
+    got = run(step, lay, tokens, prefix)
     runner.synchronize()
     assert got.shape == want.shape and torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    changed = (model.cache_k != before_k).any(dim=1).nonzero().flatten().tolist()
-    pos = rows["positions"].cpu()
-    written = {int(model.capacity * s + p) for s, p in zip(lay.row_slot[: lay.total_rows].tolist(), pos.tolist())}
-    assert set(changed) <= written | {model.dummy_row}
+    written = written_slots(step, lay, prefix)  # real rows write exactly their own slots; padding rows none
+    assert changed_slots(before_k, step.cache.k) == written == changed_slots(before_v, step.cache.v)
     assert runner.replays[lay.tier] == 1 and runner.eager_steps == 0
 
 
 def test_two_layouts_of_one_tier_in_a_row(device):
-    model, runner = make_runner(device)
+    step, runner = make_runner(device)
     outs = []
     for seed, lens in ((1, [4, 4, 3]), (2, [1, 2, 1, 3, 2])):
         lay = runner.layout(lens)
         assert lay.tier == 16
-        rows = inputs(lay, model, seed, device)
-        outs.append((runner.run(lay, **rows).clone(), eager_reference(model, lens, rows, device)))
+        tokens, prefix = inputs(lay, seed, device)
+        want = eager_reference(step, lens, tokens, prefix, step.cache.k, step.cache.v)
+        outs.append((run(step, lay, tokens, prefix).clone(), want))
     for got, want in outs:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert runner.replays[16] == 2
 
 
 @pytest.mark.cuda
 def test_cuda_graph_replay_two_layouts_equal_eager(device):
-    model, runner = make_runner(device)
+    _, runner = make_runner(device)
     assert isinstance(runner.backend, CudaGraphBackend)
     test_two_layouts_of_one_tier_in_a_row(device)
 
 
 def test_eager_fallback_past_largest_tier_and_slots(device, caplog):
-    model, runner = make_runner(device)
+    step, runner = make_runner(device)
     caplog.set_level(logging.INFO, logger="dspark.verify.graphs")
     big = [4, 4, 4, 4, 2]  # 18 rows > largest tier 16
     lay = runner.layout(big)
     assert lay.tier is None and "largest captured tier 16" in lay.eager_reason
-    rows = inputs(lay, model, 0, device)
-    torch.testing.assert_close(runner.run(lay, **rows), eager_reference(model, big, rows, device))
+    tokens, prefix = inputs(lay, 0, device)
+    want = eager_reference(step, big, tokens, prefix, step.cache.k, step.cache.v)
+    torch.testing.assert_close(run(step, lay, tokens, prefix), want)
     assert runner.eager_steps == 1 and "largest captured tier 16" in caplog.text
     many = [1] * SLOTS  # 8 requests, 8 rows -> tier 8 exactly, no padding: replayed
     assert runner.layout(many).tier == 8
     many = [1] * (SLOTS - 1) + [2]  # 9 rows -> tier 16: 7 padding rows need 2 ghost slots, none left
     lay = runner.layout(many)
     assert lay.tier is None and "exceed the 8 slots captured for tier 16" in lay.eager_reason
-    runner.run(lay, **inputs(lay, model, 1, device))
+    run(step, lay, *inputs(lay, 1, device))
     assert runner.eager_steps == 2 and sum(runner.replays.values()) == 0
 
 
@@ -120,9 +157,10 @@ def test_per_tier_slots_and_exactly_full_tier(device):
 
 
 def test_run_rejects_foreign_layouts(device):
-    model, runner = make_runner(device)
+    _, runner = make_runner(device)
     lay = runner.layout([2, 2])
-    rows = inputs(lay, model, 0, device)
+    tokens, prefix = inputs(lay, 0, device)
+    rows = {"tokens": tokens, "positions": lay.positions(prefix.to(device))}
     with pytest.raises(ValueError, match="built without tiers"):
         runner.run(RaggedVerifyLayout.from_verify_lens([2, 2], width=W), **rows)
     with pytest.raises(ValueError, match="tier 12 is not a captured tier"):
@@ -130,11 +168,11 @@ def test_run_rejects_foreign_layouts(device):
     with pytest.raises(ValueError, match="captured with 8"):
         runner.run(RaggedVerifyLayout.from_verify_lens([2, 2], tiers=TIERS, slots=3, width=W), **rows)
     with pytest.raises(ValueError, match="row inputs must be exactly"):
-        runner.run(lay, hidden=rows["hidden"])
-    with pytest.raises(ValueError, match="row input 'hidden'"):
-        runner.run(lay, hidden=rows["hidden"][:2], positions=rows["positions"])
+        runner.run(lay, tokens=tokens)
+    with pytest.raises(ValueError, match="row input 'tokens'"):
+        runner.run(lay, tokens=tokens[:2], positions=rows["positions"])
     with pytest.raises(TypeError, match="must be torch.int64"):
-        runner.run(lay, hidden=rows["hidden"], positions=rows["positions"].int())
+        runner.run(lay, tokens=tokens, positions=rows["positions"].int())
     with pytest.raises(TypeError, match="must hold ints"):
         runner.layout([2.0, 2])
 
@@ -214,7 +252,9 @@ def test_backend_selection_is_lazy_per_device_type(monkeypatch):
 
 
 def test_backend_protocol_contract(device):
-    """Largest tier first, one pool for all, update (the buffer refresh) runs before the graph replays."""
+    """Largest tier first, one pool for all, update (the buffer refresh) runs before the graph replays; the
+    prepare hook (host work: the attention's plan) sees each tier's idle layout before its capture and the live
+    layout inside update, before the step runs."""
     events = []
 
     class Recording(EagerBackend):
@@ -236,14 +276,22 @@ def test_backend_protocol_contract(device):
 
     def step(bufs):
         seen_rows.append((bufs.num_tokens, bufs.rows["x"][:, 0].tolist()))
+        events.append("step")
         return bufs.rows["x"] * 2
 
+    def prepare(layout):
+        events.append(("prepare", layout.tier, layout.num_requests))
+
     runner = TierGraphRunner(step, TIERS, SLOTS, device, Recording(), width=W,
-                             row_inputs={"x": ((1,), torch.float32)})
+                             row_inputs={"x": ((1,), torch.float32)}, prepare=prepare)
     runner.capture()
-    assert events == ["pool"] + [("capture", "the-pool")] * 3
+    assert events == ["pool"] + [e for t in (16, 8, 4) for e in (("prepare", t, 0), ("capture", "the-pool"), "step")]
     assert [n for n, _ in seen_rows] == [16, 8, 4]  # largest first
     lay = runner.layout([2, 1])
     out = runner.run(lay, x=torch.tensor([[1.0], [2.0], [3.0]], device=device))
-    assert events[-1] == "replay" and seen_rows[-1] == (4, [1.0, 2.0, 3.0, 0.0])  # refreshed, padding zeroed
+    assert events[-3:] == ["replay", ("prepare", 4, 2), "step"]
+    assert seen_rows[-1] == (4, [1.0, 2.0, 3.0, 0.0])  # refreshed, padding zeroed
     assert out.tolist() == [[2.0], [4.0], [6.0]]
+    big = runner.layout([4, 4, 4, 4, 1])  # eager past the largest tier: prepared too
+    runner.run(big, x=torch.ones(17, 1, device=device))
+    assert events[-2:] == [("prepare", None, 5), "step"]

@@ -121,13 +121,13 @@ def _load_perf(name: str):
 
 
 def test_tier_sweep_and_regret_scripts_end_to_end(tmp_path):
-    """A tiny real sweep of the built-in step, then the regret report against its dense oracle."""
+    """A tiny real sweep of the engine's verify step (tiny Llama), then the regret report against its dense oracle."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         rc = _load_perf("tier_sweep").main(["--tiers", "4,8,16", "--width", "4", "--batches", "1,2,4", "--dense",
                                             "--repeats", "3", "--warmup", "0", "--clock", "thread",
-                                            "--hidden", "16", "--context", "4",
+                                            "--model", "tiny", "--context", "4",
                                             "--name", "t", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(old)
