@@ -1,7 +1,8 @@
 """Is speculative sampling lossless on the real model? Committed-token distributions vs the exact target's.
 
-For `--prompts` held-out prompts (chosen among `--candidates` windows: the ones whose first-token top-1
-probability under the target is closest to 0.5, so drafts are both accepted and rejected), the decode loop
+For `--prompts` held-out prompts (chosen among `--candidates` windows: among those where the draft's greedy
+first token is the target's, the ones whose first-token top-1 probability is closest to 0.5, so sampled drafts
+are both accepted and rejected), the decode loop
 samples `--samples` continuations of `--new-tokens` tokens per policy: fixed-k for every k in `--ks`
 (speculative sampling: draft, compact verify, rejection sampling, bonus) and plain target sampling
 (fixed-0), each as copies of the prompt batched `--chunk` per `SpecDecoder.generate(sampling=True)` call.
@@ -18,7 +19,7 @@ size drawn from the exact distribution. A test passes when its bootstrap p-value
 tests) (Bonferroni, alpha `--alpha`); plain sampling is the control that shows the test's own false-alarm
 behaviour. Prints a table, writes perf/results/sampling_distribution.json.
 
-    PYTHONPATH=. python perf/sampling_distribution.py [--model real|tiny] [--samples 1024] [--ks 1,3,6]
+    PYTHONPATH=. python perf/sampling_distribution.py [--model real|tiny] [--samples 768] [--ks 1,3,6]
 """
 from __future__ import annotations
 
@@ -84,10 +85,15 @@ def next_token_probs(target: TransformersCausalLM, seqs: Tensor, temperature: fl
     return torch.cat(out)
 
 
-def choose_prompts(target: TransformersCausalLM, candidates: Tensor, count: int, temperature: float) -> Tensor:
-    """The `count` candidate prompts whose first-token top-1 probability is closest to 0.5."""
-    top = next_token_probs(target, candidates, temperature).max(-1).values
-    return candidates[(top - 0.5).abs().argsort()[:count]]
+def choose_prompts(decoder: SpecDecoder, candidates: Tensor, count: int, temperature: float) -> Tensor:
+    """The `count` candidates whose first-token top-1 probability is closest to 0.5 among those where the
+    draft's greedy first token is the target's (one greedy fixed-1 step over all candidates): there the draft
+    puts its mass where the target does, so sampled drafts are both accepted and rejected. Candidates without
+    that agreement come last (used only when too few agree)."""
+    top = next_token_probs(decoder.target, candidates, temperature).max(-1).values
+    res = decoder.generate(candidates, 1, FixedK(1), mode="compact")
+    agree = (res.steps[0].correct_len >= 1).cpu()
+    return candidates[((top - 0.5).abs() + (~agree).double()).argsort()[:count]]
 
 
 def exact_reference(target: TransformersCausalLM, prompt: Tensor, temperature: float, mass: float,
@@ -187,12 +193,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="real", choices=("real", "tiny"))
     ap.add_argument("--ks", default="1,3,6", help="fixed-k policies (speculative sampling); plain always runs")
-    ap.add_argument("--samples", type=int, default=1024, help="sampled continuations per prompt and policy")
+    ap.add_argument("--samples", type=int, default=768, help="sampled continuations per prompt and policy")
     ap.add_argument("--chunk", type=int, default=256, help="prompt copies per generate call")
     ap.add_argument("--new-tokens", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--candidates", type=int, default=32, help="held-out windows the prompts are chosen from")
-    ap.add_argument("--prompt-len", type=int, default=12, help="prompt tokens (each sample prefills them)")
+    ap.add_argument("--prompt-len", type=int, default=8, help="prompt tokens (each sample prefills them)")
     ap.add_argument("--temperature", type=float, default=None,
                     help=f"sampling temperature (default {DEFAULT_TEMPERATURE['real']} real, "
                          f"{DEFAULT_TEMPERATURE['tiny']} tiny: the tiny random target is a point mass at 1)")
@@ -239,10 +245,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         candidates = prompt_windows("heldout", encode, args.candidates, args.prompt_len, args.seed)
     else:
         candidates = torch.randint(3, target.geometry.vocab_size, (args.candidates, args.prompt_len), generator=gen)
-    prompts = choose_prompts(target, candidates, args.prompts, args.temperature)
     width = max(args.k_list) + 1
     per_request = -(-(args.prompt_len + args.new_tokens + width) // PAGE_SIZE) * PAGE_SIZE
-    decoder = SpecDecoder(target, draft, cache_tokens=min(args.chunk, args.samples) * per_request)
+    batch = max(min(args.chunk, args.samples), args.candidates)
+    decoder = SpecDecoder(target, draft, cache_tokens=batch * per_request)
+    prompts = choose_prompts(decoder, candidates, args.prompts, args.temperature)
     policies = [("plain", 0)] + [(f"fixed-{k}", k) for k in args.k_list]
     num_tests = 2 * len(policies) * len(prompts) * (3 if args.new_tokens > 1 else 1)  # TV + chi2 per tested set
     threshold = args.alpha / num_tests
