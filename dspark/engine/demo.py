@@ -176,8 +176,16 @@ def load_models(device: torch.device) -> Models:
     from dspark.models import load_smollm2
     from dspark.models.draft import load_draft
 
-    logging.disable_progress_bar()  # the GGUF reader's carriage-return bar would wall a log file
-    target, tokenizer = load_smollm2()
+    logging.disable_progress_bar()  # carriage-return bars would wall a log file: transformers' own ...
+    saved = os.environ.get("TQDM_DISABLE")  # ... and the GGUF reader's plain tqdm (it reads TQDM_* overrides)
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        target, tokenizer = load_smollm2()
+    finally:
+        if saved is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = saved
     draft = load_draft(target)
     return target.to(device), draft.to(device), lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
