@@ -33,7 +33,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="compact", help="verify mode: static, cap-accept or compact (default)")
     p.add_argument("--policies", default="adaptive,fixed,oracle",
                    help="comma list of adaptive, oracle, fixed (= fixed-0..fixed-gamma), fixed-K")
-    p.add_argument("--gamma", type=int, default=6, help="drafts per step, at most the draft's block of 6 (default 6)")
+    p.add_argument("--gamma", type=int, default=4, help="drafts per step, at most the draft's block of 6 (default 4)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=16, help="mean new tokens per request (default 16)")
     p.add_argument("--length-spread", type=float, default=0.5,
