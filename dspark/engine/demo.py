@@ -20,11 +20,14 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import platform
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -176,16 +179,10 @@ def load_models(device: torch.device) -> Models:
     from dspark.models import load_smollm2
     from dspark.models.draft import load_draft
 
-    logging.disable_progress_bar()  # carriage-return bars would wall a log file: transformers' own ...
-    saved = os.environ.get("TQDM_DISABLE")  # ... and the GGUF reader's plain tqdm (it reads TQDM_* overrides)
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
+    logging.disable_progress_bar()  # carriage-return bars would wall a log file: transformers' own, and the
+    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
+    with quiet:                      # GGUF reader's plain tqdm (a load error still raises)
         target, tokenizer = load_smollm2()
-    finally:
-        if saved is None:
-            del os.environ["TQDM_DISABLE"]
-        else:
-            os.environ["TQDM_DISABLE"] = saved
     draft = load_draft(target)
     return target.to(device), draft.to(device), lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
