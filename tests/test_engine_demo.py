@@ -37,7 +37,7 @@ def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
     summary = run_demo(_cfg(tmp_path, tiers=(4, 8, 9), policies=("adaptive", "oracle"), probe_every=1,
                             max_probe_every=1), echo=lambda s: None, show_progress=False, models=_models())
     assert summary["cost_model"]["kind"] == "tiered"
-    steps = [r for k, recs in summary["steps"].items() if k.startswith("adaptive") for r in recs]
+    steps = [r for k, rounds in summary["steps"].items() if k.startswith("adaptive") for recs in rounds for r in recs]
     spec = [r for r in steps if r["speculated"]]  # plain steps (the policy's choice) run eager, 1 row each
     assert spec and all(r["tier"] in (4, 8, 9) and r["rows"] == r["tier"] for r in spec)
     assert all(r["rows"] == r["batch"] for r in steps if not r["speculated"])
@@ -55,13 +55,21 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
         assert r["requests"] == 2 * r["batch"] and r["tokens_per_s"] > 0 and r["steady_tokens_per_s"] > 0
         assert r["phase_seconds"]["prefill_s"] > 0  # refills are timed
     lengths = demo_mod.request_lengths(6, 6, 0.5, 0)  # the queue's varied output lengths (3 to 9 tokens)
-    for key, steps in data["steps"].items():
+    for key, rounds in data["steps"].items():  # every step of every round
+        assert len(rounds) == 1
+        steps = rounds[0]
         b = int(key.split("@")[1])
         row = next(r for r in data["results"] if f"{r['policy']}@{r['batch']}" == key)
         assert sum(s["useful"] for s in steps) == row["queue_tokens"] == int(lengths[: 2 * b].sum())  # drained exactly
     assert {g["batch"] for g in data["goals"]} == {1, 3} and "faster_than_best_fixed_at_largest_batch" in data["goals"][-1]
     assert list(tmp_path.glob(".out.*")) == []  # no temp folder left behind
     assert data["lossless"]["requests_identical_to_transformers_generate"] == 2 * 3  # the B = 3 queue
+
+
+def test_demo_runs_at_a_single_batch_size(tmp_path: Path) -> None:
+    summary = run_demo(_cfg(tmp_path, batch_sizes=(1,), policies=("adaptive", "fixed-1")), echo=lambda s: None,
+                       show_progress=False, models=_models())
+    assert {r["batch"] for r in summary["results"]} == {1} and summary["lossless"]["checked_runs"] > 0
 
 
 def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -291,8 +291,9 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
 
     probe = (cfg.probe_every, cfg.max_probe_every, cfg.cost_feedback)
     decoders = {name: decoder.fork() for name in names}  # one per policy: each round runs them in lockstep
-    records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: demo.json and the plots
-    every_round: dict[tuple[str, int], list[StepRecord]] = {}  # every round's: the table's step statistics
+    records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: the plots
+    rounds: dict[tuple[str, int], list[list[StepRecord]]] = {}  # every round's steps: demo.json
+    every_round: dict[tuple[str, int], list[StepRecord]] = {}  # every round's, flat: the table's step statistics
     seconds: dict[tuple[str, int], list[float]] = {}
     steady: dict[tuple[str, int], list[float]] = {}  # steady-state committed tokens / s per timed run
     lossless_checks = generate_checks = 0
@@ -333,6 +334,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 recs = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
                                     lag=cfg.lag if name == "adaptive" else 0, temperatures=temps)
                 every_round.setdefault((name, b), []).extend(recs)
+                rounds.setdefault((name, b), []).append(recs)
                 if rep == 0:
                     records[(name, b)] = recs
     if not cfg.sampling:
@@ -361,7 +363,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         "results": rows,
         "goals": goals,
         "tau_bias": tau_bias([r for recs in every_round.values() for r in recs]),
-        "steps": {f"{n}@{b}": [r.to_dict() for r in recs] for (n, b), recs in records.items()},
+        "steps": {f"{n}@{b}": [[r.to_dict() for r in recs] for recs in per_round]
+                  for (n, b), per_round in rounds.items()},  # policy@B -> rounds -> steps
         "seconds": time.perf_counter() - t_start,
     }
     (tmp / "demo.json").write_text(json.dumps(summary, indent=1))
