@@ -155,10 +155,10 @@ def distil(draft: DraftModel, tokens: Tensor, hidden: Tensor, cfg: TrainDraftCon
         opt.step()
         shown.append(((reduced.argmax(-1) == lab) & valid).sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1))
         if (step + 1) % max(1, cfg.steps // 40) == 0 or step + 1 == cfg.steps:
-            acc = torch.stack(shown).mean(0)
-            el = time.perf_counter() - t0
+            acc, el = torch.stack(shown).mean(0), time.perf_counter() - t0
+            eta = el / (step + 1) * (cfg.steps - step - 1)
             log(f"distil step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  train top-1 "
-                f"{' '.join(f'{a:.2f}' for a in acc.tolist())}  {el:.0f} s (eta {el / (step + 1) * (cfg.steps - step - 1):.0f} s)")
+                f"{' '.join(f'{a:.2f}' for a in acc.tolist())}  {el:.0f} s (eta {eta:.0f} s)")
             shown = []
     draft.eval()
 
