@@ -240,6 +240,7 @@ def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make a shipped file unreadable to other users
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
