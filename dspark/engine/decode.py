@@ -355,8 +355,8 @@ class SpecDecoder:
         attend = self._attend(self.dcache, layout, prefix, dev_reqs)
         h = self.draft(ids, attend.positions, feats, attend)
         all_dlen[reqs] = lens
-        hk = self.draft.block_hidden(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
-        logits = self.draft.logits(hk)
+        hk, reduced = self.draft.chain(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
+        logits = self.draft.scatter_logits(reduced)  # the chain's own draft-vocabulary logits, not recomputed
         if not sampling:
             drafts = logits.argmax(-1)
             return drafts, None, self.draft.confidence_logits(hk, root, drafts), logits
