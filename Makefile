@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 	$(PY) -m dspark.cli demo --device $(DEVICE) --out $(OUT)
 
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest -q --device $(DEVICE) $(PYTEST_ARGS)
+	$(PY) -m pytest -q --device $(DEVICE) $(PYTEST_ARGS)  # --device cpu sets TRITON_INTERPRET=1 (tests/conftest.py)
 
 clean:
 	rm -rf $(VENV) $(OUT)

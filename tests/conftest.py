@@ -1,6 +1,9 @@
 """Test options: `--device {cpu,cuda,npu}` runs the same suite on hardware.
 
 On the CPU, Triton kernels run through the interpreter (TRITON_INTERPRET=1, set before triton loads).
+Every test either takes the `device` fixture (its subject runs on the device under test) or is marked
+`cpu_only(reason=...)` (host-only by nature: config, cost fits, file io, gloo, static source checks);
+`tests/test_device_suite.py` enforces it and the terminal summary counts the tests that ran on the device.
 """
 from __future__ import annotations
 
@@ -14,9 +17,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="device the suite runs on (cpu uses the Triton interpreter)")
 
 
+# modules that are CPU-only by nature as a whole, marked here rather than in the module (reason per module)
+CPU_ONLY_MODULES = {
+    "test_distributed.py": "gloo process groups on the host: the distributed agreement runs on CPU tensors",
+    "test_kernels_compile.py": "compiles the Triton kernels for a GPU target without launching them",
+}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--device") == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        raise pytest.UsageError(f"--device {config.getoption('--device')} with TRITON_INTERPRET=1 would run the "
+                                "Triton kernels in the interpreter; unset TRITON_INTERPRET")
+    config.addinivalue_line("markers", "cpu_only(reason): CPU-only by nature; runs on the CPU under every --device")
     from hypothesis import HealthCheck, settings
 
     settings.register_profile(
@@ -27,12 +41,36 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile("dspark")
 
 
+_KIND = pytest.StashKey[dict]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     dev = config.getoption("--device")
+    kinds = config.stash.setdefault(_KIND, {})
     for item in items:
+        reason = CPU_ONLY_MODULES.get(item.path.name)
+        if reason and not takes_device(item):
+            item.add_marker(pytest.mark.cpu_only(reason=reason))
+        kinds[item.nodeid] = "device" if takes_device(item) else "cpu_only" if item.get_closest_marker("cpu_only") \
+            else "unmarked"
         for mark in ("cuda", "npu"):
             if mark in item.keywords and dev != mark:
                 item.add_marker(pytest.mark.skip(reason=f"needs --device {mark}"))
+
+
+def takes_device(item: pytest.Item) -> bool:
+    """True when the test's subject runs on the device under test (it takes the `device` fixture)."""
+    return "device" in getattr(item, "fixturenames", ())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """One line: how many tests ran (passed or failed) on the device, how many cpu_only ones on the CPU."""
+    kinds = config.stash.get(_KIND, {})
+    ran = {r.nodeid for key in ("passed", "failed") for r in terminalreporter.stats.get(key, []) if r.when == "call"}
+    count = {k: sum(1 for n in ran if kinds.get(n) == k) for k in ("device", "cpu_only", "unmarked")}
+    terminalreporter.write_line(
+        f"dspark: {count['device']} tests ran on --device {config.getoption('--device')}, "
+        f"{count['cpu_only']} cpu_only tests on the CPU, {count['unmarked']} unmarked")
 
 
 @pytest.fixture(scope="session")

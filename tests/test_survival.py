@@ -13,10 +13,10 @@ from dspark.plan.survival import (
 )
 
 
-def test_teaching_example_survival():
+def test_teaching_example_survival(device):
     c = torch.tensor([[0.9, 0.8], [0.6, 0.5]], dtype=torch.float64)
-    s = calibrated_survival(torch.logit(c))
-    torch.testing.assert_close(s, torch.tensor([[0.9, 0.72], [0.6, 0.3]]), rtol=1e-6, atol=1e-6)
+    s = calibrated_survival(torch.logit(c).float().to(device))
+    torch.testing.assert_close(s, torch.tensor([[0.9, 0.72], [0.6, 0.3]], device=device), rtol=1e-6, atol=1e-6)
     assert s.dtype == torch.float32
 
 
@@ -68,24 +68,24 @@ def test_a_finite_logit_whose_ratio_overflows_keeps_its_confidence(device):
     assert calibrated_survival(torch.tensor([[3e38, 3e38]], device=device), [0.5, 0.25]).tolist() == [[1.0, 1.0]]
 
 
-def test_non_finite_logits_give_zero_confidence():
-    z = torch.tensor([[2.0, math.nan, 1.0], [math.inf, 0.0, 0.0], [0.0, 0.0, -math.inf]])
-    s = calibrated_survival(z)
+def test_non_finite_logits_give_zero_confidence(device):
+    z = torch.tensor([[2.0, math.nan, 1.0], [math.inf, 0.0, 0.0], [0.0, 0.0, -math.inf]], device=device)
+    s = calibrated_survival(z).cpu()
     assert s[0, 0] > 0 and bool((s[0, 1:] == 0).all())
     assert bool((s[1] == 0).all())
     assert s[2, 1] == pytest.approx(0.25) and s[2, 2] == 0
 
 
 @given(b=st.integers(1, 9), g=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
-def test_fixed_order_float32_product_and_checked_path(b, g, seed):
+def test_fixed_order_float32_product_and_checked_path(b, g, seed, device):
     """Bit for bit: divide and sigmoid in float64, one rounding to float32, then a left-to-right float32
     product (no double accumulation, no scan); the planner's pre-validated path gives the same bits."""
     gen = torch.Generator().manual_seed(seed)
-    z = torch.randn(b, g, generator=gen) * 4
+    z = (torch.randn(b, g, generator=gen) * 4).to(device)
     z[0, -1] = math.inf
     temps = check_temperatures((torch.rand(g, generator=gen) * 2 + 0.2).tolist(), g)
     s = calibrated_survival(z, temps)
-    c = torch.where(torch.isfinite(z), 1 / (1 + torch.exp(-z.double() / temps.double())), 0.0).float()
+    c = torch.where(torch.isfinite(z), 1 / (1 + torch.exp(-z.double() / temps.to(device).double())), 0.0).float()
     want = c.clone()
     for k in range(1, g):
         want[:, k] = want[:, k - 1] * c[:, k]
@@ -100,52 +100,54 @@ def test_fixed_order_float32_product_and_checked_path(b, g, seed):
     [([1.0, 2.0], "length gamma=3"), ([1.0, 0.0, 1.0], "temperatures[1] = 0.0"),
      ([1.0, 1.0, math.nan], "temperatures[2] = nan"), ([-1.0, 1.0, 1.0], "temperatures[0] = -1.0")],
 )
-def test_bad_temperatures(temps, needle):
+def test_bad_temperatures(temps, needle, device):
     with pytest.raises(ValueError) as info:
-        calibrated_survival(torch.zeros(2, 3) + 0.5, temperatures=temps)
+        calibrated_survival(torch.zeros(2, 3, device=device) + 0.5, temperatures=temps)
     assert needle in str(info.value)
 
 
-def test_bad_logits():
+def test_bad_logits(device):
     with pytest.raises(ValueError, match=r"2-D"):
-        calibrated_survival(torch.zeros(3))
+        calibrated_survival(torch.zeros(3, device=device))
     with pytest.raises(TypeError, match="floating"):
-        calibrated_survival(torch.zeros(2, 3, dtype=torch.int64))
+        calibrated_survival(torch.zeros(2, 3, dtype=torch.int64, device=device))
     with pytest.raises(TypeError, match="torch.Tensor"):
         calibrated_survival([[0.1]])
 
 
-def test_monotone_survival_running_min_and_nan():
-    s = torch.tensor([[0.9, 0.95, 0.5, math.nan, 0.4]])
+def test_monotone_survival_running_min_and_nan(device):
+    s = torch.tensor([[0.9, 0.95, 0.5, math.nan, 0.4]], device=device)
     out = monotone_survival(s)
+    assert out.device == s.device
     assert out.tolist() == [[pytest.approx(0.9), pytest.approx(0.9), 0.5, 0.0, 0.0]]
 
 
-def test_lag_ring_generation_guard():
-    ring = SurvivalLagRing(num_slots=4, gamma=2, lag=1)
-    slots, gens = torch.tensor([0, 2]), torch.tensor([5, 1])
-    s1 = torch.tensor([[0.5, 0.25], [0.3, 0.1]])
+def test_lag_ring_generation_guard(device):
+    ring = SurvivalLagRing(num_slots=4, gamma=2, lag=1, device=device)
+    t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    slots, gens = t([0, 2]), t([5, 1])
+    s1 = t([[0.5, 0.25], [0.3, 0.1]])
     lagged = ring.exchange(slots, gens, s1)
-    assert torch.equal(lagged, torch.ones(2, 2))  # never written: optimistic
-    s2 = torch.tensor([[0.7, 0.6], [0.2, 0.2]])
-    lagged = ring.exchange(slots, torch.tensor([5, 2]), s2)  # slot 2 reused by a new request
-    assert torch.equal(lagged[0], s1[0]) and torch.equal(lagged[1], torch.ones(2))
-    lagged = ring.read(torch.tensor([2]), torch.tensor([2]))
+    assert torch.equal(lagged, torch.ones(2, 2, device=device))  # never written: optimistic
+    s2 = t([[0.7, 0.6], [0.2, 0.2]])
+    lagged = ring.exchange(slots, t([5, 2]), s2)  # slot 2 reused by a new request
+    assert torch.equal(lagged[0], s1[0]) and torch.equal(lagged[1], torch.ones(2, device=device))
+    lagged = ring.read(t([2]), t([2]))
     assert torch.equal(lagged[0], s2[1])
 
 
-def test_lag_ring_depth_two():
-    ring = SurvivalLagRing(num_slots=1, gamma=1, lag=2)
-    slot, gen = torch.tensor([0]), torch.tensor([0])
-    outs = [ring.exchange(slot, gen, torch.tensor([[v]])).item() for v in (0.1, 0.2, 0.3, 0.4)]
+def test_lag_ring_depth_two(device):
+    ring = SurvivalLagRing(num_slots=1, gamma=1, lag=2, device=device)
+    slot, gen = torch.tensor([0], device=device), torch.tensor([0], device=device)
+    outs = [ring.exchange(slot, gen, torch.tensor([[v]], device=device)).item() for v in (0.1, 0.2, 0.3, 0.4)]
     assert outs == [1.0, 1.0, pytest.approx(0.1), pytest.approx(0.2)]
 
 
-def test_lag_ring_bad_input():
-    ring = SurvivalLagRing(num_slots=2, gamma=2)
+def test_lag_ring_bad_input(device):
+    ring = SurvivalLagRing(num_slots=2, gamma=2, device=device)
     with pytest.raises(ValueError, match="slots must lie in"):
-        ring.read(torch.tensor([2]), torch.tensor([0]))
+        ring.read(torch.tensor([2], device=device), torch.tensor([0], device=device))
     with pytest.raises(ValueError, match=r"\[1, 2\]"):
-        ring.write(torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 3))
+        ring.write(torch.tensor([0], device=device), torch.tensor([0], device=device), torch.zeros(1, 3, device=device))
     with pytest.raises(ValueError, match="lag must be"):
         SurvivalLagRing(num_slots=2, gamma=2, lag=0)
