@@ -123,17 +123,17 @@ def test_nan_and_inf_logits_are_never_verified(device):
 @pytest.mark.parametrize("budget, exc, needle", [
     (-1, ValueError, "-1"), (1.5, TypeError, "1.5"), (True, TypeError, "True"), ("3", TypeError, "'3'"),
 ])
-def test_bad_budget(budget, exc, needle):
+def test_bad_budget(budget, exc, needle, device):
     with pytest.raises(exc, match=needle):
-        allocate_verify_lens(torch.full((2, 3), 0.5), budget, ScheduleConfig(gamma=3))
+        allocate_verify_lens(torch.full((2, 3), 0.5, device=device), budget, ScheduleConfig(gamma=3))
 
 
-def test_bad_survival_and_config():
+def test_bad_survival_and_config(device):
     cfg = ScheduleConfig(gamma=3)
     with pytest.raises(ValueError, match=r"gamma=3.*\(2, 4\)"):
-        allocate_verify_lens(torch.zeros(2, 4), 1, cfg)
+        allocate_verify_lens(torch.zeros(2, 4, device=device), 1, cfg)
     with pytest.raises(TypeError, match="ScheduleConfig"):
-        allocate_verify_lens(torch.zeros(2, 3), 1, {"gamma": 3})
+        allocate_verify_lens(torch.zeros(2, 3, device=device), 1, {"gamma": 3})
     with pytest.raises(TypeError, match="torch.Tensor"):
         allocate_verify_lens([[0.5, 0.5, 0.5]], 1, cfg)
 
@@ -176,11 +176,11 @@ def test_dispatch_runs_the_kernel_when_forced(triton_backend, device):
 
 @settings(max_examples=40)
 @given(case=cases(max_b=7, max_gamma=6))
-def test_host_path_and_torch_reference_agree_with_the_global_order(case):
+def test_host_path_and_torch_reference_agree_with_the_global_order(case, device):
     cfg, s, budget = case
     args = (budget, cfg.floor, cfg.cap, cfg.survival_eps)
     want = global_order_lens(s, budget, cfg)
-    assert topk.verify_lens_ref(s, *args).tolist() == want
+    assert topk.verify_lens_ref(s.to(device), *args).tolist() == want
     assert topk.verify_lens_host(s.numpy(), *args).tolist() == want
 
 

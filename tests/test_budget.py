@@ -83,45 +83,45 @@ def test_greedy_equals_sequential_scan_with_early_stop(cost, case, device):
     assert dec.budget == b and dec.theta <= choose_budget(s.to(device), cost, cfg).theta
 
 
-def test_greedy_stops_at_the_first_local_maximum():
+def test_greedy_stops_at_the_first_local_maximum(device):
     cfg = ScheduleConfig(gamma=4, survival_eps=0.0)
-    s = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    s = torch.tensor([[1.0, 1.0, 1.0, 1.0]], device=device)
     cost = StepsPerSecondTable([1, 2, 3, 4, 5], [10.0, 4.0, 4.0, 4.0, 10.0])
     assert greedy_budget(s, cost, cfg).budget == 0
     assert choose_budget(s, cost, cfg).budget == 4
 
 
-def test_ties_go_to_the_smaller_budget():
+def test_ties_go_to_the_smaller_budget(device):
     cfg = ScheduleConfig(gamma=3)
-    s = torch.tensor([[1.0, 1.0, 0.25]])
+    s = torch.tensor([[1.0, 1.0, 0.25]], device=device)
     # theta(0) = 1 / 1 s, theta(1) = 2 / 2 s: a tie; theta(2) = 3 / 4 s
     cost = StepsPerSecondTable([1, 2, 3], [1.0, 0.5, 0.25])
     dec = choose_budget(s, cost, cfg)
     assert dec.budget == 0 and dec.theta_curve[:3].tolist() == [1.0, 1.0, 0.75]
 
 
-def test_floor_and_cap_window():
-    s = torch.tensor([[0.9, 0.8, 0.7, 0.6], [0.5, 0.4, 0.3, 0.2]])
+def test_floor_and_cap_window(device):
+    s = torch.tensor([[0.9, 0.8, 0.7, 0.6], [0.5, 0.4, 0.3, 0.2]], device=device)
     cfg = ScheduleConfig(gamma=4, min_verify_len=2, max_verify_len=4)
     tau = tau_curve(s, cfg)
     # floor: 2 roots + drafts 0 of both requests; candidates: columns 1..2
     assert tau.tolist() == pytest.approx([3.4, 4.2, 4.9, 5.3, 5.6], abs=1e-6)
 
 
-def test_eps_cut_and_empty_batch():
+def test_eps_cut_and_empty_batch(device):
     cfg = ScheduleConfig(gamma=2, survival_eps=0.5)
-    s = torch.tensor([[0.9, 0.4], [math.nan, 0.9]])
+    s = torch.tensor([[0.9, 0.4], [math.nan, 0.9]], device=device)
     assert tau_curve(s, cfg).tolist() == pytest.approx([2.0, 2.9], abs=1e-6)
-    dec = choose_budget(torch.zeros(0, 2), cliff_table(), cfg)
+    dec = choose_budget(torch.zeros(0, 2, device=device), cliff_table(), cfg)
     assert (dec.budget, dec.tau, dec.rows) == (0, 0.0, 0) and dec.theta_curve.shape == (1,)
-    assert greedy_budget(torch.zeros(0, 2), cliff_table(), cfg).budget == 0
+    assert greedy_budget(torch.zeros(0, 2, device=device), cliff_table(), cfg).budget == 0
 
 
-def test_tau_equals_expected_commit_by_enumeration():
+def test_tau_equals_expected_commit_by_enumeration(device):
     """With survival = the true acceptance probabilities, tau(b) = E[sum commit_lens] (enumerated)."""
     cond = [[0.9, 0.7, 0.4], [0.6, 0.95, 0.5]]
     cfg = ScheduleConfig(gamma=3)
-    s = torch.cumprod(torch.tensor(cond, dtype=torch.float64), 1).float()
+    s = torch.cumprod(torch.tensor(cond, dtype=torch.float64), 1).float().to(device)
 
     def dist(c):  # P(correct_len = k), k = 0..gamma
         probs, alive = [], 1.0
@@ -140,36 +140,36 @@ def test_tau_equals_expected_commit_by_enumeration():
         assert float(tau[b]) == pytest.approx(expected, abs=1e-6)
 
 
-def test_expected_commit_validates():
+def test_expected_commit_validates(device):
     cfg = ScheduleConfig(gamma=2)
-    s = torch.full((2, 2), 0.5)
+    s = torch.full((2, 2), 0.5, device=device)
     with pytest.raises(ValueError, match=r"verify_lens\[1\] = 4"):
-        expected_commit(s, torch.tensor([1, 4]), cfg)
+        expected_commit(s, torch.tensor([1, 4], device=device), cfg)
     with pytest.raises(ValueError, match=r"\[B=2\]"):
-        expected_commit(s, torch.tensor([1]), cfg)
+        expected_commit(s, torch.tensor([1], device=device), cfg)
     with pytest.raises(TypeError, match="float32"):
-        expected_commit(s, torch.tensor([1.0, 2.0]), cfg)
+        expected_commit(s, torch.tensor([1.0, 2.0], device=device), cfg)
     with pytest.raises(TypeError, match="list"):
         expected_commit(s, [1, 2], cfg)
 
 
-def test_choose_budget_validates():
+def test_choose_budget_validates(device):
     cfg = ScheduleConfig(gamma=2)
     with pytest.raises(TypeError, match="dict"):
-        choose_budget(torch.full((2, 2), 0.5), {"rows": [1]}, cfg)
+        choose_budget(torch.full((2, 2), 0.5, device=device), {"rows": [1]}, cfg)
     with pytest.raises(ValueError, match=r"\(2, 3\)"):
-        choose_budget(torch.full((2, 3), 0.5), cliff_table(), cfg)
+        choose_budget(torch.full((2, 3), 0.5, device=device), cliff_table(), cfg)
     with pytest.raises(TypeError, match="int64"):
-        tau_curve(torch.ones(2, 2, dtype=torch.int64), cfg)
+        tau_curve(torch.ones(2, 2, dtype=torch.int64, device=device), cfg)
 
 
 @settings(max_examples=40)
 @given(b=st.integers(1, 12), gamma=st.integers(1, 7), seed=st.integers(0, 2**32 - 1))
-def test_greedy_scan_finds_the_argmax_when_cost_is_convex_in_rows(b, gamma, seed):
+def test_greedy_scan_finds_the_argmax_when_cost_is_convex_in_rows(b, gamma, seed, device):
     """tau concave in the budget (best candidates first) over T convex in the rows: theta is unimodal, so
     the synchronous early-stop scan reaches the free argmax (the reason the demo fits convex rows)."""
     rng = np.random.default_rng(seed)
-    survival = torch.from_numpy(rng.uniform(0, 1, size=(b, gamma)).astype(np.float32))
+    survival = torch.from_numpy(rng.uniform(0, 1, size=(b, gamma)).astype(np.float32)).to(device)
     # the probes must reach B*W, the most rows a step can verify: past the last probe T is held flat,
     # which is not convex, and the scan may stop at a local maximum there
     rows = sorted({*range(1, b * (gamma + 1), max(1, b // 2)), b * (gamma + 1)})
