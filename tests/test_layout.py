@@ -7,8 +7,10 @@ from dspark import RaggedVerifyLayout
 from dspark.verify.layout import PAD_SLOT
 
 
-def test_worked_example_padded_to_tier():
-    lay = RaggedVerifyLayout.from_verify_lens([2, 1, 4], tiers=[4, 8, 16], slots=8, width=4)
+def test_worked_example_padded_to_tier(device):
+    vl = torch.tensor([2, 1, 4], dtype=torch.int32, device=device)
+    lay = RaggedVerifyLayout.from_verify_lens(vl, tiers=[4, 8, 16], slots=8, width=4)
+    assert lay.qo_indptr.device == vl.device and lay.row_slot.device == vl.device
     assert lay.qo_indptr.tolist() == [0, 2, 3, 7]
     assert (lay.total_rows, lay.graph_num_tokens, lay.tier) == (7, 8, 8)
     assert lay.slot_lens.tolist() == [2, 1, 4, 1, 0, 0, 0, 0]
@@ -16,14 +18,15 @@ def test_worked_example_padded_to_tier():
     assert lay.seqused.tolist() == [2, 1, 4, 0, 0, 0, 0, 0]
     assert lay.row_slot.tolist() == [0, 0, 1, 2, 2, 2, 2, 3]
     assert lay.row_within.tolist() == [0, 1, 0, 0, 1, 2, 3, 0]
-    assert lay.positions(torch.tensor([10, 127, 255])).tolist() == [10, 11, 127, 255, 256, 257, 258, 0]
+    assert lay.positions(torch.tensor([10, 127, 255], device=device)).tolist() == [10, 11, 127, 255, 256, 257, 258, 0]
 
 
-def test_eager_past_largest_tier_and_error_option():
-    lay = RaggedVerifyLayout.from_verify_lens([4, 4, 4], tiers=[4, 8], width=4)
+def test_eager_past_largest_tier_and_error_option(device):
+    vl = torch.full((3,), 4, dtype=torch.int32, device=device)
+    lay = RaggedVerifyLayout.from_verify_lens(vl, tiers=[4, 8], width=4)
     assert lay.tier is None and lay.graph_num_tokens == 12 and "largest captured tier 8" in lay.eager_reason
     with pytest.raises(ValueError, match="12 verify rows exceed"):
-        RaggedVerifyLayout.from_verify_lens([4, 4, 4], tiers=[4, 8], width=4, on_overflow="error")
+        RaggedVerifyLayout.from_verify_lens(vl, tiers=[4, 8], width=4, on_overflow="error")
 
 
 @pytest.mark.parametrize(
@@ -37,7 +40,8 @@ def test_eager_past_largest_tier_and_error_option():
         (dict(verify_lens=[2, 2], slots=1), "slots must be"),
     ],
 )
-def test_bad_layouts(kwargs, needle):
+def test_bad_layouts(kwargs, needle, device):
+    kwargs = dict(kwargs, verify_lens=torch.tensor(kwargs["verify_lens"], dtype=torch.int32, device=device))
     with pytest.raises(ValueError) as info:
         RaggedVerifyLayout.from_verify_lens(**kwargs)
     assert needle in str(info.value)
@@ -80,14 +84,18 @@ def test_kv_slots_match_the_block_table_formula(b, w, extra, page_size, seed, de
     assert bool((got[total:] == PAD_SLOT).all()) and lay.num_padding_rows == extra + 1
 
 
-def test_to_moves_every_tensor_and_keeps_the_geometry():
-    """A host-built layout handed to another device (the planner's accelerator path): every tensor moves,
-    the ints and the tier stay."""
+def test_to_moves_every_tensor_and_keeps_the_geometry(device):
+    """A host-built layout handed to the device under test (the planner's accelerator path): every tensor
+    moves with its values, the ints and the tier stay."""
     lay = RaggedVerifyLayout.from_verify_lens(torch.tensor([3, 1, 4], dtype=torch.int32), tiers=[10], slots=5,
                                               width=4)
-    moved = lay.to("meta")
     tensors = ("verify_lens", "qo_indptr", "slot_lens", "slot_qo_indptr", "seqused", "row_slot", "row_within")
-    assert all(getattr(moved, f).device.type == "meta" and getattr(moved, f).shape == getattr(lay, f).shape
-               and getattr(moved, f).dtype == getattr(lay, f).dtype for f in tensors)
-    assert (moved.total_rows, moved.graph_num_tokens, moved.tier, moved.width) == (8, 10, 10, 4)
+    for target in ("meta", device):
+        moved = lay.to(target)
+        assert all(getattr(moved, f).device.type == torch.device(target).type
+                   and getattr(moved, f).shape == getattr(lay, f).shape
+                   and getattr(moved, f).dtype == getattr(lay, f).dtype for f in tensors)
+        assert (moved.total_rows, moved.graph_num_tokens, moved.tier, moved.width) == (8, 10, 10, 4)
+    on_device = lay.to(device)
+    assert all(torch.equal(getattr(on_device, f).cpu(), getattr(lay, f)) for f in tensors)
     assert lay.to("cpu").row_slot.data_ptr() == lay.row_slot.data_ptr()  # same device: no copy

@@ -43,28 +43,28 @@ def test_row_maps(policy, b, w, extra, seed, device):
 
 @given(b=st.integers(0, 40), w=st.integers(1, 9), extra=st.integers(0, 20), seed=st.integers(0, 10**6))
 @settings(max_examples=25)
-def test_slot_maps_host(b, w, extra, seed):
+def test_slot_maps_host(b, w, extra, seed, device):
     slot_lens = torch.cat([_lens(b, w, seed, torch.device("cpu")), torch.tensor([extra, 0, 2 * extra + 1],
                                                                                  dtype=torch.int32)])
     rows = int(slot_lens.sum())
     indptr, row_slot, row_within = map(torch.from_numpy, k.slot_maps_host(slot_lens.numpy(), rows))
-    ref_slot, ref_within = k.row_maps_ref(slot_lens, rows)
-    assert torch.equal(indptr, k.qo_indptr_ref(slot_lens))
+    ref_slot, ref_within = (t.cpu() for t in k.row_maps_ref(slot_lens.to(device), rows))
+    assert torch.equal(indptr, k.qo_indptr_ref(slot_lens.to(device)).cpu())
     assert torch.equal(row_slot, ref_slot) and torch.equal(row_within, ref_within)
 
 
 @given(lens=st.lists(st.integers(1, 7), min_size=0, max_size=30), tier_extra=st.integers(0, 12),
        slots_extra=st.integers(1, 4))
 @settings(max_examples=25)
-def test_layout_host_path_equals_torch_path(lens, tier_extra, slots_extra):
-    """The CPU layout (numpy host path under `auto`) equals the torch path field by field."""
+def test_layout_host_path_equals_torch_path(lens, tier_extra, slots_extra, device):
+    """The CPU layout (numpy host path under `auto`) equals the torch path on the device field by field."""
     vl = torch.tensor(lens, dtype=torch.int32)
     tiers = [sum(lens) + tier_extra] if lens else None
     kw = dict(tiers=tiers, slots=len(lens) + slots_extra + tier_extra, width=7)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(dispatch.BACKEND_ENV, "torch")
         assert not dispatch.use_host(vl)
-        torch_path = RaggedVerifyLayout.from_verify_lens(vl, **kw)
+        torch_path = RaggedVerifyLayout.from_verify_lens(vl.to(device), **kw).to("cpu")
         mp.setenv(dispatch.BACKEND_ENV, "auto")
         assert dispatch.use_host(vl)
         host_path = RaggedVerifyLayout.from_verify_lens(vl, **kw)
