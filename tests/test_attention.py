@@ -304,9 +304,9 @@ def _small(device, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("make, needle, exc", [
-    (lambda c: RaggedVerifyAttention(4, 2, 2, 6, 4, 8, 4, "cpu", torch.float32), "num_q_heads=6", ValueError),
-    (lambda c: RaggedVerifyAttention(4, 2, 2, 4, 2, 8, 4, "cpu", torch.float64), "torch.float64", TypeError),
-    (lambda c: RaggedVerifyAttention(4, 2, 2, 4, 2, 8, 0, "cpu", torch.float32), "page_size", ValueError),
+    (lambda c: RaggedVerifyAttention(4, 2, 2, 6, 4, 8, 4, c.q.device, torch.float32), "num_q_heads=6", ValueError),
+    (lambda c: RaggedVerifyAttention(4, 2, 2, 4, 2, 8, 4, c.q.device, torch.float64), "torch.float64", TypeError),
+    (lambda c: RaggedVerifyAttention(4, 2, 2, 4, 2, 8, 0, c.q.device, torch.float32), "page_size", ValueError),
     (lambda c: c.attention().run(c.q[:, :2], c.k_cache, c.v_cache), "q must have shape [5, 4, 8]", ValueError),
     (lambda c: c.attention().run(c.q, c.k_cache[:, :, :1], c.v_cache), "k_cache must have shape", ValueError),
     (lambda c: c.attention().run(c.q.double(), c.k_cache, c.v_cache), "q has dtype torch.float64", TypeError),
@@ -321,18 +321,18 @@ def _small(device, dtype=torch.float32):
     (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, [-1, 0], c.table),
      "prefix_lens[0] = -1", ValueError),
     (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, [1.0, 2.0], c.table), "prefix_lens must hold ints, got 1.0", TypeError),
-    (lambda c: RaggedVerifyAttention(2, 2, 4, 4, 2, 8, 4, "cpu", torch.float32).plan(c.layout, c.prefix, c.table),
+    (lambda c: RaggedVerifyAttention(2, 2, 4, 4, 2, 8, 4, c.q.device, torch.float32).plan(c.layout, c.prefix, c.table),
      "max_rows=2", ValueError),
-    (lambda c: RaggedVerifyAttention(8, 2, 4, 4, 2, 8, 4, "cpu", torch.float32).run(c.q, c.k_cache, c.v_cache),
+    (lambda c: RaggedVerifyAttention(8, 2, 4, 4, 2, 8, 4, c.q.device, torch.float32).run(c.q, c.k_cache, c.v_cache),
      "before plan", RuntimeError),
-    (lambda c: write_kv(c.k_new, c.v_new, c.k_cache, c.v_cache, torch.zeros(3, dtype=torch.int32)),
+    (lambda c: write_kv(c.k_new, c.v_new, c.k_cache, c.v_cache, torch.zeros(3, dtype=torch.int32, device=c.q.device)),
      "kv_slots must be", ValueError),
-    (lambda c: write_kv(c.k_new[:, :1], c.v_new, c.k_cache, c.v_cache, torch.zeros(5, dtype=torch.int32)),
+    (lambda c: write_kv(c.k_new[:, :1], c.v_new, c.k_cache, c.v_cache, torch.zeros(5, dtype=torch.int32, device=c.q.device)),
      "k must be [rows, Hkv, D]", ValueError),
 ])
-def test_bad_input_names_the_value(make, needle, exc):
+def test_bad_input_names_the_value(make, needle, exc, device):
     with pytest.raises(exc) as info:
-        make(_small(torch.device("cpu")))
+        make(_small(device))
     assert needle in str(info.value)
 
 
