@@ -12,6 +12,7 @@ from dspark import (
     AdditiveCostModel,
     ScheduleConfig,
     StepsPerSecondTable,
+    TieredCostModel,
     allocate_verify_lens,
     calibrated_survival,
     choose_budget,
@@ -74,11 +75,21 @@ def test_choose_budget_equals_exhaustive_scan(cost, case, device):
 @pytest.mark.parametrize("cost", [cliff_table(), wavy_additive()], ids=["sps-cliff", "additive"])
 @given(case=cases(max_b=4, max_gamma=4))
 def test_greedy_equals_sequential_scan_with_early_stop(cost, case, device):
+    """The scan's unit is a run of budgets at equal predicted seconds (the cliff table's flat buckets):
+    the next run is admitted whole while the theta at its last budget beats the current run's."""
     cfg, s, _ = case
     theta = exhaustive_theta(s.to(device), cost, cfg)
-    b = 0
-    while b + 1 < len(theta) and theta[b + 1] > theta[b]:
-        b += 1
+    rows = s.shape[0] * cfg.floor
+    seconds = [cost.step_seconds(s.shape[0], rows + b) for b in range(len(theta))]
+
+    def run_end(b):
+        while b + 1 < len(theta) and seconds[b + 1] == seconds[b]:
+            b += 1
+        return b
+
+    b = run_end(0)
+    while b + 1 < len(theta) and theta[run_end(b + 1)] > theta[b]:
+        b = run_end(b + 1)
     dec = greedy_budget(s.to(device), cost, cfg)
     assert dec.budget == b and dec.theta <= choose_budget(s.to(device), cost, cfg).theta
 
@@ -86,9 +97,19 @@ def test_greedy_equals_sequential_scan_with_early_stop(cost, case, device):
 def test_greedy_stops_at_the_first_local_maximum(device):
     cfg = ScheduleConfig(gamma=4, survival_eps=0.0)
     s = torch.tensor([[1.0, 1.0, 1.0, 1.0]], device=device)
-    cost = StepsPerSecondTable([1, 2, 3, 4, 5], [10.0, 4.0, 4.0, 4.0, 10.0])
+    cost = StepsPerSecondTable([1, 2, 3, 4, 5], [10.0, 4.0, 3.0, 2.5, 10.0])
     assert greedy_budget(s, cost, cfg).budget == 0
     assert choose_budget(s, cost, cfg).budget == 4
+
+
+def test_greedy_admits_a_paid_tier_whole(device):
+    """A staircase cost: a tier's extra rows cost nothing once its first row is paid, so the scan compares
+    tier tops; a row-by-row scan would stop at the first tier edge (one candidate never pays for a tier)."""
+    cfg = ScheduleConfig(gamma=4)
+    s = torch.tensor([[0.9, 0.8, 0.7, 0.6]] * 2, device=device)
+    cost = TieredCostModel(0.1, [2], [0.0], [2, 4, 8, 10], [0.0, 0.05, 0.08, 0.5])
+    # theta at the tier tops: 2 / 0.1, 3.8 / 0.15, 6.8 / 0.18 (the argmax), 8 / 0.6
+    assert greedy_budget(s, cost, cfg).budget == 6 == choose_budget(s, cost, cfg).budget
 
 
 def test_ties_go_to_the_smaller_budget(device):

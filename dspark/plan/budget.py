@@ -176,17 +176,21 @@ def choose_budget(survival: Tensor, cost_model: CostModel, cfg: ScheduleConfig) 
 def greedy_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
     """Synchronous (lag = 0) budget: admit candidates best-first while theta strictly rises.
 
-    Equals the sequential scan that stops at the first b with theta(b + 1) <= theta(b) (evaluated
-    vectorized). Caveat: the stop test at b reads the (b+1)-th candidate's own survival, so this is
+    Candidates whose rows the cost model prices the same as the rows before them (a run of equal
+    predicted seconds: one tier of a `TieredCostModel`, one bucket of a steps/s table) are admitted
+    together, as one unit: their time is paid with the run's first row, and graph-tier fill adds them
+    anyway. So this equals the sequential scan over the runs' last budgets that stops at the first run
+    whose theta does not exceed the previous run's (evaluated vectorized); with a strictly increasing
+    cost every run is one candidate. Caveat: the stop test reads the next run's own survivals, so this is
     non-anticipating only to the extent the survival of a draft is fixed before its token is known;
     it may also stop at a local maximum below the free argmax. Use lag >= 1 for the strict guarantee.
     `survival` may be the step's `HostSurvival` (`plan_on_host`).
     """
     cfg = check_config(cfg)
     c = _curves(_host_values(survival, cfg), check_cost_model(cost_model, width=cfg.width), cfg)
-    theta = c.theta
-    stops = np.flatnonzero(theta[1:] <= theta[:-1])
-    return _decide(c, int(stops[0]) if stops.size else theta.size - 1)
+    ends = np.flatnonzero(np.append(c.seconds[1:] != c.seconds[:-1], True))  # last budget of each run
+    stops = np.flatnonzero(c.theta[ends[1:]] <= c.theta[ends[:-1]])
+    return _decide(c, int(ends[stops[0]] if stops.size else ends[-1]))
 
 
 def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) -> float:
