@@ -160,23 +160,23 @@ def _assert_same_draw_up_to_rounding(draw, ref, args):
     assert bool(near[r, draw].all() and near[r, want].all())
 
 
-def test_draw_candidates_are_one_token_unless_the_target_sits_on_a_cdf_step():
+def test_draw_candidates_are_one_token_unless_the_target_sits_on_a_cdf_step(device):
     """The tolerance used on devices: a single candidate (the reference's draw) away from CDF steps, the
     two neighbours of a step when `u * total` hits it, the last drawable token when the target hits the end."""
     gamma = 1
-    p = torch.tensor([[[0.25, 0.0, 0.25, 0.5], [0.25, 0.0, 0.25, 0.5]]] * 3)
+    p = torch.tensor([[[0.25, 0.0, 0.25, 0.5], [0.25, 0.0, 0.25, 0.5]]] * 3, device=device)
     q = p[:, :1].clone()
-    draft = torch.zeros(3, gamma, dtype=torch.int64)
-    vl = torch.full((3,), 2, dtype=torch.int32)
-    u = torch.tensor([[0.0, 0.6], [0.0, 0.5], [0.0, 1.0]])  # targets 0.6, 0.5 (a step), 1.0 (the end)
+    draft = torch.zeros(3, gamma, dtype=torch.int64, device=device)
+    vl = torch.full((3,), 2, dtype=torch.int32, device=device)
+    u = torch.tensor([[0.0, 0.6], [0.0, 0.5], [0.0, 1.0]], device=device)  # targets 0.6, 0.5 (a step), 1.0 (the end)
     correct, draw = k.sampling_ref(draft, q, p, vl, None, u)
     assert correct.tolist() == [1, 1, 1] and draw.tolist() == [3, 3, 3]
     near = _draw_candidates(draft, q, p, vl, None, u, correct)
     assert near.tolist() == [[False, False, False, True], [False, False, True, True],
                              [False, False, False, True]]
-    _assert_same_draw_up_to_rounding(torch.tensor([3, 2, 3]), (correct, draw), (draft, q, p, vl, None, u))
+    _assert_same_draw_up_to_rounding(torch.tensor([3, 2, 3], device=device), (correct, draw), (draft, q, p, vl, None, u))
     with pytest.raises(AssertionError):  # 0.6 is no step: token 2 is wrong, not rounding
-        _assert_same_draw_up_to_rounding(torch.tensor([2, 3, 3]), (correct, draw), (draft, q, p, vl, None, u))
+        _assert_same_draw_up_to_rounding(torch.tensor([2, 3, 3], device=device), (correct, draw), (draft, q, p, vl, None, u))
 
 
 def test_sampling_kernel_reads_nothing_past_verify_len(device):
