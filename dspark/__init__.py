@@ -10,6 +10,7 @@ from dspark.calibration.confidence import (
 )
 from dspark.calibration.fit import Calibration, fit_sts, fit_temperatures
 from dspark.calibration.metrics import auroc, brier, ece, nll, top2_margin
+from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
 from dspark.calibration.recorder import StsData, StsRecorder, load_sts
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import (
@@ -59,6 +60,8 @@ __all__ = [
     "BudgetDecision",
     "Calibration",
     "ConfidenceHead",
+    "OnlineAcceptanceEstimator",
+    "draft_features",
     "CostModel",
     "CostTableMismatchError",
     "DpTier",

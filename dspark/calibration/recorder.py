@@ -121,6 +121,31 @@ def _as_rows(name: str, x: Tensor | None, shape: tuple[int, ...], dtype: torch.d
     return x.detach().to("cpu", dtype)
 
 
+def censored_labels(verify_lens: Tensor, gamma: int, *, correct_len: Tensor | None = None,
+                    labels: Tensor | None = None) -> Tensor:
+    """STS labels [B, gamma] float32 on the CPU: the accepted-prefix mask, from exactly one of correct_len [B]
+    (drafts accepted, capped or not) or labels [B, gamma] (0/1 prefix mask), at the positions the target
+    verified (k < verify_len - 1), NaN (censored, never a rejection) beyond. verify_lens [B] in [1, gamma + 1]."""
+    if not isinstance(verify_lens, Tensor) or verify_lens.dim() != 1:
+        raise ValueError(f"verify_lens must be a 1-D tensor [B], got {getattr(verify_lens, 'shape', verify_lens)!r}")
+    b, g = verify_lens.shape[0], gamma
+    if (correct_len is None) == (labels is None):
+        raise ValueError("give exactly one of correct_len [B] or labels [B, gamma]")
+    vl = _as_rows("verify_lens", verify_lens, (b,), torch.int64)
+    if b and (int(vl.min()) < 1 or int(vl.max()) > g + 1):
+        raise ValueError(f"verify_lens must lie in [1, {g + 1}], got {vl.tolist()}")
+    positions = torch.arange(g).unsqueeze(0)
+    if labels is not None:
+        mask = check_prefix_mask(_as_rows("labels", labels, (b, g), torch.float32), "labels")
+    else:
+        cl = _as_rows("correct_len", correct_len, (b,), torch.int64)
+        if b and (int(cl.min()) < 0 or int(cl.max()) > g):
+            raise ValueError(f"correct_len must lie in [0, {g}], got {cl.tolist()}")
+        mask = positions < cl.unsqueeze(1)
+    observed = positions < (vl - 1).unsqueeze(1)
+    return torch.where(observed, mask.to(torch.float32), torch.tensor(float("nan")))
+
+
 class StsRecorder:
     """Collects STS rows from a decode loop (one `record` call per step) and writes crash-safe shards.
 
@@ -165,20 +190,9 @@ class StsRecorder:
             got = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
             raise ValueError(f"confidence_logits must be [B, {self.gamma}], got {got}")
         b, g = z.shape
-        if (correct_len is None) == (labels is None):
-            raise ValueError("give exactly one of correct_len [B] or labels [B, gamma]")
         vl = _as_rows("verify_lens", verify_lens, (b,), torch.int64)
-        if b and (int(vl.min()) < 1 or int(vl.max()) > g + 1):
-            raise ValueError(f"verify_lens must lie in [1, {g + 1}], got {vl.tolist()}")
-        positions = torch.arange(g).unsqueeze(0)
-        if labels is not None:
-            mask = check_prefix_mask(_as_rows("labels", labels, (b, g), torch.float32), "labels")
-        else:
-            cl = _as_rows("correct_len", correct_len, (b,), torch.int64)
-            if b and (int(cl.min()) < 0 or int(cl.max()) > g):
-                raise ValueError(f"correct_len must lie in [0, {g}], got {cl.tolist()}")
-            mask = positions < cl.unsqueeze(1)
-        observed = positions < (vl - 1).unsqueeze(1)
+        censored = censored_labels(vl, g, correct_len=correct_len, labels=labels)
+        observed = torch.isfinite(censored)
         nan = torch.tensor(float("nan"))
         soft = _as_rows("soft_accept", soft_accept, (b, g), torch.float32)
         bad = observed & ~((soft >= 0) & (soft <= 1))  # NaN fails the range check too
@@ -198,7 +212,7 @@ class StsRecorder:
         self._step = step_val + 1
         row = StsData(
             logits=z.detach().to("cpu", torch.float32),
-            labels=torch.where(observed, mask.to(torch.float32), nan),
+            labels=censored,
             soft=torch.where(observed, soft, nan),
             margin=margin,
             verify_lens=vl.to(torch.int32),

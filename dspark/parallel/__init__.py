@@ -1,7 +1,7 @@
 """Parallel serving (DESIGN.md 4.10): TP `verify_lens` agreement (`tp`), the DP-global tier with idle ranks
-(`dp`), the planner's view of both plus the start-up cost-table check (`agreement`), and a local gloo
-launcher for tests and benchmarks (`launch`)."""
-from dspark.parallel.agreement import ParallelAgreement, check_cost_table
+(`dp`), the planner's view of both plus the start-up cost-table check and the online estimator's parameters
+(`agreement`), and a local gloo launcher for tests and benchmarks (`launch`)."""
+from dspark.parallel.agreement import EstimatorAgreement, ParallelAgreement, check_cost_table, check_fingerprint
 from dspark.parallel.dp import DpTier, DpTierAgreement
 from dspark.parallel.tp import (
     TP_MODES,
@@ -14,6 +14,7 @@ from dspark.parallel.tp import (
 )
 
 __all__ = [
-    "TP_MODES", "AgreementError", "CostTableMismatchError", "DpTier", "DpTierAgreement", "ParallelAgreement",
-    "ParallelConfig", "TpAgreement", "TpDisagreementError", "check_cost_table", "verify_lens_hash",
+    "TP_MODES", "AgreementError", "CostTableMismatchError", "DpTier", "DpTierAgreement", "EstimatorAgreement",
+    "ParallelAgreement", "ParallelConfig", "TpAgreement", "TpDisagreementError", "check_cost_table",
+    "check_fingerprint", "verify_lens_hash",
 ]

@@ -6,17 +6,26 @@ ranks replaying different graph tiers, issue collectives of different shapes and
 and `dspark.parallel.dp` make the per-step agreement explicit and cheap and turn every disagreement into an
 error naming the ranks. `check_cost_table`: the budget is computed from replicated inputs (lagged survival,
 same cost table), so ranks agree without a per-step collective; the table's fingerprint is compared once
-at start-up.
+at start-up. `EstimatorAgreement`: the online acceptance estimator's parameters, agreed at every refit.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from dspark.parallel.dp import DpTierAgreement
-from dspark.parallel.tp import CostTableMismatchError, ParallelConfig, TpAgreement, by_value, group_ranks
+from dspark.parallel.tp import (
+    AgreementError,
+    CostTableMismatchError,
+    ParallelConfig,
+    TpAgreement,
+    by_value,
+    collective_device,
+    group_ranks,
+)
 
 
 def check_cost_table(group: dist.ProcessGroup | None, fingerprint: str) -> None:
@@ -26,6 +35,15 @@ def check_cost_table(group: dist.ProcessGroup | None, fingerprint: str) -> None:
     ranks and both fingerprints, so a rank restarted with another table is refused instead of
     silently planning different budgets (which would then hang the TP forward).
     """
+    check_fingerprint(group, fingerprint, what="cost table", error=CostTableMismatchError,
+                      fix="Load the same cost table on every rank: the budget is computed locally from "
+                          "replicated inputs and must match.")
+
+
+def check_fingerprint(group: dist.ProcessGroup | None, fingerprint: str, *, what: str,
+                      error: type[AgreementError] = AgreementError, fix: str = "") -> None:
+    """Start-up check that every rank of `group` holds the same `fingerprint` of `what` (a cost table, an
+    estimator configuration); collective; on a mismatch every rank raises `error` naming the ranks."""
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
     ranks = group_ranks(group)
@@ -39,15 +57,36 @@ def check_cost_table(group: dist.ProcessGroup | None, fingerprint: str) -> None:
         return
     me = dist.get_rank()
     who = (
-        f"rank {me} is refused: its cost table {fingerprint} differs from {ref} (rank {ranks[0]})"
-        if fingerprint != ref else f"rank {me} holds the group's table {ref}"
+        f"rank {me} is refused: its {what} {fingerprint} differs from {ref} (rank {ranks[0]})"
+        if fingerprint != ref else f"rank {me} holds the group's {what} {ref}"
     )
     detail = "; ".join(f"ranks {rs} have {f}" for f, rs in by_value(gathered, ranks).items())
-    raise CostTableMismatchError(
-        f"cost table fingerprints differ across ranks ({detail}); {who}. Load the same cost table on "
-        "every rank: the budget is computed locally from replicated inputs and must match.",
-        differ,
-    )
+    raise error(f"{what} fingerprints differ across ranks ({detail}); {who}. {fix}".rstrip(), differ)
+
+
+class EstimatorAgreement:
+    """Identical online-estimator parameters on every rank of the TP group (`dspark.calibration.online`).
+
+    At construction the estimator's configuration fingerprint is compared (a rank refitting at other steps
+    would leave the others waiting in a collective). `agree` runs at every refit: the float64 parameters
+    travel as their int32 bit pattern through `TpAgreement`, so tp_mode "broadcast" sends the first rank's
+    parameters bit for bit (the first rank is authoritative) and "verify" hash-checks the local fits and
+    raises `TpDisagreementError` naming the ranks whose accumulators drifted.
+    """
+
+    def __init__(self, config: ParallelConfig, *, fingerprint: str):
+        self.config = config
+        self.tp = TpAgreement(config.tp_group, config.tp_mode, what="online estimator parameters")
+        check_fingerprint(config.tp_group, fingerprint, what="online estimator configuration",
+                          fix="Build the estimator with the same arguments on every TP rank.")
+
+    def agree(self, parameters: Tensor) -> Tensor:
+        """The group's parameters (same shape and dtype, on the input's device)."""
+        if not isinstance(parameters, Tensor) or parameters.dtype != torch.float64 or parameters.dim() != 2:
+            raise TypeError(f"parameters must be a 2-D float64 tensor, got {getattr(parameters, 'dtype', parameters)}")
+        bits = parameters.contiguous().view(torch.int32).reshape(-1)
+        agreed = self.tp.agree(bits.to(collective_device(self.config.tp_group)))
+        return agreed.to(parameters.device).reshape(parameters.shape[0], -1).view(torch.float64)
 
 
 class ParallelAgreement:

@@ -121,14 +121,14 @@ def by_value(values: Sequence[object], ranks: Sequence[int]) -> dict[object, lis
     return out
 
 
-def _local_lens(verify_lens: object) -> tuple[Tensor | None, str | None]:
+def _local_lens(verify_lens: object, what: str = "verify_lens") -> tuple[Tensor | None, str | None]:
     """(lens as int32, None), or (None, what is wrong) for input that is not a 1-D integer tensor. The
     problem is not raised before the collective: the other ranks would wait in it forever."""
     if not isinstance(verify_lens, Tensor):
-        return None, f"verify_lens must be a torch.Tensor, got {type(verify_lens).__name__}: {verify_lens!r}"
+        return None, f"{what} must be a torch.Tensor, got {type(verify_lens).__name__}: {verify_lens!r}"
     dtype = verify_lens.dtype
     if verify_lens.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        return None, (f"verify_lens must be a 1-D integer tensor, got {verify_lens.dtype} "
+        return None, (f"{what} must be a 1-D integer tensor, got {verify_lens.dtype} "
                       f"{tuple(verify_lens.shape)}")
     return verify_lens.to(torch.int32), None
 
@@ -141,14 +141,16 @@ class TpAgreement:
 
     Every disagreement (batch size, value, or a rank's invalid input) is found by the step's collective
     on every rank at once, so all ranks raise `TpDisagreementError` in the same step and none is left
-    waiting in a collective the others skipped.
+    waiting in a collective the others skipped. `what` names the agreed vector in messages (any 1-D
+    integer tensor agrees the same way: `dspark.parallel.agreement.EstimatorAgreement` sends float bits).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, mode: str = "verify"):
+    def __init__(self, group: dist.ProcessGroup | None = None, mode: str = "verify", what: str = "verify_lens"):
         if mode not in TP_MODES:
             raise ValueError(f"mode must be one of {TP_MODES}, got {mode!r}")
         self.group = group
         self.mode = mode
+        self.what = check_type("what", what, str)
         self.ranks = group_ranks(group)
 
     def agree(self, verify_lens: Tensor) -> Tensor:
@@ -160,12 +162,12 @@ class TpAgreement:
         step, so no rank proceeds into a hanging forward. The check reads a few ints on the host, a sync
         the layout build makes anyway.
         """
-        lens, problem = _local_lens(verify_lens)
+        lens, problem = _local_lens(verify_lens, self.what)
         if len(self.ranks) == 1:
             if problem:
                 raise TypeError(problem)
             return lens
-        device = lens.device if lens is not None else _collective_device(self.group)
+        device = lens.device if lens is not None else collective_device(self.group)
         if self.mode == "broadcast":
             mine = torch.tensor([_INVALID if problem else lens.shape[0]], dtype=torch.int32, device=device)
         else:
@@ -192,12 +194,13 @@ class TpAgreement:
         reports = [(int(p[0]), int(p[1]), int(p[2])) for p in parts]
         groups = by_value(reports, self.ranks)
         differ = [r for rep, rs in groups.items() if rep != reports[0] for r in rs]
-        detail = "; ".join(f"ranks {rs} {_describe(rep, self.mode)}" for rep, rs in groups.items())
-        what = "the batch size B" if self.mode == "broadcast" else "verify_lens"
-        fix = ("every TP rank must plan the same requests (B); the first rank's verify_lens are then sent to "
+        detail = "; ".join(f"ranks {rs} {_describe(rep, self.mode, self.what)}" for rep, rs in groups.items())
+        what = "the batch size B" if self.mode == "broadcast" else self.what
+        fix = (f"every TP rank must plan the same requests (B); the first rank's {self.what} are then sent to "
                "the others" if self.mode == "broadcast" else
-               "the planner inputs (logits, slots, generations, cost table) are not replicated across the TP "
-               "group; use tp_mode='broadcast' or fix the replication")
+               f"the inputs of {self.what} are not replicated across the TP group (planner: logits, slots, "
+               "generations, cost table; online estimator: draft logits and accept outcomes); use "
+               "tp_mode='broadcast' or fix the replication")
         own = f" This rank: {problem}." if problem else ""
         raise TpDisagreementError(
             f"TP ranks disagree on {what}: ranks {differ} differ from rank {self.ranks[0]}: {detail}. "
@@ -206,14 +209,14 @@ class TpAgreement:
         )
 
 
-def _describe(report: tuple[int, int, int], mode: str) -> str:
+def _describe(report: tuple[int, int, int], mode: str, what: str) -> str:
     h1, h2, b = report
     if b == _INVALID:
-        return "hold invalid verify_lens (not a 1-D integer tensor)"
-    return f"hold B={b}" if mode == "broadcast" else f"hold verify_lens hash {_hash_hex(h1, h2)} (B={b})"
+        return f"hold invalid {what} (not a 1-D integer tensor)"
+    return f"hold B={b}" if mode == "broadcast" else f"hold {what} hash {_hash_hex(h1, h2)} (B={b})"
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a rank without a usable tensor puts its report: the group backend's device."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
