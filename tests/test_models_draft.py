@@ -29,13 +29,19 @@ def target():
     return tiny_target(0)
 
 
+@pytest.fixture(scope="module")
+def device_target(device):
+    return tiny_target(0).to(device)
+
+
 def _draft(target, gamma: int = 4, markov_rank: int = 4) -> DraftModel:
     torch.manual_seed(1)
     emb = target.get_input_embeddings().weight
     cfg = DraftConfig(hidden_size=64, vocab_size=256, draft_vocab_size=40, num_q_heads=4, num_kv_heads=2,
                       head_dim=16, intermediate_size=48, chain_size=32, gamma=gamma, markov_rank=markov_rank,
                       max_seq_len=64)
-    model = DraftModel(cfg, emb, target.get_output_embeddings().weight, torch.randperm(256)[:40]).eval()
+    vocab_ids = torch.randperm(256)[:40].to(emb.device)
+    model = DraftModel(cfg, emb, target.get_output_embeddings().weight, vocab_ids).eval()
     with torch.no_grad():  # non-zero chain position biases, so every parameter matters
         model.chain_pos.normal_()
     return model
@@ -47,25 +53,27 @@ def tiny_run(tmp_path_factory, target):
     return out, main(["--tiny", "--out", str(out), "--steps", "12"])
 
 
-def test_packed_forward_over_paged_cache_equals_dense(target):
+def test_packed_forward_over_paged_cache_equals_dense(device_target, device):
+    target = device_target
     """Two requests in two forwards (a prefill, then ragged rows) through `PagedAttend` (the engine's
     attention) over a paged cache give the dense causal path's hidden states."""
     draft = _draft(target)
     g = draft.geometry
     gen = torch.Generator().manual_seed(0)
     lens, first = [9, 6], [5, 2]
-    tokens = [torch.randint(0, 256, (n,), generator=gen) for n in lens]
-    feats = [torch.randn(n, 64, generator=gen) for n in lens]
+    tokens = [torch.randint(0, 256, (n,), generator=gen).to(device) for n in lens]
+    feats = [torch.randn(n, 64, generator=gen).to(device) for n in lens]
     dense = [draft.forward_dense(t[None], f[None])[0] for t, f in zip(tokens, feats)]
     cache = PagedKVCache(num_layers=g.num_layers, num_heads=g.num_kv_heads, head_dim=g.head_dim, num_pages=8,
-                         page_size=4)
+                         page_size=4, device=device)
     table = cache.admit(2, 12)
     attn = RaggedVerifyAttention(32, 3, int(table.shape[1]), g.num_q_heads, g.num_kv_heads, g.head_dim, 4,
-                                 "cpu", torch.float32, sm_scale=g.sm_scale, num_pages=8)
+                                 device, torch.float32, sm_scale=g.sm_scale, num_pages=8)
     for lo, hi in ((lambda i: 0, lambda i: first[i]), (lambda i: first[i], lambda i: lens[i])):
         spans = [(lo(i), hi(i)) for i in range(2)]
-        layout = RaggedVerifyLayout.from_verify_lens([b - a for a, b in spans])
-        prefix = torch.tensor([a for a, _ in spans], dtype=torch.int32)
+        layout = RaggedVerifyLayout.from_verify_lens(torch.tensor([b - a for a, b in spans], dtype=torch.int32,
+                                                                  device=device))
+        prefix = torch.tensor([a for a, _ in spans], dtype=torch.int32, device=device)
         step = PagedAttend(attn, cache.k, cache.v, layout, prefix, table)
         rows = torch.cat([tokens[i][a:b] for i, (a, b) in enumerate(spans)])
         out = draft(rows, step.positions, torch.cat([feats[i][a:b] for i, (a, b) in enumerate(spans)]), step)
@@ -73,24 +81,26 @@ def test_packed_forward_over_paged_cache_equals_dense(target):
         torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
-def test_logits_live_on_the_draft_vocabulary(target):
+def test_logits_live_on_the_draft_vocabulary(device_target, device):
+    target = device_target
     draft = _draft(target)
-    hk = draft.block_hidden(torch.randn(3, 64), 4)
+    hk = draft.block_hidden(torch.randn(3, 64, device=device), 4)
     logits = draft.logits(hk)
     assert logits.shape == (3, 4, 256) and hk.shape == (3, 4, 64)
-    outside = torch.ones(256, dtype=torch.bool)
+    outside = torch.ones(256, dtype=torch.bool, device=device)
     outside[draft.vocab_ids] = False
     assert torch.isneginf(logits[..., outside]).all() and torch.isfinite(logits[..., ~outside]).all()
     assert torch.isin(logits.argmax(-1), draft.vocab_ids).all()
-    props, _ = draft.propose(torch.randn(3, 64), 4, torch.tensor([1, 2, 3]))
+    props, _ = draft.propose(torch.randn(3, 64, device=device), 4, torch.tensor([1, 2, 3], device=device))
     assert props.shape == (3, 4, 256)
 
 
-def test_greedy_chain_feeds_each_step_the_previous_argmax(target):
+def test_greedy_chain_feeds_each_step_the_previous_argmax(device_target, device):
+    target = device_target
     """block_hidden's step j reads draft j - 1 = argmax of step j - 1: teacher-forcing those drafts gives
     the same states, and propose's logits are logits(block_hidden)."""
     draft = _draft(target)
-    h, anchor = torch.randn(5, 64), torch.randint(0, 256, (5,))
+    h, anchor = torch.randn(5, 64, device=device), torch.randint(0, 256, (5,), device=device)
     hk = draft.block_hidden(h, 4)
     drafts = draft.logits(hk).argmax(-1)
     torch.testing.assert_close(draft.chain(h, 4, drafts[:, :-1])[0], hk)
@@ -102,12 +112,13 @@ def test_greedy_chain_feeds_each_step_the_previous_argmax(target):
         draft.block_hidden(h, 5)
 
 
-def test_confidence_of_a_draft_ignores_its_own_token(target):
+def test_confidence_of_a_draft_ignores_its_own_token(device_target, device):
+    target = device_target
     draft = _draft(target)
     with torch.no_grad():
         draft.confidence.embed.weight.normal_()
-    hk, anchor = torch.randn(2, 4, 64), torch.tensor([7, 9])
-    drafts = torch.randint(0, 256, (2, 4))
+    hk, anchor = torch.randn(2, 4, 64, device=device), torch.tensor([7, 9], device=device)
+    drafts = torch.randint(0, 256, (2, 4), device=device)
     base = draft.confidence_logits(hk, anchor, drafts)
     for k in range(4):
         other = drafts.clone()
@@ -116,9 +127,10 @@ def test_confidence_of_a_draft_ignores_its_own_token(target):
         torch.testing.assert_close(conf[:, : k + 1], base[:, : k + 1])  # draft k and earlier unchanged
         if k < 3:
             assert not torch.equal(conf[:, k + 1], base[:, k + 1])  # draft k + 1 sees it (previous token)
-    assert not torch.equal(draft.confidence_logits(hk, torch.tensor([8, 9]), drafts)[:, 0], base[:, 0])
+    assert not torch.equal(draft.confidence_logits(hk, torch.tensor([8, 9], device=device), drafts)[:, 0], base[:, 0])
 
 
+@pytest.mark.cpu_only(reason="the training command and its weight files, on the CPU")
 def test_tiny_training_run_writes_a_loadable_draft(tiny_run, target):
     out, manifest = tiny_run
     on_disk = json.loads(manifest_path(out).read_text())
@@ -132,6 +144,7 @@ def test_tiny_training_run_writes_a_loadable_draft(tiny_run, target):
     assert again["sha256"] == manifest["sha256"]  # seeded: the same run writes the same bytes
 
 
+@pytest.mark.cpu_only(reason="weight-file integrity checks")
 def test_load_checks_hash_presence_and_target(tiny_run, target, tmp_path):
     out, manifest = tiny_run
     with pytest.raises(FileNotFoundError, match="missing.safetensors is missing"):
@@ -147,6 +160,7 @@ def test_load_checks_hash_presence_and_target(tiny_run, target, tmp_path):
         load_draft(tiny_target(1), out)
 
 
+@pytest.mark.cpu_only(reason="config validation: no tensors")
 def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="draft_vocab_size=300 exceeds vocab_size=256"):
         DraftConfig(hidden_size=64, vocab_size=256, draft_vocab_size=300)
@@ -162,6 +176,7 @@ def smollm2():
     return load_smollm2()[0]
 
 
+@pytest.mark.cpu_only(reason="the shipped weight file's hash and target check; its forward runs in the engine tests")
 def test_shipped_weights_load_for_smollm2(smollm2):
     """The shipped file's sha256 matches its manifest and it was trained for this target."""
     if not DEFAULT_WEIGHTS.is_file():
