@@ -56,7 +56,7 @@ class Recording(Adaptive):
 @pytest.mark.parametrize("mode", [m.value for m in VerifyMode])
 def test_lossless_with_slot_reuse(decoder: SpecDecoder, reference: torch.Tensor, mode: str) -> None:
     prompts = _prompts(N, 6, seed=5)
-    for policy in (FixedK(GAMMA), Oracle(GAMMA), Adaptive(_planner(), lambda b: 0.004 * b, probe_every=2)):
+    for policy in (FixedK(GAMMA), Oracle(GAMMA), Adaptive(_planner(device=decoder.device), lambda b: 0.004 * b, probe_every=2)):
         out = decoder.generate(prompts, NEW, policy, mode=mode, slots=SLOTS)
         assert torch.equal(out.tokens, reference), (mode, policy.name)
         assert max(s.requests.numel() for s in out.steps) == SLOTS
@@ -77,7 +77,7 @@ def test_per_request_lengths(decoder: SpecDecoder, reference: torch.Tensor) -> N
 
 
 def test_queue_drained_exactly(decoder: SpecDecoder, reference: torch.Tensor) -> None:
-    policy = Recording(_planner(), None)
+    policy = Recording(_planner(device=decoder.device), None)
     out = decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", slots=SLOTS)
     assert torch.equal(out.tokens, reference)
     admitted = [s for batch in policy.admitted for s in batch]
@@ -93,7 +93,7 @@ def test_queue_drained_exactly(decoder: SpecDecoder, reference: torch.Tensor) ->
 
 
 def test_refilled_slot_gets_fresh_generation_and_all_ones(decoder: SpecDecoder) -> None:
-    policy = Recording(_planner(), None)
+    policy = Recording(_planner(device=decoder.device), None)
     decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", slots=SLOTS)
     last_gen: dict[int, int] = {}
     refills = 0
@@ -142,16 +142,16 @@ def test_refilled_request_is_drafted_from_its_whole_prompt(decoder: SpecDecoder)
     torch.testing.assert_close(torch.stack(policy.first), expect, rtol=1e-4, atol=1e-4)
 
 
-def test_new_request_borrows_the_batchs_survival_in_the_decision() -> None:
-    planner = _planner()
-    slots, gens = torch.tensor([0, 1, 2]), torch.tensor([1, 1, 2])
-    planner.ring.write(slots[:2], gens[:2], torch.zeros(2, GAMMA))  # old requests: nothing survives
+def test_new_request_borrows_the_batchs_survival_in_the_decision(device) -> None:
+    planner = _planner(device=device)
+    slots, gens = torch.tensor([0, 1, 2], device=device), torch.tensor([1, 1, 2], device=device)
+    planner.ring.write(slots[:2], gens[:2], torch.zeros(2, GAMMA, device=device))  # old requests: nothing survives
     plain = lambda b: b / 400.0  # noqa: E731  plain: 400 tok/s; speculative step 10 ms
 
     def decide(admit: bool) -> bool:
         policy = Adaptive(planner, plain)
         if admit:
-            policy.admit(torch.tensor([2]))
+            policy.admit(torch.tensor([2], device=device))
         return policy.speculate(slots, gens)
 
     assert decide(admit=False)  # slot 2's stale all-ones row alone: tau = 3 + 3 = 6 per 10 ms > 400 tok/s

@@ -24,16 +24,16 @@ def decoder(device) -> SpecDecoder:
     return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
 
 
-def _policies():
+def _policies(device: torch.device):
     return {"plain": FixedK(0), "k2": FixedK(2), "oracle": Oracle(GAMMA),
-            "adaptive": Adaptive(_planner(), lambda b: 0.004 * b, probe_every=2)}
+            "adaptive": Adaptive(_planner(device=device), lambda b: 0.004 * b, probe_every=2)}
 
 
 def test_interleaved_runs_equal_one_at_a_time(decoder: SpecDecoder) -> None:
     prompts, counts = _prompts(7, 6, seed=3), torch.tensor([5, 9, 12, 3, 7, 11, 6])
-    alone = {k: decoder.generate(prompts, counts, p, slots=3) for k, p in _policies().items()}
+    alone = {k: decoder.generate(prompts, counts, p, slots=3) for k, p in _policies(decoder.device).items()}
     forks = {k: decoder.fork() for k in alone}
-    together = lockstep({k: forks[k].start(prompts, counts, p, slots=3) for k, p in _policies().items()})
+    together = lockstep({k: forks[k].start(prompts, counts, p, slots=3) for k, p in _policies(decoder.device).items()})
     assert list(together) == list(alone)
     for k in alone:
         assert torch.equal(together[k].tokens, alone[k].tokens), k
@@ -74,6 +74,7 @@ def _fake_run(times: list[float], log: list[tuple[str, int]], name: str):
     return name.upper()
 
 
+@pytest.mark.cpu_only(reason="the lockstep scheduler's order over fake runs: no tensors")
 def test_least_charged_run_goes_next() -> None:
     log: list[tuple[str, int]] = []
     out = lockstep({"a": _fake_run([3.0, 1.0, 1.0], log, "a"), "b": _fake_run([1.0, 1.0, 5.0], log, "b"),

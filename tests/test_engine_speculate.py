@@ -19,9 +19,9 @@ GAMMA = 3
 STEP = 0.01  # the speculative step costs 10 ms whatever the rows
 
 
-def _planner(lag: int = 1) -> VerifyPlanner:
+def _planner(lag: int = 1, device: torch.device | str = "cpu") -> VerifyPlanner:
     cost = StepsPerSecondTable([1], [1 / STEP], width=GAMMA + 1)
-    return VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, lag=lag, num_slots=8)
+    return VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, lag=lag, num_slots=8, device=device)
 
 
 @pytest.fixture(scope="module")
@@ -34,59 +34,59 @@ def _speculated(out) -> list[bool]:
     return [s.confidence_logits.shape[1] > 0 for s in out.steps]
 
 
-def test_decision_compares_lagged_theta_with_plain_throughput() -> None:
-    planner = _planner()
-    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+def test_decision_compares_lagged_theta_with_plain_throughput(device) -> None:
+    planner = _planner(device=device)
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
 
     def decide() -> bool:  # a fresh policy each time: one policy caches its decision until it plans
         return Adaptive(planner, plain_seconds=lambda b: b / 400.0).speculate(slots, gens)  # plain: 400 tok/s
 
     assert decide()  # stale ring (no survival yet) reads all-ones: tau = 2 * 4 = 8 per 10 ms beats 400 tok/s
-    planner.ring.write(slots, gens, torch.full((2, GAMMA), 0.9))   # tau ~ 7.4: 740 tokens/s
+    planner.ring.write(slots, gens, torch.full((2, GAMMA), 0.9, device=device))   # tau ~ 7.4: 740 tokens/s
     assert decide()
-    planner.ring.write(slots, gens, torch.zeros(2, GAMMA))         # tau = 2: 200 tokens/s
+    planner.ring.write(slots, gens, torch.zeros(2, GAMMA, device=device))         # tau = 2: 200 tokens/s
     assert not decide()
 
 
-def test_realised_acceptance_decides_once_observed() -> None:
+def test_realised_acceptance_decides_once_observed(device) -> None:
     """Before any outcome the lagged survival predicts; afterwards the moving averages of accepted / verified
     drafts per request do: confident survival, but nothing accepted -> plain; accepted again -> speculate."""
-    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
-    policy = Adaptive(_planner(), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5, prior_weight=0)
-    confident = torch.full((2, GAMMA), 8.0)  # survival ~1 at every position
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
+    policy = Adaptive(_planner(device=device), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5, prior_weight=0)
+    confident = torch.full((2, GAMMA), 8.0, device=device)  # survival ~1 at every position
     assert policy.speculate(slots, gens) and policy.realised is None
     plan = policy.plan(confident, slots, gens)
-    assert torch.equal(plan.verify_lens, torch.full((2,), GAMMA + 1, dtype=torch.int32))
-    policy.observe(torch.tensor([GAMMA + 1, GAMMA + 1]))  # every draft accepted
+    assert torch.equal(plan.verify_lens, torch.full((2,), GAMMA + 1, dtype=torch.int32, device=device))
+    policy.observe(torch.tensor([GAMMA + 1, GAMMA + 1], device=device))  # every draft accepted
     assert policy.realised == pytest.approx((GAMMA, GAMMA))
     assert policy.speculate(slots, gens)  # tau = 2 * 4 per 10 ms
     policy.plan(confident, slots, gens)
-    policy.observe(torch.tensor([1, 1]))  # nothing accepted: (3 + 0) / 2
+    policy.observe(torch.tensor([1, 1], device=device))  # nothing accepted: (3 + 0) / 2
     assert policy.realised == pytest.approx((1.5, GAMMA))
     assert policy.speculate(slots, gens)  # tau = 2 * 2.5 per 10 ms = 500 tok/s
     policy.plan(confident, slots, gens)
-    policy.observe(torch.tensor([1, 2]))  # 0.5 accepted per request: (1.5 + 0.5) / 2 = 1.0
+    policy.observe(torch.tensor([1, 2], device=device))  # 0.5 accepted per request: (1.5 + 0.5) / 2 = 1.0
     assert not policy.speculate(slots, gens)  # tau = 2 * 2 per 10 ms = 400 tok/s: not more than plain
     mean = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=0.8, prior_weight=0)
     for commit in ([1, 1], [GAMMA + 1, GAMMA + 1], [GAMMA + 1, GAMMA + 1]):
         mean.plan(confident, slots, gens)
-        mean.observe(torch.tensor(commit))
+        mean.observe(torch.tensor(commit, device=device))
     assert mean.realised == pytest.approx((2.0, GAMMA))  # first outcomes: their plain mean (0, 3, 3)
     off = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=None)
     assert off.speculate(slots, gens)  # the lagged survival alone (~1) speculates
     off.plan(confident, slots, gens)
-    off.observe(torch.tensor([1, 1]))
+    off.observe(torch.tensor([1, 1], device=device))
     assert off.realised is None and off.speculate(slots, gens)
 
 
-def test_realised_cost_feedback_follows_measured_step_times() -> None:
+def test_realised_cost_feedback_follows_measured_step_times(device) -> None:
     """Profiled: speculative 10 ms, plain 5 ms for 2 requests. With survival 0.9, speculation predicts
     tau ~ 7.4 per 10 ms (740 tok/s) vs plain 400 tok/s. If speculative steps then measure 3x their prediction
     (247 tok/s), the next decision goes plain; if plain steps measure 3x theirs too, speculation is back."""
-    planner = _planner()
-    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
+    planner = _planner(device=device)
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
     policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_window=1)
-    sure = torch.full((2, GAMMA), 3.0)  # sigmoid ~0.95 per position
+    sure = torch.full((2, GAMMA), 3.0, device=device)  # sigmoid ~0.95 per position
     assert policy.speculate(slots, gens)
     policy.plan(sure, slots, gens)
     policy.observe_seconds(3 * STEP)  # the speculative step took 3x the profiled 10 ms
@@ -125,7 +125,7 @@ def _plain_runs(out) -> list[int]:
 def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
     n = 3
     # plain wins; cost_window=None: the decision must follow these predictions, not the measured step times
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n, cost_window=None)
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n, cost_window=None)
     out = decoder.generate(_prompts(3, 5), 14, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[0] == n and all(r == n for r in runs[:-1]) and len(runs) >= 3 and runs[-1] <= n
@@ -133,14 +133,14 @@ def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
 
 
 def test_probe_interval_backs_off_while_plain_keeps_winning(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8, cost_window=None)
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8, cost_window=None)
     out = decoder.generate(_prompts(2, 5), 40, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[:4] == [2, 4, 8, 8]
 
 
 def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(), plain_seconds=lambda b: 10.0, cost_window=None)  # plain: 10 s per step
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 10.0, cost_window=None)  # plain: 10 s per step
     out = decoder.generate(_prompts(3, 5), 10, policy, mode="compact")
     assert all(_speculated(out))
 
@@ -150,47 +150,48 @@ def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
 def test_lossless_whatever_the_decision(decoder: SpecDecoder, mode: str, plain: float) -> None:
     prompts = _prompts(4, 6, seed=3)
     ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
-    out = decoder.generate(prompts, 16, Adaptive(_planner(), lambda b: plain * b, probe_every=2), mode=mode)
+    out = decoder.generate(prompts, 16, Adaptive(_planner(device=decoder.device), lambda b: plain * b, probe_every=2), mode=mode)
     assert torch.equal(out.tokens, ref.tokens), (mode, plain)
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(device) -> None:
     with pytest.raises(ValueError, match="probe_every"):
-        Adaptive(_planner(), lambda b: 1.0, probe_every=0)
+        Adaptive(_planner(device=device), lambda b: 1.0, probe_every=0)
     with pytest.raises(ValueError, match="feedback_decay"):
-        Adaptive(_planner(), lambda b: 1.0, feedback_decay=1.0)
+        Adaptive(_planner(device=device), lambda b: 1.0, feedback_decay=1.0)
     with pytest.raises(ValueError, match="max_probe_every"):
-        Adaptive(_planner(), lambda b: 1.0, probe_every=4, max_probe_every=2)
-    assert Adaptive(_planner(lag=0)).speculate(torch.tensor([0]), torch.tensor([1]))  # no plain cost: always
+        Adaptive(_planner(device=device), lambda b: 1.0, probe_every=4, max_probe_every=2)
+    assert Adaptive(_planner(lag=0, device=device)).speculate(torch.tensor([0], device=device), torch.tensor([1], device=device))  # no plain cost: always
 
 
-def test_lag0_speculates_until_outcomes_then_follows_them() -> None:
+def test_lag0_speculates_until_outcomes_then_follows_them(device) -> None:
     """A lag-0 planner has no lagged survival: speculate first, then decide on the realised averages."""
-    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
-    policy = Adaptive(_planner(lag=0), lambda b: b / 400.0, feedback_decay=0.0)  # plain: 400 tok/s
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
+    policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, feedback_decay=0.0)  # plain: 400 tok/s
     assert policy.speculate(slots, gens)
-    policy.plan(torch.full((2, GAMMA), 8.0), slots, gens)
-    policy.observe(torch.tensor([1, 1]))  # nothing accepted: tau = 2 per 10 ms
+    policy.plan(torch.full((2, GAMMA), 8.0, device=device), slots, gens)
+    policy.observe(torch.tensor([1, 1], device=device))  # nothing accepted: tau = 2 per 10 ms
     assert not policy.speculate(slots, gens)
 
 
-def test_prior_from_the_first_prediction_outweighs_one_unlucky_outcome() -> None:
+def test_prior_from_the_first_prediction_outweighs_one_unlucky_outcome(device) -> None:
     """The averages start at the first planned step's calibrated prediction, worth `prior_weight` outcomes:
     a confident head (every draft expected) and one step with nothing accepted stay speculative; without
     the prior that one outcome alone sends the policy plain."""
-    slots, gens = torch.tensor([0, 1]), torch.tensor([1, 1])
-    confident = torch.full((2, GAMMA), 8.0)  # survival ~1 at every position: ~GAMMA accepted predicted
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
+    confident = torch.full((2, GAMMA), 8.0, device=device)  # survival ~1 at every position: ~GAMMA accepted predicted
     for prior_weight, speculates in ((4, True), (0, False)):
-        policy = Adaptive(_planner(lag=0), lambda b: b / 400.0, prior_weight=prior_weight)  # plain: 400 tok/s
+        policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, prior_weight=prior_weight)  # plain: 400 tok/s
         assert policy.speculate(slots, gens)
         policy.plan(confident, slots, gens)
-        policy.observe(torch.tensor([1, 1]))  # nothing accepted
+        policy.observe(torch.tensor([1, 1], device=device))  # nothing accepted
         if prior_weight:
-            expected = float((torch.sigmoid(torch.tensor(8.0)).double() ** torch.arange(1, GAMMA + 1)).sum())
+            expected = float((torch.sigmoid(torch.tensor(8.0, device=device)).double() ** torch.arange(1, GAMMA + 1, device=device)).sum())
             assert policy.realised == pytest.approx((0.8 * expected, GAMMA))  # (4 x prior + 1 x 0) / 5
         assert policy.speculate(slots, gens) is speculates
 
 
+@pytest.mark.cpu_only(reason="host arithmetic of the plain-step cost table")
 def test_plain_step_cost_interpolates() -> None:
     cost = PlainStepCost((1, 4, 16), (0.004, 0.005, 0.011))
     assert cost.step_seconds(1) == 0.004 and cost.step_seconds(16) == 0.011
