@@ -188,6 +188,7 @@ class SpecDecoder:
         end = torch.zeros(b, dtype=torch.int64)  # host: each slot's request stops at this length
         observe = getattr(policy, "observe", None)
         observe_seconds = getattr(policy, "observe_seconds", None)
+        estimator = getattr(policy, "estimator", None)
         queued = 0  # next request id to admit
         prefill = 0.0
         try:
@@ -217,6 +218,8 @@ class SpecDecoder:
                 if observe is not None:  # the adaptive policy's realised-acceptance feedback, charged to plan
                     t0 = self._now()
                     observe(commit)
+                    if estimator is not None and out.draft_logits is not None:  # ... and its estimator's labels
+                        estimator.observe(verify_lens=out.caps, correct_len=out.correct_len)
                     out.times.plan += self._now() - t0
                 if observe_seconds is not None:  # ... and its realised-cost feedback
                     observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept)
@@ -283,8 +286,11 @@ class SpecDecoder:
             return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, decided)
         times = StepTimes(plan=self._now() - t0)
         t0 = self._now()
+        estimator = getattr(policy, "estimator", None)  # in place of the draft's confidence head
         drafts, draft_probs, conf, draft_logits = self._draft(buf, lens, all_dlen, reqs, root, k, sampling,
-                                                              temperature, gen)
+                                                              temperature, gen, head=estimator is None)
+        if estimator is not None:  # features of the distribution the drafts were drawn from
+            conf = estimator.confidence_logits(draft_logits / temperature if sampling else draft_logits)
         t1 = self._now()
         times.draft = t1 - t0
         if isinstance(policy, Oracle):
@@ -331,11 +337,11 @@ class SpecDecoder:
                            correct_len=ones - 1, times=times, host_syncs=0)
 
     def _draft(self, buf: Tensor, lens: Tensor, all_dlen: Tensor, reqs: Tensor, root: Tensor, k: int,
-               sampling: bool, temperature: float, gen: torch.Generator
-               ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-        """k draft tokens [B, k], their distributions [B, k, V] (sampling), confidence logits [B, k] and the
-        draft token logits [B, k, V] (None when k = 0). root [B]: the last committed tokens (the anchor the
-        confidence head's previous-token input starts from).
+               sampling: bool, temperature: float, gen: torch.Generator, head: bool = True
+               ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        """k draft tokens [B, k], their distributions [B, k, V] (sampling), confidence logits [B, k] (None with
+        head=False: the confidence head does not run) and the draft token logits [B, k, V] (None when k = 0).
+        root [B]: the last committed tokens (the anchor the confidence head's previous-token input starts from).
 
         One draft forward over the tokens committed since the draft last ran (positions dlen..L-1,
         ragged), then the block heads propose all k drafts.
@@ -357,12 +363,9 @@ class SpecDecoder:
         all_dlen[reqs] = lens
         hk, reduced = self.draft.chain(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)
         logits = self.draft.scatter_logits(reduced)  # the chain's own draft-vocabulary logits, not recomputed
-        if not sampling:
-            drafts = logits.argmax(-1)
-            return drafts, None, self.draft.confidence_logits(hk, root, drafts), logits
-        q = torch.softmax(logits / temperature, -1)
-        drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k)
-        return drafts, q, self.draft.confidence_logits(hk, root, drafts), logits
+        q = torch.softmax(logits / temperature, -1) if sampling else None
+        drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k) if sampling else logits.argmax(-1)
+        return drafts, q, self.draft.confidence_logits(hk, root, drafts) if head else None, logits
 
     def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
                 draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,

@@ -2,7 +2,8 @@
 
 - `FixedK(k)`: draft k tokens, verify all of them (k = 0 is plain target-only decoding).
 - `Adaptive(planner, plain_seconds, probe_every)`: draft gamma tokens, let dspark's VerifyPlanner pick
-  per-request verify lengths from the calibrated confidence (lagged budget, live allocation, tier fill).
+  per-request verify lengths from the calibrated confidence (lagged budget, live allocation, tier fill);
+  the confidence comes from the draft's trained head, or with `estimator=` from an online estimator.
   Given the profiled plain-step time it first decides whether to speculate at all (see `speculate`).
 - `Oracle(gamma)`: draft gamma tokens, verify exactly the rows that turn out to be accepted. The
   acceptance is found by a full static verify that is run *outside* the timed step (`prepass`), so its
@@ -20,8 +21,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.plan.budget import choose_budget, expected_commit
 from dspark.plan.planner import VerifyPlan, VerifyPlanner
+from dspark.util.validate import check_type
 from dspark.verify.layout import RaggedVerifyLayout
 
 
@@ -101,6 +104,13 @@ class Adaptive:
     prompt is caught up the same way; that one is a steady cost of speculating at all, and is sampled.)
     The planner's budget is unchanged (a common scale of T moves no argmax); `cost_window=None` turns this
     off.
+
+    Without a confidence head: `estimator=OnlineAcceptanceEstimator(gamma)` (dspark.calibration.online) takes
+    the head's place. The decoder then skips the head, hands the planner the estimator's confidence logits
+    from the draft's token logits (divided by the sampling temperature when sampling), and after each
+    speculative step feeds the estimator that step's accept outcome (verify lengths and correct_len, the
+    STS-censored labels) together with the policy's own feedback. The planner must be built with
+    `temperatures=None` (the estimator is its own calibration) and the estimator's gamma.
     """
 
     prepass = False
@@ -108,7 +118,8 @@ class Adaptive:
 
     def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
                  probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.8,
-                 cost_window: int | None = 9, prior_weight: int = 4):
+                 cost_window: int | None = 9, prior_weight: int = 4,
+                 estimator: OnlineAcceptanceEstimator | None = None):
         for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every),
                              ("cost_window", 1 if cost_window is None else cost_window, 1),
                              ("prior_weight", prior_weight, 0)):
@@ -117,6 +128,13 @@ class Adaptive:
         if feedback_decay is not None and not (isinstance(feedback_decay, (int, float))
                                                and not isinstance(feedback_decay, bool) and 0 <= feedback_decay < 1):
             raise ValueError(f"feedback_decay must be in [0, 1) or None, got {feedback_decay!r}")
+        if estimator is not None:
+            check_type("estimator", estimator, OnlineAcceptanceEstimator)
+            if estimator.gamma != planner.cfg.gamma or planner.temperatures is not None:
+                raise ValueError(f"the estimator (gamma={estimator.gamma}) needs a planner with its gamma and "
+                                 f"temperatures=None, got gamma={planner.cfg.gamma} and temperatures "
+                                 f"{None if planner.temperatures is None else planner.temperatures.tolist()}")
+        self.estimator = estimator
         self.planner = planner
         self.num_drafts = planner.cfg.gamma
         self.plain_seconds = plain_seconds
