@@ -35,24 +35,30 @@ from dspark.kernels._triton import jit, tl, triton
 
 
 def _eps_key(eps: float) -> int:
-    """The smallest valid key: fp32 bits of eps, shifted above the 31 index bits."""
+    """The smallest valid key: fp32 bits of eps, shifted above the 31 index bits (host side)."""
     return struct.unpack("<i", struct.pack("<f", eps))[0] << 31
 
 
-def verify_lens_ref(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
-    """Torch reference on non-increasing, NaN-free survival (`monotone_survival`): one topk over the
-    unique int64 keys; keys below eps's key are invalid. Returns [B] int32."""
+def verify_lens_ref(survival: Tensor, budget: int | Tensor, floor: int, cap: int, eps: float) -> Tensor:
+    """Torch reference on non-increasing, NaN-free survival (`monotone_survival`): the unique int64 keys
+    sorted once, the k-th largest taken by index; keys below eps's key are invalid. Returns [B] int32.
+
+    `budget` may be a host int or a 0-d integer tensor on the survival's device (a budget chosen on the
+    device: no host read). No data-dependent branch, so it compiles with `fullgraph=True, dynamic=True`
+    (tests/test_compile_verify_path.py)."""
     b = survival.shape[0]
     cand = survival[:, floor - 1: cap - 1]
     n = cand.numel()
-    k = min(budget, n)
-    if k == 0:
+    if n == 0:
         return torch.full((b,), floor, dtype=torch.int32, device=survival.device)
     bits = (cand.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
     order = torch.arange(n - 1, -1, -1, device=cand.device).view(cand.shape[1], b).t()
     key = (bits << 31) | order
-    kth = torch.topk(key.reshape(-1), k, sorted=False).values.min().clamp(min=_eps_key(eps))
-    return (key >= kth).sum(1, dtype=torch.int32) + floor
+    ranked = torch.sort(key.reshape(-1), descending=True).values
+    k = torch.as_tensor(budget, device=cand.device).to(torch.int64).clamp(0, n).reshape(1)
+    kth = torch.where(k > 0, ranked.gather(0, (k - 1).clamp(min=0)), torch.iinfo(torch.int64).max)
+    eps_key = torch.full((1,), eps, dtype=torch.float32, device=cand.device).view(torch.int32).to(torch.int64) << 31
+    return (key >= torch.maximum(kth, eps_key)).sum(1, dtype=torch.int32) + floor
 
 
 def verify_lens_host(survival: np.ndarray, budget: int, floor: int, cap: int, eps: float) -> Tensor:

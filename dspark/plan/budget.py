@@ -14,6 +14,7 @@ one step old (lagged) so that admitting a draft never depends on that draft's ow
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from dspark.cost import CostModel, check_cost_model
 from dspark.kernels import dispatch
 from dspark.plan.survival import _check_matrix, monotone_survival
 from dspark.util.validate import check_verify_lens
+from dspark.verify import boundary
 
 
 def check_config(cfg: object) -> ScheduleConfig:
@@ -69,7 +71,7 @@ def host_survival(survival: Tensor, cfg: ScheduleConfig) -> np.ndarray:
     """`monotone_survival` copied to the host: float32 numpy [B, gamma] (the budget is an int: its curves
     are computed on the host whatever the device)."""
     _check_survival(survival, cfg)
-    return monotone_survival(survival).detach().cpu().numpy()
+    return boundary.to_host(monotone_survival(survival))
 
 
 def plan_on_host(survival: Tensor, cfg: ScheduleConfig, *, calibrated: bool = False,
@@ -87,7 +89,7 @@ def plan_on_host(survival: Tensor, cfg: ScheduleConfig, *, calibrated: bool = Fa
                                               and survival.numel() <= HOST_PLAN_MAX)
     if not on_host:
         return None
-    return HostSurvival(survival.detach().cpu().numpy() if calibrated else host_survival(survival, cfg))
+    return HostSurvival(boundary.to_host(survival) if calibrated else host_survival(survival, cfg))
 
 
 def _host_values(survival: Tensor | HostSurvival, cfg: ScheduleConfig) -> np.ndarray:
@@ -193,6 +195,51 @@ def greedy_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: S
     return _decide(c, int(ends[stops[0]] if stops.size else ends[-1]))
 
 
+class DeviceCurves(NamedTuple):
+    """`theta_curves_torch`'s result: device tensors, nothing read to the host."""
+
+    budget: Tensor      # 0-d int64: argmax_b theta(b), ties to the smaller b
+    greedy: Tensor      # 0-d int64: `greedy_budget`'s scan, the first b with theta(b + 1) <= theta(b)
+    num_valid: Tensor   # 0-d int64: #candidates (survival >= eps)
+    tau: Tensor         # [B * C + 1] float64 (entries past num_valid repeat tau(num_valid))
+    theta: Tensor       # [B * C + 1] float64, -inf past num_valid
+
+
+def theta_curves_torch(survival: Tensor, seconds: Tensor, floor: int, cap: int, eps: float) -> DeviceCurves:
+    """The device-side budget: tau, theta and their argmax over every budget b = 0..B * C at once.
+
+    survival: monotone [B, gamma] (`monotone_survival` / calibrated); seconds: float64 [B * C + 1] =
+    T(B, B * F + b) on the same device (`seconds_over_window`). Same formulas as the host curves of
+    `choose_budget` (sums in another order: equal to rounding). Budgets past #candidates get theta = -inf,
+    so the static length B * C + 1 replaces the data-dependent one: no host read, no data-dependent
+    branch (compiles with `fullgraph=True, dynamic=True`; tests/test_compile_verify_path.py)."""
+    cand = survival[:, floor - 1: cap - 1]
+    valid = cand >= eps
+    best = torch.sort(torch.where(valid, cand, 0.0).reshape(-1).to(torch.float64), descending=True).values
+    base = survival.shape[0] + survival[:, : floor - 1].to(torch.float64).sum()
+    tau = base + torch.cat([best.new_zeros(1), torch.cumsum(best, 0)])
+    num_valid = valid.sum().to(torch.int64)
+    b = torch.arange(tau.numel(), device=tau.device)
+    theta = torch.where(b <= num_valid, tau / seconds, float("-inf"))
+    stops = torch.cat([theta[1:] <= theta[:-1], torch.ones(1, dtype=torch.bool, device=theta.device)])
+    return DeviceCurves(torch.argmax(theta), torch.argmax(stops.to(torch.int8)), num_valid, tau, theta)
+
+
+def seconds_over_window(cost_model: CostModel, num_requests: int, cfg: ScheduleConfig) -> Tensor:
+    """float64 host [B * C + 1]: T(B, B * F + b) for every budget b a batch of B can take (C candidates
+    per request); depends on B only, so a caller caches it on its device."""
+    count = num_requests * (cfg.cap - cfg.floor) + 1
+    return torch.from_numpy(cost_model.seconds_curve(num_requests, num_requests * cfg.floor, count))
+
+
+def expected_commit_torch(survival: Tensor, verify_lens: Tensor) -> Tensor:
+    """0-d float64 tau of an allocation on the device: sum_r (1 + sum_{j < verify_lens[r] - 1} s[r, j]) for
+    monotone survival [B, gamma] and int verify_lens [B] (compiles with `fullgraph=True`)."""
+    cols = torch.arange(survival.shape[1], device=survival.device)
+    verified = cols.unsqueeze(0) < (verify_lens.to(survival.device, torch.int64) - 1).unsqueeze(1)
+    return survival.shape[0] + torch.where(verified, survival, torch.zeros_like(survival)).to(torch.float64).sum()
+
+
 def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) -> float:
     """tau of a given allocation: sum_r (1 + sum_{j < verify_lens[r] - 1} s[r, j]) (E[sum commit_lens])."""
     s, _ = candidate_window(survival, cfg)
@@ -204,6 +251,4 @@ def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) 
         raise ValueError(f"verify_lens must be [B={s.shape[0]}], got shape {tuple(verify_lens.shape)}")
     vl = verify_lens.to(s.device, torch.int64)
     check_verify_lens(vl, cfg.width)
-    cols = torch.arange(cfg.gamma, device=s.device)
-    verified = cols.unsqueeze(0) < (vl - 1).unsqueeze(1)
-    return float(s.shape[0] + torch.where(verified, s, torch.zeros_like(s)).to(torch.float64).sum())
+    return float(expected_commit_torch(s, vl))

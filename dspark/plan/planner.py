@@ -10,8 +10,18 @@ Each `plan` call:
 5. with `parallel=ParallelConfig(...)`: TP ranks agree on `verify_lens` (hash check or broadcast) and
    DP ranks on the global tier, idle ranks included (`dspark.parallel`).
 
-Host syncs per step: the budget decision (one) and the layout's row total (one), plus the lag ring's
-slot checks, which read host tensors when slots and generations live on the CPU.
+Host reads per step (all through `dspark.verify.boundary.to_host`, tests/test_host_boundary.py):
+- planned on the host (CPU tensors; lag-0 small accelerator batches): the survival's host copy, one read
+  (none on the CPU, where it is a view);
+- planned on the device: the budget's argmax, tau / theta curves and the live candidate count are
+  computed there (`theta_curves_torch`) and one read brings the decision and the count, which fix the
+  total rows and so the tier; allocation and layout then run on the device without another read;
+- `sync_free=True` (lag >= 1): none. The budget is chosen on the host from the lag-ring row that the
+  previous step copied asynchronously (`SurvivalLagRing.next_row_to_host`), so the tier is known before
+  the step starts; the layout is padded to it and built on the device (`graph_rows`), its real total
+  left there. It equals the synchronous planner's verify_lens bit for bit (tests/test_sync_free.py).
+The lag ring's slot checks read `slots` / `generations`, host-side scheduling data (no device read when
+they live on the CPU, as they should).
 """
 from __future__ import annotations
 
@@ -25,14 +35,23 @@ from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, check_cost_model
 from dspark.parallel import DpTier, ParallelAgreement, ParallelConfig
 from dspark.plan.allocate import allocate_verify_lens
-from dspark.plan.budget import BudgetDecision, check_config, choose_budget, greedy_budget, plan_on_host
+from dspark.plan.budget import (
+    BudgetDecision,
+    check_config,
+    choose_budget,
+    greedy_budget,
+    plan_on_host,
+    seconds_over_window,
+    theta_curves_torch,
+)
 from dspark.plan.survival import (
     SurvivalLagRing,
     _check_matrix,
     check_temperatures,
     survival_from_checked,
 )
-from dspark.util.validate import check_int
+from dspark.util.validate import check_int, check_type
+from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
 
@@ -40,7 +59,8 @@ from dspark.verify.layout import RaggedVerifyLayout, check_tiers, round_up_to_ti
 class VerifyPlan:
     """One step's plan: verify_lens [B] int32, its layout, the budget decision, the live survival.
 
-    `budget` is what was executed: the extra rows actually allocated, sum(verify_lens) - B * F.
+    `budget` is what was executed: the extra rows actually allocated, sum(verify_lens) - B * F (None from
+    a sync-free plan, whose total stays on the device).
     `tier_budget` is what the allocation was offered: the decision's budget grown to the tier top by
     graph-tier fill; it exceeds `budget` when the candidates run out first (the rest is padding).
     `dp` is the DP-global tier decision when the planner runs with a DP group.
@@ -50,7 +70,7 @@ class VerifyPlan:
     layout: RaggedVerifyLayout
     decision: BudgetDecision
     survival: Tensor
-    budget: int
+    budget: int | None
     tier_budget: int
     dp: DpTier | None = None
 
@@ -75,8 +95,13 @@ class VerifyPlanner:
     def __init__(self, cfg: ScheduleConfig, cost_model: CostModel, lag: int = 1,
                  tiers: Sequence[int] | None = None, num_slots: int = 256,
                  temperatures: Tensor | Sequence[float] | None = None, graph_slots: int | None = None,
-                 device: torch.device | str = "cpu", parallel: ParallelConfig | None = None):
+                 device: torch.device | str = "cpu", parallel: ParallelConfig | None = None,
+                 sync_free: bool = False):
         self.cfg = check_config(cfg)
+        check_type("sync_free", sync_free, bool)
+        if sync_free and (lag < 1 or parallel is not None):
+            raise ValueError(f"sync_free=True needs lag >= 1 and no parallel agreement, got lag={lag}, "
+                             f"parallel={parallel!r}")
         check_cost_model(cost_model, width=cfg.width)
         check_int("lag", lag, 0)
         if graph_slots is not None:
@@ -88,6 +113,9 @@ class VerifyPlanner:
         self.graph_slots = graph_slots
         self.temperatures = None if temperatures is None else check_temperatures(temperatures, cfg.gamma)
         self.ring = SurvivalLagRing(num_slots, cfg.gamma, lag, device) if lag > 0 else None
+        self.sync_free = sync_free
+        self._next_row = self.ring.next_row_to_host() if sync_free else None
+        self._seconds: dict[tuple[int, torch.device], Tensor] = {}  # T(B, B*F + b) per (B, device)
         if parallel is not None and not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
         self.parallel = None if parallel is None else ParallelAgreement(
@@ -107,26 +135,69 @@ class VerifyPlanner:
             check_cost_model(self.cost_model, platform=logits.device.type)
             self._platform_checked = logits.device.type
         survival = survival_from_checked(logits, self.temperatures)
+        if self.sync_free:
+            return self._plan_sync_free(survival, slots, generations)
         host = plan_on_host(survival, self.cfg, calibrated=True,
                             small_batches=self.ring is None and self.parallel is None)
-        live = survival if host is None else host  # planned where `plan_on_host` decided, once
-        if self.ring is None:
-            decision = greedy_budget(live, self.cost_model, self.cfg)
-        else:
-            lagged = self.ring.exchange(slots, generations, survival).to(survival.device)
-            decision = choose_budget(lagged, self.cost_model, self.cfg)
+        lagged = None if self.ring is None else self.ring.exchange(slots, generations, survival).to(survival.device)
         b = survival.shape[0]
+        if host is None:
+            decision, live_valid = self._device_decision(survival, lagged)
+        else:
+            live_valid = None
+            decision = (greedy_budget(host, self.cost_model, self.cfg) if lagged is None
+                        else choose_budget(lagged, self.cost_model, self.cfg))
         offered = tier_fill_budget(decision.budget, b, self.cfg.floor, self.tiers) if self.tiers else decision.budget
-        verify_lens = allocate_verify_lens(live, offered, self.cfg)
+        verify_lens = allocate_verify_lens(survival if host is None else host, offered, self.cfg)
         dp = None
         if self.parallel is not None:
             verify_lens = self.parallel.verify_lens(verify_lens)
         if self.parallel is not None and self.parallel.dp is not None:
             layout, dp = self.parallel.dp.step(verify_lens)
         else:
+            total = None if live_valid is None or self.parallel is not None else b * self.cfg.floor + min(offered, live_valid)
             layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, self.graph_slots,
-                                                         width=self.cfg.width)
+                                                         width=self.cfg.width, total_rows=total)
             if layout.verify_lens.device != survival.device:  # planned on the host for an accelerator
                 layout = layout.to(survival.device)
                 verify_lens = layout.verify_lens
         return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * self.cfg.floor, offered, dp)
+
+    def _device_decision(self, live: Tensor, lagged: Tensor | None) -> tuple[BudgetDecision, int]:
+        """The budget chosen on the device (argmax over lagged survival, or the greedy scan over live survival
+        at lag 0) and the live candidate count, brought to the host in one read."""
+        b = live.shape[0]
+        key = (b, live.device)
+        if key not in self._seconds:
+            self._seconds[key] = seconds_over_window(self.cost_model, b, self.cfg).to(live.device)
+        seconds = self._seconds[key]
+        cfg = self.cfg
+        curves = theta_curves_torch(live if lagged is None else lagged, seconds, cfg.floor, cfg.cap, cfg.survival_eps)
+        chosen = curves.greedy if lagged is None else curves.budget
+        live_valid = (live[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum()
+        picked = torch.stack([chosen.to(torch.float64), curves.num_valid.to(torch.float64),
+                              live_valid.to(torch.float64), curves.tau[chosen], seconds[chosen], curves.theta[chosen]])
+        budget, num_valid, valid, tau, step_seconds, theta = boundary.to_host(picked).tolist()
+        n = int(num_valid) + 1
+        decision = BudgetDecision(int(budget), tau, step_seconds, theta, b * cfg.floor + int(budget),
+                                  curves.tau[:n], seconds[:n], curves.theta[:n])
+        return decision, int(valid)
+
+    def _plan_sync_free(self, survival: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
+        """lag >= 1 without a device read: the budget from the host copy of the ring row this step reads."""
+        lagged = self._next_row.read(slots, generations)
+        self.ring.write(slots, generations, survival)
+        self._next_row = self.ring.next_row_to_host()
+        decision = choose_budget(lagged, self.cost_model, self.cfg)
+        b, floor = survival.shape[0], self.cfg.floor
+        tier = round_up_to_tier(b * floor + decision.budget, self.tiers) if self.tiers else None
+        offered = decision.budget if tier is None else tier - b * floor
+        verify_lens = allocate_verify_lens(survival, offered, self.cfg)
+        if tier is None:  # no tier fixes the rows: the layout reads its total (the step's one read)
+            layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, self.graph_slots,
+                                                         width=self.cfg.width)
+        else:
+            layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers, self.graph_slots,
+                                                         width=self.cfg.width, graph_rows=tier)
+        executed = None if layout.total_rows is None else layout.total_rows - b * floor
+        return VerifyPlan(verify_lens, layout, decision, survival, executed, offered)

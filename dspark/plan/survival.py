@@ -13,12 +13,14 @@ non-finite logits give c = 0.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from dspark.kernels import dispatch
 from dspark.util.validate import check_int, check_tensor, check_type, first_duplicate
 
 
@@ -50,14 +52,20 @@ def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Te
 def cumulative_survival(conditional: Tensor) -> Tensor:
     """Left-to-right product of conditional probabilities along positions (fixed order, no scan).
 
-    On the CPU (no autograd) numpy's `multiply.accumulate` runs the same sequential products in the
-    tensor's dtype (each correctly rounded, so the bits match the column loop) in one call instead of
-    2 gamma torch ops; torch's own `cumprod` is no substitute (on the CPU it accumulates float32 in
-    float64, on GPUs it scans)."""
+    On the CPU (no autograd, `auto` backend) numpy's `multiply.accumulate` runs the same sequential
+    products in the tensor's dtype (each correctly rounded, so the bits match the column loop) in one
+    call instead of 2 gamma torch ops; torch's own `cumprod` is no substitute (on the CPU it accumulates
+    float32 in float64, on GPUs it scans). Elsewhere `cumulative_survival_torch`."""
     if not conditional.shape[1]:
         return conditional.clone()
-    if conditional.device.type == "cpu" and not conditional.requires_grad:
+    if dispatch.use_host(conditional) and not conditional.requires_grad:
         return torch.from_numpy(np.multiply.accumulate(conditional.numpy(), axis=1))
+    return cumulative_survival_torch(conditional)
+
+
+def cumulative_survival_torch(conditional: Tensor) -> Tensor:
+    """The device-side product [B, gamma >= 1]: one column at a time, left to right (compiles with
+    `fullgraph=True`; tests/test_compile_verify_path.py)."""
     cols = conditional.unbind(1)
     out = [cols[0]]
     for col in cols[1:]:
@@ -84,11 +92,10 @@ def survival_from_checked(logits: Tensor, temperatures: Tensor | None) -> Tensor
 
 def confidence(logits: Tensor, temperatures: Tensor | None) -> Tensor:
     """c = 1 / (1 + exp(-z / T)) evaluated elementwise in float64, rounded to float32 [B, gamma]; 0 where
-    the logit is not finite. CPU tensors without autograd take one numpy pass (a few calls instead of a
-    chain of torch ops), others the same formula in torch ops."""
-    z = logits.to(torch.float64)  # exact, and finite wherever the logit is
-    if z.device.type == "cpu" and not z.requires_grad:
-        zn = z.numpy()
+    the logit is not finite. CPU tensors without autograd (`auto` backend) take one numpy pass (a few
+    calls instead of a chain of torch ops), others `confidence_torch`."""
+    if dispatch.use_host(logits) and not logits.requires_grad:
+        zn = logits.to(torch.float64).numpy()  # exact, and finite wherever the logit is
         finite = np.isfinite(zn)
         if temperatures is not None:
             zn = zn / temperatures.numpy().astype(np.float64)
@@ -96,12 +103,25 @@ def confidence(logits: Tensor, temperatures: Tensor | None) -> Tensor:
             c = (1.0 / (1.0 + np.exp(-np.where(finite, zn, 0.0)))).astype(np.float32)
         c[~finite] = 0.0
         return torch.from_numpy(c)
+    return confidence_torch(logits, temperatures)
+
+
+def confidence_torch(logits: Tensor, temperatures: Tensor | None) -> Tensor:
+    """The device-side `confidence`: the same formula in torch ops, no host read, no data-dependent
+    branch (compiles with `fullgraph=True, dynamic=True`; tests/test_compile_verify_path.py)."""
+    z = logits.to(torch.float64)
     finite = torch.isfinite(z)
     if temperatures is not None:
         z = z / temperatures.to(z.device, torch.float64)
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
     c = (1.0 / (1.0 + torch.exp(-torch.where(finite, z, zero)))).to(torch.float32)
     return torch.where(finite, c, zero.to(torch.float32))
+
+
+def survival_torch(logits: Tensor, temperatures: Tensor | None) -> Tensor:
+    """Device-side survival [B, gamma >= 1] float32 from checked logits: `confidence_torch` then
+    `cumulative_survival_torch`. The entry point the verify path compiles."""
+    return cumulative_survival_torch(confidence_torch(logits, temperatures))
 
 
 def monotone_survival(survival: Tensor) -> Tensor:
@@ -111,6 +131,25 @@ def monotone_survival(survival: Tensor) -> Tensor:
     if s.shape[1] == 0:
         return s
     return torch.cummin(s, dim=1).values
+
+
+@dataclass(frozen=True)
+class HostRingRow:
+    """A host copy of one lag-ring row in flight (`SurvivalLagRing.next_row_to_host`)."""
+
+    values: Tensor              # [num_slots, gamma] float32, CPU
+    stamps: Tensor              # [num_slots] int64 generation stamps, CPU
+    event: object | None        # CUDA event recorded after the copy (None: the copy was synchronous)
+
+    def read(self, slots: Tensor, generations: Tensor) -> Tensor:
+        """Lagged survival [B, gamma] (CPU) for these slots, all-ones where stale or reused: what
+        `SurvivalLagRing.read` returns at the next step, bit for bit, read without a device sync."""
+        if self.event is not None:
+            self.event.synchronize()  # enqueued a step ago: done by the time the step's commit read returned
+        slots, gens = slots.cpu().numpy(), generations.cpu().numpy()
+        vals = self.values.numpy()[slots]
+        fresh = self.stamps.numpy()[slots] == gens
+        return torch.from_numpy(np.where(fresh[:, None], vals, np.float32(1)))
 
 
 class SurvivalLagRing:
@@ -147,15 +186,14 @@ class SurvivalLagRing:
             )
         if not slots.numel():
             return
-        ordered = torch.sort(slots).values
-        repeats = (ordered[1:] == ordered[:-1]).sum().long()
-        lo, hi, gen, dup = torch.stack([ordered[0].long(), ordered[-1].long(),  # one device read
-                                        generations.min().long().to(slots.device), repeats]).tolist()
+        # slots and generations are host-side scheduling data: read as they are (no copy on the CPU)
+        host_slots, host_gens = slots.cpu().numpy(), generations.cpu().numpy()
+        lo, hi = int(host_slots.min()), int(host_slots.max())
         if lo < 0 or hi >= self.num_slots:
             raise ValueError(f"slots must lie in [0, {self.num_slots}), got min {lo} max {hi}")
-        if gen < 0:
-            raise ValueError(f"generations must be >= 0, got {gen}")
-        if dup:  # two requests would write one ring row: one of them would read the other's survival
+        if int(host_gens.min()) < 0:
+            raise ValueError(f"generations must be >= 0, got {int(host_gens.min())}")
+        if np.unique(host_slots).size != host_slots.size:  # two requests would write one ring row
             value, i, j = first_duplicate(slots.cpu())
             raise ValueError(f"slots must be distinct within a step, got slot {value} at positions {i} and {j}")
 
@@ -175,6 +213,22 @@ class SurvivalLagRing:
         lagged = self._read(slots, generations)
         self._write(slots, generations, survival)
         return lagged
+
+    def next_row_to_host(self) -> HostRingRow:
+        """Start copying the ring row the next `exchange` reads (values and generation stamps) to the host,
+        without waiting for it: what the sync-free planner budgets the next step from. On CUDA the copy
+        goes to pinned memory behind an event; the step's commit-length read waits for it anyway."""
+        row = self._cursor
+        pin = self._values.device.type == "cuda"
+        values = torch.empty(self._values.shape[1:], dtype=self._values.dtype, pin_memory=pin)
+        stamps = torch.empty(self._stamps.shape[1:], dtype=self._stamps.dtype, pin_memory=pin)
+        values.copy_(self._values[row], non_blocking=pin)
+        stamps.copy_(self._stamps[row], non_blocking=pin)
+        event = None
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+        return HostRingRow(values, stamps, event)
 
     def _read(self, slots: Tensor, generations: Tensor) -> Tensor:
         slots = slots.to(self._values.device, torch.long)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dspark.kernels import dispatch
 from dspark.kernels import layout as _k
+from dspark.verify import boundary
 from dspark.util.validate import check_int, check_tensor, check_verify_lens, int_tensor
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class RaggedVerifyLayout:
     row_slot: Tensor         # [graph_num_tokens] int32, slot of each packed row
     row_within: Tensor       # [graph_num_tokens] int32, index of the row inside its slot
     width: int | None        # W = gamma + 1 when known
-    total_rows: int          # sum(verify_lens)
+    total_rows: int | None   # sum(verify_lens); None when not read to the host (`graph_rows`: see `real_rows`)
     graph_num_tokens: int    # rows the step runs: the tier, or total_rows when eager
     tier: int | None         # the captured tier replayed, None when eager
     eager_reason: str | None  # why no tier was used (None when a tier was used or none were given)
@@ -73,12 +74,25 @@ class RaggedVerifyLayout:
 
     @property
     def num_padding_rows(self) -> int:
-        return self.graph_num_tokens - self.total_rows
+        return self.graph_num_tokens - self.known_total_rows
+
+    @property
+    def known_total_rows(self) -> int:
+        """`total_rows`, refused with a clear error on a layout built without reading its lengths."""
+        if self.total_rows is None:
+            raise ValueError("this layout was built with graph_rows= (sync-free): its total rows live on the "
+                             "device (`real_rows`); build it with total_rows= or from host-read lengths")
+        return self.total_rows
+
+    @property
+    def real_rows(self) -> Tensor:
+        """0-d int32 on the layout's device: sum(verify_lens), known without a host read."""
+        return self.qo_indptr[-1]
 
     @property
     def row_valid(self) -> Tensor:
-        """[graph_num_tokens] bool: True for real rows, False for padding rows."""
-        return torch.arange(self.graph_num_tokens, device=self.row_slot.device) < self.total_rows
+        """[graph_num_tokens] bool: True for real rows, False for padding rows (rows of ghost slots)."""
+        return self.row_slot < self.num_requests
 
     @classmethod
     def from_verify_lens(
@@ -89,12 +103,21 @@ class RaggedVerifyLayout:
         *,
         width: int | None = None,
         on_overflow: str = "eager",
+        total_rows: int | None = None,
+        graph_rows: int | None = None,
     ) -> "RaggedVerifyLayout":
         """Build the layout; pad to the smallest tier >= total rows when tiers are given.
 
         slots: captured slot count S (>= B); padding rows need at least one ghost slot (S > B), and
         default S = B + ceil(padding / W), just enough ghost slots. on_overflow: `eager` (run unpadded, reason recorded)
         or `error` when the rows exceed the largest tier.
+
+        Device lengths are read to the host once (`dspark.verify.boundary.to_host`: the total and the
+        range check), unless the caller already knows what that read would tell: `total_rows` (the planner
+        derives it from its own decision; the lengths are then trusted, not re-checked), or `graph_rows`,
+        the rows the step runs, fixed before the lengths exist (sync-free planning): the layout is then built
+        on the device with no host read and `total_rows` is None (the real rows stay on the device:
+        `real_rows`); the default slot count then assumes the most padding, `graph_rows - B`.
         """
         vl = _as_lens(verify_lens)
         b = vl.numel()
@@ -103,11 +126,22 @@ class RaggedVerifyLayout:
         if on_overflow not in ("eager", "error"):
             raise ValueError(f"on_overflow must be 'eager' or 'error', got {on_overflow!r}")
         tiers_t = check_tiers(tiers)
+        if total_rows is not None and graph_rows is not None:
+            raise ValueError("give total_rows or graph_rows, not both")
+        if graph_rows is not None:
+            check_int("graph_rows", graph_rows, b)
+            tier = graph_rows if graph_rows in tiers_t else None
+            num_slots = _slot_count(b, slots, graph_rows - b, width)
+            cap = width if width is not None else max(graph_rows - b, 1)
+            return cls._on_device(vl, graph_rows, num_slots, cap, width, None, tier, None)
         host = dispatch.use_host(vl)
-        lens_np = vl.numpy() if host else vl.cpu().numpy()  # the host read the layout needs anyway
-        if b and (lens_np.min() < 1 or (width is not None and lens_np.max() > width)):
-            check_verify_lens(vl.cpu(), width if width is not None else int(lens_np.max()))  # names the value
-        total = int(lens_np.sum())
+        if total_rows is not None:
+            total = check_int("total_rows", total_rows, b)
+        else:
+            lens_np = vl.numpy() if host else boundary.to_host(vl)  # the host read the layout needs
+            if b and (lens_np.min() < 1 or (width is not None and lens_np.max() > width)):
+                check_verify_lens(vl.cpu(), width if width is not None else int(lens_np.max()))  # names the value
+            total = int(lens_np.sum())
         tier, reason = None, None
         if tiers_t:
             tier = round_up_to_tier(total, tiers_t)
@@ -119,32 +153,31 @@ class RaggedVerifyLayout:
         rows = tier if tier is not None else total
         leftover = rows - total
         num_slots = _slot_count(b, slots, leftover, width)
-        ghost = _ghost_lens(num_slots - b, leftover, width, b, num_slots)
-        if host:
-            slot_lens_np = np.concatenate([lens_np, ghost])
-            slot_qo, row_slot, row_within = map(torch.from_numpy, _k.slot_maps_host(slot_lens_np, rows))
-            slot_lens = torch.from_numpy(slot_lens_np)
-            seqused = torch.from_numpy(np.concatenate([lens_np, np.zeros_like(ghost)]))
-        else:
-            ghost_t = torch.from_numpy(ghost).to(vl.device)
-            slot_lens = torch.cat([vl, ghost_t])
-            seqused = torch.cat([vl, torch.zeros_like(ghost_t)])
-            row_slot, row_within = _k.row_maps(slot_lens, rows)
-            slot_qo = _k.qo_indptr(slot_lens)
-        return cls(
-            verify_lens=vl,
-            qo_indptr=slot_qo[: b + 1].clone(),
-            slot_lens=slot_lens,
-            slot_qo_indptr=slot_qo,
-            seqused=seqused,
-            row_slot=row_slot,
-            row_within=row_within,
-            width=width,
-            total_rows=total,
-            graph_num_tokens=rows,
-            tier=tier,
-            eager_reason=reason,
-        )
+        ghost_cap = width if width is not None else max(leftover, 1)
+        if leftover > (num_slots - b) * ghost_cap:
+            raise ValueError(
+                f"{leftover} padding rows do not fit {num_slots - b} ghost slots of width {ghost_cap} "
+                f"(batch {b}, slots {num_slots}); capture more slots for this tier"
+            )
+        if not host:
+            return cls._on_device(vl, rows, num_slots, ghost_cap, width, total, tier, reason)
+        lens_np = vl.numpy()
+        ghost = np.clip(leftover - np.arange(num_slots - b) * ghost_cap, 0, ghost_cap).astype(np.int32)
+        slot_lens_np = np.concatenate([lens_np, ghost])
+        slot_qo, row_slot, row_within = map(torch.from_numpy, _k.slot_maps_host(slot_lens_np, rows))
+        return cls(verify_lens=vl, qo_indptr=slot_qo[: b + 1].clone(), slot_lens=torch.from_numpy(slot_lens_np),
+                   slot_qo_indptr=slot_qo, seqused=torch.from_numpy(np.concatenate([lens_np, np.zeros_like(ghost)])),
+                   row_slot=row_slot, row_within=row_within, width=width, total_rows=total, graph_num_tokens=rows,
+                   tier=tier, eager_reason=reason)
+
+    @classmethod
+    def _on_device(cls, vl: Tensor, rows: int, num_slots: int, ghost_cap: int, width: int | None,
+                   total: int | None, tier: int | None, reason: str | None) -> "RaggedVerifyLayout":
+        """The layout from `slot_maps_torch` on the lengths' device: no host read."""
+        slot_lens, slot_qo, seqused, row_slot, row_within = slot_maps_torch(vl, rows, num_slots, ghost_cap)
+        return cls(verify_lens=vl, qo_indptr=slot_qo[: vl.numel() + 1].clone(), slot_lens=slot_lens,
+                   slot_qo_indptr=slot_qo, seqused=seqused, row_slot=row_slot, row_within=row_within, width=width,
+                   total_rows=total, graph_num_tokens=rows, tier=tier, eager_reason=reason)
 
     def to(self, device: torch.device | str) -> "RaggedVerifyLayout":
         """The same layout with its tensors on `device` (a host-built layout handed to an accelerator)."""
@@ -196,7 +229,7 @@ class RaggedVerifyLayout:
                 f"strided width {strided.shape[1]} is below the longest verify length "
                 f"{int(self.verify_lens.max())}"
             )
-        return _k.pack(strided, self.row_slot, self.row_within, self.total_rows, fill)
+        return _k.pack(strided, self.row_slot, self.row_within, self.known_total_rows, fill)
 
     def scatter(self, packed: Tensor, width: int | None = None, fill: float = 0) -> Tensor:
         """`[rows, ...] -> [B, W, ...]` (rows >= total_rows; positions never verified = fill)."""
@@ -206,11 +239,28 @@ class RaggedVerifyLayout:
             raise ValueError("scatter needs width=W (the layout was built without a width)")
         if self.num_requests and not self._fits(w):
             raise ValueError(f"width {w} is below the longest verify length {int(self.verify_lens.max())}")
-        if packed.dim() < 1 or packed.shape[0] < self.total_rows:
+        if packed.dim() < 1 or packed.shape[0] < self.known_total_rows:
             raise ValueError(
                 f"packed must have at least total_rows={self.total_rows} rows, got {tuple(packed.shape)}"
             )
-        return _k.scatter(packed, self.qo_indptr, w, self.total_rows, fill)
+        return _k.scatter(packed, self.qo_indptr, w, self.known_total_rows, fill)
+
+
+def slot_maps_torch(verify_lens: Tensor, rows: int, num_slots: int, ghost_cap: int
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(slot_lens [S], slot_qo_indptr [S+1], seqused [S], row_slot [rows], row_within [rows]) int32 on the
+    lengths' device, for `rows` >= sum(verify_lens) rows in `num_slots` slots: the padding rows
+    `rows - sum(verify_lens)` spread over the ghost slots, first ghost first, at most `ghost_cap` each
+    (the caller sizes the ghosts to hold them). Shapes depend only on the int arguments, so it compiles
+    with `fullgraph=True, dynamic=True` (tests/test_compile_verify_path.py); the maps are the layout kernels'."""
+    b = verify_lens.numel()
+    leftover = rows - verify_lens.to(torch.int64).sum()
+    ghost_index = torch.arange(num_slots - b, dtype=torch.int64, device=verify_lens.device)
+    ghost = (leftover - ghost_index * ghost_cap).clamp(0, ghost_cap).to(torch.int32)
+    slot_lens = torch.cat([verify_lens, ghost])
+    seqused = torch.cat([verify_lens, torch.zeros_like(ghost)])
+    row_slot, row_within = _k.row_maps(slot_lens, rows)
+    return slot_lens, _k.qo_indptr(slot_lens), seqused, row_slot, row_within
 
 
 def _as_lens(verify_lens: Tensor | Sequence[int]) -> Tensor:
@@ -233,14 +283,3 @@ def _slot_count(b: int, slots: int | None, leftover: int, width: int | None) -> 
             "capture the graph with at least one spare slot"
         )
     return slots
-
-
-def _ghost_lens(num_ghosts: int, leftover: int, width: int | None, b: int, num_slots: int) -> np.ndarray:
-    """Padding rows spread over ghost slots, first ghost first, at most W rows each (host int32)."""
-    cap = width if width is not None else max(leftover, 1)
-    if leftover > num_ghosts * cap:
-        raise ValueError(
-            f"{leftover} padding rows do not fit {num_ghosts} ghost slots of width {cap} "
-            f"(batch {b}, slots {num_slots}); capture more slots for this tier"
-        )
-    return np.array([min(cap, max(0, leftover - g * cap)) for g in range(num_ghosts)], dtype=np.int32)

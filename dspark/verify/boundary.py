@@ -1,0 +1,25 @@
+"""The host/device boundary of a verify step: the one function through which a step reads device values.
+
+A verify step needs at most two things on the host, and reads each in one call of `to_host`:
+
+1. before the forward, the numbers that fix its verify rows, hence its tier: the planner's budget
+   decision and its live candidate count (`VerifyPlanner.plan`), or with lag = 0 on a small batch the
+   survival it budgets on the host; sync-free planning (`VerifyPlanner(sync_free=True)`, lag >= 1) reads
+   nothing here, its rows being fixed by the previous step's survival copied asynchronously;
+2. after accept, the commit lengths (the next step's positions and the stop test).
+
+Everything between (survival, curves, allocation, layout maps, pack / scatter, accept) stays on the
+device and compiles under `torch.compile(fullgraph=True)`. tests/test_host_boundary.py counts every host
+read of a step on the CPU and proves none happens outside this function; the cuda-marked sync test in
+tests/test_planner.py asserts the same on a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+from torch import Tensor
+
+
+def to_host(values: Tensor) -> np.ndarray:
+    """`values` as a host numpy array: one device-to-host copy that waits for the device (a sync off the
+    CPU, a view on the CPU). The only host read of a verify step; see the module docstring."""
+    return values.detach().cpu().numpy()
