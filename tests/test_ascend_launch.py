@@ -17,6 +17,7 @@ from dspark.kernels import dispatch
 POLICIES = (("work", None), ("cores", 1), ("cores", 3))
 
 
+@pytest.mark.cpu_only(reason="static checks of the kernel sources")
 def test_every_kernel_module_follows_the_ascend_rules() -> None:
     found = check_kernel_modules()
     assert any(p.endswith("dispatch.py") for p in found) and any(p.endswith("layout.py") for p in found)
@@ -57,10 +58,12 @@ BAD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cpu_only(reason="static checks of kernel sources")
 def test_checker_accepts_conforming_source() -> None:
     assert check_kernel_source(GOOD) == []
 
 
+@pytest.mark.cpu_only(reason="static checks of kernel sources")
 def test_checker_flags_each_rule() -> None:
     got = [(v.line, v.rule) for v in check_kernel_source(BAD, "bad.py")]
     assert got == [(6, "persistent"), (7, "persistent"), (8, "sort"), (9, "atomic"), (10, "atomic"), (13, "grid")]
@@ -69,10 +72,10 @@ def test_checker_flags_each_rule() -> None:
 
 
 @pytest.mark.parametrize("policy", [("work", None), ("cores", 100_000)])
-def test_grid_never_exceeds_the_core_dim_limit(policy) -> None:
+def test_grid_never_exceeds_the_core_dim_limit(policy, device) -> None:
     with dispatch.launch_policy(*policy):
-        assert dispatch.grid(10**6, torch.device("cpu")) == (MAX_GRID,)
-        assert dispatch.grid(0, torch.device("cpu")) == (1,)
+        assert dispatch.grid(10**6, device) == (MAX_GRID,)
+        assert dispatch.grid(0, device) == (1,)
 
 
 @triton.jit
@@ -248,6 +251,7 @@ KERNEL_CASES: dict[str, Callable[[torch.device], list[Case]]] = {
 }
 
 
+@pytest.mark.cpu_only(reason="static inventory of the kernel modules")
 def test_every_kernel_module_has_cross_policy_cases() -> None:
     root = Path(dspark.kernels.__file__).parent
     with_kernels = {p.stem for p in root.glob("*.py") if "\n@jit\n" in p.read_text()}

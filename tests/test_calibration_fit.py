@@ -148,6 +148,7 @@ def _calibration(**over):
     return Calibration(**kw)
 
 
+@pytest.mark.cpu_only(reason="validation of temperatures in JSON files")
 @pytest.mark.parametrize("temps, match", [
     ([1.0, 0.5], r"length gamma=3, got 2"),
     ([1.0, 0.0, 2.0], r"temperatures\[1\] = 0.0"),
@@ -182,6 +183,7 @@ def test_calibration_json_roundtrip_and_validation(tmp_path, device):
         Calibration.load(path)
 
 
+@pytest.mark.cpu_only(reason="the calibrate command over recorded shards (host files)")
 def test_calibrate_command_writes_json_and_plots(tmp_path, capsys):
     d = synthetic(3_000, [0.7, 1.5], 6, torch.device("cpu"))
     with StsRecorder(tmp_path / "shards", gamma=2, shard_rows=1_000) as rec:

@@ -60,13 +60,13 @@ def _exact_two_token_dist(target: TransformersCausalLM, prompt: torch.Tensor, te
     v = target.geometry.vocab_size
     with torch.no_grad(), target.own_attention() as model:
         p1 = torch.softmax(model(prompt[None]).logits[0, -1] / temperature, -1)
-        ctx = torch.cat([prompt[None].expand(v, -1), torch.arange(v)[:, None]], 1)
+        ctx = torch.cat([prompt[None].expand(v, -1), torch.arange(v, device=prompt.device)[:, None]], 1)
         p2 = torch.softmax(model(ctx).logits[:, -1] / temperature, -1)
     return p1[:, None] * p2
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_sampling_matches_target_distribution(mode: str) -> None:
+def test_sampling_matches_target_distribution(mode: str, device: torch.device) -> None:
     """Chi-square of the emitted (t1, t2) pairs against the exact target distribution, on a small vocab."""
     vocab, n, temp = 6, 3000, 4.0
     target = TransformersCausalLM(tiny_llama(vocab=vocab, seed=3, embed_std=0.3))
@@ -75,12 +75,12 @@ def test_sampling_matches_target_distribution(mode: str) -> None:
     draft = DraftModel(DraftConfig(hidden_size=64, vocab_size=vocab, draft_vocab_size=vocab, num_q_heads=4,
                                    num_kv_heads=2, head_dim=16, intermediate_size=32, chain_size=32, gamma=3,
                                    markov_rank=2, max_seq_len=64), emb, emb, torch.arange(vocab)).eval()
-    dec = SpecDecoder(target, draft, cache_tokens=n * 16, page_size=8)
-    prompt = torch.tensor([1, 4, 2, 5, 0])
-    exact = _exact_two_token_dist(target, prompt, temp).flatten().double()
+    dec = SpecDecoder(target, draft, cache_tokens=n * 16, page_size=8, device=device)
+    prompt = torch.tensor([1, 4, 2, 5, 0], device=device)
+    exact = _exact_two_token_dist(target, prompt, temp).flatten().double().cpu()
     out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, FixedK(3), mode=mode, sampling=True,
                        temperature=temp, seed=7)
-    acc = torch.cat([s.commit_lens for s in out.steps])
+    acc = torch.cat([s.commit_lens.cpu() for s in out.steps])
     assert bool((acc > 1).any()) and bool((acc == 1).any()), "need both accepts and rejects"
     pair = out.tokens[:, 0] * vocab + out.tokens[:, 1]
     counts = torch.bincount(pair.cpu(), minlength=vocab * vocab).double()
@@ -94,7 +94,7 @@ def test_sampling_matches_target_distribution(mode: str) -> None:
     with torch.no_grad(), target.own_attention() as model:
         th = model.base_model(prompt[None]).last_hidden_state[:, :-1]
         h = draft.forward_dense(prompt[None], features(th))[0, -1]
-        q1 = torch.softmax(draft.propose(h[None], 1, prompt[-1:])[0][0, 0] / temp, -1).double()
+        q1 = torch.softmax(draft.propose(h[None], 1, prompt[-1:])[0][0, 0] / temp, -1).double().cpu()
     q_counts = torch.bincount(out.tokens[:, 0].cpu(), minlength=vocab).double()
     chi2_q = float(((q_counts - q1 * n) ** 2 / (q1 * n)).sum())
     assert chi2_q > chi2

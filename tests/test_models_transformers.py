@@ -181,6 +181,7 @@ def test_greedy_decode_equals_generate(device: torch.device) -> None:
         assert tokens == expect.tolist()
 
 
+@pytest.mark.cpu_only(reason="argument checks before any device work")
 def test_forward_rejects_bad_inputs() -> None:
     lm, _ = tiny()
     batch = PagedBatch(lm, 1, 8)
@@ -206,6 +207,7 @@ def test_forward_rejects_bad_inputs() -> None:
         lm.hf_model(tokens[None])
 
 
+@pytest.mark.cpu_only(reason="model-config checks: no tensors")
 def test_unsupported_models_are_named() -> None:
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; .* llama, qwen2, qwen3"):
         TransformersCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
@@ -218,6 +220,7 @@ def test_unsupported_models_are_named() -> None:
         TransformersCausalLM(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.cpu_only(reason="geometry validation: no tensors")
 @pytest.mark.parametrize("field,value,message", [
     ("num_layers", 0, "num_layers must be an int >= 1, got 0"),
     ("num_kv_heads", 3, "num_q_heads=4 is not a multiple of num_kv_heads=3"),
@@ -231,6 +234,7 @@ def test_geometry_rejects_bad_values(field: str, value: object, message: str) ->
         ModelGeometry(**{**good, field: value})
 
 
+@pytest.mark.cpu_only(reason="import errors of the model loader")
 def test_loader_names_the_missing_thing_and_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     find_spec = importlib.util.find_spec
 
@@ -260,6 +264,7 @@ def test_loader_names_the_missing_thing_and_the_fix(monkeypatch: pytest.MonkeyPa
         load_gguf_causal_lm(missing, dtype=torch.int8)
 
 
+@pytest.mark.cpu_only(reason="the README example as written, on the CPU")
 def test_own_model_example_runs() -> None:
     runpy.run_path(str(ROOT / "examples" / "own_model.py"), run_name="__main__")
 
