@@ -2,6 +2,8 @@ import logging
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from dspark.cost import AdditiveCostModel, ProfileSample, StepsPerSecondTable
@@ -45,3 +47,36 @@ def test_monotone_in_rows_pools_dips_per_batch_size():
         assert all(x <= y for x, y in zip(vals, vals[1:]))  # non-decreasing in the rows
         assert sum(vals) == pytest.approx(sum(s.seconds for s in noisy if s.num_requests == b))  # pooling keeps sums
     assert monotone_in_rows(fixed) == fixed  # already monotone: unchanged
+
+
+@settings(max_examples=40)
+@given(batch_sizes=st.lists(st.integers(1, 80), min_size=1, max_size=4, unique=True), width=st.integers(1, 9))
+def test_tier_ladder_covers_every_step_a_profile_can_measure(batch_sizes, width):
+    from dspark.engine.sweep import tier_ladder
+
+    tiers = tier_ladder(batch_sizes, width)
+    lo, top = min(batch_sizes), max(batch_sizes) * width
+    assert list(tiers) == sorted(set(tiers)) and tiers[0] == lo and tiers[-1] == top
+    assert {b for b in batch_sizes} | {b * width for b in batch_sizes} <= set(tiers)  # plain and static unpadded
+    # every step a profiled B can run pads to a tier at most 1.5x its rows (+1)
+    for b in batch_sizes:
+        for m in range(b, b * width + 1):
+            assert min(t for t in tiers if t >= m) <= max(m * 3 // 2, m + 1)
+    # every tier is the top of some step a profile at these batch sizes runs (in [B, B*W] of some B)
+    assert all(any(b <= t <= b * width for b in batch_sizes) for t in tiers)
+
+
+def test_tiered_profile_measures_each_tier_top_and_fits_the_measured_table():
+    from dspark.cost import TieredCostModel
+    from dspark.engine.profile import profile_points
+
+    tiers = (1, 2, 3, 4, 5, 8, 12, 16, 20)
+    grid = profile_points((1, 4), 4, tiers)
+    assert grid == [(1, m) for m in (1, 2, 3, 4, 5)] + [(4, m) for m in (4, 5, 8, 12, 16, 20)]
+    # a CPU's cost that dips at 16 rows (not additive): the fit keeps the measured cells, pooled monotone
+    secs = {1: 0.10, 2: 0.10, 3: 0.11, 4: 0.14, 5: 0.14, 8: 0.17, 12: 0.21, 16: 0.19, 20: 0.20}
+    samples = [ProfileSample(b, m, secs[m] + (0.01 if b == 4 else 0.0)) for b, m in grid]
+    model, _, _ = fit_cost_model(samples, gamma=4, platform="cpu", tiers=tiers)
+    assert isinstance(model, TieredCostModel)
+    assert model.step_seconds(1, 3) == pytest.approx(0.11) and model.step_seconds(4, 9) == pytest.approx(0.21)
+    assert model.step_seconds(4, 14) == pytest.approx(0.21) and model.step_seconds(4, 20) == pytest.approx(0.21)

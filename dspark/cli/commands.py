@@ -59,9 +59,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                         "lockstep conditions as the timed runs, and on a shared CPU a slow spell during a few "
                         "speculative steps would flip the speculate-or-not decision")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: tiny ops)")
-    p.add_argument("--tiers", type=ints, default=(),
+    p.add_argument("--tiers", type=lambda text: () if text == "eager" else ints(text), default=None,
                    help="comma list of token tiers: compact steps pad to the smallest tier >= rows and the "
-                        "planner uses a TieredCostModel (default: none, eager)")
+                        "planner uses a TieredCostModel of the measured tiers (default: 1..6, 8, then x1.5 / "
+                        "x4/3 steps, plus every B and B*W); 'eager': no tiers, an additive cost model")
     p.add_argument("--clock", default="auto", choices=("auto", "wall", "thread"),
                    help="step timing: wall, or thread (the decoding thread's CPU time; CPU with --threads 1: "
                         "not charged while other processes hold the core, though still slowed by neighbours "

@@ -50,6 +50,7 @@ from dspark.engine.records import step_records
 from dspark.engine.report import format_goals, format_table, goal_check, table_rows
 from dspark.engine.results import GenerateResult
 from dspark.engine.sts import record_and_fit
+from dspark.engine.sweep import tier_ladder
 from dspark.models.corpus import Encode, prompt_windows
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.transformers_lm import TransformersCausalLM
@@ -82,7 +83,7 @@ class DemoConfig:
     max_probe_every: int = 64   # ... doubling while probes keep confirming plain, up to this
     cost_feedback: bool = False  # adaptive: rescale the profiled costs by measured step times (see the CLI help)
     threads: int = 1
-    tiers: tuple[int, ...] = ()  # captured token tiers for compact steps (() = eager, no padding)
+    tiers: tuple[int, ...] | None = None  # token tiers compact steps pad to (None: `tier_ladder`; (): eager)
     clock: str = "auto"     # step timing: wall / thread (CPU time of the decoding thread); auto: see `demo_clock`
     seed: int = 0
 
@@ -120,7 +121,8 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"temperature must be a number > 0 (sampling divides the logits by it), got "
                          f"{cfg.temperature!r}")
     parse_policies(cfg.policies, cfg.gamma)
-    check_tiers(cfg.tiers)
+    if cfg.tiers is not None:
+        check_tiers(cfg.tiers)
     if cfg.clock not in ("auto", "wall", "thread"):
         raise ValueError(f"clock must be auto, wall or thread, got {cfg.clock!r}")
     if demo_clock(cfg) == "thread" and (check_device(cfg.device).type != "cpu" or cfg.threads != 1):
@@ -137,6 +139,12 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"length_spread must be in [0, 1), got {cfg.length_spread!r}")
     if cfg.max_probe_every < cfg.probe_every:
         raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
+
+
+def demo_tiers(cfg: DemoConfig) -> tuple[int, ...]:
+    """The configured tiers, or by default `tier_ladder` over the batch sizes: the profile then measures every
+    tier a step can replay and the planner's `TieredCostModel` reads that measured table."""
+    return tier_ladder(cfg.batch_sizes, cfg.gamma + 1) if cfg.tiers is None else tuple(cfg.tiers)
 
 
 def demo_clock(cfg: DemoConfig) -> str:
@@ -261,7 +269,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     small = prompts[:4]  # the other verify modes x every policy on 2 reused slots
     per_request = cfg.prompt_len + longest + gamma + 1 + cfg.max_probe_every + 16  # + catch-up rows, a page
     decoder = SpecDecoder(target, draft, cache_tokens=max(bmax, 2) * per_request, device=device,
-                          tiers=cfg.tiers or None, clock=demo_clock(cfg))
+                          tiers=demo_tiers(cfg) or None, clock=demo_clock(cfg))
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
     checks = 0 if cfg.sampling else 1 + (len(VerifyMode) - 1) * len(names)  # greedy: the losslessness runs
     runs = len(cfg.batch_sizes) * (len(names) + cfg.repeats) + checks
@@ -349,7 +357,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     rows = table_rows(cfg.batch_sizes, cfg.requests_per_slot, names, every_round, seconds, steady, queue_tokens)
     goals = goal_check(rows)
     summary = {
-        "config": {**asdict(cfg), "policies": names},
+        "config": {**asdict(cfg), "policies": names, "tiers": list(decoder.tiers)},
         "models": {"target": target.hf_model.config.to_dict().get("_name_or_path") or type(target.hf_model).__name__,
                    "target_geometry": asdict(target.geometry), "draft": draft.cfg.to_dict()},
         "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__,

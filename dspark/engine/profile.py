@@ -58,11 +58,12 @@ def row_grid(batch: int, width: int, points: int) -> list[int]:
 
 def profile_points(batch_sizes: Sequence[int], gamma: int, tiers: Sequence[int] = (), points: int = 5
                    ) -> list[tuple[int, int]]:
-    """(B, M) points: `points` evenly spaced M per B, or with tiers the tier sweep's rows (every tier
-    top and tier-2 .. tier+2 inside [B, B*W]) that fit the largest tier."""
+    """(B, M) points: `points` evenly spaced M per B, or with tiers every tier top inside [B, B*W] (a step
+    pads its rows to a tier top, so a tier's cost is its top's) plus B and B*W where they fit the largest
+    tier."""
     if not tiers:
         return [(b, m) for b in batch_sizes for m in row_grid(b, gamma + 1, points)]
-    return [(b, m) for b in batch_sizes for m in tier_rows(tiers, b, gamma + 1) if m <= tiers[-1]]
+    return [(b, m) for b in batch_sizes for m in tier_rows(tiers, b, gamma + 1, offsets=(0,)) if m <= tiers[-1]]
 
 
 def _median_step(res: GenerateResult) -> float:
@@ -165,7 +166,8 @@ def monotone_in_rows(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
 
 def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, tiers: Sequence[int] = (),
                    row_bins: Sequence[int] = (1, 8, 32, 64)) -> tuple[CostModel, FitReport, int | None]:
-    """With tiers: TieredCostModel (one value per tier). Without: the additive model
+    """With tiers: TieredCostModel with the measured (B, tier) cells as its table (a CPU's matmul cost is
+    not additive in B and the rows: it jumps and dips with the row count). Without: the additive model
     `bias + alpha(B) + theta(M)` with theta non-decreasing and convex in M (`convex_rows`: the lag-0
     greedy budget scan then finds the argmax; an unconstrained per-row theta threads every noisy sample,
     and its dips stop the scan early) at the finest M binning whose fit is valid (a fit that predicts a
@@ -174,7 +176,7 @@ def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, 
     batch size (`monotone_in_rows`). Returns (model, report, row_bin used or None)."""
     samples = monotone_in_rows(samples)
     if tiers:
-        model, report = TieredCostModel.fit(samples, tiers=tiers, platform=platform, width=gamma + 1)
+        model, report = TieredCostModel.fit(samples, tiers=tiers, dense=True, platform=platform, width=gamma + 1)
         return model, report, None
     errors = []
     for row_bin in row_bins:

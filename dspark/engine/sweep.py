@@ -70,6 +70,25 @@ def tier_rows(tiers: Sequence[int], num_requests: int, width: int, floor: int = 
     return sorted(m for m in pts if lo <= m <= hi)
 
 
+def tier_ladder(batch_sizes: Sequence[int], width: int) -> tuple[int, ...]:
+    """Token tiers for steps of these batch sizes: 1..6 and 8, then alternately x1.5 and x4/3 (12, 16, 24,
+    32, 48, ...) below the largest B*W, plus every B (a plain-sized step) and B*W (the static step), so every
+    fixed-k step at full batch lands on a tier top unpadded and a step pads at most half its rows. Each lies in
+    [B, B*W] of some B, so a profile at these batch sizes measures it (a drained batch with fewer requests
+    pads up to the smallest tier)."""
+    for b in batch_sizes:
+        check_int("batch size", b, 1)
+    check_int("width", width, 1)
+    top = max(batch_sizes) * width
+    ladder, t = [1, 2, 3, 4, 5, 6], 8
+    while t < top:
+        ladder.append(t)
+        t = t * 3 // 2 if t & (t - 1) == 0 else t * 4 // 3
+    edges = {b for b in batch_sizes} | {b * width for b in batch_sizes}
+    reachable = [x for x in ladder if any(b <= x <= b * width for b in batch_sizes)]
+    return tuple(sorted(set(reachable) | edges))
+
+
 def dense_rows(num_requests: int, width: int, floor: int = 1) -> list[int]:
     """Every row count a step with B requests can have: [B*F, B*W]."""
     lo, hi = _row_range(num_requests, width, floor)
