@@ -5,14 +5,17 @@ per launch and returns plain data; the test process makes the cross-rank asserti
 """
 from __future__ import annotations
 
+import hashlib
 import time
 
 import torch
 import torch.distributed as dist
 
+from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
 from dspark.config import ScheduleConfig
 from dspark.cost import StepsPerSecondTable
 from dspark.parallel import (
+    AgreementError,
     CostTableMismatchError,
     DpTierAgreement,
     ParallelConfig,
@@ -155,6 +158,68 @@ def planner_steps(rank: int, world: int, group: dist.ProcessGroup, tp_pairs: lis
     return out
 
 
+EST = {"refit_every": 8, "window": 512, "min_labels": 16}  # estimator arguments of the TP scenarios
+VOCAB = 48
+
+
+def estimator_inputs(step: int) -> tuple[torch.Tensor, ...]:
+    """One TP replica's step, identical on its ranks: draft logits [B, GAMMA, VOCAB], slots, generations, and
+    the step's accept rule (uniforms compared with a true acceptance that depends on the draft features)."""
+    g = torch.Generator().manual_seed(50_021 + step)
+    b = int(torch.randint(1, SLOTS + 1, (1,), generator=g))
+    logits = torch.randn(b, GAMMA, VOCAB, generator=g) * (0.5 + 6 * torch.rand(b, GAMMA, 1, generator=g))
+    slots = torch.randperm(16, generator=g)[:b]
+    generations = torch.randint(0, 3, (b,), generator=g)
+    return logits, slots, generations, torch.rand(b, GAMMA, generator=g)
+
+
+def accepted_drafts(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """correct_len [B] of the synthetic target: draft k accepted with probability sigmoid(1.2 x - 0.5)."""
+    c = torch.sigmoid(1.2 * draft_features(logits)[..., 0] - 0.5)
+    return torch.cumprod((uniforms < c).to(torch.int64), dim=1).sum(1)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def estimator_steps(rank: int, world: int, group: dist.ProcessGroup | None, steps: int, mode: str | None,
+                    drift_step: int | None = None) -> list:
+    """The estimator feeding a VerifyPlanner over `steps` steps. mode None: no process group (the test
+    process's single-rank reference). At `drift_step` the last rank's accumulator drifts (one stored label
+    flipped) as a rank's would after a lost or doubled update. Per step: survival and parameter digests,
+    verify_lens, whether this rank's own fit differs from the parameters in use, and any TP error."""
+    tp = None if mode is None else ParallelConfig(tp_group=group, tp_mode=mode)
+    est = OnlineAcceptanceEstimator(GAMMA, parallel=tp, **EST)
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost_tables()[0], lag=1, num_slots=16,
+                            parallel=None if mode is None else ParallelConfig(tp_group=group))
+    out = []
+    for step in range(steps):
+        logits, slots, generations, uniforms = estimator_inputs(step)
+        plan = planner.plan(est.confidence_logits(logits), slots, generations)
+        if step == drift_step and rank == world - 1:
+            est._y[0, 0] = 1.0 - est._y[0, 0]
+        error = None
+        try:
+            est.observe(verify_lens=plan.verify_lens, correct_len=accepted_drafts(logits, uniforms))
+        except TpDisagreementError as e:
+            error = (str(e), list(e.ranks))
+        out.append({"survival": _digest(plan.survival), "parameters": _digest(est.parameters),
+                    "lens": plan.verify_lens.tolist(), "refits": est.refits, "error": error,
+                    "local_differs": not torch.equal(est.local_parameters, est.parameters)})
+    return out
+
+
+def estimator_config(rank: int, world: int, group: dist.ProcessGroup) -> dict:
+    """The last rank builds its estimator with another refit interval: refused at construction, every rank."""
+    refit = EST["refit_every"] + (rank == world - 1)
+    try:
+        OnlineAcceptanceEstimator(GAMMA, refit_every=refit, parallel=ParallelConfig(tp_group=group))
+    except AgreementError as e:
+        return {"message": str(e), "ranks": list(e.ranks)}
+    return {"message": None, "ranks": []}
+
+
 def hang(rank: int, world: int) -> None:
     """A rank that never returns (the launcher's timeout must kill it)."""
     time.sleep(600)
@@ -182,5 +247,9 @@ def scenarios(rank: int, world: int, steps: dict[int, dict[str, int]], inject: d
             "dp": dp_steps(rank, n, g, k["dp"]),
             "cost": cost_table(rank, n, g),
             "planner": planner_steps(rank, n, g, tp_pairs, k["planner"]),
+            "estimator": estimator_steps(rank, n, g, k["estimator"], "verify"),
+            "estimator_drift": estimator_steps(rank, n, g, k["estimator_drift"], "verify", k["drift_step"]),
+            "estimator_authority": estimator_steps(rank, n, g, k["estimator_drift"], "broadcast", k["drift_step"]),
+            "estimator_config": estimator_config(rank, n, g),
         }
     return out

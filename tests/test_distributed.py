@@ -7,6 +7,7 @@ In-process tests use a one-rank gloo group.
 """
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from dspark.config import ScheduleConfig
 from dspark.parallel import (
     DpTierAgreement,
+    EstimatorAgreement,
     ParallelConfig,
     TpAgreement,
     check_cost_table,
@@ -31,8 +33,10 @@ from dspark.plan.planner import VerifyPlanner
 from dspark.verify.layout import round_up_to_tier
 
 STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch runs many steps
-    2: {"verify": 600, "broadcast": 200, "dp": 60, "planner": 30},
-    4: {"verify": 300, "broadcast": 100, "dp": 30, "planner": 30},
+    2: {"verify": 600, "broadcast": 200, "dp": 60, "planner": 30, "estimator": 400, "estimator_drift": 120,
+        "drift_step": 45},
+    4: {"verify": 300, "broadcast": 100, "dp": 30, "planner": 30, "estimator": 240, "estimator_drift": 120,
+        "drift_step": 45},
 }
 INJECT = {5: "value", 9: "batch", 12: "type"}
 LAUNCH_TIMEOUT = 150.0
@@ -216,6 +220,75 @@ def test_planner_with_parallel_config_agrees_and_matches_a_single_rank_planner(l
     assert idle_steps > 0 if world == 4 else idle_steps == 0
 
 
+@functools.cache
+def _estimator_reference(steps: int) -> list:
+    """The estimator + planner scenario on one process without a group: what every TP rank must reproduce."""
+    return w.estimator_steps(0, 1, None, steps, None)
+
+
+def _per_step(ranks: list[dict], key: str, field: str) -> list[set]:
+    return [{str(s[field]) for s in steps} for steps in zip(*(r[key] for r in ranks))]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_estimator_identical_survival_and_lens_on_every_rank_every_step(launches, world):
+    ranks = launches(world)
+    steps = STEPS[world]["estimator"]
+    ref = _estimator_reference(steps)
+    for r in ranks:
+        assert [(s["survival"], s["parameters"], s["lens"]) for s in r["estimator"]] == [
+            (s["survival"], s["parameters"], s["lens"]) for s in ref]
+        assert not any(s["error"] or s["local_differs"] for s in r["estimator"])
+    assert ref[-1]["refits"] == steps // w.EST["refit_every"]
+    assert len({s["parameters"] for s in ref}) > steps // w.EST["refit_every"] // 2  # it keeps learning
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_estimator_drift_is_caught_at_the_next_refit_on_every_rank(launches, world):
+    """tp_mode='verify': a flipped label in the last rank's accumulator makes its refit differ; every rank
+    raises in the same step, naming that rank, at every refit until the label leaves the window (then the
+    fits agree and refits succeed again); survival never diverges across ranks."""
+    ranks = launches(world)
+    steps, drift, every = STEPS[world]["estimator_drift"], STEPS[world]["drift_step"], w.EST["refit_every"]
+    first = (drift // every + 1) * every - 1  # the step whose observe runs the next refit
+    for r in ranks:
+        errors = {i: s["error"] for i, s in enumerate(r["estimator_drift"]) if s["error"]}
+        assert len(errors) >= 3 and sorted(errors) == list(range(first, first + every * len(errors), every))
+        assert max(errors) + every < steps, "the drifted label must leave the window within the run"
+        assert r["estimator_drift"][-1]["refits"] > r["estimator_drift"][first]["refits"]  # agreed refits again
+        for message, bad in errors.values():
+            assert bad == [world - 1]
+            assert f"TP ranks disagree on online estimator parameters: ranks [{world - 1}] differ from rank 0" in message
+    for name in ("survival", "lens", "parameters"):
+        assert all(len(v) == 1 for v in _per_step(ranks, "estimator_drift", name)), name
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_first_rank_authority_keeps_a_drifted_rank_identical(launches, world):
+    """tp_mode='broadcast': the drifted rank's own fits differ at every refit after the drift, yet every rank
+    uses the first rank's parameters: identical survival and verify_lens at every step, no error."""
+    ranks = launches(world)
+    drift = STEPS[world]["drift_step"]
+    for name in ("survival", "lens", "parameters"):
+        assert all(len(v) == 1 for v in _per_step(ranks, "estimator_authority", name)), name
+    ref = _estimator_reference(STEPS[world]["estimator_drift"])
+    assert [s["survival"] for s in ranks[0]["estimator_authority"]] == [s["survival"] for s in ref]
+    for rank, r in enumerate(ranks):
+        assert not any(s["error"] for s in r["estimator_authority"])
+        mismatched = sum(s["local_differs"] for s in r["estimator_authority"])
+        if rank == world - 1:
+            assert mismatched > 0 and not any(s["local_differs"] for s in r["estimator_authority"][:drift])
+        else:
+            assert mismatched == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_estimator_with_other_arguments_is_refused_at_construction(launches, world):
+    for r in launches(world):
+        assert r["estimator_config"]["ranks"] == [world - 1]
+        assert "online estimator configuration fingerprints differ across ranks" in r["estimator_config"]["message"]
+
+
 def test_launcher_turns_a_hang_into_a_timeout_error():
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0\] of 1 still running after 3 s"):
@@ -313,3 +386,13 @@ def test_one_rank_layouts_valid_for_any_batch(one_rank_group, b, tiers, seed):
         assert layout.graph_num_tokens == total
     assert (dec.eager_reason is not None) == (bool(tiers) and tier is None)
     assert layout.eager_reason == dec.eager_reason
+
+
+def test_one_rank_estimator_agreement_keeps_the_bits(one_rank_group):
+    agreement = EstimatorAgreement(ParallelConfig(tp_group=dist.group.WORLD), fingerprint="cfg")
+    theta = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(agreement.agree(theta), theta)
+    with pytest.raises(TypeError, match="parameters must be a 2-D float64 tensor, got torch.float32"):
+        agreement.agree(theta.float())
+    est = w.OnlineAcceptanceEstimator(3, parallel=ParallelConfig(tp_group=dist.group.WORLD))
+    assert est.agreement is not None and torch.equal(est.refit(), est.prior)

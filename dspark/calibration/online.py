@@ -132,6 +132,7 @@ class OnlineAcceptanceEstimator:
         self.prior_strength = float(prior_strength)
         self.prior = prior_parameters(gamma)
         self.parameters = self.prior.clone()
+        self.local_parameters = self.parameters  # this rank's own fit at the last refit, before the TP agreement
         self._x = np.zeros((gamma, window, len(FEATURES)))  # per position: ring of the last `window` labels
         self._y = np.zeros((gamma, window))
         self.labels_seen = np.zeros(gamma, dtype=np.int64)  # labels ever observed per position
@@ -198,6 +199,7 @@ class OnlineAcceptanceEstimator:
             if n >= self.min_labels:
                 theta[k] = torch.from_numpy(fit_logistic(self._x[k, :n], self._y[k, :n], self.prior[k].numpy(),
                                                          self.prior_strength))
+        self.local_parameters = theta
         if self.agreement is not None:
             theta = self.agreement.agree(theta)
         self.parameters = theta
