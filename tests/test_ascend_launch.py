@@ -14,7 +14,7 @@ import dspark.kernels
 from dspark.ascend.launch import MAX_GRID, check_kernel_modules, check_kernel_source
 from dspark.kernels import dispatch
 
-POLICIES = (("work", None), ("cores", 1), ("cores", 3))
+POLICIES = (("work", None), ("cores", 1), ("cores", 3), ("cores", {"vector": 3, "dot": 2}))
 
 
 @pytest.mark.cpu_only(reason="static checks of the kernel sources")
@@ -29,6 +29,7 @@ GOOD = textwrap.dedent('''
     import triton, triton.language as tl
     from dspark.kernels import dispatch
 
+    @dispatch.kernel_kind("vector")
     @triton.jit
     def _k(x_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
         for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
@@ -36,10 +37,22 @@ GOOD = textwrap.dedent('''
             s = tl.sort(x)  # ascend: float-sort
             tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
 
+    @triton.jit
+    def _tile(a, b):
+        return tl.dot(a, b)
+
+    @dispatch.kernel_kind("dot")
+    @triton.jit
+    def _mm(a_ptr, n):
+        for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+            a = tl.load(a_ptr + item)
+            tl.store(a_ptr + item, _tile(a, a))
+
     def launch(x, cnt):
-        g = dispatch.grid(x.numel(), x.device)
-        _k[dispatch.grid(x.numel(), x.device)](x, cnt, x.numel(), BLOCK=4)
+        g = dispatch.grid(x.numel(), x.device, _k)
+        _k[dispatch.grid(x.numel(), x.device, _k)](x, cnt, x.numel(), BLOCK=4)
         _k[g](x, cnt, x.numel(), BLOCK=4)
+        _mm[dispatch.grid(x.numel(), x.device, kernel=_mm)](x, x.numel())
 ''')
 
 BAD = textwrap.dedent('''
@@ -53,8 +66,23 @@ BAD = textwrap.dedent('''
             tl.atomic_add(cnt_ptr, v.to(tl.int64))
             tl.atomic_max(cnt_ptr, 1, sem="relaxed")
 
+    @dispatch.kernel_kind("vector")
+    @triton.jit
+    def _mm(a_ptr, n):
+        for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+            a = tl.load(a_ptr + item)
+            tl.store(a_ptr + item, tl.dot(a, a))
+
+    @dispatch.kernel_kind("dot")
+    @triton.jit
+    def _v(a_ptr, n):
+        for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+            tl.store(a_ptr + item, 1.0)
+
     def launch(x, cnt):
         _k[(x.numel(),)](x, cnt, x.numel())
+        _mm[dispatch.grid(x.numel(), x.device, _v)](x, x.numel())
+        _v[dispatch.grid(x.numel(), x.device, _v)](x, x.numel())
 ''')
 
 
@@ -66,18 +94,39 @@ def test_checker_accepts_conforming_source() -> None:
 @pytest.mark.cpu_only(reason="static checks of kernel sources")
 def test_checker_flags_each_rule() -> None:
     got = [(v.line, v.rule) for v in check_kernel_source(BAD, "bad.py")]
-    assert got == [(6, "persistent"), (7, "persistent"), (8, "sort"), (9, "atomic"), (10, "atomic"), (13, "grid")]
+    assert got == [(5, "kind"), (6, "persistent"), (7, "persistent"), (8, "sort"), (9, "atomic"), (10, "atomic"),
+                   (14, "kind"), (21, "kind"), (26, "grid"), (27, "grid")]
     msgs = "\n".join(str(v) for v in check_kernel_source(BAD, "bad.py"))
-    assert "bad.py:9: [atomic]" in msgs and "sem='relaxed'" in msgs and "dispatch.grid" in msgs
+    assert "bad.py:9: [atomic]" in msgs and "sem='relaxed'" in msgs and "dispatch.grid(n, device, _k)" in msgs
+    assert "_mm is declared 'vector' but uses tl.dot" in msgs and "_v is declared 'dot' but does not use" in msgs
+    assert "_k declares no kind" in msgs
+
+
+@pytest.mark.cpu_only(reason="the policy's bookkeeping: no launch")
+def test_kinds_and_policies_are_checked() -> None:
+    with pytest.raises(ValueError, match="kernel kind must be one of"):
+        dispatch.kernel_kind("cube")
+    with pytest.raises(ValueError, match="declares no launch kind"):
+        dispatch.grid(4, torch.device("cpu"), object())
+    for bad in (0, {"vector": 4}, {"vector": 4, "dot": 0}, True):
+        with pytest.raises(ValueError, match="num_cores >= 1 for each kind"):
+            with dispatch.launch_policy("cores", bad):
+                pass
+    with dispatch.launch_policy("cores", {"vector": 5, "dot": 2}):
+        assert dispatch.grid(100, torch.device("cpu"), _visit_kernel) == (5,)
+        assert dispatch.grid(100, torch.device("cpu"), _dot_kernel) == (2,)
+        assert dispatch.grid(1, torch.device("cpu"), _dot_kernel) == (1,)
 
 
 @pytest.mark.parametrize("policy", [("work", None), ("cores", 100_000)])
 def test_grid_never_exceeds_the_core_dim_limit(policy, device) -> None:
     with dispatch.launch_policy(*policy):
-        assert dispatch.grid(10**6, device) == (MAX_GRID,)
-        assert dispatch.grid(0, device) == (1,)
+        for kernel in (_visit_kernel, _dot_kernel):
+            assert dispatch.grid(10**6, device, kernel) == (MAX_GRID,)
+            assert dispatch.grid(0, device, kernel) == (1,)
 
 
+@dispatch.kernel_kind("vector")
 @triton.jit
 def _visit_kernel(x_ptr, out_ptr, visits_ptr, n, BLOCK: tl.constexpr):
     for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
@@ -91,22 +140,43 @@ def _visit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[0]
     out = torch.full_like(x, float("nan"))
     visits = torch.zeros(n, dtype=torch.int32, device=x.device)
-    _visit_kernel[dispatch.grid(n, x.device)](x, out, visits, n, BLOCK=x.shape[1])
+    _visit_kernel[dispatch.grid(n, x.device, _visit_kernel)](x, out, visits, n, BLOCK=x.shape[1])
     return out, visits
+
+
+@dispatch.kernel_kind("dot")
+@triton.jit
+def _dot_kernel(a_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for item in tl.range(tl.program_id(0), n, tl.num_programs(0)):
+        a = tl.load(a_ptr + item * BLOCK * BLOCK + offs[:, None] * BLOCK + offs[None, :])
+        tl.store(out_ptr + item * BLOCK * BLOCK + offs[:, None] * BLOCK + offs[None, :], tl.dot(a, a))
 
 
 @pytest.mark.parametrize("n", [0, 1, 7])
 def test_persistent_loop_same_under_both_policies(device, n) -> None:
     x = torch.randn(n, 4, device=device)
-    results = {}
+    results = []
     for policy in POLICIES:
         with dispatch.launch_policy(*policy):
-            results[policy] = _visit(x)
-    ref_out, ref_visits = results[("work", None)]
+            results.append(_visit(x))
+    ref_out, ref_visits = results[0]   # the `work` policy
     assert torch.equal(ref_visits, torch.ones(n, dtype=torch.int32, device=device))
     assert torch.equal(ref_out, x * 2.0 + torch.arange(n, device=device)[:, None])
-    for out, visits in results.values():
+    for out, visits in results:
         assert torch.equal(out, ref_out) and torch.equal(visits, ref_visits)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_dot_kernel_same_under_both_policies(device, n) -> None:
+    """A `dot` kernel launches on its own core count ({"dot": 2} while vector kernels get 3)."""
+    a = torch.randn(n, 16, 16, generator=torch.Generator().manual_seed(n)).to(device)
+    want = torch.bmm(a, a)
+    for policy in POLICIES:
+        out = torch.full_like(a, float("nan"))
+        with dispatch.launch_policy(*policy):
+            _dot_kernel[dispatch.grid(n, a.device, _dot_kernel)](a, out, n, BLOCK=16)
+        torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)   # tl.dot may run in tf32 on a GPU
 
 
 # (kernel launch, the exact expected output, or None where only a float reference within tolerance exists:

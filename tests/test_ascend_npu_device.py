@@ -20,8 +20,13 @@ pytestmark = pytest.mark.npu
 def test_runtime_reports_the_device(device) -> None:
     assert runtime.is_available() and runtime.device_name(device)
     assert runtime.vector_core_count(device) >= runtime.ai_core_count(device) >= 1
+    from dspark.kernels import layout, ragged_attention
+
     with npu_launch_policy(device) as cores:
-        assert dispatch.grid(10**6, device) == (min(cores, dispatch.MAX_GRID),)
+        assert cores == {"vector": runtime.vector_core_count(device), "dot": runtime.ai_core_count(device)}
+        assert dispatch.grid(10**6, device, layout._pack_kernel) == (min(cores["vector"], dispatch.MAX_GRID),)
+        assert dispatch.grid(10**6, device, ragged_attention._ragged_attention_kernel) == (cores["dot"],)
+    assert dispatch.grid(10**6, device, ragged_attention._ragged_attention_kernel) == (cores["dot"],)
 
 
 def test_metadata_on_the_npu_equals_the_cpu(device) -> None:

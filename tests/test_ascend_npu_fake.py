@@ -86,9 +86,9 @@ def fake_npu(monkeypatch: pytest.MonkeyPatch) -> list:
     props = {0: {"num_vectorcore": 48, "num_aicore": 24}, 1: {"num_vectorcore": 40, "num_aicore": 20}}
     utils = types.SimpleNamespace(get_device_properties=lambda i: props[i])
     monkeypatch.setattr(triton.runtime, "driver", types.SimpleNamespace(active=types.SimpleNamespace(utils=utils)))
-    runtime._properties.cache_clear()
+    dispatch.device_properties.cache_clear()
     yield calls
-    runtime._properties.cache_clear()
+    dispatch.device_properties.cache_clear()
 
 
 def test_import_without_torch_npu() -> None:
@@ -119,10 +119,20 @@ def test_runtime_with_fake(fake_npu: list) -> None:
         runtime.vector_core_count(torch.device("cpu"))
 
 
-def test_dispatch_uses_vector_cores_on_npu(fake_npu: list) -> None:
-    npu0 = types.SimpleNamespace(type="npu", index=0)
-    assert dispatch.grid(10, npu0) == (10,)
-    assert dispatch.grid(1000, npu0) == (48,)
+def test_dispatch_uses_the_kernels_core_count_on_npu(fake_npu: list) -> None:
+    """Vector kernels launch on the vector cores (48 / 40), `dot` kernels on the AI cores (24 / 20),
+    read from the driver's device properties; the current device when the index is unset."""
+    from dspark.kernels import layout, ragged_attention
+
+    npu0, npu1 = (types.SimpleNamespace(type="npu", index=i) for i in (0, 1))
+    vector, dot = layout._pack_kernel, ragged_attention._ragged_attention_kernel
+    assert (vector.launch_kind, dot.launch_kind) == ("vector", "dot")
+    assert dispatch.grid(10, npu0, vector) == (10,) and dispatch.grid(10, npu0, dot) == (10,)
+    assert dispatch.grid(1000, npu0, vector) == (48,) and dispatch.grid(1000, npu0, dot) == (24,)
+    assert dispatch.grid(1000, npu1, vector) == (40,) and dispatch.grid(1000, npu1, dot) == (20,)
+    current = types.SimpleNamespace(type="npu", index=None)
+    assert dispatch.grid(1000, current, dot) == (20,)   # the fake's current device is 1
+    assert dispatch.grid(1000, torch.device("cpu"), dot) == (1000,)
 
 
 def test_missing_core_counts_name_triton_ascend(fake_npu: list, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,12 +255,15 @@ def test_capability_and_mode_choice(caplog: pytest.LogCaptureFixture) -> None:
         cap.record((8,), eager_passed=True, graph_passed=True)
 
 
-def test_npu_launch_policy_uses_vector_cores(fake_npu: list) -> None:
+def test_npu_launch_policy_uses_each_kinds_cores(fake_npu: list) -> None:
     from dspark.ascend.launch import npu_launch_policy
+    from dspark.kernels import layout, ragged_attention
 
     with npu_launch_policy(0) as cores:
-        assert cores == 48 and dispatch.grid(1000, torch.device("cpu")) == (48,)
-    assert dispatch.grid(1000, torch.device("cpu")) == (1000,)
+        assert cores == {"vector": 48, "dot": 24}
+        assert dispatch.grid(1000, torch.device("cpu"), layout._pack_kernel) == (48,)
+        assert dispatch.grid(1000, torch.device("cpu"), ragged_attention._ragged_attention_kernel) == (24,)
+    assert dispatch.grid(1000, torch.device("cpu"), layout._pack_kernel) == (1000,)
 
 
 def test_tier_graph_runner_drives_the_npu_backend(fake_npu: list) -> None:

@@ -1,10 +1,10 @@
 """Launch policy for dspark's Triton kernels on triton-ascend, and a static checker of kernel sources.
 
-On Ascend the grid is bound to physical cores (`coreDim` <= 65535), so dspark launches vector-only
-kernels with grid = vector-core count and every kernel loops persistently over its work items
-(`for item in tl.range(tl.program_id(0), n, tl.num_programs(0))`); `dispatch.grid` applies the policy.
-triton-ascend lacks integer sorts and int64 atomics (ascend.md section 1); `check_kernel_source` flags
-sources that would not port:
+On Ascend the grid is bound to physical cores (`coreDim` <= 65535), so dspark launches `vector` kernels
+with grid = vector-core count and `dot` kernels (`tl.dot`) with grid = AI-core count, and every kernel
+loops persistently over its work items (`for item in tl.range(tl.program_id(0), n, tl.num_programs(0))`);
+`dispatch.grid` applies the policy. triton-ascend lacks integer sorts and int64 atomics (ascend.md
+section 1); `check_kernel_source` flags sources that would not port:
 
 - `sort`: `tl.sort` / `tl.topk` (no int sorts on A2/A3; a float sort may be kept with `# ascend: float-sort`
   on its line);
@@ -12,7 +12,9 @@ sources that would not port:
   other than gpu (the only settings triton-ascend accepts);
 - `persistent`: `tl.program_id` used other than as the start of a `tl.range(pid, n, tl.num_programs(axis))`
   loop, or on an axis other than 0 (Ascend merges multi-axis grids);
-- `grid`: a kernel launched with a grid that is not `dispatch.grid(...)`.
+- `grid`: a kernel launched with a grid that is not `dispatch.grid(n, device, <that kernel>)`;
+- `kind`: a launched kernel without `@dispatch.kernel_kind("vector" | "dot")` above its `@jit`, or whose
+  kind disagrees with its use of `tl.dot` (through the jit helpers of its module).
 
 The checker sees names, not types: an int64 pointer handed to an atomic is caught by the kernel's tests
 under `--device npu`, not here.
@@ -38,7 +40,7 @@ class KernelViolation:
 
     path: str
     line: int
-    rule: str      # sort | atomic | persistent | grid
+    rule: str      # sort | atomic | persistent | grid | kind
     message: str
 
     def __str__(self) -> str:
@@ -46,11 +48,12 @@ class KernelViolation:
 
 
 @contextlib.contextmanager
-def npu_launch_policy(device: object = None) -> Iterator[int]:
-    """Launch with grid = the NPU's vector-core count inside the block; yields that count."""
+def npu_launch_policy(device: object = None) -> Iterator[dict[str, int]]:
+    """Launch on the NPU's core counts inside the block (vector kernels on the vector cores, `dot` kernels on
+    the AI cores), whatever the tensors' device; yields {"vector": .., "dot": ..}."""
     from dspark.ascend import runtime
 
-    cores = runtime.vector_core_count(device)
+    cores = {"vector": runtime.vector_core_count(device), "dot": runtime.ai_core_count(device)}
     with dispatch.launch_policy("cores", cores):
         yield cores
 
@@ -64,14 +67,19 @@ def check_kernel_source(source: str, path: str = "<string>") -> list[KernelViola
     for fn in kernels:
         out += _check_kernel(fn, lines, path)
     names = {fn.name for fn in kernels}
-    grids = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and _is_grid_call(n.value)
+    grids = {t.id: n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and _is_grid_call(n.value)
              for t in n.targets if isinstance(t, ast.Name)}
+    launched = set()
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names
-                and not _is_grid_call(node.slice) and not (isinstance(node.slice, ast.Name) and node.slice.id in grids)):
-            out.append(KernelViolation(path, node.lineno, "grid",
-                                       f"{node.value.id} launched with grid {ast.unparse(node.slice)!r}; "
-                                       "use dispatch.grid(n, device)"))
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in names:
+            name = node.value.id
+            launched.add(name)
+            call = grids.get(node.slice.id) if isinstance(node.slice, ast.Name) else node.slice
+            if not _is_grid_call(call) or _grid_kernel(call) != name:
+                out.append(KernelViolation(path, node.lineno, "grid",
+                                           f"{name} launched with grid {ast.unparse(node.slice)!r}; "
+                                           f"use dispatch.grid(n, device, {name})"))
+    out += _check_kinds([fn for fn in kernels if fn.name in launched], kernels, path)
     return sorted(out, key=lambda v: (v.line, v.rule))
 
 
@@ -101,6 +109,42 @@ def _check_kernel(fn: ast.FunctionDef, lines: list[str], path: str) -> list[Kern
                                        f"tl.program_id in {fn.name} outside a persistent "
                                        "tl.range(tl.program_id(0), n, tl.num_programs(0)) loop"))
     return out
+
+
+def _check_kinds(launched: list[ast.FunctionDef], kernels: list[ast.FunctionDef],
+                 path: str) -> list[KernelViolation]:
+    """Each launched kernel declares a kind, and `dot` exactly when it (or a jit helper it calls) uses tl.dot."""
+    by_name = {fn.name: fn for fn in kernels}
+    out = []
+    for fn in launched:
+        kinds = [d for d in fn.decorator_list if isinstance(d, ast.Call) and ast.unparse(d.func).split(".")[-1]
+                 == "kernel_kind"]
+        declared = kinds[0].args[0].value if kinds and kinds[0].args and isinstance(kinds[0].args[0],
+                                                                                     ast.Constant) else None
+        if declared not in dispatch.KINDS:
+            out.append(KernelViolation(path, fn.lineno, "kind",
+                                       f"{fn.name} declares no kind: put @dispatch.kernel_kind('vector' or 'dot') "
+                                       "above its @jit"))
+            continue
+        dots = _uses_dot(fn, by_name, set())
+        if (declared == "dot") != dots:
+            out.append(KernelViolation(path, fn.lineno, "kind",
+                                       f"{fn.name} is declared {declared!r} but "
+                                       f"{'uses' if dots else 'does not use'} tl.dot: declare "
+                                       f"{'dot' if dots else 'vector'!r}"))
+    return out
+
+
+def _uses_dot(fn: ast.FunctionDef, kernels: dict[str, ast.FunctionDef], seen: set[str]) -> bool:
+    seen.add(fn.name)
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call):
+            if _tl_name(node.func) == "dot":
+                return True
+            callee = node.func.id if isinstance(node.func, ast.Name) else None
+            if callee in kernels and callee not in seen and _uses_dot(kernels[callee], kernels, seen):
+                return True
+    return False
 
 
 def _check_atomic(node: ast.Call, name: str, kernel: str, path: str) -> list[KernelViolation]:
@@ -151,8 +195,14 @@ def _is_jit(dec: ast.AST) -> bool:
     return text in ("triton.jit", "jit")
 
 
-def _is_grid_call(node: ast.AST) -> bool:
+def _is_grid_call(node: ast.AST | None) -> bool:
     if not isinstance(node, ast.Call):
         return False
     text = ast.unparse(node.func)
     return text == "grid" or text.endswith(".grid")
+
+
+def _grid_kernel(call: ast.Call) -> str | None:
+    """The kernel a `dispatch.grid(n, device, kernel)` call sizes for (its third or `kernel=` argument)."""
+    arg = call.args[2] if len(call.args) > 2 else next((k.value for k in call.keywords if k.arg == "kernel"), None)
+    return arg.id if isinstance(arg, ast.Name) else None

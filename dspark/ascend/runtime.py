@@ -5,12 +5,13 @@ and raises `NpuUnavailableError` (naming `pip install dspark[npu]`) when it is m
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 from types import ModuleType
 
 import torch
+
+from dspark.kernels import dispatch
 
 INSTALL_HINT = "install the Ascend extra: pip install dspark[npu] (torch_npu + triton-ascend, with CANN)"
 
@@ -56,27 +57,21 @@ def device_name(device: torch.device | str | int | None = None) -> str:
     return str(torch_npu().npu.get_device_name(_index(device)))
 
 
-@functools.lru_cache(maxsize=None)
 def _properties(index: int) -> dict:
+    """The device properties (`dspark.kernels.dispatch.device_properties`, cached there)."""
     try:
-        driver = importlib.import_module("triton.runtime").driver
+        return dispatch.device_properties(index)
     except ImportError as exc:
         raise NpuUnavailableError(f"triton is not importable ({exc}); {INSTALL_HINT}") from exc
-    props = driver.active.utils.get_device_properties(index)
-    missing = [k for k in ("num_vectorcore", "num_aicore") if k not in props]
-    if missing:
-        raise NpuUnavailableError(
-            f"the active Triton driver reports no {missing} (is community triton installed instead of "
-            f"triton-ascend?); {INSTALL_HINT}"
-        )
-    return dict(props)
+    except dispatch.CoreCountError as exc:
+        raise NpuUnavailableError(f"{exc}; {INSTALL_HINT}") from exc
 
 
 def vector_core_count(device: torch.device | str | int | None = None) -> int:
     """Vector cores of the NPU: the grid size of vector-only persistent kernels (cached per device)."""
-    return int(_properties(_index(device))["num_vectorcore"])
+    return int(_properties(_index(device))[dispatch.CORE_PROPERTY["vector"]])
 
 
 def ai_core_count(device: torch.device | str | int | None = None) -> int:
     """AI (cube) cores of the NPU: the grid size of persistent kernels that use `tl.dot`."""
-    return int(_properties(_index(device))["num_aicore"])
+    return int(_properties(_index(device))[dispatch.CORE_PROPERTY["dot"]])

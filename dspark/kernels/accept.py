@@ -102,6 +102,7 @@ def _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED: tl.constex
     return r, tl.load(vl_ptr + r), base
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _greedy_kernel(draft_ptr, logits_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr, num_requests, vocab,
                    d_stride_b, d_stride_g, stride_req, stride_row, stride_v,
@@ -136,7 +137,7 @@ def greedy_triton(draft: Tensor, target_logits: Tensor, verify_lens: Tensor, row
     b = draft.shape[0]
     if b:
         vocab = target_logits.shape[-1]
-        _greedy_kernel[dispatch.grid(b, draft.device)](
+        _greedy_kernel[dispatch.grid(b, draft.device, _greedy_kernel)](
             draft, target_logits, verify_lens, verify_lens if row_start is None else row_start, correct, bonus,
             b, vocab, draft.stride(0), draft.stride(1), *_strides(target_logits, row_start),
             PACKED=row_start is not None, BLOCK_V=vocab_block(vocab))
@@ -216,6 +217,7 @@ def _last(c, BLOCK: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, BLOCK) == BLOCK - 1, c, 0.0), 0)
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _sampling_kernel(draft_ptr, q_ptr, p_ptr, u_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr,
                      num_requests, vocab, d_stride_b, d_stride_g, q_stride_b, q_stride_g, q_stride_v,
@@ -266,7 +268,7 @@ def sampling_triton(draft: Tensor, draft_probs: Tensor, target_probs: Tensor, ve
     b, gamma = draft.shape
     if b:
         vocab = target_probs.shape[-1]
-        _sampling_kernel[dispatch.grid(b, draft.device)](
+        _sampling_kernel[dispatch.grid(b, draft.device, _sampling_kernel)](
             draft, draft_probs, target_probs, uniforms, verify_lens,
             verify_lens if row_start is None else row_start, correct, bonus, b, vocab,
             draft.stride(0), draft.stride(1), *draft_probs.stride(), *_strides(target_probs, row_start),

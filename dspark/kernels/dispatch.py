@@ -6,13 +6,18 @@ run the torch reference. `DSPARK_KERNEL_BACKEND` (`auto` | `triton` | `torch`) o
 
 Every dspark kernel loops persistently over its work items
 (`for item in tl.range(tl.program_id(0), n, tl.num_programs(0))`), so one source serves both launch
-policies: `work` (grid = number of items, CUDA) and `cores` (grid = vector-core count, Ascend).
+policies: `work` (grid = number of items, CUDA) and `cores` (grid = a core count, Ascend). Each launched
+kernel declares its kind next to its definition (`@kernel_kind("dot")` above `@jit`): `dot` kernels
+(`tl.dot`, the cube units) launch on the AI-core count, `vector` kernels on the vector-core count, both
+read from the active Triton driver's device properties (`num_aicore`, `num_vectorcore`, triton-ascend).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
-from typing import Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -21,8 +26,25 @@ from dspark.kernels import _triton
 BACKEND_ENV = "DSPARK_KERNEL_BACKEND"
 _BACKENDS = ("auto", "triton", "torch")
 MAX_GRID = 65535  # Ascend coreDim limit (UINT16_MAX); CUDA's grid-x limit is far above it
+KINDS = ("vector", "dot")
+CORE_PROPERTY = {"vector": "num_vectorcore", "dot": "num_aicore"}  # triton-ascend's device-property names
 
-_policy: tuple[str, int | None] | None = None
+_policy: tuple[str, dict[str, int] | None] | None = None
+
+
+class CoreCountError(RuntimeError):
+    """The active Triton driver reports no core counts (community triton instead of triton-ascend)."""
+
+
+def kernel_kind(kind: str) -> Callable[[Any], Any]:
+    """Declare a launched kernel's kind: `vector` (vector units only) or `dot` (uses `tl.dot`)."""
+    if kind not in KINDS:
+        raise ValueError(f"kernel kind must be one of {KINDS}, got {kind!r}")
+
+    def declare(kernel: Any) -> Any:
+        kernel.launch_kind = kind
+        return kernel
+    return declare
 
 
 def backend() -> str:
@@ -50,31 +72,66 @@ def use_host(*tensors: torch.Tensor) -> bool:
     return backend() == "auto" and all(t.device.type == "cpu" for t in tensors)
 
 
-def _device_policy(device: torch.device) -> tuple[str, int | None]:
-    if device.type == "npu":
-        from dspark.ascend import runtime
+@functools.lru_cache(maxsize=None)
+def device_properties(index: int) -> dict:
+    """The active Triton driver's properties of device `index`; they must name both core counts."""
+    driver = importlib.import_module("triton.runtime").driver
+    props = dict(driver.active.utils.get_device_properties(index))
+    missing = [CORE_PROPERTY[k] for k in KINDS if CORE_PROPERTY[k] not in props]
+    if missing:
+        raise CoreCountError(f"the active Triton driver reports no {missing} for device {index} (is community "
+                             "triton installed instead of triton-ascend?)")
+    return props
 
-        return "cores", runtime.vector_core_count(device)
-    return "work", None
+
+def core_count(device: Any, kind: str) -> int:
+    """Cores a persistent `kind` kernel launches on: AI cores for `dot`, vector cores for `vector`."""
+    if kind not in KINDS:
+        raise ValueError(f"kernel kind must be one of {KINDS}, got {kind!r}")
+    index = device.index if device.index is not None else importlib.import_module("torch_npu").npu.current_device()
+    return int(device_properties(int(index))[CORE_PROPERTY[kind]])
+
+
+def _kind(kernel: Any) -> str:
+    kind = getattr(kernel, "launch_kind", None)
+    if kind not in KINDS:
+        name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
+        raise ValueError(f"kernel {name} declares no launch kind; put @dispatch.kernel_kind('vector' or 'dot') "
+                         "above its @jit")
+    return kind
 
 
 @contextlib.contextmanager
-def launch_policy(policy: str, num_cores: int | None = None) -> Iterator[None]:
-    """Force a launch policy (`work`, or `cores` with a core count) inside the block; used by tests."""
+def launch_policy(policy: str, num_cores: int | Mapping[str, int] | None = None) -> Iterator[None]:
+    """Force a launch policy inside the block (tests, `ascend.launch.npu_launch_policy`): `work`, or `cores`
+    with one core count for every kind or a count per kind ({"vector": .., "dot": ..})."""
     global _policy
     if policy not in ("work", "cores"):
         raise ValueError(f"launch policy must be 'work' or 'cores', got {policy!r}")
-    if policy == "cores" and (not isinstance(num_cores, int) or num_cores < 1):
-        raise ValueError(f"the 'cores' policy needs num_cores >= 1, got {num_cores!r}")
-    previous, _policy = _policy, (policy, num_cores)
+    counts = None
+    if policy == "cores":
+        counts = dict.fromkeys(KINDS, num_cores) if not isinstance(num_cores, Mapping) else dict(num_cores)
+        bad = {k: v for k, v in counts.items() if k not in KINDS or isinstance(v, bool) or not isinstance(v, int)
+               or v < 1}
+        if bad or set(counts) != set(KINDS):
+            raise ValueError(f"the 'cores' policy needs num_cores >= 1 for each kind {KINDS}, got {num_cores!r}")
+    previous, _policy = _policy, (policy, counts)
     try:
         yield
     finally:
         _policy = previous
 
 
-def grid(num_items: int, device: torch.device) -> tuple[int]:
-    """1-D grid for `num_items` persistent work items under the active launch policy (never 0)."""
-    policy, cores = _policy if _policy is not None else _device_policy(device)
-    size = num_items if policy == "work" else min(num_items, cores)
+def grid(num_items: int, device: torch.device, kernel: Any) -> tuple[int]:
+    """1-D grid for `num_items` persistent work items of `kernel` under the active launch policy (never 0):
+    the items on CUDA / CPU, at most the cores of the kernel's kind on an NPU."""
+    kind = _kind(kernel)
+    if _policy is not None:
+        policy, counts = _policy
+    else:
+        policy, counts = ("cores", None) if device.type == "npu" else ("work", None)
+    if policy == "work":
+        size = num_items
+    else:
+        size = min(num_items, counts[kind] if counts is not None else core_count(device, kind))
     return (max(1, min(size, MAX_GRID)),)

@@ -24,6 +24,7 @@ def write_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slot
     v_cache.index_put_(where, v.index_select(0, keep).to(v_cache.dtype))
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, n_rows, n_items, num_heads, head_dim, page_size,
@@ -62,7 +63,7 @@ def write_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_s
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
     block_r = max(1, min(16, 4096 // (block_h * block_d)))
     n_items = triton.cdiv(rows, block_r)
-    _write_kv_kernel[dispatch.grid(n_items, k.device)](
+    _write_kv_kernel[dispatch.grid(n_items, k.device, _write_kv_kernel)](
         k, v, k_cache, v_cache, kv_slots, rows, n_items, heads, dim, k_cache.shape[1],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,

@@ -31,6 +31,7 @@ def qo_indptr_ref(lens: Tensor) -> Tensor:
     return out
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _qo_indptr_kernel(lens_ptr, out_ptr, n, BLOCK: tl.constexpr):
     # One work item: the whole scan, block by block with the running prefix carried in a register.
@@ -46,7 +47,7 @@ def _qo_indptr_kernel(lens_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def qo_indptr_triton(lens: Tensor, out: Tensor) -> Tensor:
     """Triton `qo_indptr` into `out` ([n+1] int32)."""
-    _qo_indptr_kernel[dispatch.grid(1, lens.device)](lens, out, lens.numel(), BLOCK=SCAN_BLOCK)
+    _qo_indptr_kernel[dispatch.grid(1, lens.device, _qo_indptr_kernel)](lens, out, lens.numel(), BLOCK=SCAN_BLOCK)
     return out
 
 
@@ -81,6 +82,7 @@ def slot_maps_host(slot_lens: np.ndarray, num_rows: int) -> tuple[np.ndarray, np
     return indptr, row_slot, row_within
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _row_maps_kernel(slot_indptr_ptr, row_slot_ptr, row_within_ptr, num_slots, num_rows, search_steps,
                      BLOCK: tl.constexpr):
@@ -105,7 +107,7 @@ def row_maps_triton(slot_lens: Tensor, row_slot: Tensor, row_within: Tensor) -> 
     n, rows = slot_lens.numel(), row_slot.numel()
     if n and rows:
         indptr = qo_indptr_triton(slot_lens, torch.empty(n + 1, dtype=torch.int32, device=slot_lens.device))
-        _row_maps_kernel[dispatch.grid(triton.cdiv(rows, ROW_BLOCK), slot_lens.device)](
+        _row_maps_kernel[dispatch.grid(triton.cdiv(rows, ROW_BLOCK), slot_lens.device, _row_maps_kernel)](
             indptr, row_slot, row_within, n, rows, (n + 1).bit_length(), BLOCK=ROW_BLOCK)
     return row_slot, row_within
 
@@ -152,6 +154,7 @@ def _copy_row(src_ptr, src_off, dst_row_ptr, d, valid, fill, BLOCK_D: tl.constex
         tl.store(dst_row_ptr + offs, x, mask=offs < d)
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _pack_kernel(src_ptr, dst_ptr, row_slot_ptr, row_within_ptr, rows, num_real_rows, d,
                  src_stride_b, src_stride_w, dst_stride, fill, BLOCK_D: tl.constexpr):
@@ -165,6 +168,7 @@ def _pack_kernel(src_ptr, dst_ptr, row_slot_ptr, row_within_ptr, rows, num_real_
                   d, valid, fill, BLOCK_D)
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _scatter_kernel(src_ptr, dst_ptr, qo_indptr_ptr, cells, width, d, src_stride, dst_stride, fill,
                     BLOCK_D: tl.constexpr):
@@ -204,7 +208,7 @@ def pack_triton(strided: Tensor, row_slot: Tensor, row_within: Tensor, num_real_
     dst = _as_storage(out).view(rows, src.shape[2])
     d = dst.shape[1]
     if rows and d:
-        _pack_kernel[dispatch.grid(rows, out.device)](
+        _pack_kernel[dispatch.grid(rows, out.device, _pack_kernel)](
             src, dst, row_slot, row_within, rows, num_real_rows if b else 0, d, src.stride(0), src.stride(1),
             dst.stride(0), _fill_value(fill, out.dtype), BLOCK_D=_block_d(d))
     return out
@@ -219,7 +223,7 @@ def scatter_triton(packed: Tensor, qo_indptr: Tensor, width: int, fill: float, o
     dst = _as_storage(out).view(b * width, src.shape[1])
     d = dst.shape[1]
     if b * width and d:
-        _scatter_kernel[dispatch.grid(b * width, out.device)](
+        _scatter_kernel[dispatch.grid(b * width, out.device, _scatter_kernel)](
             src, dst, qo_indptr, b * width, width, d, src.stride(0), dst.stride(0),
             _fill_value(fill, out.dtype), BLOCK_D=_block_d(d))
     return out

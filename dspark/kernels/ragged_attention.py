@@ -141,6 +141,7 @@ def tl_dtype(dtype: torch.dtype) -> object:
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
+@dispatch.kernel_kind("dot")
 @jit
 def _ragged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr,
@@ -226,6 +227,7 @@ def _ragged_attention_kernel(
                 tl.store(lse_base + rows * stride_lr + heads * stride_lh, lse, mask=owned)
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _merge_splits_kernel(
     po_ptr, pl_ptr, o_ptr, lse_ptr, n_rows, num_heads, head_dim,
@@ -324,7 +326,7 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
     # the Triton 3.9 interpreter computes bf16 tl.dot wrongly, so interpreted bf16 runs its dots in fp32
     interpreted_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
     dot_dtype = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else tl_dtype(q.dtype)
-    _ragged_attention_kernel[dispatch.grid(n_items, q.device)](
+    _ragged_attention_kernel[dispatch.grid(n_items, q.device, _ragged_attention_kernel)](
         q, k_cache, v_cache, dst, dst_lse, meta.block_table,
         meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens,
         n_items, hkv, hq // hkv, d, page_size, sm_scale / _LN2,
@@ -336,7 +338,7 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
     )
     if split_kv is not None:
         lse_arg, out_lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
-        _merge_splits_kernel[dispatch.grid(rows, q.device)](
+        _merge_splits_kernel[dispatch.grid(rows, q.device, _merge_splits_kernel)](
             dst, dst_lse, out, lse_arg, rows, hq, d, *dst.stride(), *dst_lse.stride(), *out.stride(),
             *out_lse_strides, HAS_LSE=lse is not None, NUM_SPLITS=splits,
             BLOCK_H=triton.next_power_of_2(hq), BLOCK_D=triton.next_power_of_2(d),

@@ -85,6 +85,7 @@ def candidate_keys(survival: Tensor, floor: int, cap: int, eps: float) -> Tensor
     return torch.where(cand >= eps, bits, torch.full_like(bits, -1)).t().contiguous()
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr):
     """One work item: out = [t, cut]; t = key of the k-th best valid candidate (radix-16 select by
@@ -122,6 +123,7 @@ def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr):
         tl.store(out_ptr + 1, tl.where(need > 0, cut + 1, 0))
 
 
+@dispatch.kernel_kind("vector")
 @jit
 def _lens_kernel(key_ptr, thr_ptr, lens_ptr, B, C, floor, BLOCK_C: tl.constexpr):
     """Per request (persistent loop): verify_len = F + #selected in its window column."""
@@ -147,10 +149,11 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
         return lens.fill_(floor)
     keys = candidate_keys(survival, floor, cap, eps)
     thr = torch.empty(2, dtype=torch.int32, device=keys.device)
-    _threshold_kernel[dispatch.grid(1, keys.device)](
+    _threshold_kernel[dispatch.grid(1, keys.device, _threshold_kernel)](
         keys, thr, n, k, (n.bit_length() + 3) // 4, BLOCK=min(1024, triton.next_power_of_2(n)),
     )
-    _lens_kernel[dispatch.grid(b, keys.device)](keys, thr, lens, b, c, floor, BLOCK_C=triton.next_power_of_2(c))
+    _lens_kernel[dispatch.grid(b, keys.device, _lens_kernel)](
+        keys, thr, lens, b, c, floor, BLOCK_C=triton.next_power_of_2(c))
     return lens
 
 
