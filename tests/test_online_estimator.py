@@ -248,3 +248,21 @@ def test_bad_inputs_name_the_value(device):
         est.confidence_logits(x)
         with pytest.raises(err, match=needle):
             est.observe(**kw)
+
+
+def test_replaying_features_equals_the_live_path(device):
+    live, replay = OnlineAcceptanceEstimator(3, refit_every=2, min_labels=5), OnlineAcceptanceEstimator(
+        3, refit_every=2, min_labels=5)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        x = _logits(7, 3, 25, 100 + step).to(device)
+        vl, cl = torch.randint(1, 5, (7,), generator=gen), torch.randint(0, 4, (7,), generator=gen)
+        z = live.confidence_logits(x)
+        assert torch.equal(replay.predict(draft_features(x)), z)
+        live.observe(verify_lens=vl, correct_len=cl)
+        replay.observe(verify_lens=vl, correct_len=cl, features=draft_features(x))
+    assert torch.equal(live.parameters, replay.parameters) and live.refits == 3
+    with pytest.raises(ValueError, match=r"features must be \[B, 3, 3\] \(draft_features\), got \(7, 3\)"):
+        replay.predict(torch.zeros(7, 3))
+    with pytest.raises(ValueError, match=r"features must be \[B, 3, 3\].*got \(7, 2, 3\)"):
+        replay.observe(verify_lens=vl, correct_len=cl, features=torch.zeros(7, 2, 3))

@@ -156,7 +156,14 @@ class OnlineAcceptanceEstimator:
         if feats.shape[1] != self.gamma:
             raise ValueError(f"draft_logits must be [B, gamma={self.gamma}, V], got {tuple(draft_logits.shape)}")
         self._pending = feats
-        theta, f = self.parameters.to(feats.device), feats.to(torch.float64)
+        return self.predict(feats)
+
+    def predict(self, features: Tensor) -> Tensor:
+        """Confidence logits [B, gamma] float32 from `draft_features` [B, gamma, 3] (nothing kept for observe)."""
+        want = (self.gamma, len(FEATURES))
+        if check_tensor("features", features).dim() != 3 or tuple(features.shape[1:]) != want:
+            raise ValueError(f"features must be [B, {want[0]}, {want[1]}] (draft_features), got {tuple(features.shape)}")
+        theta, f = self.parameters.to(features.device), features.to(torch.float64)
         z = theta[:, 0] + f[..., 0] * theta[:, 1]  # float64 in a fixed order, rounded once: the same bits on
         for j in range(2, theta.shape[1]):         # every device and for every batch a request sits in
             z = z + f[..., j - 1] * theta[:, j]
@@ -166,13 +173,18 @@ class OnlineAcceptanceEstimator:
         """Estimated survival [B, gamma] float32: `calibrated_survival(confidence_logits(draft_logits))`."""
         return survival_from_checked(self.confidence_logits(draft_logits), None)
 
-    def observe(self, *, verify_lens: Tensor, correct_len: Tensor | None = None,
-                labels: Tensor | None = None) -> None:
-        """The accept outcome of the latest `confidence_logits` call: verify_lens [B] (rows verified, root
-        included) and exactly one of correct_len [B] (capped or not) or labels [B, gamma] (0/1 prefix mask)."""
-        if self._pending is None:
+    def observe(self, *, verify_lens: Tensor, correct_len: Tensor | None = None, labels: Tensor | None = None,
+                features: Tensor | None = None) -> None:
+        """The accept outcome of the latest `confidence_logits` call (or, replaying recorded steps, of the
+        given `features` [B, gamma, 3]): verify_lens [B] (rows verified, root included) and exactly one of
+        correct_len [B] (capped or not) or labels [B, gamma] (0/1 prefix mask)."""
+        if features is not None:
+            self.predict(features)  # validates the shape
+            feats = features
+        elif self._pending is None:
             raise RuntimeError("observe() needs a confidence_logits() call first (its features are the inputs)")
-        feats, self._pending = self._pending, None
+        else:
+            feats, self._pending = self._pending, None
         b = feats.shape[0]
         if not isinstance(verify_lens, Tensor) or tuple(verify_lens.shape) != (b,):
             raise ValueError(f"verify_lens must be a tensor [B={b}] for the latest confidence_logits call, got "
