@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: the whole suite on --device cuda, then the GPU benchmarks, in one run
+# The prepared GPU check: the device suite on --device cuda, then the GPU benchmarks, in one run
 # (limits sum to 560 s: one 600 s device call). Uses the machine's own python3 (torch + triton); nothing is
 # installed. Logs and JSON go to $OUT (default perf/results/device/): 7 files
 # (env, pytest, attention bench log + JSON, tier sweep log, demo log + demo.json); the tier sweep's
@@ -23,7 +23,8 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
 }
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   | tee "$OUT/env.log"
-step pytest_cuda 200 $PY -m pytest -q --device cuda -p no:cacheprovider tests
+# the device suite: every test that takes the `device` fixture (the cpu_only ones run in CI on the CPU)
+step pytest_cuda 200 $PY -m pytest -q --device cuda -p no:cacheprovider -m "not cpu_only" tests
 step attention_bench 100 $PY perf/attention_bench.py --device cuda --batch 8 64 256 --width 4 8 --prefix 4096 32768 \
   --out "$OUT/attention_bench.json"
 step tier_sweep 60 $PY perf/tier_sweep.py --device cuda --repeats 5 --name device-cuda

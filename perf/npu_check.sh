@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The prepared Ascend 910C check, for the owner of a 910C with `pip install dspark[npu]` (torch_npu +
 # triton-ascend, CANN): the bring-up ladder (single rank eager, single rank graph, TP, DP with idle ranks),
-# the whole suite on --device npu, and the metadata / graph / kernel benchmarks. Writes one log and one JSON
-# to $OUT (default perf/results/npu/): npu_check.log, npu_check.json (every step's exit code, seconds and
-# JSON output, plus the suite's "tests ran on the device" line).
+# the device suite on --device npu (every test that takes the device), and the metadata / graph / kernel
+# benchmarks. Writes one log and one JSON to $OUT (default perf/results/npu/): npu_check.log, npu_check.json
+# (every step's exit code, seconds and JSON output, plus the suite's "tests ran on the device" line).
 #   usage: bash perf/npu_check.sh          (from the repository root, on a 910C)
 #          bash perf/npu_check.sh --dry    (any CPU: the same steps on CPU tensors, Triton interpreted,
 #                                           gloo groups, eager graphs; the suite only collected)
@@ -21,12 +21,12 @@ STATUS="$OUT/steps.tsv"
 if [ $DRY -eq 1 ]; then
   DEV=cpu
   export TRITON_INTERPRET=1
-  SUITE=(--device cpu --collect-only -q tests)
+  SUITE=(--device cpu --collect-only -q -m "not cpu_only" tests)
   REPEATS=2
 else
   DEV=npu
   unset TRITON_INTERPRET
-  SUITE=(--device npu -q -p no:cacheprovider tests)
+  SUITE=(--device npu -q -p no:cacheprovider -m "not cpu_only" tests)   # cpu_only tests run in CI
   REPEATS=20
 fi
 step() {  # step NAME SECONDS CMD...: run with a time limit, append to the log, record `name rc seconds`
