@@ -266,3 +266,13 @@ def test_replaying_features_equals_the_live_path(device):
         replay.predict(torch.zeros(7, 3))
     with pytest.raises(ValueError, match=r"features must be \[B, 3, 3\].*got \(7, 2, 3\)"):
         replay.observe(verify_lens=vl, correct_len=cl, features=torch.zeros(7, 2, 3))
+
+
+def test_features_of_scattered_logits_equal_the_draft_vocabulary_ones(device):
+    """The engine feeds the draft-vocabulary logits; scattered into a larger vocabulary with -inf elsewhere
+    (what the verify sees) they give the same features."""
+    reduced = _logits(3, 2, 40, 9, masked=0.0)
+    ids = torch.randperm(500, generator=torch.Generator().manual_seed(3))[:40]
+    full = torch.full((3, 2, 500), -math.inf).index_copy_(-1, ids, reduced)
+    torch.testing.assert_close(draft_features(full.to(device)).cpu(), draft_features(reduced.to(device)).cpu(),
+                               rtol=1e-5, atol=1e-5)

@@ -286,11 +286,8 @@ class SpecDecoder:
             return self._plain_step(buf, reqs, lens, root, sampling, temperature, gen, decided)
         times = StepTimes(plan=self._now() - t0)
         t0 = self._now()
-        estimator = getattr(policy, "estimator", None)  # in place of the draft's confidence head
         drafts, draft_probs, conf, draft_logits = self._draft(buf, lens, all_dlen, reqs, root, k, sampling,
-                                                              temperature, gen, head=estimator is None)
-        if estimator is not None:  # features of the distribution the drafts were drawn from
-            conf = estimator.confidence_logits(draft_logits / temperature if sampling else draft_logits)
+                                                              temperature, gen, getattr(policy, "estimator", None))
         t1 = self._now()
         times.draft = t1 - t0
         if isinstance(policy, Oracle):
@@ -337,11 +334,12 @@ class SpecDecoder:
                            correct_len=ones - 1, times=times, host_syncs=0)
 
     def _draft(self, buf: Tensor, lens: Tensor, all_dlen: Tensor, reqs: Tensor, root: Tensor, k: int,
-               sampling: bool, temperature: float, gen: torch.Generator, head: bool = True
-               ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-        """k draft tokens [B, k], their distributions [B, k, V] (sampling), confidence logits [B, k] (None with
-        head=False: the confidence head does not run) and the draft token logits [B, k, V] (None when k = 0).
-        root [B]: the last committed tokens (the anchor the confidence head's previous-token input starts from).
+               sampling: bool, temperature: float, gen: torch.Generator, estimator: object | None = None
+               ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """k draft tokens [B, k], their distributions [B, k, V] (sampling), confidence logits [B, k] and the
+        draft token logits [B, k, V] (None when k = 0). root [B]: the last committed tokens (the anchor the
+        confidence head's previous-token input starts from). An online `estimator` replaces the head: it reads
+        the draft-vocabulary logits (the scattered [B, k, V]'s features, its other entries are -inf: 1/35 the cost).
 
         One draft forward over the tokens committed since the draft last ran (positions dlen..L-1,
         ragged), then the block heads propose all k drafts.
@@ -365,7 +363,9 @@ class SpecDecoder:
         logits = self.draft.scatter_logits(reduced)  # the chain's own draft-vocabulary logits, not recomputed
         q = torch.softmax(logits / temperature, -1) if sampling else None
         drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).reshape(b, k) if sampling else logits.argmax(-1)
-        return drafts, q, self.draft.confidence_logits(hk, root, drafts) if head else None, logits
+        conf = (self.draft.confidence_logits(hk, root, drafts) if estimator is None else
+                estimator.confidence_logits(reduced / temperature if sampling else reduced))
+        return drafts, q, conf, logits
 
     def _verify(self, mode: VerifyMode, verify_lens: Tensor, root: Tensor, drafts: Tensor,
                 draft_probs: Tensor | None, prefix: Tensor, reqs: Tensor, sampling: bool, temperature: float,

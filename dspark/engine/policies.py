@@ -107,7 +107,7 @@ class Adaptive:
 
     Without a confidence head: `estimator=OnlineAcceptanceEstimator(gamma)` (dspark.calibration.online) takes
     the head's place. The decoder then skips the head, hands the planner the estimator's confidence logits
-    from the draft's token logits (divided by the sampling temperature when sampling), and after each
+    from the draft's draft-vocabulary logits (divided by the sampling temperature when sampling), and after each
     speculative step feeds the estimator that step's accept outcome (verify lengths and correct_len, the
     STS-censored labels) together with the policy's own feedback. The planner must be built with
     `temperatures=None` (the estimator is its own calibration) and the estimator's gamma.

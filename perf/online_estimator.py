@@ -1,0 +1,253 @@
+"""The online acceptance estimator on the real model (issue 18's "must show"): calibration and throughput.
+
+1. Calibration. SmolLM2-135M-Instruct and its shipped draft; on `--prompts` held-out prompt windows the
+   target's greedy streams and, at every start of every stream, the draft's block (teacher-forced, the rows
+   the decode loop sees: `dspark.engine.sts.block_outcomes`): the head's confidence logits, the draft
+   features (`draft_features`, computed per chunk: the [rows, starts, gamma, V] logits never leave the
+   chunk) and the greedy accepted-draft count. Requests are split 3/4 train, 1/4 held out
+   (`split_by_request`). The estimator replays the train rows online (one step = one start of every train
+   request, uncensored: every draft verified) and is scored on the held-out rows; the head gets STS
+   temperatures fit on the train rows. Per position and event (conditional: P(draft k accepted | prefix
+   reached k); cumulative: the survival the planner reads) on the held-out rows: AUROC and ECE (15 equal-
+   width bins) with 95 % cluster-bootstrap intervals over requests, for the estimator, its warm-up prior
+   (c = top-1 probability), the head after and before STS and the plain top-2 margin (AUROC only: a score,
+   not a probability); also the estimator's prequential score on the train stream (each step predicted
+   before it was observed: what the planner saw while it learned).
+2. Throughput (`--batch-sizes`, skipped with `--no-throughput`). The demo's procedure, shortened: profile the
+   step costs and fit the cost model, then per B serve a queue of `--requests-per-slot` x B prompts by
+   continuous batching with fixed-0..gamma, adaptive with the head (STS temperatures from step 1) and
+   adaptive with the estimator (head off), all in `lockstep`, `--repeats` rounds; every run's greedy tokens
+   must equal fixed-0's. One estimator serves every run (as in a server: it starts from the prior at the
+   first warm-up and keeps learning). Reported: committed tokens/s over the queue (median over rounds) and
+   each adaptive's per-round ratio to the best fixed k (median).
+
+Prints both tables and writes perf/results/online_estimator.json.
+
+    PYTHONPATH=. python perf/online_estimator.py [--prompts 256] [--new-tokens 40] [--batch-sizes 1 4 16]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from dspark.calibration.fit import _json_clean, fit_temperatures, split_by_request
+from dspark.calibration.metrics import Sample, bootstrap_interval, metric_functions
+from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
+from dspark.config import ScheduleConfig, VerifyMode
+from dspark.engine.decode import SpecDecoder
+from dspark.engine.demo import load_models, request_lengths
+from dspark.engine.lockstep import lockstep
+from dspark.engine.policies import Adaptive, FixedK
+from dspark.engine.profile import fit_cost_model, profile_points, profile_step_costs
+from dspark.engine.sts import block_outcomes
+from dspark.engine.sweep import tier_ladder
+from dspark.models.corpus import prompt_windows
+from dspark.models.streams import greedy_streams
+from dspark.plan.planner import VerifyPlanner
+from dspark.util.fileio import write_json_atomic
+
+NUM_BINS = 15
+LEVEL = 0.95
+
+
+@torch.no_grad()
+def collect(decoder: SpecDecoder, prompts: torch.Tensor, gamma: int, new_tokens: int, rows: int) -> dict:
+    """Per request and start: head logits [N, n, g], draft features [N, n, g, 3], accepted drafts [N, n]."""
+    with decoder.target.own_attention() as model:
+        streams, hidden = greedy_streams(model, prompts.to(decoder.device), new_tokens + gamma - 1, batch=32)
+    conf, feats, accepted = [], [], []
+    for sub in range(0, streams.shape[0], rows):
+        c, logits, a = block_outcomes(decoder.draft, streams[sub: sub + rows], hidden[sub: sub + rows],
+                                      prompts.shape[1], gamma, new_tokens)
+        conf.append(c.cpu())
+        feats.append(draft_features(logits.flatten(0, 1)).unflatten(0, logits.shape[:2]).cpu())
+        accepted.append(a.cpu())
+    return {"conf": torch.cat(conf), "feats": torch.cat(feats), "accepted": torch.cat(accepted)}
+
+
+def train_estimator(est: OnlineAcceptanceEstimator, feats: torch.Tensor, accepted: torch.Tensor) -> np.ndarray:
+    """Replay train rows [R, n, ...] start by start; returns the prequential conditional c [R, n, g]."""
+    g = feats.shape[2]
+    full = torch.full((feats.shape[0],), g + 1, dtype=torch.int64)
+    online = []
+    for i in range(feats.shape[1]):
+        online.append(torch.sigmoid(est.predict(feats[:, i]).double()))
+        est.observe(verify_lens=full, correct_len=accepted[:, i], features=feats[:, i])
+    return torch.stack(online, 1).numpy()
+
+
+def _score(p: np.ndarray, y: np.ndarray, groups: np.ndarray, bootstrap: int, seed: int, ece: bool = True) -> dict:
+    """AUROC (and ECE) with cluster-bootstrap intervals over requests."""
+    sample = Sample.build(p, y, groups)
+    out = {}
+    fns = metric_functions(NUM_BINS)
+    for name in ("auroc", "ece_width") if ece else ("auroc",):
+        lo, hi = bootstrap_interval(fns[name], sample, bootstrap, LEVEL, np.random.default_rng(seed))
+        out[name] = {"value": fns[name](sample, np.ones(sample.p.size)), "ci": [lo, hi]}
+    return out
+
+
+def calibration_report(data: dict, train: torch.Tensor, est: OnlineAcceptanceEstimator, online: np.ndarray,
+                       bootstrap: int, seed: int) -> list[dict]:
+    """Per position and event, on the held-out requests (and the estimator's prequential train stream)."""
+    held = ~train
+    n_starts, g = data["conf"].shape[1], data["conf"].shape[2]
+    acc = data["accepted"].double().numpy()                         # [N, n]
+    y_tr = (torch.arange(g) < data["accepted"][train].unsqueeze(-1)).double().flatten(0, 1)
+    temps = [f.temperature for f in fit_temperatures(data["conf"][train].flatten(0, 1), y_tr)]
+    f_h, z_h = data["feats"][held].flatten(0, 1), data["conf"][held].flatten(0, 1).double()
+    cond = {"estimator": torch.sigmoid(est.predict(f_h).double()).numpy(),
+            "prior": torch.sigmoid(f_h[..., 0].double()).numpy(),
+            "head_sts": torch.sigmoid(z_h / torch.tensor(temps, dtype=torch.float64)).numpy(),
+            "head_raw": torch.sigmoid(z_h).numpy()}
+    margin = f_h[..., 1].double().numpy()
+    a_h = acc[held.numpy()].reshape(-1)
+    groups = np.repeat(np.flatnonzero(held.numpy()), n_starts)
+    a_tr, g_tr = acc[train.numpy()].reshape(-1), np.repeat(np.flatnonzero(train.numpy()), n_starts)
+    online = online.reshape(-1, g)
+    rows = []
+    for k in range(g):
+        for event in ("conditional", "cumulative"):
+            if event == "conditional":
+                keep, keep_tr = a_h >= k, a_tr >= k
+                probs = {m: c[:, k] for m, c in cond.items()}
+                probs["estimator_online"] = online[:, k]
+                score_m = margin[:, k]
+            else:
+                keep, keep_tr = np.ones_like(a_h, bool), np.ones_like(a_tr, bool)
+                probs = {m: np.prod(c[:, : k + 1], axis=1) for m, c in cond.items()}
+                probs["estimator_online"] = np.prod(online[:, : k + 1], axis=1)
+                score_m = margin[:, : k + 1].min(1)
+            y, y_tr_k = (a_h > k).astype(float), (a_tr > k).astype(float)
+            if not keep.any() or not keep_tr.any():
+                continue
+            row = {"position": k, "event": event, "rows": int(keep.sum()), "accept_rate": float(y[keep].mean())}
+            for m, p in probs.items():
+                if m == "estimator_online":
+                    row[m] = _score(p[keep_tr], y_tr_k[keep_tr], g_tr[keep_tr], bootstrap, seed)
+                else:
+                    row[m] = _score(p[keep], y[keep], groups[keep], bootstrap, seed)
+            row["margin"] = _score(score_m[keep], y[keep], groups[keep], bootstrap, seed, ece=False)
+            rows.append(row)
+    return rows, temps
+
+
+def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, temps: list[float], args) -> dict:
+    """The demo's lockstep comparison, shortened: fixed-0..gamma, adaptive (head), adaptive (estimator)."""
+    gamma, bmax = args.gamma, max(args.batch_sizes)
+    prompts = prompt_windows("heldout", encode, args.requests_per_slot * bmax, args.prompt_len, args.seed)
+    lengths = request_lengths(prompts.shape[0], args.max_new_tokens, 0.5, args.seed)
+    grid = profile_points(args.batch_sizes, gamma, decoder.tiers)
+    t0 = time.perf_counter()
+    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, tokens=args.max_new_tokens,
+                                        repeats=args.profile_repeats, reserve_new_tokens=int(lengths.max()))
+    cost, _, _ = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-cpu", tiers=decoder.tiers)
+    print(f"profiled {len(grid)} points in {time.perf_counter() - t0:.0f} s")
+    sched = ScheduleConfig(gamma=gamma)
+
+    def make(name: str, b: int):
+        if name.startswith("fixed-"):
+            return FixedK(int(name[6:]))
+        t = temps if name == "adaptive-head" else None
+        planner = VerifyPlanner(sched, cost, lag=0, num_slots=bmax, temperatures=t, tiers=decoder.tiers or None,
+                                graph_slots=decoder.graph_slots(b, gamma + 1))
+        return Adaptive(planner, plain.step_seconds, 8, 64, cost_window=None,
+                        estimator=est if name == "adaptive-estimator" else None)
+
+    names = [f"fixed-{k}" for k in range(gamma + 1)] + ["adaptive-head", "adaptive-estimator"]
+    decoders = {n: decoder.fork() for n in names}
+    out = {}
+    for b in args.batch_sizes:
+        queue, counts = prompts[: args.requests_per_slot * b], lengths[: args.requests_per_slot * b]
+        for n in names:  # untimed warm-up at this B
+            decoders[n].generate(queue[:b], max(2, args.max_new_tokens // 4), make(n, b), slots=b)
+        tps: dict[str, list[float]] = {n: [] for n in names}
+        for rep in range(args.repeats):
+            order = names[rep % len(names):] + names[: rep % len(names)]
+            res = lockstep({n: decoders[n].start(queue, counts, make(n, b), mode=VerifyMode.COMPACT, slots=b,
+                                                 seed=args.seed + rep) for n in order})
+            for n in names:
+                if not torch.equal(res[n].tokens, res["fixed-0"].tokens):
+                    raise AssertionError(f"{n} at B={b} is not lossless (tokens differ from fixed-0)")
+                tps[n].append(float(counts.sum()) / res[n].seconds)
+        med = {n: statistics.median(v) for n, v in tps.items()}
+        best = max((n for n in names if n.startswith("fixed-")), key=med.__getitem__)
+        out[b] = {"tokens_per_s": med, "rounds": tps, "best_fixed": best,
+                  **{f"{a}_vs_best_fixed": statistics.median(x / y for x, y in zip(tps[a], tps[best]))
+                     for a in ("adaptive-head", "adaptive-estimator")}}
+        print(f"B={b:>2}: best fixed {best} {med[best]:.1f} tok/s; adaptive-head {med['adaptive-head']:.1f} "
+              f"({out[b]['adaptive-head_vs_best_fixed']:.2f}x); adaptive-estimator {med['adaptive-estimator']:.1f} "
+              f"({out[b]['adaptive-estimator_vs_best_fixed']:.2f}x)")
+    return {"results": out, "estimator_refits": est.refits, "estimator_steps": est.steps_observed,
+            "cost_model": cost.kind, "lossless_vs_fixed0": True}
+
+
+def _cell(d: dict, key: str) -> str:
+    v, (lo, hi) = d[key]["value"], d[key]["ci"]
+    return "  n/a" if not math.isfinite(v) else f"{v:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=4, help="requests per draft block pass (memory: rows x starts x V)")
+    ap.add_argument("--refit-every", type=int, default=4)
+    ap.add_argument("--bootstrap", type=int, default=200)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-repeats", type=int, default=1)
+    ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="perf/results/online_estimator.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    target, draft, encode = load_models(torch.device("cpu"))
+    print(f"models loaded in {time.perf_counter() - t_start:.0f} s")
+    per_request = args.prompt_len + 2 * args.max_new_tokens + args.gamma + 1 + 64 + 16
+    decoder = SpecDecoder(target, draft, cache_tokens=max(args.batch_sizes + [2]) * per_request,
+                          tiers=tier_ladder(args.batch_sizes, args.gamma + 1), clock="thread")
+    prompts = prompt_windows("heldout", encode, args.prompts, args.prompt_len, args.seed + 2)
+    t0 = time.perf_counter()
+    data = collect(decoder, prompts, args.gamma, args.new_tokens, args.rows)
+    print(f"collected {args.prompts} x {args.new_tokens} starts in {time.perf_counter() - t0:.0f} s")
+    train = ~split_by_request(torch.arange(args.prompts), 0.25, args.seed)
+    est = OnlineAcceptanceEstimator(args.gamma, refit_every=args.refit_every)
+    online = train_estimator(est, data["feats"][train], data["accepted"][train])
+    rows, temps = calibration_report(data, train, est, online, args.bootstrap, args.seed)
+    models = ("estimator", "estimator_online", "prior", "head_sts", "head_raw")
+    print(f"held-out AUROC / ECE [{LEVEL:.0%} bootstrap CI over requests], {int((~train).sum())} held-out requests")
+    print(f"{'k':>2} {'event':<11} {'rows':>5} {'acc':>5}  " + "  ".join(f"{m:<26}" for m in models + ("margin",)))
+    for r in rows:
+        for metric in ("auroc", "ece_width"):
+            cells = [_cell(r[m], metric) for m in models] + [_cell(r["margin"], "auroc") if metric == "auroc" else
+                                                             "-"]
+            head = f"{r['position']:>2} {r['event']:<11} {r['rows']:>5} {r['accept_rate']:5.2f}" if metric == "auroc" \
+                else " " * 25
+            print(f"{head}  {metric:<5} " + "  ".join(f"{c:<26}" for c in cells))
+    summary = {"config": vars(args), "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                                                 "threads": 1},
+               "calibration": {"rows": rows, "sts_temperatures": temps, "estimator_parameters":
+                               est.parameters.tolist(), "estimator_refits": est.refits,
+                               "held_out_requests": int((~train).sum())}}
+    if not args.no_throughput:
+        est_serving = OnlineAcceptanceEstimator(args.gamma, refit_every=args.refit_every)
+        summary["throughput"] = throughput(decoder, encode, est_serving, temps, args)
+    summary["seconds"] = time.perf_counter() - t_start
+    write_json_atomic(args.out, _json_clean(summary))
+    print(f"wrote {args.out} ({summary['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
