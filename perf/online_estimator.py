@@ -66,7 +66,8 @@ def collect(decoder: SpecDecoder, prompts: torch.Tensor, gamma: int, new_tokens:
         c, logits, a = block_outcomes(decoder.draft, streams[sub: sub + rows], hidden[sub: sub + rows],
                                       prompts.shape[1], gamma, new_tokens)
         conf.append(c.cpu())
-        feats.append(draft_features(logits.flatten(0, 1)).unflatten(0, logits.shape[:2]).cpu())
+        reduced = logits.index_select(-1, decoder.draft.vocab_ids)  # the engine's input: same features, 1/12 the V
+        feats.append(draft_features(reduced.flatten(0, 1)).unflatten(0, logits.shape[:2]).cpu())
         accepted.append(a.cpu())
     return {"conf": torch.cat(conf), "feats": torch.cat(feats), "accepted": torch.cat(accepted)}
 

@@ -20,7 +20,8 @@ i.e. the conditional acceptance is the draft's own top-1 probability.
 
 Documented behaviour: a position whose logits hold NaN (or no finite entry) has non-finite features, so
 c = 0 there (as `calibrated_survival` does for non-finite logits) and it is never a label; -inf logits
-(masked vocabulary) are fine; the log-odds and the margin are capped at `FEATURE_CAP`; an empty batch gives empty outputs.
+(masked vocabulary) are fine; the log-odds and the margin are capped at `FEATURE_CAP`; an empty batch gives
+empty outputs.
 
 TP: with `parallel=ParallelConfig(tp_group=...)` every refit goes through
 `dspark.parallel.agreement.EstimatorAgreement`: tp_mode "broadcast" makes the group's first rank
@@ -162,7 +163,8 @@ class OnlineAcceptanceEstimator:
         """Confidence logits [B, gamma] float32 from `draft_features` [B, gamma, 3] (nothing kept for observe)."""
         want = (self.gamma, len(FEATURES))
         if check_tensor("features", features).dim() != 3 or tuple(features.shape[1:]) != want:
-            raise ValueError(f"features must be [B, {want[0]}, {want[1]}] (draft_features), got {tuple(features.shape)}")
+            raise ValueError(f"features must be [B, {want[0]}, {want[1]}] (draft_features), "
+                             f"got {tuple(features.shape)}")
         theta, f = self.parameters.to(features.device), features.to(torch.float64)
         z = theta[:, 0] + f[..., 0] * theta[:, 1]  # float64 in a fixed order, rounded once: the same bits on
         for j in range(2, theta.shape[1]):         # every device and for every batch a request sits in
