@@ -1,17 +1,17 @@
-"""STS calibration on data recorded from the reference engine (issue 6's "must show").
+"""STS calibration of the shipped draft's confidence head on SmolLM2 (issue 16's "must show").
 
-Loads the cached engine models and records greedy STS rows (fixed gamma, every draft verified, so nothing
-is censored) on held-out prompts: by default with the teacher-forced recorder at the decode loop's own
-step boundaries (`record_sts_teacher_forced(starts="steps")`: the rows `record_sts` would record, tests
-check it, for thousands of requests in a minute), `--starts all` for every start, `--recorder decode` for
-the decode loop itself. Fits per-position temperatures (NLL; `--ece-fit` also the design note's ECE grid)
-on 3/4 of the requests and prints, per draft position and event (cumulative survival, conditional),
-on the held-out quarter: rows, ECE (equal-width and equal-mass) before / after calibration next to the ECE
-noise floor of a perfectly calibrated predictor with the same probabilities, and the AUROC of the head
-next to the top-2 draft logit margin baseline with bootstrap intervals.
-Writes perf/results/engine_calibration.json.
+Loads SmolLM2 and its shipped draft and records greedy STS rows (fixed gamma, every draft verified, so
+nothing is censored) on held-out prompts with the teacher-forced recorder: by default at every start
+(`record_sts_teacher_forced(starts="all")`: ~tau times the rows of the same decoding work, which a
+per-position ECE near 1 % needs), `--starts steps` at the decode loop's own step boundaries (the rows
+`record_sts` would record, tests check it), `--recorder decode` with the decode loop itself. Fits
+per-position temperatures (NLL; `--ece-fit` also the design note's ECE grid) on 3/4 of the requests and
+prints, per draft position and event (cumulative survival, conditional), on the held-out quarter: rows,
+ECE (equal-width and equal-mass) before / after calibration next to the ECE noise floor of a perfectly
+calibrated predictor with the same probabilities, and the AUROC of the head next to the top-2 draft
+logit margin baseline with bootstrap intervals. Writes perf/results/engine_calibration.json.
 
-    PYTHONPATH=. python perf/engine_calibration.py [--prompts 4096] [--new-tokens 88] [--gamma 6]
+    PYTHONPATH=. python perf/engine_calibration.py [--prompts 1024] [--new-tokens 32] [--gamma 4]
 """
 from __future__ import annotations
 
@@ -63,20 +63,20 @@ def _row(pos: dict, event: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recorder", choices=("teacher_forced", "decode"), default="teacher_forced")
-    ap.add_argument("--starts", choices=STARTS, default="steps", help="teacher-forced recorder: rows recorded")
+    ap.add_argument("--starts", choices=STARTS, default="all", help="teacher-forced recorder: rows recorded")
     ap.add_argument("--prompts", type=int, default=None,
-                    help="held-out prompts recorded (requests); default 4096 (teacher_forced), 128 (decode)")
-    ap.add_argument("--new-tokens", type=int, default=88, help="prompt-len + new-tokens + gamma + 1 <= 128")
+                    help="held-out prompts recorded (requests); default 1024 (teacher_forced), 128 (decode)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="prompt-len + new-tokens + gamma + 1 <= 128")
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--gamma", type=int, default=6)
+    ap.add_argument("--gamma", type=int, default=4, help="drafts per step (the demo's 4; the draft proposes up to 6)")
     ap.add_argument("--bootstrap", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ece-fit", action="store_true", help="also fit with the ECE grid search (held-out ECE only)")
     ap.add_argument("--out", default="perf/results/engine_calibration.json")
     args = ap.parse_args()
     if args.prompts is None:
-        args.prompts = 4096 if args.recorder == "teacher_forced" else 128
+        args.prompts = 1024 if args.recorder == "teacher_forced" else 128
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
