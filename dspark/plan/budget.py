@@ -166,12 +166,13 @@ def _decide(c: _Curves, budget: int) -> BudgetDecision:
                           torch.from_numpy(c.theta))
 
 
-def choose_budget(survival: Tensor, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
+def choose_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
     """argmax_b theta(b) over b in [0, #candidates], ties to the smaller b (hand in lagged survival).
 
-    The cost model must have been profiled at the config's W (`check_cost_model`)."""
+    The cost model must have been profiled at the config's W (`check_cost_model`). `survival` may be a
+    `HostSurvival` already on the host (the sync-free planner's lagged ring row)."""
     cfg = check_config(cfg)
-    c = _host_curves(survival, check_cost_model(cost_model, width=cfg.width), cfg)
+    c = _curves(_host_values(survival, cfg), check_cost_model(cost_model, width=cfg.width), cfg)
     return _decide(c, int(np.argmax(c.theta)))
 
 

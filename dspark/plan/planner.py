@@ -37,6 +37,7 @@ from dspark.parallel import DpTier, ParallelAgreement, ParallelConfig
 from dspark.plan.allocate import allocate_verify_lens
 from dspark.plan.budget import (
     BudgetDecision,
+    HostSurvival,
     check_config,
     choose_budget,
     greedy_budget,
@@ -175,8 +176,10 @@ class VerifyPlanner:
         curves = theta_curves_torch(live if lagged is None else lagged, seconds, cfg.floor, cfg.cap, cfg.survival_eps)
         chosen = curves.greedy if lagged is None else curves.budget
         live_valid = (live[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum()
-        picked = torch.stack([chosen.to(torch.float64), curves.num_valid.to(torch.float64),
-                              live_valid.to(torch.float64), curves.tau[chosen], seconds[chosen], curves.theta[chosen]])
+        at = chosen.reshape(1)  # a tensor index (tau[chosen] would read `chosen` on the host)
+        counts = torch.stack([chosen, curves.num_valid, live_valid]).to(torch.float64)
+        picked = torch.cat([counts, curves.tau.index_select(0, at), seconds.index_select(0, at),
+                            curves.theta.index_select(0, at)])
         budget, num_valid, valid, tau, step_seconds, theta = boundary.to_host(picked).tolist()
         n = int(num_valid) + 1
         decision = BudgetDecision(int(budget), tau, step_seconds, theta, b * cfg.floor + int(budget),
@@ -188,7 +191,7 @@ class VerifyPlanner:
         lagged = self._next_row.read(slots, generations)
         self.ring.write(slots, generations, survival)
         self._next_row = self.ring.next_row_to_host()
-        decision = choose_budget(lagged, self.cost_model, self.cfg)
+        decision = choose_budget(HostSurvival(lagged), self.cost_model, self.cfg)
         b, floor = survival.shape[0], self.cfg.floor
         tier = round_up_to_tier(b * floor + decision.budget, self.tiers) if self.tiers else None
         offered = decision.budget if tier is None else tier - b * floor

@@ -135,21 +135,21 @@ def monotone_survival(survival: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class HostRingRow:
-    """A host copy of one lag-ring row in flight (`SurvivalLagRing.next_row_to_host`)."""
+    """A host copy of one lag-ring row in flight (`SurvivalLagRing.next_row_to_host`): numpy views of the
+    ring's host buffers, valid until the next `next_row_to_host`."""
 
-    values: Tensor              # [num_slots, gamma] float32, CPU
-    stamps: Tensor              # [num_slots] int64 generation stamps, CPU
+    values: np.ndarray          # [num_slots, gamma] float32
+    stamps: np.ndarray          # [num_slots] int64 generation stamps
     event: object | None        # CUDA event recorded after the copy (None: the copy was synchronous)
 
-    def read(self, slots: Tensor, generations: Tensor) -> Tensor:
-        """Lagged survival [B, gamma] (CPU) for these slots, all-ones where stale or reused: what
+    def read(self, slots: Tensor, generations: Tensor) -> np.ndarray:
+        """Lagged survival [B, gamma] float32 (host) for these slots, all-ones where stale or reused: what
         `SurvivalLagRing.read` returns at the next step, bit for bit, read without a device sync."""
         if self.event is not None:
             self.event.synchronize()  # enqueued a step ago: done by the time the step's commit read returned
         slots, gens = slots.cpu().numpy(), generations.cpu().numpy()
-        vals = self.values.numpy()[slots]
-        fresh = self.stamps.numpy()[slots] == gens
-        return torch.from_numpy(np.where(fresh[:, None], vals, np.float32(1)))
+        fresh = self.stamps[slots] == gens
+        return np.where(fresh[:, None], self.values[slots], np.float32(1))
 
 
 class SurvivalLagRing:
@@ -167,6 +167,7 @@ class SurvivalLagRing:
         self._values = torch.ones(lag, num_slots, gamma, dtype=torch.float32, device=device)
         self._stamps = torch.full((lag, num_slots), -1, dtype=torch.int64, device=device)
         self._cursor = 0
+        self._host_row: tuple[Tensor, Tensor, np.ndarray, np.ndarray] | None = None
 
     def _check(self, slots: Tensor, generations: Tensor, survival: Tensor | None) -> None:
         check_tensor("slots", slots)
@@ -218,17 +219,19 @@ class SurvivalLagRing:
         """Start copying the ring row the next `exchange` reads (values and generation stamps) to the host,
         without waiting for it: what the sync-free planner budgets the next step from. On CUDA the copy
         goes to pinned memory behind an event; the step's commit-length read waits for it anyway."""
-        row = self._cursor
         pin = self._values.device.type == "cuda"
-        values = torch.empty(self._values.shape[1:], dtype=self._values.dtype, pin_memory=pin)
-        stamps = torch.empty(self._stamps.shape[1:], dtype=self._stamps.dtype, pin_memory=pin)
-        values.copy_(self._values[row], non_blocking=pin)
-        stamps.copy_(self._stamps[row], non_blocking=pin)
+        if self._host_row is None:  # host buffers and their numpy views, made once
+            values = torch.empty(self._values.shape[1:], dtype=self._values.dtype, pin_memory=pin)
+            stamps = torch.empty(self._stamps.shape[1:], dtype=self._stamps.dtype, pin_memory=pin)
+            self._host_row = (values, stamps, values.numpy(), stamps.numpy())
+        values, stamps, values_np, stamps_np = self._host_row
+        values.copy_(self._values[self._cursor], non_blocking=pin)
+        stamps.copy_(self._stamps[self._cursor], non_blocking=pin)
         event = None
         if pin:
             event = torch.cuda.Event()
             event.record()
-        return HostRingRow(values, stamps, event)
+        return HostRingRow(values_np, stamps_np, event)
 
     def _read(self, slots: Tensor, generations: Tensor) -> Tensor:
         slots = slots.to(self._values.device, torch.long)

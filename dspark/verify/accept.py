@@ -45,28 +45,32 @@ class AcceptResult:
 
 
 def accept_greedy(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tensor,
-                  layout: RaggedVerifyLayout | None = None) -> AcceptResult:
+                  layout: RaggedVerifyLayout | None = None, check: bool = True) -> AcceptResult:
     """Greedy accept: drafts match the target argmax until the first miss; capped to verify_len - 1.
 
     draft_tokens [B, gamma] int; target_logits strided [B, gamma + 1, V], or packed [rows, V] with the
     layout of the forward that produced them; verify_lens [B] int in [1, gamma + 1] (<= the layout's).
+    check=False skips the data checks (lengths in range, draft ids in the vocabulary: one host read) for a
+    step whose lengths and drafts the engine made itself; shapes are still checked. Then no host read
+    happens and the whole call compiles with `fullgraph=True` (tests/test_compile_verify_path.py).
     """
-    vl, row_start = _check_common(draft_tokens, target_logits, verify_lens, layout, "target_logits")
+    vl, row_start = _check_common(draft_tokens, target_logits, verify_lens, layout, "target_logits", check)
     correct, bonus = _k.greedy(draft_tokens, target_logits, vl, row_start)
     return _result(draft_tokens, correct, bonus, vl)
 
 
 def accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, verify_lens: Tensor,
                     generator: torch.Generator | None = None,
-                    layout: RaggedVerifyLayout | None = None) -> AcceptResult:
+                    layout: RaggedVerifyLayout | None = None, check: bool = True) -> AcceptResult:
     """Rejection-sampling accept (lossless: committed tokens follow the target), capped to verify_len - 1.
 
     draft_probs [B, gamma, V]: the distributions the drafts were sampled from; target_probs strided
     [B, gamma + 1, V] or packed [rows, V] with its layout. The uniforms ([B, W]: one accept test per
     draft, one for the final draw) are drawn here from `generator`, so equal generators give equal
-    results on every rank and on every backend.
+    results on every rank and on every backend. check=False skips the data checks of `accept_greedy` and
+    the probability-row checks (their host reads).
     """
-    vl, row_start = _check_common(draft_tokens, target_probs, verify_lens, layout, "target_probs")
+    vl, row_start = _check_common(draft_tokens, target_probs, verify_lens, layout, "target_probs", check)
     check_type("generator", generator, torch.Generator, optional=True)
     b, gamma = draft_tokens.shape
     if check_tensor("draft_probs", draft_probs).shape != (b, gamma, target_probs.shape[-1]):
@@ -74,9 +78,10 @@ def accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Ten
             f"draft_probs must be [B={b}, gamma={gamma}, V={target_probs.shape[-1]}], "
             f"got {tuple(draft_probs.shape)}"
         )
-    verified = torch.arange(gamma + 1, device=vl.device)[None, :] < vl[:, None]
-    _check_probs("target_probs", _row_stats(target_probs, row_start, gamma + 1), verified)
-    _check_probs("draft_probs", _row_stats(draft_probs, None, gamma), verified[:, 1:])
+    if check:
+        verified = torch.arange(gamma + 1, device=vl.device)[None, :] < vl[:, None]
+        _check_probs("target_probs", _row_stats(target_probs, row_start, gamma + 1), verified)
+        _check_probs("draft_probs", _row_stats(draft_probs, None, gamma), verified[:, 1:])
     uniforms = _uniforms(b, gamma + 1, generator, draft_tokens.device)
     correct, bonus = _k.sampling(draft_tokens, draft_probs, target_probs, vl, row_start, uniforms)
     return _result(draft_tokens, correct, bonus, vl)
@@ -108,8 +113,9 @@ def _result(draft: Tensor, correct: Tensor, bonus: Tensor, verify_lens: Tensor) 
 # ---------------------------------------------------------------- validation (API boundary; syncs)
 
 def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: RaggedVerifyLayout | None,
-                  name: str) -> tuple[Tensor, Tensor | None]:
-    """Validate shapes, lengths and draft ids; return int32 verify_lens and the packed row starts."""
+                  name: str, data: bool) -> tuple[Tensor, Tensor | None]:
+    """Validate shapes, and with `data` lengths and draft ids; return int32 verify_lens and the packed row
+    starts."""
     if not isinstance(draft, Tensor) or draft.dim() != 2 or draft.dtype.is_floating_point:
         raise TypeError(f"draft_tokens must be an integer [B, gamma] tensor, got {_desc(draft)}")
     b, gamma = draft.shape
@@ -129,12 +135,16 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
     else:
         if layout.num_requests != b:
             raise ValueError(f"layout has {layout.num_requests} requests, draft_tokens has {b}")
-        if target.dim() != 2 or target.shape[0] < layout.total_rows:
-            raise ValueError(f"packed {name} must be [rows >= {layout.total_rows}, V], got {tuple(target.shape)}")
+        rows = layout.total_rows if layout.total_rows is not None else layout.graph_num_tokens
+        if target.dim() != 2 or target.shape[0] < rows:
+            raise ValueError(f"packed {name} must be [rows >= {rows}, V], got {tuple(target.shape)}")
         row_start = layout.qo_indptr[:-1].to(draft.device)
     vocab = target.shape[-1]
     if vocab < 1:
         raise ValueError(f"{name} has an empty vocabulary: shape {tuple(target.shape)}")
+    check_type("check", data, bool)
+    if not data:
+        return vl, row_start
     # every data check below in one host read; the first failing one is then named in order
     bad_len = (vl < 1) | (vl > w)
     over = vl > layout.verify_lens.to(vl.device) if layout is not None else torch.zeros_like(bad_len)

@@ -1,0 +1,170 @@
+"""A verify step reads the device on the host only through `dspark.verify.boundary.to_host`, at most twice
+(the planner's decision that fixes the rows, then the commit lengths), and once with sync-free planning.
+
+On the CPU a host read is no sync, so the test counts the operations that would be one on a device: every
+`.item / .tolist / .cpu / .numpy / __bool__ / __int__ / __float__ / __index__` on a tensor (a
+TorchFunctionMode) and every `aten._local_scalar_dense` (a TorchDispatchMode, for reads made in C++).
+Reads of `slots` / `generations` (host-side scheduling data) and the cost model's own tables (`dspark.cost`
+keeps them on the host) are not device reads and are not counted.
+The device path is forced on the CPU with `DSPARK_KERNEL_BACKEND=torch` (the torch references).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner, accept_greedy
+from dspark.kernels import dispatch
+from dspark.verify import boundary
+
+GAMMA, SLOTS = 5, 16
+TIERS = (8, 16, 32, 64, 96)
+READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+         torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+def _in_cost_model() -> bool:
+    """True when the read is made by `dspark.cost`: cost models keep their tables on the host by design."""
+    frame = sys._getframe(2)
+    return frame is not None and f"dspark{os.sep}cost{os.sep}" in frame.f_code.co_filename
+
+
+class HostReads(TorchFunctionMode):
+    """Counts host reads of tensors outside `exempt` (function level); `inside` suppresses nested counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.where, self.inside, self.exempt = 0, [], 0, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in READS and not self.inside and not any(a is e for a in args[:1] for e in self.exempt) \
+                and not _in_cost_model():
+            self.count += 1
+            self.where.append(getattr(func, "__name__", str(func)))
+        self.inside += func in READS
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.inside -= func in READS
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts `aten._local_scalar_dense` calls that no counted (or exempt) function-level read made."""
+
+    def __init__(self, functions: HostReads) -> None:
+        super().__init__()
+        self.functions, self.count = functions, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not self.functions.inside:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting(monkeypatch):
+    """(HostReads, ScalarReads, boundary calls list) with `boundary.to_host` wrapped: its own reads are the
+    boundary's, counted there, not as stray reads."""
+    calls = []
+    real = boundary.to_host
+    functions = HostReads()
+
+    def to_host(values):
+        calls.append(tuple(values.shape))
+        functions.inside += 1
+        try:
+            return real(values)
+        finally:
+            functions.inside -= 1
+
+    monkeypatch.setattr(boundary, "to_host", to_host)
+    scalars = ScalarReads(functions)
+    with functions, scalars:
+        yield functions, scalars, calls
+
+
+def cost() -> AdditiveCostModel:
+    return AdditiveCostModel(2e-3, [1, 16], [0.0, 1e-3], [0, 8, 40], [0.0, 0.4e-3, 8e-3])
+
+
+def batches(steps: int, device, seed: int = 0):
+    """Per step: (logits [B, gamma], slots, generations, draft tokens, strided target logits) of a random batch."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        b = int(torch.randint(1, 12, (1,), generator=g))
+        slots = torch.randperm(SLOTS, generator=g)[:b]
+        gens = torch.randint(0, 2, (b,), generator=g)
+        z = (torch.randn(b, GAMMA, generator=g) * 3 + 1).to(device)
+        draft = torch.randint(0, 9, (b, GAMMA), generator=g).to(device)
+        target = torch.randn(b, GAMMA + 1, 9, generator=g).to(device)
+        yield z, slots, gens, draft, target
+
+
+def one_step(planner, z, slots, gens, draft, target, reads):
+    """Plan, pack the target rows as the forward would leave them, accept, read the commit lengths."""
+    reads.exempt = {slots, gens}
+    plan = planner.plan(z, slots, gens)
+    layout = plan.layout
+    packed = target.reshape(-1, target.shape[-1]).index_select(
+        0, (layout.row_slot.clamp(max=z.shape[0] - 1) * (GAMMA + 1) + layout.row_within).to(torch.int64))
+    result = accept_greedy(draft, packed, plan.verify_lens, layout=layout, check=False)
+    return boundary.to_host(result.commit_lens)
+
+
+@pytest.mark.parametrize("lag,sync_free,tiers,per_step", [
+    (1, False, None, 2), (1, False, TIERS, 2), (0, False, TIERS, 2), (2, False, TIERS, 2),
+    (1, True, TIERS, 1), (2, True, TIERS, 1)])
+def test_a_step_reads_the_host_only_through_the_boundary(lag, sync_free, tiers, per_step, device, monkeypatch):
+    if device.type == "cpu":
+        monkeypatch.setenv(dispatch.BACKEND_ENV, "torch")  # the device path, on the CPU
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), lag=lag, tiers=tiers, num_slots=SLOTS,
+                            graph_slots=12 + 96 // (GAMMA + 1), device=device, sync_free=sync_free)
+    steps = list(batches(40, device))
+    for step in steps:  # warm-up: the cost model's platform check; each batch size's seconds curve, read once
+        one_step(planner, *step, HostReads())  # from the host-side cost table and cached on the device
+    for z, slots, gens, draft, target in steps:
+        with counting(monkeypatch) as (functions, scalars, calls):
+            commit = one_step(planner, z, slots, gens, draft, target, functions)
+        assert functions.count == 0 and scalars.count == 0, functions.where
+        assert len(calls) == per_step, calls
+        assert calls[-1] == (z.shape[0],) and commit.shape == (z.shape[0],)
+
+
+def test_the_counter_sees_a_stray_read(device, monkeypatch):
+    """The counting modes are not blind: a `.item()` and an `int()` outside the boundary are both caught."""
+    x = torch.arange(3, device=device)
+    with counting(monkeypatch) as (functions, scalars, calls):
+        x.sum().item()
+        int(x[1])
+        boundary.to_host(x)
+    assert functions.count == 2 and scalars.count == 0 and calls == [(3,)], functions.where
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sync_free,per_step", [(False, 2), (True, 1)])
+def test_cuda_step_syncs_only_at_the_boundary(sync_free, per_step, device, monkeypatch):
+    """On a GPU the same steps synchronize exactly as often as they call the boundary."""
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), lag=1, tiers=TIERS, num_slots=SLOTS,
+                            graph_slots=12 + 96 // (GAMMA + 1), device=device, sync_free=sync_free)
+    steps = list(batches(12, device))
+    for step in steps:
+        one_step(planner, *step, HostReads())
+    torch.cuda.synchronize()
+    for z, slots, gens, draft, target in steps:
+        with warnings.catch_warnings(record=True) as seen, counting(monkeypatch) as (functions, _, calls):
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                one_step(planner, z, slots, gens, draft, target, functions)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchronizing CUDA operation" in str(w.message) for w in seen)
+        assert len(calls) == per_step and syncs <= per_step, [str(w.message) for w in seen]
