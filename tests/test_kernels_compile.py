@@ -10,6 +10,7 @@ constexprs here as they are at launch.
 `test_every_kernel_has_a_compile_case` keeps new kernels from skipping this.
 """
 import ast
+import inspect
 import os
 import subprocess
 import sys
@@ -110,32 +111,47 @@ def compile_all() -> list[str]:
     from triton.compiler import ASTSource
 
     done = []
-    for kernel, types, constexprs, options in CASES:
-        src = ASTSource(fn=kernel, signature=_sig(kernel, types, constexprs), constexprs=constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        name = kernel.fn.__name__
-        assert compiled.asm["cubin"], name
-        assert compiled.metadata.shared <= SM90_MAX_SHARED, (name, constexprs, compiled.metadata.shared)
-        done.append(name)
+    for kernel, types, case_constexprs, options in CASES:
+        defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+        # kernels with the fp32-compare switch (dspark.kernels.compare) compile in both forms
+        for fp32 in (False, True) if "FP32" in defaults else (None,):
+            constexprs = {**defaults, **case_constexprs, **({} if fp32 is None else {"FP32": fp32})}
+            src = ASTSource(fn=kernel, signature=_sig(kernel, types, constexprs), constexprs=constexprs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            name = kernel.fn.__name__
+            assert compiled.asm["cubin"], name
+            assert compiled.metadata.shared <= SM90_MAX_SHARED, (name, constexprs, compiled.metadata.shared)
+            done.append(name + ("+fp32" if fp32 else ""))
     return done
 
 
-def _jit_kernels(path: Path) -> set[str]:
-    """@triton.jit functions of a module that are launched (`f[grid](...)`) or called by no other jit function."""
+def _jit_functions(path: Path) -> dict[str, ast.FunctionDef]:
     tree = ast.parse(path.read_text())
-    jit = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-           and any(ast.unparse(getattr(d, "func", d)) in ("triton.jit", "jit") for d in f.decorator_list)}
+    return {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+            and any(ast.unparse(getattr(d, "func", d)) in ("triton.jit", "jit") for d in f.decorator_list)}
+
+
+def _called_by_jit(paths: list[Path]) -> set[str]:
+    """Names called (`f(...)` or `module.f(...)`) inside the jit functions of these modules."""
+    return {n.func.id if isinstance(n.func, ast.Name) else n.func.attr for p in paths
+            for f in _jit_functions(p).values() for n in ast.walk(f)
+            if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+
+
+def _jit_kernels(path: Path, called: set[str]) -> set[str]:
+    """@triton.jit functions of a module that are launched (`f[grid](...)`) or called by no jit function."""
+    tree = ast.parse(path.read_text())
     launched = {n.func.value.id for n in ast.walk(tree) if isinstance(n, ast.Call)
                 and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name)}
-    called = {n.func.id for f in jit.values() for n in ast.walk(f)
-              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    return {name for name in jit if name in launched or name not in called}
+    return {name for name in _jit_functions(path) if name in launched or name not in called}
 
 
 def test_every_kernel_has_a_compile_case():
     root = KERNELS_DIR.parents[1]
-    found = {(".".join(p.relative_to(root).with_suffix("").parts), name)
-             for p in KERNELS_DIR.rglob("*.py") for name in _jit_kernels(p)}
+    paths = sorted(KERNELS_DIR.rglob("*.py"))
+    called = _called_by_jit(paths)
+    found = {(".".join(p.relative_to(root).with_suffix("").parts), name) for p in paths
+             for name in _jit_kernels(p, called)}
     covered = {(kernel.fn.__module__, kernel.fn.__name__) for kernel, _, _, _ in CASES}
     assert found, KERNELS_DIR
     assert found <= covered, f"Triton kernels without a compile case in CASES: {sorted(found - covered)}"
@@ -148,7 +164,8 @@ def test_kernels_compile_for_sm90():
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == [kernel.fn.__name__ for kernel, _, _, _ in CASES]
+    forms = [(k.fn.__name__, "FP32" in inspect.signature(k.fn).parameters) for k, _, _, _ in CASES]
+    assert out.stdout.split() == [n for name, fp32 in forms for n in (name, name + "+fp32")[: 1 + fp32]]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ section 1); `check_kernel_source` flags sources that would not port:
   kind disagrees with its use of `tl.dot` (through the jit helpers of its module).
 
 The checker sees names, not types: an int64 pointer handed to an atomic is caught by the kernel's tests
-under `--device npu`, not here.
+under `--device npu`, not here. `integer_compares()` lists the compares of every kernel's inner loops (the
+persistent loop, the loops inside it, and those of the jit helpers) and whether each runs as fp32 on the
+Ascend-shaped launch (`dspark.kernels.compare`) or stays integer (scalar code on the 910C); it infers
+float operands from the source (float literals, `tl.float32` casts, `tl.dot` / exp / log results and names
+assigned from them).
 """
 from __future__ import annotations
 
@@ -81,6 +85,106 @@ def check_kernel_source(source: str, path: str = "<string>") -> list[KernelViola
                                            f"use dispatch.grid(n, device, {name})"))
     out += _check_kinds([fn for fn in kernels if fn.name in launched], kernels, path)
     return sorted(out, key=lambda v: (v.line, v.rule))
+
+
+@dataclass(frozen=True)
+class LoopCompare:
+    """One compare in a kernel's inner loop: fp32 on the Ascend-shaped launch, or integer (what remains)."""
+
+    path: str
+    line: int
+    kernel: str
+    text: str
+    fp32: bool
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.kernel}: {'fp32' if self.fp32 else 'int '} {self.text}"
+
+
+_FP32_HELPERS = ("lt", "le", "first_where", "last_where")   # dspark.kernels.compare, under the FP32 switch
+_FLOAT_CALLS = ("dot", "exp", "exp2", "log", "log2", "sqrt")
+
+
+def integer_compares(directory: str | Path | None = None) -> list[LoopCompare]:
+    """Every compare in the inner loops of the kernels under `directory` (default dspark.kernels)."""
+    import dspark.kernels
+
+    root = Path(directory) if directory is not None else Path(dspark.kernels.__file__).parent
+    out: list[LoopCompare] = []
+    for p in sorted(root.glob("*.py")):
+        tree = ast.parse(p.read_text(), filename=str(p))
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and any(_is_jit(d) for d in fn.decorator_list):
+                out += _loop_compares(fn, str(p))
+    return out
+
+
+def _loop_compares(fn: ast.FunctionDef, path: str) -> list[LoopCompare]:
+    floats = _float_names(fn)
+    seen: dict[int, LoopCompare] = {}
+    for loop in ast.walk(fn):
+        if not isinstance(loop, ast.For):
+            continue
+        for node in (n for stmt in loop.body for n in ast.walk(stmt)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in _FP32_HELPERS and ast.unparse(node.func.value) == "cmp":
+                seen[id(node)] = LoopCompare(path, node.lineno, fn.name, ast.unparse(node), True)
+            elif isinstance(node, ast.Compare) and not _inside_fp32_helper(node, loop):
+                fp32 = any(_is_float(e, floats) for e in (node.left, *node.comparators))
+                seen[id(node)] = LoopCompare(path, node.lineno, fn.name, ast.unparse(node), fp32)
+    return sorted(seen.values(), key=lambda c: (c.line, c.text))
+
+
+def _inside_fp32_helper(node: ast.AST, loop: ast.For) -> bool:
+    return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in _FP32_HELPERS
+               and any(n is node for n in ast.walk(c)) for c in ast.walk(loop))
+
+
+def _float_names(fn: ast.FunctionDef) -> set[str]:
+    """Names every assignment of which (in fn) is a float expression: the greatest fixpoint (a name that
+    feeds itself, `m = tl.maximum(m, x)`, stays float unless one of its assignments is not)."""
+    assigns: dict[str, list[ast.AST]] = {}
+    for n in ast.walk(fn):
+        if isinstance(n, (ast.Assign, ast.AugAssign)):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                if isinstance(t, ast.Name):
+                    assigns.setdefault(t.id, []).append(n.value)
+    floats = set(assigns)
+    while True:
+        drop = {k for k in floats if not all(_is_float(v, floats) for v in assigns[k])}
+        if not drop:
+            return floats
+        floats -= drop
+
+
+def _is_float(e: ast.AST, floats: set[str]) -> bool:
+    """Whether an expression is a float tensor (compares and casts to ints are not)."""
+    if isinstance(e, ast.Constant):
+        return isinstance(e.value, float)
+    if isinstance(e, ast.Name):
+        return e.id in floats
+    if isinstance(e, ast.BinOp):
+        return _is_float(e.left, floats) or _is_float(e.right, floats)
+    if isinstance(e, ast.UnaryOp):
+        return _is_float(e.operand, floats)
+    if isinstance(e, ast.Subscript):
+        return _is_float(e.value, floats)
+    if not isinstance(e, ast.Call):
+        return False
+    name = _tl_name(e.func) or (e.func.attr if isinstance(e.func, ast.Attribute) else None)
+    if name == "to":
+        return ast.unparse(e.args[0]) in ("tl.float32", "tl.float16", "tl.bfloat16") if e.args else False
+    if name in _FLOAT_CALLS or name == "key_as_float":
+        return True
+    if name in ("zeros", "full", "ones"):
+        return any(k.arg == "dtype" and "float" in ast.unparse(k.value) for k in e.keywords) or any(
+            "float" in ast.unparse(a) for a in e.args[1:])
+    if name == "where":
+        return any(_is_float(a, floats) for a in e.args[1:])
+    if name == "load":
+        return False
+    return any(_is_float(a, floats) for a in e.args) or (
+        isinstance(e.func, ast.Attribute) and _is_float(e.func.value, floats))
 
 
 def check_kernel_modules(directory: str | Path | None = None) -> dict[str, list[KernelViolation]]:

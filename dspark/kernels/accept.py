@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
-from dspark.kernels._triton import constexpr, jit, tl, triton
+from dspark.kernels._triton import jit, tl, triton
 
 REF_CHUNK = 4096  # vocabulary entries per step of the reference's final draw
-_BIG = constexpr(2**30)  # "no index" sentinel, above any vocabulary index
 
 
 def vocab_block(vocab: int) -> int:
@@ -71,19 +71,21 @@ def _first_miss(draft: Tensor, match: Tensor, token_at: Tensor, verify_lens: Ten
 
 
 @jit
-def _row_argmax(row_ptr, n, stride_v, BLOCK_V: tl.constexpr):
-    """torch.argmax of one row: first maximum, NaN above everything (first NaN); reads n entries."""
+def _row_argmax(row_ptr, n, stride_v, BLOCK_V: tl.constexpr, FP32: tl.constexpr):
+    """torch.argmax of one row: first maximum, NaN above everything (first NaN); reads n entries. FP32: the
+    vocabulary loop's index compares and reductions in exact fp32 (`compare`)."""
     best_val = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.zeros([], dtype=tl.int32)
     best_nan = tl.zeros([], dtype=tl.int32)
     for v0 in range(0, n, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=offs < n, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_v, mask=cmp.lt(offs, n, FP32),
+                    other=float("-inf")).to(tl.float32)
         isn = x != x
-        first_nan = tl.min(tl.where(isn, offs, _BIG), 0)
+        first_nan = cmp.first_where(isn, offs, FP32)
         m = tl.max(tl.where(isn, float("-inf"), x), 0)
-        first_max = tl.min(tl.where(x == m, offs, _BIG), 0)
-        take_nan = (first_nan < _BIG) & (best_nan == 0)
+        first_max = cmp.first_where(x == m, offs, FP32)
+        take_nan = (first_nan < cmp.NONE) & (best_nan == 0)
         take_max = (m > best_val) & (best_nan == 0)
         best_idx = tl.where(take_nan, first_nan, tl.where(take_max, first_max, best_idx))
         best_val = tl.where(take_max, m, best_val)
@@ -106,7 +108,7 @@ def _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED: tl.constex
 @jit
 def _greedy_kernel(draft_ptr, logits_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr, num_requests, vocab,
                    d_stride_b, d_stride_g, stride_req, stride_row, stride_v,
-                   PACKED: tl.constexpr, BLOCK_V: tl.constexpr):
+                   PACKED: tl.constexpr, BLOCK_V: tl.constexpr, FP32: tl.constexpr = False):
     for item in tl.range(tl.program_id(0), num_requests, tl.num_programs(0)):
         r, vl, base = _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED)
         correct = vl - 1
@@ -115,7 +117,7 @@ def _greedy_kernel(draft_ptr, logits_ptr, vl_ptr, start_ptr, correct_ptr, bonus_
         for i in range(0, vl):
             # after the first miss the row loop reads nothing (n = 0)
             idx = _row_argmax(logits_ptr + base + i * stride_row, tl.where(done == 0, vocab, 0), stride_v,
-                              BLOCK_V)
+                              BLOCK_V, FP32)
             d = tl.load(draft_ptr + r * d_stride_b + i * d_stride_g, mask=i < vl - 1, other=-1)
             stop = tl.where(done == 0, idx != d, False)
             correct = tl.where(stop, i, correct)
@@ -140,7 +142,8 @@ def greedy_triton(draft: Tensor, target_logits: Tensor, verify_lens: Tensor, row
         _greedy_kernel[dispatch.grid(b, draft.device, _greedy_kernel)](
             draft, target_logits, verify_lens, verify_lens if row_start is None else row_start, correct, bonus,
             b, vocab, draft.stride(0), draft.stride(1), *_strides(target_logits, row_start),
-            PACKED=row_start is not None, BLOCK_V=vocab_block(vocab))
+            PACKED=row_start is not None, BLOCK_V=vocab_block(vocab),
+            FP32=dispatch.fp32_compares(draft.device, vocab + vocab_block(vocab)))
     return correct, bonus
 
 
@@ -222,7 +225,8 @@ def _last(c, BLOCK: tl.constexpr):
 def _sampling_kernel(draft_ptr, q_ptr, p_ptr, u_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr,
                      num_requests, vocab, d_stride_b, d_stride_g, q_stride_b, q_stride_g, q_stride_v,
                      stride_req, stride_row, stride_v, u_stride_b, last_col,
-                     PACKED: tl.constexpr, BLOCK_V: tl.constexpr):
+                     PACKED: tl.constexpr, BLOCK_V: tl.constexpr, FP32: tl.constexpr = False):
+    # FP32: the vocabulary loops' index compares and reductions in exact fp32 (`compare`)
     for item in tl.range(tl.program_id(0), num_requests, tl.num_programs(0)):
         r, vl, base = _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED)
         correct = vl - 1
@@ -239,23 +243,23 @@ def _sampling_kernel(draft_ptr, q_ptr, p_ptr, u_ptr, vl_ptr, start_ptr, correct_
         total_p = tl.zeros([], dtype=tl.float32)
         for v0 in range(0, vocab, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
-            p = tl.load(p_row + offs * stride_v, mask=offs < vocab, other=0.0).to(tl.float32)
-            q = tl.load(q_row + offs * q_stride_v, mask=offs < q_n, other=0.0).to(tl.float32)
+            p = tl.load(p_row + offs * stride_v, mask=cmp.lt(offs, vocab, FP32), other=0.0).to(tl.float32)
+            q = tl.load(q_row + offs * q_stride_v, mask=cmp.lt(offs, q_n, FP32), other=0.0).to(tl.float32)
             total_res += _last(tl.cumsum(tl.maximum(p - q, 0.0), 0), BLOCK_V)
             total_p += _last(tl.cumsum(p, 0), BLOCK_V)
         use_p = total_res <= 0.0
         target = tl.load(u_ptr + r * u_stride_b + last_col) * tl.where(use_p, total_p, total_res)
         prefix = tl.zeros([], dtype=tl.float32)
-        pick = tl.full([], _BIG, tl.int32)
+        pick = tl.full([], cmp.NONE, tl.int32)
         last_pos = tl.zeros([], dtype=tl.int32)
         for v0 in range(0, vocab, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
-            p = tl.load(p_row + offs * stride_v, mask=offs < vocab, other=0.0).to(tl.float32)
-            q = tl.load(q_row + offs * q_stride_v, mask=offs < q_n, other=0.0).to(tl.float32)
+            p = tl.load(p_row + offs * stride_v, mask=cmp.lt(offs, vocab, FP32), other=0.0).to(tl.float32)
+            q = tl.load(q_row + offs * q_stride_v, mask=cmp.lt(offs, q_n, FP32), other=0.0).to(tl.float32)
             wts = tl.where(use_p, p, tl.maximum(p - q, 0.0))
             c = prefix + tl.cumsum(wts, 0)
-            pick = tl.minimum(pick, tl.min(tl.where((c > target) & (wts > 0.0), offs, _BIG), 0))
-            last_pos = tl.maximum(last_pos, tl.max(tl.where(wts > 0.0, offs, 0), 0))
+            pick = tl.minimum(pick, cmp.first_where((c > target) & (wts > 0.0), offs, FP32))
+            last_pos = tl.maximum(last_pos, cmp.last_where(wts > 0.0, offs, FP32))
             prefix += _last(tl.cumsum(wts, 0), BLOCK_V)
         tl.store(correct_ptr + r, correct)
         tl.store(bonus_ptr + r, tl.minimum(pick, last_pos).to(tl.int64))
@@ -272,7 +276,8 @@ def sampling_triton(draft: Tensor, draft_probs: Tensor, target_probs: Tensor, ve
             draft, draft_probs, target_probs, uniforms, verify_lens,
             verify_lens if row_start is None else row_start, correct, bonus, b, vocab,
             draft.stride(0), draft.stride(1), *draft_probs.stride(), *_strides(target_probs, row_start),
-            uniforms.stride(0), gamma, PACKED=row_start is not None, BLOCK_V=vocab_block(vocab))
+            uniforms.stride(0), gamma, PACKED=row_start is not None, BLOCK_V=vocab_block(vocab),
+            FP32=dispatch.fp32_compares(draft.device, vocab + vocab_block(vocab)))
     return correct, bonus
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from dspark.kernels import _triton
+from dspark.kernels.compare import FP32_EXACT
 
 BACKEND_ENV = "DSPARK_KERNEL_BACKEND"
 _BACKENDS = ("auto", "triton", "torch")
@@ -122,14 +123,23 @@ def launch_policy(policy: str, num_cores: int | Mapping[str, int] | None = None)
         _policy = previous
 
 
+def _active(device: Any) -> tuple[str, dict[str, int] | None]:
+    if _policy is not None:
+        return _policy
+    return ("cores", None) if device.type == "npu" else ("work", None)
+
+
+def fp32_compares(device: Any, bound: int) -> bool:
+    """True when the kernels compare in exact fp32 (`dspark.kernels.compare`): an Ascend-shaped launch (the
+    `cores` policy: an NPU device, or forced) whose compared integers all stay below `bound` < 2**24."""
+    return _active(device)[0] == "cores" and bound < FP32_EXACT
+
+
 def grid(num_items: int, device: torch.device, kernel: Any) -> tuple[int]:
     """1-D grid for `num_items` persistent work items of `kernel` under the active launch policy (never 0):
     the items on CUDA / CPU, at most the cores of the kernel's kind on an NPU."""
     kind = _kind(kernel)
-    if _policy is not None:
-        policy, counts = _policy
-    else:
-        policy, counts = ("cores", None) if device.type == "npu" else ("work", None)
+    policy, counts = _active(device)
     if policy == "work":
         size = num_items
     else:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
 from dspark.kernels._triton import jit, tl, triton
 
@@ -155,11 +156,13 @@ def _ragged_attention_kernel(
     stride_bs, stride_bp,
     HAS_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP32: tl.constexpr = False,
 ):
     # One work item = (slot, kv head, kv split). Its query tile packs (row, head-in-group) pairs into
     # BLOCK_Q * BLOCK_G rows so every kv page is read once per tile for the whole GQA group. With NUM_SPLITS > 1
     # split s covers one contiguous share of the tile's kv range and writes a partial (out, lse) at o/lse + s *
-    # stride_os / stride_ls, merged by _merge_splits_kernel. qk_scale = sm_scale * log2(e).
+    # stride_os / stride_ls, merged by _merge_splits_kernel. qk_scale = sm_scale * log2(e). FP32: the kv loop's
+    # position compares in exact fp32 (`compare`; positions stay below the block table's span).
     offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
     m_row = offs_m // BLOCK_G
     m_head = offs_m % BLOCK_G
@@ -201,14 +204,14 @@ def _ragged_attention_kernel(
             acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
             for n0 in range(kv_lo, kv_hi, BLOCK_N):
                 pos = n0 + offs_n
-                pos_ok = pos < kv_hi
+                pos_ok = cmp.lt(pos, kv_hi, FP32)
                 page = tl.load(bt_row + (pos // page_size) * stride_bp, mask=pos_ok, other=0).to(tl.int64)
                 off = pos % page_size
                 kv_ok = pos_ok[:, None] & d_ok[None, :]
                 k = tl.load(k_ptr + (page * stride_kp + off * stride_ko)[:, None] + k_cols[None, :],
                             mask=kv_ok, other=0.0).to(DOT_DTYPE)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-                s = tl.where((pos[None, :] < limit[:, None]) & real[:, None], s, float("-inf"))
+                s = tl.where(cmp.lt(pos[None, :], limit[:, None], FP32) & real[:, None], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])
@@ -326,6 +329,8 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
     # the Triton 3.9 interpreter computes bf16 tl.dot wrongly, so interpreted bf16 runs its dots in fp32
     interpreted_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
     dot_dtype = tl.float32 if q.dtype == torch.float32 or interpreted_bf16 else tl_dtype(q.dtype)
+    blocks = kernel_blocks(hq // hkv, d, meta.max_q, q.device)
+    span = meta.block_table.shape[1] * page_size + blocks["BLOCK_N"] + blocks["BLOCK_Q"]  # positions and limits
     _ragged_attention_kernel[dispatch.grid(n_items, q.device, _ragged_attention_kernel)](
         q, k_cache, v_cache, dst, dst_lse, meta.block_table,
         meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens,
@@ -334,7 +339,7 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
         *meta.block_table.stride(),
         HAS_LSE=lse is not None or split_kv is not None, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # exact fp32; backend default otherwise
-        **kernel_blocks(hq // hkv, d, meta.max_q, q.device),
+        FP32=dispatch.fp32_compares(q.device, span), **blocks,
     )
     if split_kv is not None:
         lse_arg, out_lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))

@@ -17,7 +17,8 @@ Flattening the window position-major (index i = j * B + r) makes the tie order s
     valid & (s > t  or  (s == t and i < cut))
 
 for one threshold key t and one cut index. Keys are the int32 bit patterns of the fp32 survival
-(non-negative floats order like their bits; invalid candidates get -1). The kernel finds t one hex
+(non-negative floats order like their bits; invalid candidates get -1; on the Ascend-shaped launch the
+compares of whole keys run on them as fp32, `compare.key_as_float`). The kernel finds t one hex
 digit at a time (8 passes, each counting the keys at or above 16 candidate prefixes with comparisons
 and int32 sums) and cut the same way over i: O(n (8 + log16 n)) work in one program, no sort, no int64
 atomics, no integer sort. Indices need n = B * C < 2**31.
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
 from dspark.kernels._triton import jit, tl, triton
 
@@ -87,9 +89,10 @@ def candidate_keys(survival: Tensor, floor: int, cap: int, eps: float) -> Tensor
 
 @dispatch.kernel_kind("vector")
 @jit
-def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr):
+def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr, FP32: tl.constexpr = False):
     """One work item: out = [t, cut]; t = key of the k-th best valid candidate (radix-16 select by
-    counting), cut = 1 + index of the last tie taken at t (0 when none)."""
+    counting), cut = 1 + index of the last tie taken at t (0 when none). FP32: every compare but the
+    radix digits' (key prefixes need all 31 bits) in exact fp32 (`compare`)."""
     d16 = tl.arange(0, 16)
     for _ in tl.range(tl.program_id(0), 1, tl.num_programs(0)):
         k_eff = k
@@ -98,42 +101,43 @@ def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr):
             counts = tl.zeros((16,), dtype=tl.int32)
             for start in range(0, n, BLOCK):
                 i = start + tl.arange(0, BLOCK)
-                u = tl.load(key_ptr + i, mask=i < n, other=-1)
+                u = tl.load(key_ptr + i, mask=cmp.lt(i, n, FP32), other=-1)
                 ge = (u >> (28 - 4 * level))[:, None] >= (t * 16 + d16)[None, :]
-                counts += tl.sum(((u >= 0)[:, None] & ge).to(tl.int32), axis=0)
+                counts += tl.sum(((cmp.key_as_float(u, FP32) >= 0)[:, None] & ge).to(tl.int32), axis=0)
             if level == 0:
                 k_eff = tl.minimum(k, tl.max(counts, axis=0))
-            digit = tl.sum((counts >= k_eff).to(tl.int32), axis=0) - 1
+            digit = tl.sum(cmp.le(k_eff, counts, FP32).to(tl.int32), axis=0) - 1
             t = tl.where(k_eff > 0, t * 16 + digit, t)
+        tf = cmp.key_as_float(t, FP32)
         need = k_eff
         for start in range(0, n, BLOCK):
             i = start + tl.arange(0, BLOCK)
-            u = tl.load(key_ptr + i, mask=i < n, other=-1)
-            need -= tl.sum((u > t).to(tl.int32), axis=0)
+            f = cmp.key_as_float(tl.load(key_ptr + i, mask=cmp.lt(i, n, FP32), other=-1), FP32)
+            need -= tl.sum((f > tf).to(tl.int32), axis=0)
         cut = tl.zeros((), dtype=tl.int32)
         for level in range(key_levels):
             counts = tl.zeros((16,), dtype=tl.int32)
             for start in range(0, n, BLOCK):
                 i = start + tl.arange(0, BLOCK)
-                u = tl.load(key_ptr + i, mask=i < n, other=-1)
-                le = (i >> (4 * (key_levels - 1 - level)))[:, None] <= (cut * 16 + d16)[None, :]
-                counts += tl.sum((((u == t) & (u >= 0))[:, None] & le).to(tl.int32), axis=0)
-            cut = cut * 16 + 16 - tl.sum((counts >= need).to(tl.int32), axis=0)
+                f = cmp.key_as_float(tl.load(key_ptr + i, mask=cmp.lt(i, n, FP32), other=-1), FP32)
+                le = cmp.le((i >> (4 * (key_levels - 1 - level)))[:, None], (cut * 16 + d16)[None, :], FP32)
+                counts += tl.sum((((f == tf) & (f >= 0))[:, None] & le).to(tl.int32), axis=0)
+            cut = cut * 16 + 16 - tl.sum(cmp.le(need, counts, FP32).to(tl.int32), axis=0)
         tl.store(out_ptr, t)
         tl.store(out_ptr + 1, tl.where(need > 0, cut + 1, 0))
 
 
 @dispatch.kernel_kind("vector")
 @jit
-def _lens_kernel(key_ptr, thr_ptr, lens_ptr, B, C, floor, BLOCK_C: tl.constexpr):
+def _lens_kernel(key_ptr, thr_ptr, lens_ptr, B, C, floor, BLOCK_C: tl.constexpr, FP32: tl.constexpr = False):
     """Per request (persistent loop): verify_len = F + #selected in its window column."""
-    t = tl.load(thr_ptr)
+    t = cmp.key_as_float(tl.load(thr_ptr), FP32)
     cut = tl.load(thr_ptr + 1)
     j = tl.arange(0, BLOCK_C)
     for r in tl.range(tl.program_id(0), B, tl.num_programs(0)):
         i = j * B + r
-        u = tl.load(key_ptr + i, mask=j < C, other=-1)
-        sel = (u >= 0) & ((u > t) | ((u == t) & (i < cut)))
+        u = cmp.key_as_float(tl.load(key_ptr + i, mask=cmp.lt(j, C, FP32), other=-1), FP32)
+        sel = (u >= 0) & ((u > t) | ((u == t) & cmp.lt(i, cut, FP32)))
         tl.store(lens_ptr + r, floor + tl.sum(sel.to(tl.int32), axis=0))
 
 
@@ -149,11 +153,12 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
         return lens.fill_(floor)
     keys = candidate_keys(survival, floor, cap, eps)
     thr = torch.empty(2, dtype=torch.int32, device=keys.device)
+    fp32 = dispatch.fp32_compares(keys.device, 2 * n + 1024)   # every index, prefix and count compared
     _threshold_kernel[dispatch.grid(1, keys.device, _threshold_kernel)](
-        keys, thr, n, k, (n.bit_length() + 3) // 4, BLOCK=min(1024, triton.next_power_of_2(n)),
+        keys, thr, n, k, (n.bit_length() + 3) // 4, BLOCK=min(1024, triton.next_power_of_2(n)), FP32=fp32,
     )
     _lens_kernel[dispatch.grid(b, keys.device, _lens_kernel)](
-        keys, thr, lens, b, c, floor, BLOCK_C=triton.next_power_of_2(c))
+        keys, thr, lens, b, c, floor, BLOCK_C=triton.next_power_of_2(c), FP32=fp32)
     return lens
 
 
