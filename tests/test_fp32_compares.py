@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_allocate import cases
 
 from dspark.ascend.launch import integer_compares
-from dspark.kernels import accept, dispatch, topk
+from dspark.kernels import accept, dispatch, kv_write, layout, topk
 from dspark.kernels.compare import FP32_EXACT
 
 ASCEND = ("cores", {"vector": 3, "dot": 2})
@@ -78,6 +78,42 @@ def test_accept_fp32_equals_the_reference_and_the_integer_form(inputs, device) -
     assert all(torch.equal(a, c) for a, c in zip(outs["work"], outs["cores"]))
 
 
+@settings(max_examples=15)
+@given(lens=st.lists(st.integers(0, 6), max_size=12), d=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_layout_and_kv_write_fp32_equal_the_references(lens, d, seed, device) -> None:
+    """qo_indptr, row maps, pack, scatter and the paged K/V write (negative slots write nothing), poisoned."""
+    gen = torch.Generator().manual_seed(seed)
+    slot_lens = torch.tensor(lens, dtype=torch.int32).to(device)
+    rows, w = int(slot_lens.sum()), max(lens, default=0) + 1
+    i32 = lambda n: torch.full((n,), -7, dtype=torch.int32, device=device)  # noqa: E731
+    strided = torch.randn(len(lens), w, d, generator=gen).to(device)
+    qo = layout.qo_indptr_ref(slot_lens)
+    row_slot, row_within = layout.row_maps_ref(slot_lens, rows)
+    packed = layout.pack_ref(strided, row_slot, row_within, rows, float("nan"))
+    slots = torch.randperm(4 * (rows + 1), generator=gen)[:rows]
+    slots[torch.rand(rows, generator=gen) < 0.3] = -1
+    slots = slots.to(device, torch.int32)
+    k, v = (torch.randn(rows, 2, d, generator=gen).to(device) for _ in range(2))
+    want_k, want_v = (torch.full((rows + 1, 4, 2, d), float("nan"), device=device) for _ in range(2))
+    kv_write.write_kv_ref(k, v, want_k, want_v, slots)
+    with dispatch.launch_policy(*ASCEND):
+        assert dispatch.fp32_compares(device, rows + 1024)
+        assert torch.equal(layout.qo_indptr_triton(slot_lens, i32(len(lens) + 1)), qo)
+        if rows:
+            got = layout.row_maps_triton(slot_lens, i32(rows), i32(rows))
+            assert torch.equal(got[0], row_slot) and torch.equal(got[1], row_within)
+        out = torch.full((rows, d), -7.0, device=device)
+        got = layout.pack_triton(strided, row_slot, row_within, rows, float("nan"), out)
+        assert torch.equal(got.nan_to_num(-1e9), packed.nan_to_num(-1e9))
+        out = torch.full((len(lens), w, d), -7.0, device=device)
+        assert torch.equal(layout.scatter_triton(packed, qo, w, -1.0, out),
+                           layout.scatter_ref(packed, qo, w, rows, -1.0))
+        kc, vc = (torch.full_like(want_k, float("nan")) for _ in range(2))
+        kv_write.write_kv_triton(k, v, kc, vc, slots)
+        assert torch.equal(kc.nan_to_num(-1e9), want_k.nan_to_num(-1e9))
+        assert torch.equal(vc.nan_to_num(-1e9), want_v.nan_to_num(-1e9))
+
+
 @pytest.mark.cpu_only(reason="static listing of the kernel sources")
 def test_the_checker_lists_the_integer_compares_that_remain() -> None:
     report = integer_compares()
@@ -88,6 +124,7 @@ def test_the_checker_lists_the_integer_compares_that_remain() -> None:
     assert any(not r.fp32 and ">>" in r.text for r in by_kernel["_threshold_kernel"])
     kv_loop = [r for r in by_kernel["_ragged_attention_kernel"] if "pos" in r.text]
     assert len(kv_loop) == 2 and all(r.fp32 for r in kv_loop)
-    assert all(r.fp32 for r in by_kernel["_lens_kernel"])
+    for kernel in ("_lens_kernel", "_qo_indptr_kernel", "_copy_row", "_write_kv_kernel", "_row_maps_kernel"):
+        assert all(r.fp32 for r in by_kernel[kernel]), kernel
     remaining = {r.kernel for r in report if not r.fp32}
     assert remaining, "the report lists what remains integer"

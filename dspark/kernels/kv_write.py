@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
 from dspark.kernels._triton import jit, tl, triton
 
@@ -30,9 +31,10 @@ def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, n_rows, n_items, num_heads, head_dim, page_size,
     stride_kr, stride_kh, stride_kd, stride_vr, stride_vh, stride_vd,
     stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr = False,
 ):
-    # One work item = BLOCK_R rows; the columns flatten (head, dim) so any cache strides work.
+    # One work item = BLOCK_R rows; the columns flatten (head, dim) so any cache strides work. FP32: the row
+    # mask and the slot test in exact fp32 (`compare`; slots stay below the cache's size).
     offs_c = tl.arange(0, BLOCK_H * BLOCK_D)
     h = (offs_c // BLOCK_D).to(tl.int64)
     d = (offs_c % BLOCK_D).to(tl.int64)
@@ -43,8 +45,8 @@ def _write_kv_kernel(
     vc_cols = h * stride_vch + d * stride_vcd
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
         rows = tl.cast(item, tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        slot = tl.load(slots_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
-        ok = (slot >= 0)[:, None] & col_ok[None, :]
+        slot = tl.load(slots_ptr + rows, mask=cmp.lt(rows, n_rows, FP32), other=-1).to(tl.int64)
+        ok = cmp.le(0, slot, FP32)[:, None] & col_ok[None, :]
         dst = (slot // page_size)[:, None]
         off = (slot % page_size)[:, None]
         k = tl.load(k_ptr + rows[:, None] * stride_kr + k_cols[None, :], mask=ok)
@@ -67,6 +69,7 @@ def write_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_s
         k, v, k_cache, v_cache, kv_slots, rows, n_items, heads, dim, k_cache.shape[1],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_D=block_d,
+        FP32=dispatch.fp32_compares(k.device, max(rows + block_r, k_cache.shape[0] * k_cache.shape[1])),
     )
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
 from dspark.kernels._triton import jit, tl, triton
 
@@ -33,21 +34,23 @@ def qo_indptr_ref(lens: Tensor) -> Tensor:
 
 @dispatch.kernel_kind("vector")
 @jit
-def _qo_indptr_kernel(lens_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _qo_indptr_kernel(lens_ptr, out_ptr, n, BLOCK: tl.constexpr, FP32: tl.constexpr = False):
     # One work item: the whole scan, block by block with the running prefix carried in a register.
     for _item in tl.range(tl.program_id(0), 1, tl.num_programs(0)):
         tl.store(out_ptr, 0)
         prefix = tl.zeros([], dtype=tl.int32)
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            x = tl.load(lens_ptr + offs, mask=offs < n, other=0).to(tl.int32)
-            tl.store(out_ptr + 1 + offs, prefix + tl.cumsum(x, 0), mask=offs < n)
+            ok = cmp.lt(offs, n, FP32)
+            x = tl.load(lens_ptr + offs, mask=ok, other=0).to(tl.int32)
+            tl.store(out_ptr + 1 + offs, prefix + tl.cumsum(x, 0), mask=ok)
             prefix += tl.sum(x, 0)
 
 
 def qo_indptr_triton(lens: Tensor, out: Tensor) -> Tensor:
     """Triton `qo_indptr` into `out` ([n+1] int32)."""
-    _qo_indptr_kernel[dispatch.grid(1, lens.device, _qo_indptr_kernel)](lens, out, lens.numel(), BLOCK=SCAN_BLOCK)
+    _qo_indptr_kernel[dispatch.grid(1, lens.device, _qo_indptr_kernel)](
+        lens, out, lens.numel(), BLOCK=SCAN_BLOCK, FP32=dispatch.fp32_compares(lens.device, lens.numel() + SCAN_BLOCK))
     return out
 
 
@@ -85,17 +88,17 @@ def slot_maps_host(slot_lens: np.ndarray, num_rows: int) -> tuple[np.ndarray, np
 @dispatch.kernel_kind("vector")
 @jit
 def _row_maps_kernel(slot_indptr_ptr, row_slot_ptr, row_within_ptr, num_slots, num_rows, search_steps,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, FP32: tl.constexpr = False):
     # One work item per block of rows: each row's slot is the last s with slot_indptr[s] <= row, found
     # by a branch-free binary search (invariant: indptr[lo] <= row < indptr[hi], indptr[S + 1] = inf).
     for blk in tl.range(tl.program_id(0), tl.cdiv(num_rows, BLOCK), tl.num_programs(0)):
         rows = blk * BLOCK + tl.arange(0, BLOCK)
-        m = rows < num_rows
+        m = cmp.lt(rows, num_rows, FP32)
         lo = tl.zeros([BLOCK], dtype=tl.int32)
         hi = tl.zeros([BLOCK], dtype=tl.int32) + num_slots + 1
         for _ in range(search_steps):
             mid = (lo + hi) // 2
-            below = tl.load(slot_indptr_ptr + mid, mask=m, other=0) <= rows  # mid <= S: mid < hi
+            below = cmp.le(tl.load(slot_indptr_ptr + mid, mask=m, other=0), rows, FP32)  # mid <= S: mid < hi
             lo = tl.where(below, mid, lo)
             hi = tl.where(below, hi, mid)
         tl.store(row_slot_ptr + rows, lo, mask=m)
@@ -108,7 +111,8 @@ def row_maps_triton(slot_lens: Tensor, row_slot: Tensor, row_within: Tensor) -> 
     if n and rows:
         indptr = qo_indptr_triton(slot_lens, torch.empty(n + 1, dtype=torch.int32, device=slot_lens.device))
         _row_maps_kernel[dispatch.grid(triton.cdiv(rows, ROW_BLOCK), slot_lens.device, _row_maps_kernel)](
-            indptr, row_slot, row_within, n, rows, (n + 1).bit_length(), BLOCK=ROW_BLOCK)
+            indptr, row_slot, row_within, n, rows, (n + 1).bit_length(), BLOCK=ROW_BLOCK,
+            FP32=dispatch.fp32_compares(slot_lens.device, rows + ROW_BLOCK))
     return row_slot, row_within
 
 
@@ -145,42 +149,42 @@ def scatter_ref(packed: Tensor, qo_indptr: Tensor, width: int, num_real_rows: in
 
 
 @jit
-def _copy_row(src_ptr, src_off, dst_row_ptr, d, valid, fill, BLOCK_D: tl.constexpr):
+def _copy_row(src_ptr, src_off, dst_row_ptr, d, valid, fill, BLOCK_D: tl.constexpr, FP32: tl.constexpr):
     """Copy one row of d elements when valid, else write fill."""
     src_d = tl.where(valid, d, 0)
     for d0 in range(0, d, BLOCK_D):
         offs = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(src_ptr + src_off + offs, mask=offs < src_d, other=fill)
-        tl.store(dst_row_ptr + offs, x, mask=offs < d)
+        x = tl.load(src_ptr + src_off + offs, mask=cmp.lt(offs, src_d, FP32), other=fill)
+        tl.store(dst_row_ptr + offs, x, mask=cmp.lt(offs, d, FP32))
 
 
 @dispatch.kernel_kind("vector")
 @jit
 def _pack_kernel(src_ptr, dst_ptr, row_slot_ptr, row_within_ptr, rows, num_real_rows, d,
-                 src_stride_b, src_stride_w, dst_stride, fill, BLOCK_D: tl.constexpr):
+                 src_stride_b, src_stride_w, dst_stride, fill, BLOCK_D: tl.constexpr, FP32: tl.constexpr = False):
     # One work item per packed row: real rows copy strided[row_slot, row_within], padding rows = fill.
     for item in tl.range(tl.program_id(0), rows, tl.num_programs(0)):
         o = tl.cast(item, tl.int64)
-        valid = o < num_real_rows
+        valid = cmp.lt(o, num_real_rows, FP32)
         a = tl.load(row_slot_ptr + o, mask=valid, other=0).to(tl.int64)
         b = tl.load(row_within_ptr + o, mask=valid, other=0).to(tl.int64)
         _copy_row(src_ptr, a * src_stride_b + b * src_stride_w, dst_ptr + o * dst_stride,
-                  d, valid, fill, BLOCK_D)
+                  d, valid, fill, BLOCK_D, FP32)
 
 
 @dispatch.kernel_kind("vector")
 @jit
 def _scatter_kernel(src_ptr, dst_ptr, qo_indptr_ptr, cells, width, d, src_stride, dst_stride, fill,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, FP32: tl.constexpr = False):
     # One work item per (request r, position j): packed row qo_indptr[r] + j when j < len(r), else fill.
     for item in tl.range(tl.program_id(0), cells, tl.num_programs(0)):
         o = tl.cast(item, tl.int64)
         r = o // width
         j = o % width
         start = tl.load(qo_indptr_ptr + r)
-        valid = j < tl.load(qo_indptr_ptr + r + 1) - start
+        valid = cmp.lt(j, tl.load(qo_indptr_ptr + r + 1) - start, FP32)
         _copy_row(src_ptr, (start + j) * src_stride, dst_ptr + o * dst_stride,
-                  d, valid, fill, BLOCK_D)
+                  d, valid, fill, BLOCK_D, FP32)
 
 
 def _block_d(d: int) -> int:
@@ -210,7 +214,8 @@ def pack_triton(strided: Tensor, row_slot: Tensor, row_within: Tensor, num_real_
     if rows and d:
         _pack_kernel[dispatch.grid(rows, out.device, _pack_kernel)](
             src, dst, row_slot, row_within, rows, num_real_rows if b else 0, d, src.stride(0), src.stride(1),
-            dst.stride(0), _fill_value(fill, out.dtype), BLOCK_D=_block_d(d))
+            dst.stride(0), _fill_value(fill, out.dtype), BLOCK_D=_block_d(d),
+            FP32=dispatch.fp32_compares(out.device, max(rows, d + _block_d(d))))
     return out
 
 
@@ -225,7 +230,8 @@ def scatter_triton(packed: Tensor, qo_indptr: Tensor, width: int, fill: float, o
     if b * width and d:
         _scatter_kernel[dispatch.grid(b * width, out.device, _scatter_kernel)](
             src, dst, qo_indptr, b * width, width, d, src.stride(0), dst.stride(0),
-            _fill_value(fill, out.dtype), BLOCK_D=_block_d(d))
+            _fill_value(fill, out.dtype), BLOCK_D=_block_d(d),
+            FP32=dispatch.fp32_compares(out.device, max(int(packed.shape[0]), d + _block_d(d))))
     return out
 
 
