@@ -44,6 +44,18 @@ class VerifyOutput(NamedTuple):
     positions: Tensor  # [total_rows] int64 absolute positions
 
 
+class EagerAttend:
+    """A planned attention kept out of compiled graphs (`torch.compiler.disable`): its kernel already is the
+    fast path, and its launch code is not for Dynamo to trace."""
+
+    def __init__(self, attend: PlannedAttend) -> None:
+        self.attend, self.sm_scale = attend, attend.sm_scale
+
+    @torch.compiler.disable
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.attend(layer, q, k, v)
+
+
 class VerifyStep:
     """The target's verify forward over `cache` for up to `max_requests` requests of <= `width` rows each,
     captured once per tier of `tiers` (the runner is `self.runner`; its replay / eager counts are the
@@ -51,12 +63,18 @@ class VerifyStep:
 
     slots: the runner's slot count (one, or one per tier); default `graph_slots(max_requests, tiers, width)`.
     `cache.block_table` must be admitted (its page count per request sizes the attention's block table).
+    compile_model: run the model's dense layers (everything but the attention, which stays the planned
+    kernel) through `torch.compile(dynamic=False)`, one graph set per tier, compiled during the capture
+    warm-up; default True on CUDA, False elsewhere (on the CPU its compile time and speed-up are measured
+    by perf/engine_compile.py).
     """
 
     def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, *, tiers: Sequence[int], width: int,
                  max_requests: int, slots: int | Sequence[int] | None = None, backend: GraphBackend | None = None,
-                 model_id: str = "") -> None:
+                 model_id: str = "", compile_model: bool | None = None) -> None:
         check_int("width", width, 1)
+        if compile_model is not None and not isinstance(compile_model, bool):
+            raise TypeError(f"compile_model must be a bool or None, got {compile_model!r}")
         check_int("max_requests", max_requests, 1)
         tiers = check_tiers(tiers)
         if not tiers:
@@ -74,6 +92,9 @@ class VerifyStep:
                                           g.num_q_heads, kv_heads, head_dim, page_size, device, cache.k.dtype,
                                           sm_scale=g.sm_scale, max_verify_len=width, num_pages=num_pages)
         self._attend = PlannedAttend(self.attn, cache.k, cache.v)
+        self._eager_attend = EagerAttend(self._attend)
+        self.compile_model = device.type == "cuda" if compile_model is None else compile_model
+        self._model = torch.compile(self._model_rows, dynamic=False) if self.compile_model else self._model_rows
         # what `_plan` plans with: no request for the idle layouts of the captures, then each step's own
         self._context = (torch.zeros(0, dtype=torch.int64),
                          torch.zeros(0, pages_per_request, dtype=torch.int32, device=device))
@@ -96,16 +117,23 @@ class VerifyStep:
         self.attn.plan(layout, *self._context)
 
     def _forward(self, bufs: StepBuffers) -> dict[str, Tensor]:
-        hidden = self.target(bufs.rows["tokens"], bufs.rows["positions"], self._attend)
-        return {"hidden": hidden, "logits": self.target.logits(hidden)}
+        hidden, logits = self._model(bufs.rows["tokens"], bufs.rows["positions"])
+        return {"hidden": hidden, "logits": logits}
+
+    def _model_rows(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Final hidden states and logits of the tier's rows (what `compile_model` compiles)."""
+        hidden = self.target(tokens, positions, self._eager_attend)
+        return hidden, self.target.logits(hidden)
 
 
 class VerifySteps:
     """A decoder's verify steps over one target and cache, captured once per (B, W, pages per request) and
     reused by every later run of that shape (captures are the expensive part on a GPU)."""
 
-    def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, tiers: Sequence[int]) -> None:
+    def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, tiers: Sequence[int],
+                 compile_model: bool | None = None) -> None:
         self.target, self.cache, self.tiers = target, cache, check_tiers(tiers)
+        self.compile_model = compile_model
         self._steps: dict[tuple[int, int, int], VerifyStep] = {}
 
     def get(self, max_requests: int, width: int) -> VerifyStep | None:
@@ -115,7 +143,7 @@ class VerifySteps:
         key = (max_requests, width, int(self.cache.block_table.shape[1]))
         if key not in self._steps:
             self._steps[key] = VerifyStep(self.target, self.cache, tiers=self.tiers, width=width,
-                                          max_requests=max_requests)
+                                          max_requests=max_requests, compile_model=self.compile_model)
         return self._steps[key]
 
 
@@ -130,7 +158,7 @@ class VerifyStepAdapter:
     def __init__(self, target: TransformersCausalLM, *, tiers: Sequence[int], width: int, max_requests: int,
                  device: torch.device | str = "cpu", backend: GraphBackend | None = None, context: int = 32,
                  page_size: int = 16, slots: int | Sequence[int] | None = None, seed: int = 0,
-                 name: str | None = None) -> None:
+                 name: str | None = None, compile_model: bool | None = None) -> None:
         check_int("context", context, 0)
         g, self.device = target.geometry, torch.device(device)
         if context + width > g.max_seq_len:
@@ -147,7 +175,7 @@ class VerifyStepAdapter:
         for buf in (self.cache.k, self.cache.v):
             buf.copy_(torch.randn(buf.shape, generator=self._gen))
         self.verify = VerifyStep(target, self.cache, tiers=tiers, width=width, max_requests=max_requests,
-                                 slots=slots, backend=backend, model_id=self.name)
+                                 slots=slots, backend=backend, model_id=self.name, compile_model=compile_model)
         self.runner = self.verify.runner
         self.context, self.width, self.max_requests = context, width, max_requests
         self._step: tuple | None = None

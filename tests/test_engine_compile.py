@@ -1,0 +1,40 @@
+"""The verify step's model forward under `compile_model=True` (torch.compile of the dense layers, attention
+left to its planned kernel) equals the eager step, tier by tier; the default compiles on CUDA only."""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_models import tiny_llama
+
+from dspark.engine.verify_step import VerifyStepAdapter
+from dspark.models.transformers_lm import TransformersCausalLM
+
+
+def adapter(device, compile_model):
+    target = TransformersCausalLM(tiny_llama())
+    return VerifyStepAdapter(target, tiers=(8, 24), width=6, max_requests=4, device=device, context=20, seed=3,
+                             compile_model=compile_model)
+
+
+def test_compiled_verify_step_equals_eager(device):
+    eager, compiled = adapter(device, False), adapter(device, True)
+    assert compiled.verify.compile_model and not eager.verify.compile_model
+    for b, rows in ((4, 22), (2, 7), (3, 13)):  # tiers 24, 8 and 24 again
+        outs = []
+        for a in (eager, compiled):
+            a.prepare(b, rows)
+            outs.append(a.verify(*a._step))
+        (h0, l0, p0), (h1, l1, p1) = outs
+        assert h0.shape == (rows, h0.shape[1]) and torch.equal(p0, p1)
+        torch.testing.assert_close(h1, h0, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+        assert torch.equal(l1.argmax(-1), l0.argmax(-1))
+
+
+def test_compile_default_is_cuda_only(device):
+    assert adapter(device, None).verify.compile_model == (device.type == "cuda")
+
+
+def test_compile_model_must_be_a_bool(device):
+    with pytest.raises(TypeError, match="compile_model must be a bool or None, got 1"):
+        adapter(device, 1)
