@@ -161,7 +161,7 @@ def _ragged_attention_kernel(
     # One work item = (slot, kv head, kv split). Its query tile packs (row, head-in-group) pairs into
     # BLOCK_Q * BLOCK_G rows so every kv page is read once per tile for the whole GQA group. With NUM_SPLITS > 1
     # split s covers one contiguous share of the tile's kv range and writes a partial (out, lse) at o/lse + s *
-    # stride_os / stride_ls, merged by _merge_splits_kernel. qk_scale = sm_scale * log2(e). FP32: the kv loop's
+    # stride_os / stride_ls, merged by _merge_splits_kernel. qk_scale = sm_scale * log2(e). FP32: the row and
     # position compares in exact fp32 (`compare`; positions stay below the block table's span).
     offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
     m_row = offs_m // BLOCK_G
@@ -189,8 +189,8 @@ def _ragged_attention_kernel(
         v_cols = tl.cast(kvh, tl.int64) * stride_vh + offs_d * stride_vd
         for q0 in range(0, n_rows, BLOCK_Q):
             j = q0 + m_row
-            real = (j < n_q) & head_ok
-            owned = (j < n_rows) & head_ok
+            real = cmp.lt(j, n_q, FP32) & head_ok
+            owned = cmp.lt(j, n_rows, FP32) & head_ok
             rows = (start + j).to(tl.int64)
             q = tl.load(q_ptr + rows[:, None] * stride_qr + q_cols,
                         mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
