@@ -48,7 +48,10 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
     out = tmp_path / "out"
     data = json.loads((out / "demo.json").read_text())
     assert data["lossless"]["checked_runs"] == summary["lossless"]["checked_runs"] > 0
-    assert {r["policy"] for r in data["results"]} == {"fixed-0", "fixed-1", "fixed-2", "adaptive", "oracle"}
+    assert {r["policy"] for r in data["results"]} == {"fixed-0", "fixed-1", "fixed-2", "adaptive", "adaptive-est",
+                                                      "oracle"}
+    est = data["estimator"]  # adaptive-est: one estimator learned from the accept outcomes of all its runs
+    assert est["steps_observed"] > 0 and sum(est["labels_seen"]) > 0 and len(est["parameters"]) == 2
     assert (out / "cost_model.json").exists()
     assert len(data["plain_step_seconds"]["seconds"]) == 2  # T_plain(B) profiled at B = 1, 3
     for r in data["results"]:  # continuous batching: a queue of 2B requests, both throughputs reported
@@ -61,7 +64,10 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
         b = int(key.split("@")[1])
         row = next(r for r in data["results"] if f"{r['policy']}@{r['batch']}" == key)
         assert sum(s["useful"] for s in steps) == row["queue_tokens"] == int(lengths[: 2 * b].sum())  # drained exactly
-    assert {g["batch"] for g in data["goals"]} == {1, 3} and "faster_than_best_fixed_at_largest_batch" in data["goals"][-1]
+    assert {(g["policy"], g["batch"]) for g in data["goals"]} == {(p, b) for p in ("adaptive", "adaptive-est")
+                                                                  for b in (1, 3)}
+    assert all(("faster_than_best_fixed_at_largest_batch" in g) == (g["batch"] == 3) for g in data["goals"])
+    assert all(len(line) <= 100 for line in demo_mod.format_table(data["results"]).splitlines())
     assert list(tmp_path.glob(".out.*")) == []  # no temp folder left behind
     assert data["lossless"]["requests_identical_to_transformers_generate"] == 2 * 3  # the B = 3 queue
 
@@ -166,11 +172,19 @@ def test_cost_feedback_flag_reaches_the_adaptive_policy() -> None:
     from dspark.engine.profile import PlainStepCost
 
     cost = AdditiveCostModel(1e-3, [1], [0.0], [1, 3], [0.0, 1e-4])
-    planner = lambda b: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4)  # noqa: E731
+    planner = lambda b, sts=True: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4,  # noqa: E731
+                                                temperatures=[1.5, 1.5] if sts else None)
     plain = PlainStepCost((1,), (1e-3,))
     off = demo_mod._make_policy("adaptive", 2, 1, planner, plain, (8, 64, False))
     on = demo_mod._make_policy("adaptive", 2, 1, planner, plain, (8, 64, True))
     assert off.cost_window is None and on.cost_window == 9
+    from dspark.calibration.online import OnlineAcceptanceEstimator
+
+    est = OnlineAcceptanceEstimator(2)
+    head, online = (demo_mod._make_policy(n, 2, 1, planner, plain, (8, 64, False), est)
+                    for n in ("adaptive", "adaptive-est"))
+    assert head.estimator is None and head.planner.temperatures is not None  # the head, STS-calibrated
+    assert online.estimator is est and online.planner.temperatures is None  # the estimator is its own calibration
     args = ["demo", "--cost-feedback", "--device", "nope"]
     assert main(args) != 0  # parsed (the flag exists), then the bad device is refused
 

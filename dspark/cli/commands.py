@@ -31,8 +31,10 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     p.add_argument("--batch-sizes", type=ints, default=(1, 4, 16), help="comma list (default 1,4,16)")
     p.add_argument("--mode", default="compact", help="verify mode: static, cap-accept or compact (default)")
-    p.add_argument("--policies", default="adaptive,fixed,oracle",
-                   help="comma list of adaptive, oracle, fixed (= fixed-0..fixed-gamma), fixed-K")
+    p.add_argument("--policies", default="adaptive,adaptive-est,fixed,oracle",
+                   help="comma list of adaptive (the draft's confidence head + STS), adaptive-est (the head off, "
+                        "an online acceptance estimator in its place), oracle, fixed (= fixed-0..fixed-gamma), "
+                        "fixed-K")
     p.add_argument("--gamma", type=int, default=4, help="drafts per step, at most the draft's block of 6 (default 4)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=16, help="mean new tokens per request (default 16)")

@@ -7,8 +7,8 @@
    decode loop and fit a cost model;
 3. record the draft's confidence against realised acceptance and fit STS temperatures;
 4. serve the same queue of held-out prompts (N = requests_per_slot x B, output lengths varied around
-   max_new_tokens) with every policy (adaptive,
-   fixed-k for k = 0..gamma, oracle) at each batch size B by continuous batching: B slots, a finished
+   max_new_tokens) with every policy (adaptive with the head + STS, adaptive-est with the head off and an
+   online acceptance estimator in its place, fixed-k for k = 0..gamma, oracle) at each batch size B by continuous batching: B slots, a finished
    request's slot is refilled at once (prefill timed); reported are committed tokens/s over the whole
    queue (ramp-up and drain tail included) and over the steady state (every slot busy). Each round runs
    every policy once, all of them in `lockstep` (interleaved step by step, each on its own decoder), so
@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.engine.decode import SpecDecoder, check_device
 from dspark.engine.lockstep import lockstep
@@ -68,7 +69,7 @@ class DemoConfig:
     out: str = "demo_out"
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     mode: str = "compact"
-    policies: tuple[str, ...] = ("adaptive", "fixed", "oracle")
+    policies: tuple[str, ...] = ("adaptive", "adaptive-est", "fixed", "oracle")
     gamma: int = 4              # drafts per step (the shipped draft proposes up to 6)
     prompt_len: int = 32
     max_new_tokens: int = 16    # mean new tokens per request ...
@@ -88,6 +89,7 @@ class DemoConfig:
     seed: int = 0
 
 Models = tuple[TransformersCausalLM, DraftModel, Encode]  # target, draft, text -> token ids
+ADAPTIVE = ("adaptive", "adaptive-est")  # the planner with the head + STS / with the online estimator
 
 
 def parse_policies(names: Sequence[str], gamma: int) -> list[str]:
@@ -96,7 +98,7 @@ def parse_policies(names: Sequence[str], gamma: int) -> list[str]:
     for name in names:
         if name == "fixed":
             out += [f"fixed-{k}" for k in range(gamma + 1)]
-        elif name in ("adaptive", "oracle"):
+        elif name in ADAPTIVE + ("oracle",):
             out.append(name)
         elif name.startswith("fixed-") and name[6:].isdigit():
             k = int(name[6:])
@@ -104,7 +106,8 @@ def parse_policies(names: Sequence[str], gamma: int) -> list[str]:
                 raise ValueError(f"policy {name!r}: k = {k} is outside [0, gamma = {gamma}]")
             out.append(name)
         else:
-            raise ValueError(f"unknown policy {name!r}; choose from adaptive, oracle, fixed, fixed-K (0 <= K <= gamma)")
+            raise ValueError(f"unknown policy {name!r}; choose from adaptive, adaptive-est, oracle, fixed, fixed-K "
+                             "(0 <= K <= gamma)")
     # fixed-0 (no speculation) always runs first: the speed baseline and the losslessness reference
     return ["fixed-0"] + [n for n in dict.fromkeys(out) if n != "fixed-0"]
 
@@ -216,12 +219,14 @@ def _assert_matches_reference(ref: Tensor, out: GenerateResult, counts: Tensor, 
                                  f"generate(do_sample=False)")
 
 
-def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int], VerifyPlanner],
-                 plain: PlainStepCost | None = None, probe: tuple[int, int, bool] = (8, 64, False)):
-    if name == "adaptive":
+def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int, bool], VerifyPlanner],
+                 plain: PlainStepCost | None = None, probe: tuple[int, int, bool] = (8, 64, False),
+                 estimator: OnlineAcceptanceEstimator | None = None):
+    if name in ADAPTIVE:
         every, most, cost_feedback = probe
-        return Adaptive(planner_factory(b), plain.step_seconds if plain is not None else None, every, most,
-                        cost_window=9 if cost_feedback else None)
+        est = estimator if name == "adaptive-est" else None
+        return Adaptive(planner_factory(b, est is None), plain.step_seconds if plain is not None else None, every,
+                        most, cost_window=9 if cost_feedback else None, estimator=est)
     if name == "oracle":
         return Oracle(gamma)
     return FixedK(int(name[6:]))
@@ -293,11 +298,14 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     temps = calib.temperatures
     sched = ScheduleConfig(gamma=gamma)
 
-    def planner(b: int) -> VerifyPlanner:
-        return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps,
+    def planner(b: int, sts: bool = True) -> VerifyPlanner:
+        return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps if sts else None,
                              tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
 
     probe = (cfg.probe_every, cfg.max_probe_every, cfg.cost_feedback)
+    # adaptive-est: the draft's head off, one online estimator for the whole demo (as in a server: it starts
+    # from its warm-up prior at the first run and keeps learning from every accept outcome after it)
+    estimator = OnlineAcceptanceEstimator(gamma)
     decoders = {name: decoder.fork() for name in names}  # one per policy: each round runs them in lockstep
     records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: the plots
     rounds: dict[tuple[str, int], list[list[StepRecord]]] = {}  # every round's steps: demo.json
@@ -313,7 +321,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         queue, counts = prompts[: cfg.requests_per_slot * b], lengths[: cfg.requests_per_slot * b]
         queue_tokens[b] = int(counts.sum())
         def make(name: str, b: int = b):
-            return _make_policy(name, gamma, b, planner, plain, probe)
+            return _make_policy(name, gamma, b, planner, plain, probe, estimator)
 
         # untimed warm-up at this batch size: the first runs at new shapes are slow. On an accelerator the
         # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels (about a second
@@ -340,7 +348,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 tokens, busy_seconds = res.steady()
                 steady.setdefault((name, b), []).append(tokens / busy_seconds)
                 recs = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
-                                    lag=cfg.lag if name == "adaptive" else 0, temperatures=temps)
+                                    lag=cfg.lag if name in ADAPTIVE else 0,
+                                    temperatures=None if name == "adaptive-est" else temps)
                 every_round.setdefault((name, b), []).extend(recs)
                 rounds.setdefault((name, b), []).append(recs)
                 if rep == 0:
@@ -350,7 +359,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         for m in (m for m in VerifyMode if m is not mode):  # `mode` itself: every run above
             for name in names:
                 res = decoder.generate(small, short,
-                                       _make_policy(name, gamma, 2, planner, plain, probe), mode=m, slots=2)
+                                       _make_policy(name, gamma, 2, planner, plain, probe, estimator), mode=m,
+                                       slots=2)
                 _assert_matches_reference(reference, res, short, f"{name} ({m.value}, 2 reused slots)")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")
@@ -368,6 +378,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         "cost_model": {"path": "cost_model.json", "kind": cost.kind, "row_bin": row_bin, "fit": fit.to_dict(), "samples": [asdict(s) for s in samples]},
         "plain_step_seconds": plain.to_dict(),
         "calibration": {"path": "calibration.json", "temperatures": temps, "warnings": calib.warnings},
+        "estimator": {"steps_observed": estimator.steps_observed, "refits": estimator.refits,
+                      "labels_seen": estimator.labels_seen.tolist(), "parameters": estimator.parameters.tolist()},
         "results": rows,
         "goals": goals,
         "tau_bias": tau_bias([r for recs in every_round.values() for r in recs]),

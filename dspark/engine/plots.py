@@ -28,7 +28,7 @@ def write_plots(out: Path, rows: list[dict], records: dict[tuple[str, int], list
     fig, (ax, rel) = plt.subplots(1, 2, figsize=(11, 4.2))
     for policy in dict.fromkeys(r["policy"] for r in rows):
         mine = [r for r in rows if r["policy"] == policy]
-        style = "-o" if policy in ("adaptive", "oracle") else "--."
+        style = "-o" if policy in ("adaptive", "adaptive-est", "oracle") else "--."
         lw = 2 if policy == "adaptive" else 1
         ax.plot([r["batch"] for r in mine], [r["steady_tokens_per_s"] for r in mine], style, label=policy, lw=lw)
         rel.plot([r["batch"] for r in mine], [r["speedup_vs_no_spec"] for r in mine], style, label=policy, lw=lw)
