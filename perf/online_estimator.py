@@ -142,7 +142,10 @@ def calibration_report(data: dict, train: torch.Tensor, est: OnlineAcceptanceEst
 def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, temps: list[float], args) -> dict:
     """The demo's lockstep comparison, shortened: fixed-0..gamma, adaptive (head), adaptive (estimator)."""
     gamma, bmax = args.gamma, max(args.batch_sizes)
-    prompts = prompt_windows("heldout", encode, args.requests_per_slot * bmax, args.prompt_len, args.seed)
+    n = args.requests_per_slot * bmax
+    prompts = (prompt_windows("heldout", encode, n, args.prompt_len, args.seed) if encode is not None else
+               torch.randint(0, decoder.target.geometry.vocab_size, (n, args.prompt_len),
+                             generator=torch.Generator().manual_seed(args.seed)))
     lengths = request_lengths(prompts.shape[0], args.max_new_tokens, 0.5, args.seed)
     grid = profile_points(args.batch_sizes, gamma, decoder.tiers)
     t0 = time.perf_counter()
@@ -189,13 +192,61 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
             "cost_model": cost.kind, "lossless_vs_fixed0": True}
 
 
+def overhead(gamma: int, vocab: int, batch_sizes: list[int], window: int, steps: int = 40) -> dict:
+    """Median host seconds per step of the estimator's own work on synthetic draft-vocabulary logits (one
+    thread): confidence_logits (features + model), observe without a refit, and one refit of a full window."""
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for b in batch_sizes:
+        est = OnlineAcceptanceEstimator(gamma, refit_every=10**9, window=window)
+        times: dict[str, list[float]] = {"confidence_logits": [], "observe": [], "refit": []}
+        step = 0
+        while step < steps or est.labels_seen.min() < window:  # timed steps, then fill every window (untimed)
+            x = torch.randn(b, gamma, vocab, generator=gen) * 4
+            t0 = time.perf_counter()
+            est.confidence_logits(x)
+            t1 = time.perf_counter()
+            est.observe(verify_lens=torch.full((b,), gamma + 1), correct_len=torch.randint(0, gamma + 1, (b,),
+                                                                                          generator=gen))
+            t2 = time.perf_counter()
+            if step < steps:
+                times["confidence_logits"].append(t1 - t0)
+                times["observe"].append(t2 - t1)
+            step += 1
+        for _ in range(5):
+            t0 = time.perf_counter()
+            est.refit()
+            times["refit"].append(time.perf_counter() - t0)
+        out[b] = {k: statistics.median(v) for k, v in times.items()}
+        print(f"estimator overhead B={b:>2}: confidence_logits {1e3 * out[b]['confidence_logits']:.2f} ms, "
+              f"observe {1e3 * out[b]['observe']:.2f} ms, refit ({window} labels per position) "
+              f"{1e3 * out[b]['refit']:.1f} ms")
+    return out
+
+
 def _cell(d: dict, key: str) -> str:
     v, (lo, hi) = d[key]["value"], d[key]["ci"]
     return "  n/a" if not math.isfinite(v) else f"{v:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
-def main() -> None:
+def load(model: str, gamma: int, prompts: int, prompt_len: int, seed: int):
+    """(target, draft, encode or None, prompts [N, P]): SmolLM2 and its shipped draft with held-out prompt
+    windows (`real`), or the tests' tiny Llama + distilled draft with random prompts (`tiny`)."""
+    if model == "real":
+        target, draft, encode = load_models(torch.device("cpu"))
+        return target, draft, encode, prompt_windows("heldout", encode, prompts, prompt_len, seed + 2)
+    if model == "tiny":
+        from tests.engine_models import VOCAB, tiny_models
+
+        target, draft = tiny_models(gamma=gamma)
+        return target, draft, None, torch.randint(0, VOCAB, (prompts, prompt_len),
+                                                  generator=torch.Generator().manual_seed(seed + 2))
+    raise ValueError(f"--model must be real or tiny, got {model!r}")
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="real", choices=("real", "tiny"))
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--gamma", type=int, default=4)
@@ -209,17 +260,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile-repeats", type=int, default=1)
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only the estimator's per-step host cost (synthetic logits over the draft's 4096 tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="perf/results/online_estimator.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    target, draft, encode = load_models(torch.device("cpu"))
+    if args.overhead_only:
+        summary = {"config": vars(args), "overhead_seconds": overhead(args.gamma, 4096, args.batch_sizes, 4096)}
+        write_json_atomic(args.out.replace(".json", "_overhead.json"), summary)
+        return summary
+    target, draft, encode, prompts = load(args.model, args.gamma, args.prompts, args.prompt_len, args.seed)
     print(f"models loaded in {time.perf_counter() - t_start:.0f} s")
     per_request = args.prompt_len + 2 * args.max_new_tokens + args.gamma + 1 + 64 + 16
     decoder = SpecDecoder(target, draft, cache_tokens=max(args.batch_sizes + [2]) * per_request,
                           tiers=tier_ladder(args.batch_sizes, args.gamma + 1), clock="thread")
-    prompts = prompt_windows("heldout", encode, args.prompts, args.prompt_len, args.seed + 2)
     t0 = time.perf_counter()
     data = collect(decoder, prompts, args.gamma, args.new_tokens, args.rows)
     print(f"collected {args.prompts} x {args.new_tokens} starts in {time.perf_counter() - t0:.0f} s")
@@ -248,6 +304,7 @@ def main() -> None:
     summary["seconds"] = time.perf_counter() - t_start
     write_json_atomic(args.out, _json_clean(summary))
     print(f"wrote {args.out} ({summary['seconds']:.0f} s)")
+    return _json_clean(summary)
 
 
 if __name__ == "__main__":

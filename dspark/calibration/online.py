@@ -61,11 +61,12 @@ def draft_features(draft_logits: Tensor) -> Tensor:
         raise TypeError(f"draft_logits must be a floating tensor, got dtype {draft_logits.dtype}")
     x = draft_logits.detach().to(torch.float32)
     top = torch.topk(x, 2, dim=-1)
-    t0 = top.values[..., :1]
-    e = torch.exp(x - t0)  # the top entry is exactly 1; -inf entries 0; NaN (or no finite entry) propagates
-    first = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, top.indices[..., :1], True)
-    rest = torch.where(first, torch.zeros_like(e), e).sum(-1)  # sum_{j != top} exp(x_j - x_top), no cancellation
-    shifted = torch.where(e > 0, e * (x - t0), torch.zeros_like(e)).sum(-1)  # 0 * -inf would be NaN
+    # x_j - x_top, -inf (masked) entries clamped to -200: exp underflows to 0 either way, and 0 * -200 is 0
+    # where 0 * -inf would be NaN; NaN (or no finite entry: -inf - -inf) stays NaN
+    d = (x - top.values[..., :1]).clamp_min_(-200.0)
+    e = torch.exp(d).scatter_(-1, top.indices[..., :1], 0.0)  # the top's own term (exactly 1) taken out
+    rest = e.sum(-1)  # sum_{j != top} exp(x_j - x_top), no cancellation
+    shifted = (e * d).sum(-1)
     total = 1.0 + rest
     log_odds = (-torch.log(rest)).clamp(max=FEATURE_CAP)  # p1 / (1 - p1) = 1 / rest
     entropy = (torch.log1p(rest) - shifted / total).clamp_min(0.0)
