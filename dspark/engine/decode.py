@@ -341,7 +341,6 @@ class SpecDecoder:
         draft token logits [B, k, V] (None when k = 0). root [B]: the last committed tokens (the anchor the
         confidence head's previous-token input starts from). An online `estimator` replaces the head: it reads
         the draft-vocabulary logits (the scattered [B, k, V]'s features, its other entries are -inf: 1/35 the cost).
-
         One draft forward over the tokens committed since the draft last ran (positions dlen..L-1,
         ragged), then the block heads propose all k drafts.
         """
