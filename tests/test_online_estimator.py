@@ -276,3 +276,15 @@ def test_features_of_scattered_logits_equal_the_draft_vocabulary_ones(device):
     full = torch.full((3, 2, 500), -math.inf).index_copy_(-1, ids, reduced)
     torch.testing.assert_close(draft_features(full.to(device)).cpu(), draft_features(reduced.to(device)).cpu(),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_features_and_logits_compile_without_graph_breaks(backend, device):
+    """The estimator's device-side work (features, then the per-position model) under
+    torch.compile(fullgraph=True, dynamic=True) equals eager bit for bit (DESIGN.md 3)."""
+    torch._dynamo.reset()
+    est = _trained_estimator(3, 4)
+    fn = torch.compile(lambda x: est.predict(draft_features(x)), fullgraph=True, dynamic=True, backend=backend)
+    for b, v in ((2, 37), (5, 64)):
+        x = _logits(b, 3, v, b * v).to(device)
+        assert torch.equal(fn(x), est.predict(draft_features(x)))
