@@ -24,10 +24,10 @@ from dspark.util.fileio import atomic_write_text
 
 TIERS = (8, 32, 64)
 WIDTH, REQUESTS, CONTEXT = 8, 8, 64
-MODELS = {"tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=64),
-          "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                        num_key_value_heads=2, vocab_size=2048)}
+MODELS = {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": 64},
+          "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+                    "num_key_value_heads": 2, "vocab_size": 2048}}
 
 
 def target(name: str) -> TransformersCausalLM:
@@ -67,9 +67,9 @@ def main() -> None:
     rows_out = []
     print(f"{'model':>6} {'tier':>5} {'eager ms':>9} {'compiled ms':>12} {'speed-up':>9} {'max |dlogit|':>13}")
     models = []
-    for name in MODELS:
+    for name, shape in MODELS.items():
         (eager, t_eager), (compiled, t_compiled) = build(name, False), build(name, True)
-        models.append({"model": name, **MODELS[name], "build_eager_s": t_eager, "build_compiled_s": t_compiled,
+        models.append({"model": name, **shape, "build_eager_s": t_eager, "build_compiled_s": t_compiled,
                        "compile_s": t_compiled - t_eager})
         print(f"{name}: build eager {t_eager:.1f} s, with compile_model {t_compiled:.1f} s "
               f"(compile {t_compiled - t_eager:.1f} s for {len(TIERS)} tiers)")

@@ -108,7 +108,7 @@ def main() -> None:
                "sync_free_over_host": result["sync_free"][0] / result["host"][0]}
         rows.append(row)
         print(f"{b:>5} " + " ".join(f"{result[p][0] * 1e6:>12.1f} {result[p][1]:>5.2f}" for p in PATHS)
-              + f" {row['device_over_host']:>7.2f}x {row['sync_free_over_host']:>8.2f}x {str(same):>9}")
+              + f" {row['device_over_host']:>7.2f}x {row['sync_free_over_host']:>8.2f}x {same!s:>9}")
     record = {"benchmark": "planner_step_paths", "device": str(device), "repeats": args.repeats,
               "threads": args.threads, "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg(),

@@ -234,7 +234,7 @@ def test_attention_torch_path_compiles(seed, b, backend, device):
 
 def _inductor_cases(device):
     """(module, fn, two argument tuples of different shapes): the second call reuses the dynamic graph."""
-    cfg, _, s, seconds = _budget_case(3, 6, 5, 0, device)
+    _, _, s, seconds = _budget_case(3, 6, 5, 0, device)
     _, _, s2, seconds2 = _budget_case(4, 9, 5, 0, device)
     draft, target, vl, _ = _accept_case(5, 4, 5, 11, False, device)
     draft2, target2, vl2, _ = _accept_case(6, 7, 5, 13, False, device)
@@ -254,7 +254,7 @@ def _inductor_cases(device):
 
 @pytest.mark.parametrize("module", ["survival", "budget", "allocate", "layout", "accept", "attention"])
 def test_inductor_compiles_each_module(module, device):
-    name, fn, first, second = next(c for c in _inductor_cases(device) if c[0] == module)
+    _, fn, first, second = next(c for c in _inductor_cases(device) if c[0] == module)
     f = compiled(fn, "inductor")
     for args in (first, second):
         # the eager run gets fresh poisoned outputs where the function writes in place (attention)

@@ -55,8 +55,8 @@ def test_sync_free_equals_the_synchronous_planner(seed, lag, gamma, floor, cap_g
     with pytest.MonkeyPatch.context() as mp:
         if device_path and device.type == "cpu":
             mp.setenv(dispatch.BACKEND_ENV, "torch")  # the synchronous side plans on the device too
-        kwargs = dict(cfg=cfg, cost_model=cost(), lag=lag, tiers=tiers, num_slots=SLOTS,
-                      graph_slots=SLOTS + 160 // cfg.width + 1, device=device)
+        kwargs = {"cfg": cfg, "cost_model": cost(), "lag": lag, "tiers": tiers, "num_slots": SLOTS,
+                  "graph_slots": SLOTS + 160 // cfg.width + 1, "device": device}
         sync, free = VerifyPlanner(**kwargs), VerifyPlanner(**kwargs, sync_free=True)
         for step, (logits, slots, gens) in enumerate(run(seed, 120, gamma, device)):
             a, b = sync.plan(logits, slots, gens), free.plan(logits, slots, gens)
@@ -82,7 +82,7 @@ def test_sync_free_equals_the_synchronous_planner(seed, lag, gamma, floor, cap_g
                 assert b.layout.graph_num_tokens == a.layout.graph_num_tokens and b.budget == a.budget, where
 
 
-@pytest.mark.parametrize("kwargs", [dict(lag=0), dict(lag=1, parallel=object())])
+@pytest.mark.parametrize("kwargs", [{"lag": 0}, {"lag": 1, "parallel": object()}])
 def test_sync_free_needs_a_lag_and_no_parallel_agreement(kwargs, device):
     with pytest.raises((ValueError, TypeError), match="sync_free=True needs lag >= 1|parallel"):
         VerifyPlanner(ScheduleConfig(gamma=3), cost(), sync_free=True, device=device, **kwargs)

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from dspark.kernels import dispatch
 from dspark.kernels import layout as _k
-from dspark.verify import boundary
 from dspark.util.validate import check_int, check_tensor, check_verify_lens, int_tensor
+from dspark.verify import boundary
 
 log = logging.getLogger(__name__)
 
