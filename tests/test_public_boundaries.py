@@ -47,6 +47,12 @@ def layout() -> RaggedVerifyLayout:
 
 # (public name, the call, exception type, a regex the message must match: the argument and the value)
 CASES = [
+    ("draft_features", lambda: dspark.draft_features([[1.0]]), TypeError,
+     r"draft_logits must be a torch.Tensor, got list: \[\[1.0\]\]"),
+    ("OnlineAcceptanceEstimator", lambda: dspark.OnlineAcceptanceEstimator(0), ValueError,
+     r"gamma must be an int >= 1, got 0"),
+    ("OnlineAcceptanceEstimator", lambda: dspark.OnlineAcceptanceEstimator(2).confidence_logits(torch.ones(3, 4, 8)),
+     ValueError, r"draft_logits must be \[B, gamma=2, V\], got \(3, 4, 8\)"),
     ("calibrated_survival", lambda: dspark.calibrated_survival([[0.1, 0.2]]), TypeError,
      r"logits must be a torch.Tensor, got list: \[\[0.1, 0.2\]\]"),
     ("calibrated_survival", lambda: dspark.calibrated_survival(S, temperatures="ab"), TypeError,
