@@ -76,7 +76,7 @@ class DemoConfig:
     length_spread: float = 0.5  # ... each drawn uniformly from max_new_tokens x [1 - spread, 1 + spread]
     requests_per_slot: int = 2  # queue length N = requests_per_slot * B (continuous batching on B slots)
     repeats: int = 3
-    profile_repeats: int = 3
+    profile_repeats: int = 2  # lockstep sweeps of the step-cost profile (each point: the median of these)
     sampling: bool = False
     temperature: float = 1.0
     lag: int = 0                # synchronous decode loop: live-survival budget (1: the overlap scheduler's lag)
