@@ -200,7 +200,7 @@ class DeviceCurves(NamedTuple):
     """`theta_curves_torch`'s result: device tensors, nothing read to the host."""
 
     budget: Tensor      # 0-d int64: argmax_b theta(b), ties to the smaller b
-    greedy: Tensor      # 0-d int64: `greedy_budget`'s scan, the first b with theta(b + 1) <= theta(b)
+    greedy: Tensor      # 0-d int64: `greedy_budget`'s scan over runs of equal predicted seconds
     num_valid: Tensor   # 0-d int64: #candidates (survival >= eps)
     tau: Tensor         # [B * C + 1] float64 (entries past num_valid repeat tau(num_valid))
     theta: Tensor       # [B * C + 1] float64, -inf past num_valid
@@ -222,8 +222,22 @@ def theta_curves_torch(survival: Tensor, seconds: Tensor, floor: int, cap: int, 
     num_valid = valid.sum().to(torch.int64)
     b = torch.arange(tau.numel(), device=tau.device)
     theta = torch.where(b <= num_valid, tau / seconds, float("-inf"))
-    stops = torch.cat([theta[1:] <= theta[:-1], torch.ones(1, dtype=torch.bool, device=theta.device)])
-    return DeviceCurves(torch.argmax(theta), torch.argmax(stops.to(torch.int8)), num_valid, tau, theta)
+    return DeviceCurves(torch.argmax(theta), _greedy_over_runs(theta, seconds, num_valid), num_valid, tau, theta)
+
+
+def _greedy_over_runs(theta: Tensor, seconds: Tensor, num_valid: Tensor) -> Tensor:
+    """`greedy_budget`'s scan on the device: the last budget of the first run of equal predicted seconds
+    whose next run's theta does not exceed its own (runs past num_valid do not exist: theta -inf)."""
+    b = torch.arange(theta.numel(), device=theta.device)
+    differs = torch.cat([seconds[1:] != seconds[:-1], torch.ones(1, dtype=torch.bool, device=theta.device)])
+    is_end = (b <= num_valid) & (differs | (b == num_valid))
+    run = torch.cumsum(is_end.to(torch.int64), 0) - is_end.to(torch.int64)  # index of the run b belongs to
+    run_theta = torch.full((theta.numel() + 1,), float("-inf"), dtype=theta.dtype, device=theta.device)
+    run_theta = run_theta.scatter_reduce(0, run, torch.where(is_end, theta, float("-inf")), "amax")
+    run_end = torch.full((theta.numel() + 1,), -1, dtype=torch.int64, device=theta.device)
+    run_end = run_end.scatter_reduce(0, run, torch.where(is_end, b, -1), "amax")
+    stops = run_theta[1:] <= run_theta[:-1]
+    return run_end.index_select(0, torch.argmax(stops.to(torch.int8)).reshape(1)).squeeze(0)  # no host read
 
 
 def seconds_over_window(cost_model: CostModel, num_requests: int, cfg: ScheduleConfig) -> Tensor:
