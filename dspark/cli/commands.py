@@ -35,7 +35,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of adaptive (the draft's confidence head + STS), adaptive-est (the head off, "
                         "an online acceptance estimator in its place), oracle, fixed (= fixed-0..fixed-gamma), "
                         "fixed-K")
-    p.add_argument("--gamma", type=int, default=4, help="drafts per step, at most the draft's block of 6 (default 4)")
+    p.add_argument("--gamma", type=int, default=3, help="drafts per step, at most the draft's block of 6 (default 3)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=16, help="mean new tokens per request (default 16)")
     p.add_argument("--length-spread", type=float, default=0.5,
