@@ -156,3 +156,13 @@ def test_edge_errors_show_a_smooth_fit_missing_the_cliff():
     smooth, exact = tier_edge_errors(additive, data, TIERS), tier_edge_errors(tiered, data, TIERS)
     worst = max(abs(e) for per in smooth.values() for e in per.values())
     assert worst > 0.05 and max(abs(e) for per in exact.values() for e in per.values()) < 1e-9
+
+
+@given(b=st.integers(0, 12), first=st.integers(0, 80), count=st.integers(0, 40), dense=st.booleans())
+def test_seconds_curve_is_step_seconds_past_the_largest_tier_too(b, first, count, dense):
+    """The per-B row table the budget curve reads: equal to step_seconds at every row, +inf past the top."""
+    model, _ = TieredCostModel.fit(samples(), tiers=TIERS, dense=dense, platform="cpu", width=W)
+    curve = model.seconds_curve(b, first, count)
+    rows = torch.arange(first, first + count, dtype=torch.float64)
+    assert curve.tolist() == model.step_seconds(b, rows).tolist()
+    assert all(math.isinf(v) == (m > TIERS[-1]) for v, m in zip(curve.tolist(), rows.tolist()))
