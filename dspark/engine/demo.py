@@ -41,6 +41,7 @@ from dspark.config import ScheduleConfig, VerifyMode
 from dspark.engine.decode import SpecDecoder, check_device
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import Adaptive, FixedK, Oracle
+from dspark.engine.progress import Progress
 from dspark.engine.profile import (
     PlainStepCost,
     fit_cost_model,
@@ -163,24 +164,6 @@ def request_lengths(n: int, mean: int, spread: float, seed: int) -> torch.Tensor
     varied output lengths, so requests finish (and slots refill) at different steps under every policy."""
     lo, hi = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
     return torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-class Progress:
-    """One line per finished unit of work (`[ 12/40   35 s, eta 80 s] label`): reads the same in a terminal and
-    in a log file. A unit past the total is a bug in the caller's count and raises."""
-
-    def __init__(self, total: int, echo: Callable[[str], None] | None):
-        self.total, self.done, self.echo, self.t0 = total, 0, echo, time.perf_counter()
-
-    def __call__(self, label: str) -> None:
-        self.done += 1
-        if self.done > self.total:
-            raise RuntimeError(f"progress counted {self.done} units of {self.total} ({label})")
-        if self.echo is not None:
-            el = time.perf_counter() - self.t0
-            eta = el / self.done * (self.total - self.done)
-            w = len(str(self.total))
-            self.echo(f"[{self.done:>{w}}/{self.total} {el:5.0f} s, eta {eta:4.0f} s] {label}")
 
 
 def load_models(device: torch.device) -> Models:

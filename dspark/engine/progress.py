@@ -1,0 +1,23 @@
+"""Line-per-unit progress for long jobs: reads the same in a terminal and in a log file."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+class Progress:
+    """One line per finished unit of work (`[ 12/40   35 s, eta 80 s] label`): reads the same in a terminal and
+    in a log file. A unit past the total is a bug in the caller's count and raises."""
+
+    def __init__(self, total: int, echo: Callable[[str], None] | None):
+        self.total, self.done, self.echo, self.t0 = total, 0, echo, time.perf_counter()
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        if self.done > self.total:
+            raise RuntimeError(f"progress counted {self.done} units of {self.total} ({label})")
+        if self.echo is not None:
+            el = time.perf_counter() - self.t0
+            eta = el / self.done * (self.total - self.done)
+            w = len(str(self.total))
+            self.echo(f"[{self.done:>{w}}/{self.total} {el:5.0f} s, eta {eta:4.0f} s] {label}")
