@@ -1,8 +1,15 @@
-"""Text that ships with Python: the standard library's `.py` files, split for training and held-out prompts.
+"""Text that ships with Python: the standard library's `.py` files, split into train, calibration and held-out.
 
 Nothing is downloaded, and every machine with the same Python version holds the same files, so a seeded
-draw of prompt windows is the same everywhere. Every tenth file (sorted by name) is held out: the draft
-trains on the rest, the demo and the reported acceptance use held-out prompts only.
+draw of prompt windows is the same everywhere. Sorted by name, file i is in
+  - `train` when i % 10 != 0 (9 of 10): the draft distils on these;
+  - `calibration` when i % 20 == 10 (every twentieth): only the confidence head is fitted on these. The
+    draft never trains on them, so their acceptance is that of unseen text; a head fitted on train files
+    learns the higher acceptance of text the draft has partly memorised;
+  - `heldout` when i % 20 == 0 (every twentieth): evaluation only (the demo, perf scripts, the manifest's
+    acceptance). Nothing is fitted on them.
+Calibration and held-out are the two halves of the original every-tenth held-out set, so a draft trained
+before the calibration split existed never saw either.
 """
 from __future__ import annotations
 
@@ -15,19 +22,20 @@ from torch import Tensor
 
 from dspark.util.validate import check_int
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "calibration", "heldout")
 Encode = Callable[[str], list]  # text -> token ids
 
 
 def stdlib_files(split: str) -> list[Path]:
-    """Top-level stdlib `.py` files: `train` (9 of 10) or `heldout` (every tenth, sorted by name)."""
+    """Top-level stdlib `.py` files of `split` (sorted by name; see the module docstring for which)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(root.glob("*.py"))
     if not files:
         raise RuntimeError(f"no .py files found under {root}: this Python has no standard library sources")
-    keep = (lambda i: i % 10 == 0) if split == "heldout" else (lambda i: i % 10 != 0)
+    keep = {"train": lambda i: i % 10 != 0, "calibration": lambda i: i % 20 == 10,
+            "heldout": lambda i: i % 20 == 0}[split]
     return [f for i, f in enumerate(files) if keep(i)]
 
 
