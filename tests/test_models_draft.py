@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from dspark.engine.kv_cache import PagedKVCache  # noqa: E402
+from dspark.models.corpus import SPLITS, stdlib_files  # noqa: E402
 from dspark.models.draft import (  # noqa: E402
     DEFAULT_WEIGHTS,
     DraftConfig,
@@ -140,8 +142,42 @@ def test_tiny_training_run_writes_a_loadable_draft(tiny_run, target):
     draft = load_draft(target, out)
     logits, conf = draft.propose(torch.randn(2, 64), draft.gamma, torch.tensor([3, 4]))
     assert logits.shape == (2, draft.gamma, 256) and torch.isfinite(conf).all()
+    assert on_disk["confidence_head"]["split"] == "calibration"
     again = main(["--tiny", "--out", str(out.parent / "again.safetensors"), "--steps", "12"])
     assert again["sha256"] == manifest["sha256"]  # seeded: the same run writes the same bytes
+
+
+@pytest.mark.cpu_only(reason="the training command and its weight files, on the CPU")
+def test_refit_head_reproduces_the_full_run(tiny_run, tmp_path):
+    """--refit-head on a full run's file regenerates the head streams and refits to the same bytes; a
+    changed head option changes the head only; a non-head option is refused."""
+    out, manifest = tiny_run
+    copy = tmp_path / "refit.safetensors"
+    shutil.copy(out, copy)
+    shutil.copy(manifest_path(out), manifest_path(copy))
+    refit = main(["--tiny", "--out", str(copy), "--refit-head"])
+    assert refit["sha256"] == manifest["sha256"] and refit["head_refit"]["from_sha256"] == manifest["sha256"]
+    assert refit["wall_s"]["distil"] == manifest["wall_s"]["distil"]
+    other = main(["--tiny", "--out", str(copy), "--refit-head", "--head-l2", "0.1"])
+    assert other["sha256"] != manifest["sha256"] and other["training"]["head_l2"] == 0.1
+    assert other["heldout_acceptance"] == manifest["heldout_acceptance"]  # the draft itself is untouched
+    with pytest.raises(SystemExit):
+        main(["--tiny", "--out", str(copy), "--refit-head", "--steps", "3"])
+    with pytest.raises(SystemExit):
+        main(["--tiny", "--out", str(tmp_path / "none.safetensors"), "--refit-head"])
+
+
+@pytest.mark.cpu_only(reason="file lists: no tensors")
+def test_corpus_splits_partition_the_stdlib_files():
+    """train, calibration and heldout are disjoint and cover every file; calibration and heldout alternate
+    over the every-tenth files the draft never trains on."""
+    files = {s: stdlib_files(s) for s in SPLITS}
+    names = [f for s in SPLITS for f in files[s]]
+    assert len(names) == len(set(names)) and sorted(names) == sorted(files["train"][0].parent.glob("*.py"))
+    assert files["calibration"] and files["heldout"]
+    assert abs(len(files["calibration"]) - len(files["heldout"])) <= 1
+    with pytest.raises(ValueError, match="split must be one of .* got 'test'"):
+        stdlib_files("test")
 
 
 @pytest.mark.cpu_only(reason="weight-file integrity checks")

@@ -1,15 +1,23 @@
 """Train the draft (`dspark.models.draft`) for a transformers target: `python -m dspark.models.train_draft`.
 
-Nothing is downloaded. Prompts are token windows of the stdlib's `.py` files (`stdlib_files`: every tenth
-file held out). The target continues each prompt greedily with its own KV cache, and its final-normed
-hidden states along the way are the draft's features, so every training label is the serving event:
-on the target's greedy text, head k at row t learns the token at t + k + 1, which is the target's top-1
-there given the true (= accepted) tokens before it. The draft learns from those labels (hard cross-entropy
-mixed with the target's soft distribution over the draft vocabulary), then `dspark.ConfidenceHead` is
-fitted alone, by L-BFGS, on the greedy conditional-acceptance event of the finished draft (draft k matches
-given drafts < k matched; masked rows are not labels) on streams the draft never trained on. Held-out
-acceptance per draft position is measured the same way on held-out files' prompts and written to the
-manifest beside the safetensors file (both written atomically).
+Nothing is downloaded. Prompts are token windows of the stdlib's `.py` files (`dspark.models.corpus`: the
+draft distils on the `train` split, the confidence head is fitted on the `calibration` split, acceptance is
+reported on the `heldout` split). The target continues each prompt greedily with its own KV cache, and its
+final-normed hidden states along the way are the draft's features, so every training label is the serving
+event: on the target's greedy text, head k at row t learns the token at t + k + 1, which is the target's
+top-1 there given the true (= accepted) tokens before it. The draft learns from those labels (hard
+cross-entropy mixed with the target's soft distribution over the draft vocabulary), then
+`dspark.ConfidenceHead` is re-initialised from the seed and fitted alone, by L-BFGS, on the greedy
+conditional-acceptance event of the finished draft (draft k matches given drafts < k matched; masked rows
+are not labels) on calibration streams: files the draft never trained on, so the head learns the
+acceptance of unseen text, not of text the draft partly memorised. Held-out acceptance per draft position
+and the head's held-out loss and mean prediction are written to the manifest beside the safetensors file
+(both written atomically).
+
+`--refit-head` runs only the head stage on an existing weights file (sha256 checked): it regenerates the
+head streams of a full run with the file's training config, refits, re-measures and rewrites both files.
+The head stage is the same computation in both paths, so a full run's file equals full run + refit byte
+for byte.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from dspark.models.draft import (
     DraftConfig,
     DraftModel,
     file_sha256,
+    load_draft,
     manifest_path,
     target_identity,
 )
@@ -42,6 +51,8 @@ from dspark.models.streams import features, greedy_streams, stream_labels
 
 Log = Callable[[str], None]
 HEAD_L2 = 3e-3  # see fit_confidence
+HEAD_SPLIT = "calibration"  # the corpus split the confidence head is fitted on
+HEAD_FIELDS = ("head_streams", "heldout_streams", "gen_batch", "head_iters", "head_l2")  # --refit-head may change
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,7 @@ class TrainDraftConfig:
     prompt_len: int = 32          # tokens of stdlib text before each greedy continuation (the demo's prompts)
     new_tokens: int = 40          # greedy tokens the target writes after each prompt
     train_streams: int = 4096     # streams the draft distils on
-    head_streams: int = 512       # other train-split streams the confidence head is fitted on
+    head_streams: int = 512       # calibration-split streams the confidence head is fitted on
     heldout_streams: int = 256    # held-out files' streams the reported acceptance is measured on
     gen_batch: int = 128          # streams per target generation batch
     draft_vocab: int = DraftConfig.draft_vocab_size  # the draft's shape: DraftConfig's defaults, one source
@@ -183,12 +194,25 @@ def stream_rows(draft: DraftModel, tokens: Tensor, hidden: Tensor, prompt_len: i
     return tuple(torch.cat(v) for v in out)  # type: ignore[return-value]
 
 
+def reset_head(draft: DraftModel, seed: int) -> None:
+    """Re-initialise the ConfidenceHead from `seed` alone: projection uniform in +-1/sqrt(fan_in) (nn.Linear's
+    range; a zero projection with the zero embedding would be a stationary point of their product), zero
+    bias and zero previous-token embedding (a token absent from the fit rows adds nothing)."""
+    head = draft.confidence
+    gen = torch.Generator().manual_seed(seed)
+    bound = head.proj.in_features ** -0.5
+    with torch.no_grad():
+        head.proj.weight.copy_((torch.rand(head.proj.weight.shape, generator=gen) * 2 - 1) * bound)
+        head.proj.bias.zero_()
+        if head.embed is not None:
+            head.embed.weight.zero_()
+
+
 def fit_confidence(draft: DraftModel, rows: tuple[Tensor, Tensor, Tensor, Tensor], max_iter: int,
                    l2: float = 0.0) -> float:
-    """Fit the ConfidenceHead alone (full batch L-BFGS) on the greedy conditional-acceptance rows; returns
-    the final loss (without the penalty).
+    """Fit the ConfidenceHead alone (full batch L-BFGS, from its current weights) on the greedy
+    conditional-acceptance rows; returns the final loss (without the penalty).
 
-    The head starts with a zero previous-token embedding (a token absent from the rows adds nothing) and
     `l2` x the squared norm of its weights (embedding and projection, not the bias) keeps it from
     memorising the fit streams. Measured with the first shipped draft (fit on 96 train-split streams,
     held-out BCE on 64 held-out streams; a constant per position is ~0.69): unregularised 0.97 (0.81
@@ -197,9 +221,6 @@ def fit_confidence(draft: DraftModel, rows: tuple[Tensor, Tensor, Tensor, Tensor
     hidden, prevs, labels, masks = rows
     prevs = prevs if draft.confidence.markov_rank else None
     head = draft.confidence
-    if head.embed is not None:
-        with torch.no_grad():
-            head.embed.weight.zero_()
     weights = [w for name, w in head.named_parameters() if name.endswith("weight")]
     opt = torch.optim.LBFGS(head.parameters(), max_iter=max_iter, tolerance_grad=1e-9, tolerance_change=1e-12,
                             history_size=50, line_search_fn="strong_wolfe")
@@ -263,23 +284,76 @@ def save_draft(draft: DraftModel, target: nn.Module, out: Path, manifest: dict) 
     return manifest
 
 
+def head_streams(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, log: Log) -> tuple[Tensor, Tensor]:
+    """The confidence head's streams: `head_streams` calibration-split prompts (seed + 1), the target's
+    greedy continuations. The same call in a full run and a refit."""
+    prompts = prompt_windows(HEAD_SPLIT, encode, cfg.head_streams, cfg.prompt_len, cfg.seed + 1)
+    return target_streams(target, prompts, cfg.new_tokens, cfg.gen_batch, log, "head")
+
+
+def heldout_streams(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, log: Log) -> tuple[Tensor, Tensor]:
+    """`heldout_streams` held-out-split prompts (seed) and their greedy continuations: evaluation only."""
+    prompts = prompt_windows("heldout", encode, cfg.heldout_streams, cfg.prompt_len, cfg.seed)
+    return target_streams(target, prompts, cfg.new_tokens, cfg.gen_batch, log, "held-out")
+
+
+def head_report(draft: DraftModel, rows: tuple[Tensor, Tensor, Tensor, Tensor]) -> dict:
+    """The head on some rows: BCE (all positions equally weighted) and, per position, the mean predicted
+    conditional acceptance next to the realised rate (an offset a temperature cannot remove)."""
+    hidden, prevs, labels, masks = rows
+    with torch.no_grad():
+        logits = draft.confidence(hidden, prevs if draft.confidence.markov_rank else None)
+        loss = float(confidence_loss(logits, labels, masks, math.inf))
+    m = masks.bool()
+    n = m.sum(0).clamp_min(1)
+    mean_p = (torch.sigmoid(logits.float()) * m).sum(0) / n
+    rate = (labels.bool() & m).sum(0) / n
+    return {"loss": round(loss, 5), "mean_p": [round(float(v), 4) for v in mean_p],
+            "rate": [round(float(v), 4) for v in rate]}
+
+
+def head_stage(draft: DraftModel, cfg: TrainDraftConfig, head: tuple[Tensor, Tensor], held: tuple[Tensor, Tensor],
+               log: Log) -> tuple[dict, dict]:
+    """Reset and fit the head on the head streams, round to the file's float16, then measure on the held-out
+    streams: (manifest entries, wall seconds). The whole head stage of a full run and of a refit."""
+    p, wall = cfg.prompt_len, {}
+    t0 = time.perf_counter()
+    reset_head(draft, cfg.seed + 2)
+    fit_rows = stream_rows(draft, *head, p)
+    fit_confidence(draft, fit_rows, cfg.head_iters, cfg.head_l2)
+    _as_stored(draft)
+    fit = head_report(draft, fit_rows)
+    wall["confidence_head"] = time.perf_counter() - t0
+    log(f"confidence head fitted on {cfg.head_streams} {HEAD_SPLIT} streams: loss {fit['loss']:.4f}")
+    t0 = time.perf_counter()
+    rows = stream_rows(draft, *held, p)
+    held_rep, acc = head_report(draft, rows), acceptance(rows[2], rows[3])
+    wall["heldout_eval"] = time.perf_counter() - t0
+    log(f"held-out greedy conditional acceptance per position {acc['rate']} (reached {acc['reached']}); "
+        f"mean accepted drafts per start {acc['mean_accepted']}; head loss {held_rep['loss']:.4f}, "
+        f"mean p {held_rep['mean_p']}")
+    return {"heldout_acceptance": acc,
+            "confidence_loss": {"fit": fit["loss"], "heldout": held_rep["loss"]},
+            "confidence_head": {"split": HEAD_SPLIT, "streams": cfg.head_streams, "l2": cfg.head_l2,
+                                "fit": fit, "heldout": held_rep}}, wall
+
+
+def _coverage(tokens: Tensor, vocab: Tensor, prompt_len: int) -> float:
+    return round(float(torch.isin(tokens[:, prompt_len:], vocab).float().mean()), 4)
+
+
 def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, log: Log) -> dict:
-    """The whole run: streams, vocabulary, distillation, head fit, held-out acceptance, save."""
+    """The whole run: streams, vocabulary, distillation, head stage, save."""
     wall, t0 = {}, time.perf_counter()
     p, c = cfg.prompt_len, cfg.new_tokens
-    # the head's prompts are a second draw over all train files (windows the draft rarely saw), so its
-    # fit sees every file's style rather than the few files at the end of the first draw's file order
-    prompts = torch.cat([prompt_windows("train", encode, cfg.train_streams, p, cfg.seed),
-                         prompt_windows("train", encode, cfg.head_streams, p, cfg.seed + 1)])
-    tokens, hidden = target_streams(target, prompts, c, cfg.gen_batch, log, "train")
-    held_tok, held_hid = target_streams(target, prompt_windows("heldout", encode, cfg.heldout_streams, p, cfg.seed),
-                                        c, cfg.gen_batch, log, "held-out")
+    tokens, hidden = target_streams(target, prompt_windows("train", encode, cfg.train_streams, p, cfg.seed), c,
+                                    cfg.gen_batch, log, "train")
+    head = head_streams(cfg, target, encode, log)
+    held = heldout_streams(cfg, target, encode, log)
     wall["target_streams"] = time.perf_counter() - t0
-    emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    tr, hd = slice(0, cfg.train_streams), slice(cfg.train_streams, None)
-    vocab = choose_vocab(tokens[tr], p, cfg.draft_vocab, emb.shape[0])
-    coverage = {name: round(float(torch.isin(t[:, p:], vocab).float().mean()), 4)
-                for name, t in (("train", tokens[tr]), ("heldout", held_tok))}
+    emb, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    vocab = choose_vocab(tokens, p, cfg.draft_vocab, emb.shape[0])
+    coverage = {"train": _coverage(tokens, vocab, p), "heldout": _coverage(held[0], vocab, p)}
     log(f"draft vocabulary {cfg.draft_vocab}: covers {coverage['train']:.3f} of train / "
         f"{coverage['heldout']:.3f} of held-out greedy tokens")
     dcfg = DraftConfig(hidden_size=emb.shape[1], vocab_size=emb.shape[0], draft_vocab_size=cfg.draft_vocab,
@@ -290,30 +364,40 @@ def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, l
                        intermediate_size=cfg.intermediate, chain_size=cfg.chain, gamma=cfg.gamma,
                        markov_rank=cfg.markov_rank, max_seq_len=cfg.max_seq_len)
     torch.manual_seed(cfg.seed + 1)
-    draft = DraftModel(dcfg, emb.detach(), head.detach(), vocab)
+    draft = DraftModel(dcfg, emb.detach(), lm_head.detach(), vocab)
     t1 = time.perf_counter()
-    distil(draft, tokens[tr], hidden[tr], cfg, log)
+    distil(draft, tokens, hidden, cfg, log)
     _as_stored(draft)
     wall["distil"] = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    loss = fit_confidence(draft, stream_rows(draft, tokens[hd], hidden[hd], p), cfg.head_iters, cfg.head_l2)
-    _as_stored(draft)
-    wall["confidence_head"] = time.perf_counter() - t1
-    log(f"confidence head fitted: loss {loss:.4f}")
-    t1 = time.perf_counter()
-    rows = stream_rows(draft, held_tok, held_hid, p)
-    with torch.no_grad():
-        held_loss = float(confidence_loss(draft.confidence(rows[0], rows[1] if dcfg.markov_rank else None),
-                                          rows[2], rows[3], math.inf))
-    acc = acceptance(rows[2], rows[3])
-    wall["heldout_eval"] = time.perf_counter() - t1
+    entries, head_wall = head_stage(draft, cfg, head, held, log)
+    wall.update(head_wall)
     wall["total"] = time.perf_counter() - t0
-    log(f"held-out greedy conditional acceptance per position {acc['rate']} (reached {acc['reached']}); "
-        f"mean accepted drafts per start {acc['mean_accepted']}")
     return save_draft(draft, target, out, {
-        "training": asdict(cfg), "threads": torch.get_num_threads(), "vocab_coverage": coverage,
-        "heldout_acceptance": acc, "confidence_loss": {"fit": round(loss, 5), "heldout": round(held_loss, 5)},
+        "training": asdict(cfg), "threads": torch.get_num_threads(), "vocab_coverage": coverage, **entries,
         "wall_s": {k: round(v, 1) for k, v in wall.items()}})
+
+
+def refit_head(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, log: Log) -> dict:
+    """The head stage alone on the draft at `out` (sha256 checked), which a run with `cfg` wrote: rewrites
+    `out` and its manifest (training wall times kept, head-stage ones replaced, `head_refit` added)."""
+    old = json.loads(manifest_path(out).read_text())
+    stored = TrainDraftConfig(**old["training"])
+    changed = [k for k in asdict(cfg) if k not in HEAD_FIELDS and getattr(cfg, k) != getattr(stored, k)]
+    if changed:
+        was = ", ".join(f"{k}={getattr(stored, k)!r}" for k in changed)
+        raise ValueError(f"refit_head: {out} was trained with {was}; a refit may change only {', '.join(HEAD_FIELDS)}")
+    draft = load_draft(target, out)
+    t0 = time.perf_counter()
+    head = head_streams(cfg, target, encode, log)
+    held = heldout_streams(cfg, target, encode, log)
+    streams_s = time.perf_counter() - t0
+    entries, head_wall = head_stage(draft, cfg, head, held, log)
+    wall = {**old["wall_s"], **{k: round(v, 1) for k, v in head_wall.items()}}
+    coverage = {**old["vocab_coverage"], "heldout": _coverage(held[0], draft.vocab_ids, cfg.prompt_len)}
+    return save_draft(draft, target, out, {
+        "training": asdict(cfg), "threads": old["threads"], "vocab_coverage": coverage, **entries, "wall_s": wall,
+        "head_refit": {"from_sha256": old["sha256"], "threads": torch.get_num_threads(),
+                       "wall_s": round(streams_s + sum(head_wall.values()), 1)}})
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -322,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="tiny random byte Llama target and tiny sizes (CI)")
     ap.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS, help="weights file (manifest: same name .json)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--refit-head", action="store_true",
+                    help=f"only refit the confidence head of the draft at --out (options: {', '.join(HEAD_FIELDS)})")
     defaults = TrainDraftConfig()
     for name, value in asdict(defaults).items():
         ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
@@ -330,7 +416,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     given = {k: getattr(args, k) for k in asdict(defaults) if getattr(args, k) is not None}
-    cfg = TrainDraftConfig(**{**(TINY if args.tiny else {}), **given})
+    if args.refit_head:
+        if not manifest_path(args.out).is_file():
+            ap.error(f"--refit-head needs an existing draft: manifest {manifest_path(args.out)} is missing")
+        other = [k for k in given if k not in HEAD_FIELDS]
+        if other:
+            ap.error(f"--refit-head may change only {', '.join(HEAD_FIELDS)}, got --{other[0].replace('_', '-')}")
+        base = json.loads(manifest_path(args.out).read_text())["training"]
+    else:
+        base = {**asdict(defaults), **(TINY if args.tiny else {})}
+    cfg = TrainDraftConfig(**{**base, **given})
     t0 = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -339,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     target, encode = load_target(args.tiny, cfg.seed)
     log(f"target loaded; config {asdict(cfg)}")
-    manifest = train(cfg, target, encode, args.out, log)
+    manifest = (refit_head if args.refit_head else train)(cfg, target, encode, args.out, log)
     log(f"wrote {args.out} ({manifest['bytes'] / 1e6:.1f} MB, sha256 {manifest['sha256']})")
     return manifest
 
