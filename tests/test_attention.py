@@ -155,6 +155,20 @@ def test_torch_path_matches_reference(data, b, padding, seed, hkv, group, d, pag
         run_and_check(case)
 
 
+@settings(max_examples=6)
+@given(b=st.integers(1, 4), padding=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_torch_plan_leaves_ghost_slots_out(b, padding, seed, device):
+    """A tier-padded layout's ghost slots hold padding rows only: the torch path attends over the B request
+    slots (its padded SDPA cost grows with the slots it covers) and still zeroes every padding row."""
+    case = build_case(seed, [3] * b, [5] * b, hkv=2, group=2, d=8, page_size=4, dtype=torch.float32,
+                      device=device, padding=padding)
+    assert case.layout.num_slots > b
+    with backend("torch"):
+        attn = case.attention()
+        assert attn._torch_plan.mask.shape[0] == b
+        run_and_check(case, attn=attn)
+
+
 @pytest.mark.parametrize("name", ["triton", "torch"])
 @pytest.mark.parametrize("padding", [0, 5])
 def test_empty_batch(name, padding, device):

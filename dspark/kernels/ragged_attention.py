@@ -56,6 +56,8 @@ def plan_torch_attention(meta: VerifyAttentionMeta, page_size: int, dtype: torch
                          kv_extent: int | None = None) -> TorchAttentionPlan:
     """Gather indices and mask of `ragged_attention_torch`. kv_extent (>= every slot's kv length; default the
     whole block-table span) bounds the gathered positions, so short prefixes in a wide table read little.
+    The plan covers the meta's S slots; a packed row whose `row_slot` is >= S (a ghost slot left out of the
+    meta: it only holds padding rows) is a padding row, so a tier-padded step pays for its real slots only.
 
     Unused positions point at the slot's own position 0 instead of being zeroed after the gather: that row is
     real data every real query sees, so a poisoned (NaN) unused page cannot leak through the masked SDPA.
@@ -75,9 +77,10 @@ def plan_torch_attention(meta: VerifyAttentionMeta, page_size: int, dtype: torch
     mask.masked_fill_(pos[None, None, :] < limit[:, :, None], 0.0)                        # [S, Mq, L]
     q_index = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, max(rows - 1, 0))
     rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
-    pad = rw >= meta.seqused.to(torch.int64).index_select(0, rs)
+    used = F.pad(meta.seqused.to(torch.int64), (0, 1))  # entry S: an uncovered slot has no real row
+    pad = rw >= used.index_select(0, rs.clamp(max=num_slots))
     return TorchAttentionPlan(kv_index=flat.reshape(-1), q_index=q_index.reshape(-1), mask=mask[:, None],
-                              out_index=rs * meta.max_q + rw, pad=pad[:, None])
+                              out_index=torch.where(pad, 0, rs * meta.max_q + rw), pad=pad[:, None])
 
 
 def _gather_kv(cache: Tensor, index: Tensor, num_slots: int) -> Tensor:
@@ -123,6 +126,11 @@ def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Ve
         return
     plan = plan if plan is not None else plan_torch_attention(meta, k_cache.shape[1], q.dtype)
     num_slots = meta.seqused.numel()
+    if num_slots == 0:  # only padding rows (a capture's idle layout)
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return
     k = _gather_kv(k_cache, plan.kv_index, num_slots)                                     # [S, Hkv, L, D]
     v = _gather_kv(v_cache, plan.kv_index, num_slots)
     qp = q.index_select(0, plan.q_index).reshape(num_slots, meta.max_q, hq, d).transpose(1, 2)  # [S, Hq, Mq, D]

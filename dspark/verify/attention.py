@@ -146,14 +146,15 @@ class RaggedVerifyAttention:
         )
         self._meta = meta
         # the torch path's gather indices and mask depend only on the plan: built here once, reused per run.
-        # It is never captured in a graph, so it covers only this plan's s slots, not all max_slots buffers
-        # (a one-request prefill must not pay for a 64-slot padded attention)
+        # It is never captured in a graph, so it covers only this plan's b request slots, not the ghost slots
+        # (padding rows only) nor all max_slots buffers: a one-request step padded to a 17-slot tier must not
+        # pay for a 17-slot padded attention
         if dispatch.use_triton(self._block_table):
             self._torch_meta, self._torch_plan = None, None
         else:
-            self._torch_meta = meta._replace(block_table=meta.block_table[:s], qo_start=meta.qo_start[:s],
-                                             slot_lens=meta.slot_lens[:s], seqused=meta.seqused[:s],
-                                             prefix_lens=meta.prefix_lens[:s])
+            self._torch_meta = meta._replace(block_table=meta.block_table[:b], qo_start=meta.qo_start[:b],
+                                             slot_lens=meta.slot_lens[:b], seqused=meta.seqused[:b],
+                                             prefix_lens=meta.prefix_lens[:b])
             self._torch_plan = _k.plan_torch_attention(self._torch_meta, self.page_size, self.dtype,
                                                        int(kv_len.max()) if b else 0)
 
