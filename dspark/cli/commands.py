@@ -43,6 +43,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                         "0: every request the same length)")
     p.add_argument("--requests-per-slot", type=int, default=2,
                    help="continuous batching: a queue of N = this x B requests is served on B slots (default 2)")
+    p.add_argument("--min-requests", type=int, default=6,
+                   help="... and at least this many requests per queue (default 6: B = 1 gets 6, not 2)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed rounds per batch size, every policy once per round, interleaved step by step "
                         "(lockstep); speed-ups are medians of the per-round ratios (default 3)")
@@ -78,7 +80,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
         device=args.device, out=args.out, batch_sizes=args.batch_sizes, mode=args.mode,
         policies=tuple(x for x in args.policies.split(",") if x), gamma=args.gamma, prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new_tokens, length_spread=args.length_spread, requests_per_slot=args.requests_per_slot, repeats=args.repeats, sampling=args.sampling,
+        max_new_tokens=args.max_new_tokens, length_spread=args.length_spread, requests_per_slot=args.requests_per_slot,
+        min_requests=args.min_requests, repeats=args.repeats, sampling=args.sampling,
         temperature=args.temperature, lag=args.lag, probe_every=args.probe_every, max_probe_every=args.max_probe_every,
         threads=args.threads, seed=args.seed, tiers=args.tiers, clock=args.clock, cost_feedback=args.cost_feedback,
     )

@@ -75,7 +75,8 @@ class DemoConfig:
     prompt_len: int = 32
     max_new_tokens: int = 16    # mean new tokens per request ...
     length_spread: float = 0.5  # ... each drawn uniformly from max_new_tokens x [1 - spread, 1 + spread]
-    requests_per_slot: int = 2  # queue length N = requests_per_slot * B (continuous batching on B slots)
+    requests_per_slot: int = 2  # queue length N = requests_per_slot * B (continuous batching on B slots) ...
+    min_requests: int = 6       # ... and at least this (2 requests at B = 1 are two dozen steps: a 17 % spread)
     repeats: int = 3
     profile_repeats: int = 2  # lockstep sweeps of the step-cost profile (each point: the median of these)
     sampling: bool = False
@@ -134,8 +135,8 @@ def check_config(cfg: DemoConfig) -> None:
                          f"thread), got device {cfg.device!r}, threads {cfg.threads}")
     if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
         raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
-    for name in ("prompt_len", "max_new_tokens", "requests_per_slot", "repeats", "profile_repeats", "threads", "probe_every",
-                 "max_probe_every"):
+    for name in ("prompt_len", "max_new_tokens", "requests_per_slot", "min_requests", "repeats", "profile_repeats",
+                 "threads", "probe_every", "max_probe_every"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < (3 if name == "prompt_len" else 1):
             raise ValueError(f"{name} must be a positive int (prompt_len >= 3), got {v!r}")
@@ -143,6 +144,11 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"length_spread must be in [0, 1), got {cfg.length_spread!r}")
     if cfg.max_probe_every < cfg.probe_every:
         raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
+
+
+def queue_size(cfg: DemoConfig, b: int) -> int:
+    """Requests in the queue served on b slots: requests_per_slot x b, at least min_requests."""
+    return max(cfg.requests_per_slot * b, cfg.min_requests)
 
 
 def demo_tiers(cfg: DemoConfig) -> tuple[int, ...]:
@@ -251,7 +257,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
          f"d {target.geometry.hidden_size}), draft gamma {draft.gamma}, loaded in {time.perf_counter() - t_start:.0f} s")
     echo(f"timing: {demo_clock(cfg)} clock" + (" (CPU time of the decoding thread)" if demo_clock(cfg) == "thread" else ""))
     gamma, bmax = cfg.gamma, max(cfg.batch_sizes)
-    prompts = prompt_windows("heldout", encode, cfg.requests_per_slot * bmax, cfg.prompt_len, cfg.seed)
+    prompts = prompt_windows("heldout", encode, queue_size(cfg, bmax), cfg.prompt_len, cfg.seed)
     lengths = request_lengths(prompts.shape[0], cfg.max_new_tokens, cfg.length_spread, cfg.seed)
     longest = int(lengths.max())
     small = prompts[:4]  # the other verify modes x every policy on 2 reused slots
@@ -301,7 +307,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         reference = reference_greedy(target, prompts, longest)  # every queue is a prefix of these prompts
         bar("reference: transformers generate")
     for b in cfg.batch_sizes:
-        queue, counts = prompts[: cfg.requests_per_slot * b], lengths[: cfg.requests_per_slot * b]
+        queue, counts = prompts[: queue_size(cfg, b)], lengths[: queue_size(cfg, b)]
         queue_tokens[b] = int(counts.sum())
         def make(name: str, b: int = b):
             return _make_policy(name, gamma, b, planner, plain, probe, estimator)
@@ -347,7 +353,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 _assert_matches_reference(reference, res, short, f"{name} ({m.value}, 2 reused slots)")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")
-    rows = table_rows(cfg.batch_sizes, cfg.requests_per_slot, names, every_round, seconds, steady, queue_tokens)
+    rows = table_rows(cfg.batch_sizes, {b: queue_size(cfg, b) for b in cfg.batch_sizes}, names, every_round,
+                      seconds, steady, queue_tokens)
     goals = goal_check(rows)
     summary = {
         "config": {**asdict(cfg), "policies": names, "tiers": list(decoder.tiers)},

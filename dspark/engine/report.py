@@ -17,10 +17,11 @@ def _median(xs: list[float]) -> float:
     return float(torch.tensor(xs, dtype=torch.float64).median())
 
 
-def table_rows(batch_sizes: Sequence[int], requests_per_slot: int, names: list[str], records: dict, seconds: dict,
+def table_rows(batch_sizes: Sequence[int], requests: dict[int, int], names: list[str], records: dict, seconds: dict,
                steady: dict, queue_tokens: dict[int, int]) -> list[dict]:
     """One row per (batch size, policy): `records` / `seconds` / `steady` are keyed (policy, B) and hold
-    every round's step records, run seconds and steady-state tokens/s."""
+    every round's step records, run seconds and steady-state tokens/s; `requests` / `queue_tokens`: B -> the
+    queue's requests / new tokens."""
     rows = []
     for b in batch_sizes:
         tps = {n: queue_tokens[b] / _median(seconds[(n, b)]) for n in names}
@@ -46,7 +47,7 @@ def table_rows(batch_sizes: Sequence[int], requests_per_slot: int, names: list[s
             acc, tm = acceptance(recs), timing(recs)
             bias = tau_bias(recs, by=())  # the whole run: one bucket
             rows.append({
-                "batch": b, "policy": n, "requests": requests_per_slot * b, "queue_tokens": queue_tokens[b],
+                "batch": b, "policy": n, "requests": requests[b], "queue_tokens": queue_tokens[b],
                 "tokens_per_s": tps[n],
                 "steady_tokens_per_s": sps[n], "steady_tokens_per_s_runs": steady[(n, b)],
                 "steady_spread": (max(steady[(n, b)]) - min(steady[(n, b)])) / 2 / sps[n],
