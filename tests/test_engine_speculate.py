@@ -50,9 +50,11 @@ def test_decision_compares_lagged_theta_with_plain_throughput(device) -> None:
 
 def test_realised_acceptance_decides_once_observed(device) -> None:
     """Before any outcome the lagged survival predicts; afterwards the moving averages of accepted / verified
-    drafts per request do: confident survival, but nothing accepted -> plain; accepted again -> speculate."""
+    drafts per request do: confident survival, but nothing accepted -> plain; accepted again -> speculate.
+    The decay counts request outcomes: 0.5 ** 0.5 per outcome is 0.5 per step of these 2 requests."""
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
-    policy = Adaptive(_planner(device=device), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5, prior_weight=0)
+    policy = Adaptive(_planner(device=device), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5 ** 0.5,
+                      prior_weight=0)
     confident = torch.full((2, GAMMA), 8.0, device=device)  # survival ~1 at every position
     assert policy.speculate(slots, gens) and policy.realised is None
     plan = policy.plan(confident, slots, gens)
@@ -67,7 +69,7 @@ def test_realised_acceptance_decides_once_observed(device) -> None:
     policy.plan(confident, slots, gens)
     policy.observe(torch.tensor([1, 2], device=device))  # 0.5 accepted per request: (1.5 + 0.5) / 2 = 1.0
     assert not policy.speculate(slots, gens)  # tau = 2 * 2 per 10 ms = 400 tok/s: not more than plain
-    mean = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=0.8, prior_weight=0)
+    mean = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=0.8 ** 0.5, prior_weight=0)
     for commit in ([1, 1], [GAMMA + 1, GAMMA + 1], [GAMMA + 1, GAMMA + 1]):
         mean.plan(confident, slots, gens)
         mean.observe(torch.tensor(commit, device=device))
@@ -164,6 +166,24 @@ def test_bad_arguments(device) -> None:
     assert Adaptive(_planner(lag=0, device=device)).speculate(torch.tensor([0], device=device), torch.tensor([1], device=device))  # no plain cost: always
 
 
+def test_one_request_moves_the_average_less_than_a_batch(device) -> None:
+    """Per request outcome: a step of 1 request with nothing accepted moves the average by 1 - decay, a step
+    of 4 requests by 1 - decay ** 4, so a short run of rejections at B = 1 cannot swing the decision."""
+    confident = torch.full((4, GAMMA), 8.0, device=device)
+    moved = {}
+    for b in (1, 4):
+        slots, gens = torch.arange(b, device=device), torch.ones(b, dtype=torch.int64, device=device)
+        policy = Adaptive(_planner(lag=0, device=device), lambda n: n / 400.0, feedback_decay=0.9, prior_weight=0)
+        for _ in range(30):  # all accepted: the average sits at GAMMA
+            policy.plan(confident[:b], slots, gens)
+            policy.observe(torch.full((b,), GAMMA + 1))
+        policy.plan(confident[:b], slots, gens)
+        policy.observe(torch.ones(b, dtype=torch.int64))  # none accepted
+        moved[b] = GAMMA - policy.realised[0]
+    assert moved[1] == pytest.approx(GAMMA * 0.1)
+    assert moved[4] == pytest.approx(GAMMA * (1 - 0.9 ** 4))
+
+
 def test_lag0_speculates_until_outcomes_then_follows_them(device) -> None:
     """A lag-0 planner has no lagged survival: speculate first, then decide on the realised averages."""
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
@@ -175,19 +195,19 @@ def test_lag0_speculates_until_outcomes_then_follows_them(device) -> None:
 
 
 def test_prior_from_the_first_prediction_outweighs_one_unlucky_outcome(device) -> None:
-    """The averages start at the first planned step's calibrated prediction, worth `prior_weight` outcomes:
-    a confident head (every draft expected) and one step with nothing accepted stay speculative; without
-    the prior that one outcome alone sends the policy plain."""
+    """The averages start at the first planned step's calibrated prediction, worth `prior_weight` request
+    outcomes: a confident head (every draft expected) and one step with nothing accepted stay speculative;
+    without the prior that one outcome alone sends the policy plain."""
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
     confident = torch.full((2, GAMMA), 8.0, device=device)  # survival ~1 at every position: ~GAMMA accepted predicted
-    for prior_weight, speculates in ((4, True), (0, False)):
+    for prior_weight, speculates in ((8, True), (0, False)):
         policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, prior_weight=prior_weight)  # plain: 400 tok/s
         assert policy.speculate(slots, gens)
         policy.plan(confident, slots, gens)
         policy.observe(torch.tensor([1, 1], device=device))  # nothing accepted
         if prior_weight:
             expected = float((torch.sigmoid(torch.tensor(8.0, device=device)).double() ** torch.arange(1, GAMMA + 1, device=device)).sum())
-            assert policy.realised == pytest.approx((0.8 * expected, GAMMA))  # (4 x prior + 1 x 0) / 5
+            assert policy.realised == pytest.approx((0.8 * expected, GAMMA))  # (8 x prior + 2 x 0) / 10
         assert policy.speculate(slots, gens) is speculates
 
 

@@ -73,12 +73,15 @@ class Adaptive:
     Realised-acceptance feedback: the lagged survival is the head's view of the *previous* step; with a
     sharp head (the engine's ranks at AUROC ~0.99) it says little about the next one, and at small B one
     request's last step decides the whole batch. After each speculative step the decoder reports the
-    committed lengths (`observe`); the policy keeps moving averages (weight `feedback_decay` on the past)
-    of accepted and of verified drafts per request per speculative step, and once it has any,
+    committed lengths (`observe`); the policy keeps moving averages of accepted and of verified drafts per
+    request per speculative step, counted in request outcomes: a step of B requests is B outcomes, and the
+    past keeps weight `feedback_decay` per outcome (`feedback_decay ** B` per step; the default 0.985 is 0.8
+    per step at B = 16 and a window of ~70 outcomes at any B: at B = 1 a per-step window of 5 outcomes
+    went plain after any short run of rejections, which one request's text produces often). Once it has any,
     the decision predicts a speculative step from them: tau = B (1 + accepted), rows = B (1 + verified),
     theta = tau / T(B, rows), what the planner's steps actually delivered lately. The averages start from
     the calibrated prediction of the first planned step (expected accepted drafts of its allocation),
-    worth `prior_weight` outcomes: one unlucky first outcome must not send the policy plain (it would
+    worth `prior_weight` request outcomes: one unlucky first outcome must not send the policy plain (it would
     then learn only from rare probes). Only outcomes of earlier steps enter (non-anticipating);
     `feedback_decay=None` keeps the lagged-survival prediction throughout.
     The planner's own budget and allocation are unchanged. With a lag-0 planner (synchronous budget from the
@@ -117,8 +120,8 @@ class Adaptive:
     name = "adaptive"
 
     def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
-                 probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.8,
-                 cost_window: int | None = 9, prior_weight: int = 4,
+                 probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.985,
+                 cost_window: int | None = 9, prior_weight: int = 16,
                  estimator: OnlineAcceptanceEstimator | None = None):
         for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every),
                              ("cost_window", 1 if cost_window is None else cost_window, 1),
@@ -152,7 +155,7 @@ class Adaptive:
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
         self._prior: tuple[float, float] | None = None  # the first planned step's predicted (accepted, verified)
-        self._observed = 0  # speculative outcomes seen
+        self._observed = 0  # request outcomes of speculative steps seen
         self._pending: VerifyPlan | None = None  # the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
@@ -236,10 +239,11 @@ class Adaptive:
             self._prior = (expected / vl.size - 1, float(vl.sum()) / vl.size - 1)
         accepted = float((np.minimum(commit_lens.numpy(), vl) - 1).mean())  # within the verified rows
         verified = float((vl - 1).mean())
-        self._observed += 1
+        n = vl.size
+        self._observed += n
         # the mean of the prior and the first outcomes, then the moving average
         prior = self.prior_weight if self._prior is not None else 0
-        w = max(1 - self.feedback_decay, 1 / (self._observed + prior))
+        w = max(1 - self.feedback_decay ** n, n / (self._observed + prior))
         old = self.realised if self.realised is not None else (self._prior or (accepted, verified))
         self.realised = ((1 - w) * old[0] + w * accepted, (1 - w) * old[1] + w * verified)
         self._decided = None
