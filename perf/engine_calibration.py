@@ -11,7 +11,9 @@ ECE (equal-width and equal-mass) before / after calibration next to the ECE nois
 calibrated predictor with the same probabilities, and the AUROC of the head next to the top-2 draft
 logit margin baseline with bootstrap intervals. Writes perf/results/engine_calibration.json.
 
-    PYTHONPATH=. python perf/engine_calibration.py [--prompts 1024] [--new-tokens 32] [--gamma 4]
+`--weights` measures another draft file for the same target (default: the shipped one).
+
+    PYTHONPATH=. python perf/engine_calibration.py [--prompts 1024] [--new-tokens 32] [--gamma 4] [--weights F]
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from dspark.engine.decode import SpecDecoder
 from dspark.engine.demo import load_models
 from dspark.engine.sts import STARTS, record_sts, record_sts_teacher_forced
 from dspark.models.corpus import prompt_windows
+from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256, load_draft
 from dspark.util.fileio import write_json_atomic
 
 
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ece-fit", action="store_true", help="also fit with the ECE grid search (held-out ECE only)")
+    ap.add_argument("--weights", type=Path, default=None, help=f"draft file (default {DEFAULT_WEIGHTS})")
     ap.add_argument("--out", default="perf/results/engine_calibration.json")
     args = ap.parse_args()
     if args.prompts is None:
@@ -81,6 +85,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     target, draft, encode = load_models(torch.device("cpu"))
+    if args.weights is not None:
+        draft = load_draft(target, args.weights)
     decode_loop = args.recorder == "decode"
     decoder = SpecDecoder(target, draft, cache_tokens=(args.prompts if decode_loop else 1) * 1024)
     prompts = prompt_windows("heldout", encode, args.prompts, args.prompt_len, args.seed)
@@ -102,7 +108,9 @@ def main() -> None:
           f"{args.prompts} prompts x {args.new_tokens} new tokens, gamma {args.gamma}) in {t2 - t1:.1f}s; "
           f"fit+report {t3 - t2:.1f}s; held-out {calib.data['heldout_rows']} rows / "
           f"{calib.data['heldout_requests']} requests")
-    print(f"temperatures: {[round(t, 3) for t in calib.temperatures]}")
+    at_bound = [w for w in calib.warnings if "search bound" in w]
+    where = "at a search bound" if at_bound else "inside the search bounds"
+    print(f"temperatures: {[round(t, 3) for t in calib.temperatures]} ({where})")
     print(f"{'event':<12}{'k':>2}{'rows':>6} | {'ECEw before':>11}{'after':>7}{'floor':>7} | "
           f"{'ECEm before':>11}{'after':>7}{'floor':>7} | {'AUROC head [95% CI]':>21}{'margin [95% CI]':>22} | "
           f"{'mean p':>6}{'rate':>6}")
@@ -128,11 +136,13 @@ def main() -> None:
     write_json_atomic(args.out, _finite_or_none({
         "command": "PYTHONPATH=. python perf/engine_calibration.py " + " ".join(
             f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
-            for k, v in vars(args).items() if k != "out" and v is not False),
+            for k, v in vars(args).items() if k != "out" and v is not False and v is not None),
+        "draft_sha256": file_sha256(args.weights or DEFAULT_WEIGHTS),
         "platform": platform.machine(), "threads": args.threads, "source": source,
         "record_seconds": t2 - t1, "fit_seconds": t3 - t2, "rows": data.num_rows,
         "temperatures": calib.temperatures, "data": calib.data, "table": rows,
-        "ece_le_1pct_every_position": met, "head_better_than_margin_positions": better,
+        "ece_le_1pct_every_position": met, "temperature_at_bound": bool(at_bound),
+        "head_better_than_margin_positions": better,
         "warnings": calib.warnings,
         "ece_fit": None if ece_fit is None else {"temperatures": ece_fit.temperatures, "table": ece_rows,
                                                  "warnings": ece_fit.warnings}}))
