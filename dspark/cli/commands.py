@@ -37,14 +37,14 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                         "fixed-K")
     p.add_argument("--gamma", type=int, default=3, help="drafts per step, at most the draft's block of 6 (default 3)")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=16, help="mean new tokens per request (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=14, help="mean new tokens per request (default 14)")
     p.add_argument("--length-spread", type=float, default=0.5,
                    help="each request's new tokens are uniform in mean x [1 - spread, 1 + spread] (default 0.5; "
                         "0: every request the same length)")
     p.add_argument("--requests-per-slot", type=int, default=2,
                    help="continuous batching: a queue of N = this x B requests is served on B slots (default 2)")
-    p.add_argument("--min-requests", type=int, default=6,
-                   help="... and at least this many requests per queue (default 6: B = 1 gets 6, not 2)")
+    p.add_argument("--min-requests", type=int, default=4,
+                   help="... and at least this many requests per queue (default 4: B = 1 gets 4, not 2)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed rounds per batch size, every policy once per round, interleaved step by step "
                         "(lockstep); speed-ups are medians of the per-round ratios (default 3)")
