@@ -37,7 +37,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                         "fixed-K")
     p.add_argument("--gamma", type=int, default=3, help="drafts per step, at most the draft's block of 6 (default 3)")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=14, help="mean new tokens per request (default 14)")
+    p.add_argument("--max-new-tokens", type=int, default=12, help="mean new tokens per request (default 12)")
     p.add_argument("--length-spread", type=float, default=0.5,
                    help="each request's new tokens are uniform in mean x [1 - spread, 1 + spread] (default 0.5; "
                         "0: every request the same length)")

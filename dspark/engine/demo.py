@@ -73,12 +73,12 @@ class DemoConfig:
     policies: tuple[str, ...] = ("adaptive", "adaptive-est", "fixed", "oracle")
     gamma: int = 3              # drafts per step (the shipped draft proposes up to 6; survival past 3 is ~0.1)
     prompt_len: int = 32
-    max_new_tokens: int = 14    # mean new tokens per request ...
+    max_new_tokens: int = 12    # mean new tokens per request ...
     length_spread: float = 0.5  # ... each drawn uniformly from max_new_tokens x [1 - spread, 1 + spread]
     requests_per_slot: int = 2  # queue length N = requests_per_slot * B (continuous batching on B slots) ...
     min_requests: int = 4       # ... and at least this (2 requests at B = 1 are two dozen steps: a 17 % spread)
     repeats: int = 3
-    profile_repeats: int = 2  # lockstep sweeps of the step-cost profile (each point: the median of these)
+    profile_repeats: int = 1  # lockstep sweeps of the step-cost profile (each point: the median of these)
     sampling: bool = False
     temperature: float = 1.0
     lag: int = 0                # synchronous decode loop: live-survival budget (1: the overlap scheduler's lag)
