@@ -9,13 +9,8 @@ import torch
 
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.streams import greedy_streams
-from dspark.models.train_draft import (
-    TINY,
-    TrainDraftConfig,
-    distil,
-    fit_confidence,
-    stream_rows,
-)
+from dspark.models.confidence_fit import fit_confidence, stream_rows
+from dspark.models.train_draft import TINY, TrainDraftConfig, distil
 from dspark.models.transformers_lm import TransformersCausalLM
 
 VOCAB = 64

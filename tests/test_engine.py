@@ -205,7 +205,7 @@ def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tm
 
 def test_head_training_rows_label_what_the_recorder_records(decoder: SpecDecoder) -> None:
     from dspark.engine.sts import block_outcomes
-    from dspark.models.train_draft import stream_rows
+    from dspark.models.confidence_fit import stream_rows
 
     p, n, g = 6, 20, decoder.draft.gamma
     with decoder.target.own_attention() as model:
@@ -223,7 +223,7 @@ def test_fit_head_reaches_the_logistic_optimum(decoder: SpecDecoder) -> None:
     import math
 
     from dspark.calibration.confidence import confidence_loss
-    from dspark.models.train_draft import fit_confidence, stream_rows
+    from dspark.models.confidence_fit import fit_confidence, stream_rows
 
     draft = copy.deepcopy(decoder.draft)
     with torch.no_grad():
