@@ -66,3 +66,20 @@ def test_captures_are_reused_across_runs_and_forks_capture_their_own(device) -> 
     twin = dec.fork()
     assert twin._verify_steps.cache is twin.tcache and twin._verify_steps is not dec._verify_steps
     assert dec._verify_steps.get(2, 1) is None  # target-only runs have no verify step
+
+
+def test_a_fork_serving_fewer_tiers_pads_past_the_left_out_ones(device) -> None:
+    target, draft = tiny_models()
+    dec = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=TIERS)
+    served = dec.fork(tiers=(4, 12))  # tier 8 left out (`serving_tiers`): 5-8 row steps replay tier 12
+    prompts = _prompts(2, 6)
+    want = dec.generate(prompts, 8, FixedK(3), mode="compact")  # 2 x 4 = 8 rows: tier 8
+    got = served.generate(prompts, 8, FixedK(3), mode="compact")
+    assert torch.equal(got.tokens, want.tokens)
+    tiers = [s.layout.tier for s in want.steps]
+    assert 8 in tiers and [s.layout.tier for s in got.steps] == [12 if t == 8 else t for t in tiers]
+    assert all(s.layout.num_padding_rows == (4 if s.layout.tier == 12 else 0) for s in got.steps)
+    assert served.tiers == (4, 12) and dec.tiers == TIERS
+    for bad in ((4, 16), (), (12, 4)):
+        with pytest.raises(ValueError, match="tiers"):
+            dec.fork(tiers=bad)

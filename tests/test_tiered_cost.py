@@ -16,7 +16,7 @@ from dspark import (
     choose_budget,
     load_cost_model,
 )
-from dspark.cost import tier_edge_errors
+from dspark.cost import serving_tiers, tier_edge_errors
 from dspark.engine.sweep import dense_rows, tier_rows
 from dspark.verify.layout import round_up_to_tier
 
@@ -166,3 +166,49 @@ def test_seconds_curve_is_step_seconds_past_the_largest_tier_too(b, first, count
     rows = torch.arange(first, first + count, dtype=torch.float64)
     assert curve.tolist() == model.step_seconds(b, rows).tolist()
     assert all(math.isinf(v) == (m > TIERS[-1]) for v, m in zip(curve.tolist(), rows.tolist()))
+
+
+@st.composite
+def tier_profiles(draw):
+    """Tiers, one measured step time per (B, tier) cell that was profiled (rows anywhere in the tier), a
+    sample past the largest tier (an eager step), and a margin."""
+    tiers = tuple(sorted(draw(st.lists(st.integers(1, 64), min_size=1, max_size=7, unique=True))))
+    cells = {}
+    for b in draw(st.lists(st.sampled_from((1, 2, 4, 8)), min_size=1, max_size=4, unique=True)):
+        for i, t in enumerate(tiers):
+            if t >= b and draw(st.booleans()):  # B requests verify >= B rows
+                rows = draw(st.integers(max(tiers[i - 1] + 1 if i else 1, b), t))
+                cells[(b, t)] = (rows, draw(st.floats(0.01, 1.0)))
+    if not cells:
+        cells[(1, tiers[-1])] = (tiers[-1], 0.5)
+    out = [ProfileSample(b, rows, sec) for (b, _), (rows, sec) in cells.items()]
+    out.append(ProfileSample(1, tiers[-1] + 1, 1e-6))  # eager: ignored however cheap
+    return tiers, cells, out, draw(st.floats(0.0, 0.3))
+
+
+@given(tier_profiles())
+def test_serving_tiers_leave_out_exactly_the_tiers_a_larger_one_beats_at_every_batch_size(profile):
+    tiers, cells, profiled, margin = profile
+    served = serving_tiers(profiled, tiers, margin)
+    assert served[-1] == tiers[-1] and list(served) == [t for t in tiers if t in served]
+
+    def beaten_at(b, t, among):  # a larger tier in `among` measured at b runs >= margin faster than t
+        return any(u > t and (b, u) in cells and cells[(b, u)][1] <= (1 - margin) * cells[(b, t)][1] for u in among)
+
+    for t in tiers[:-1]:
+        at = [b for (b, u) in cells if u == t]
+        if t in served:  # kept: never measured, or some batch size where no larger tier beats it
+            assert not at or any(not beaten_at(b, t, tiers) for b in at)
+        else:  # left out: at every batch size that measured it, a tier that *is* served beats it
+            assert at and all(beaten_at(b, t, served) for b in at)
+
+
+def test_serving_tiers_keep_a_monotone_profile_and_drop_a_slower_tier():
+    monotone = [ProfileSample(4, t, 0.1 + 0.01 * t) for t in (4, 8, 12, 16)]
+    assert serving_tiers(monotone, (4, 8, 12, 16)) == (4, 8, 12, 16)
+    dip = [ProfileSample(4, 4, 0.15), ProfileSample(4, 8, 0.19), ProfileSample(4, 12, 0.23), ProfileSample(4, 16, 0.20)]
+    assert serving_tiers(dip, (4, 8, 12, 16)) == (4, 8, 16)  # 16 rows ran 13 % faster than 12
+    assert serving_tiers(dip, (4, 8, 12, 16), margin=0.2) == (4, 8, 12, 16)  # within the margin: noise
+    for bad in (-0.1, 1.0, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match="margin"):
+            serving_tiers(dip, (4, 8, 12, 16), bad)

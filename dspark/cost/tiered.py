@@ -1,5 +1,5 @@
-"""`TieredCostModel`: `T = bias + alpha(B) + phi(tier(M))`, keyed on the graph tier the step replays, and
-the error of a cost model at tier edges (`tier_edge_errors`)."""
+"""`TieredCostModel`: `T = bias + alpha(B) + phi(tier(M))`, keyed on the graph tier the step replays, the
+error of a cost model at tier edges (`tier_edge_errors`) and the tiers worth replaying (`serving_tiers`)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -16,6 +16,7 @@ from dspark.cost.base import (
     check_scalar,
     check_values,
     interp,
+    is_real,
     register_cost_model,
     require_full_rank,
 )
@@ -41,6 +42,36 @@ def tier_edge_errors(model: CostModel, samples: Sequence[ProfileSample], tiers: 
                 err = [float(model.step_seconds(s.num_requests, s.rows)) / s.seconds - 1.0 for s in at]
                 out.setdefault(str(t), {})[str(d)] = sum(err) / len(err)
     return out
+
+
+def serving_tiers(samples: Sequence[ProfileSample], tiers: Sequence[int], margin: float = 0.05) -> tuple[int, ...]:
+    """The profiled tiers worth replaying: a tier is left out when, at every batch size that measured it, a
+    larger tier measured at that batch size ran at least `margin` faster (median seconds of the cells).
+
+    Why: a step may pad past its tier to any larger one, so a tier that costs more than a larger one is
+    never worth its graph: padding to the larger tier verifies more rows in less time. A CPU's matmul
+    kernels change with the row count (on the 2-core CI machine 16 rows ran 16 % faster than 12 at B = 4);
+    `margin` keeps timing noise between two near-equal tiers from dropping one. The largest tier is always
+    kept; samples past it (eager steps) are ignored.
+    """
+    samples = check_samples(samples)
+    tiers = check_probes("tiers", tiers, 1)
+    if not (is_real(margin) and 0 <= margin < 1):
+        raise ValueError(f"margin must be a number in [0, 1), got {margin!r}")
+    idx = tier_index(torch.tensor([float(s.rows) for s in samples], dtype=torch.float64),
+                     torch.tensor(tiers, dtype=torch.float64)).tolist()
+    cells: dict[tuple[int, int], list[float]] = {}
+    for s, i in zip(samples, idx):
+        if i < len(tiers):
+            cells.setdefault((s.num_requests, tiers[i]), []).append(s.seconds)
+    median = {key: float(torch.tensor(v, dtype=torch.float64).median()) for key, v in cells.items()}
+
+    def dominated(tier: int) -> bool:
+        at = [(b, v) for (b, t), v in median.items() if t == tier]
+        return bool(at) and all(any(t > tier and u <= (1 - margin) * v for (c, t), u in median.items() if c == b)
+                                for b, v in at)
+
+    return tuple(t for t in tiers[:-1] if not dominated(t)) + (tiers[-1],)
 
 
 def _components(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:

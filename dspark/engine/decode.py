@@ -78,14 +78,15 @@ class SpecDecoder:
         self._generation = 0
         self._running = False  # a started run has not finished
 
-    def fork(self) -> SpecDecoder:
-        """A decoder sharing this one's models (weights, compiled blocks), device, tiers and clock, with its
-        own KV caches: one decoder per run lets runs be interleaved step by step (`lockstep`)."""
+    def fork(self, tiers: Sequence[int] | None = None) -> SpecDecoder:
+        """A decoder with this one's models, device, clock and tiers (or their subset `tiers`: `serving_tiers`)
+        and its own KV caches: one decoder per run lets runs be interleaved step by step (`lockstep`)."""
         twin = copy.copy(self)
+        twin.tiers = self.tiers if tiers is None else check_tiers(tiers, within=self.tiers)
         pages = self.tcache.allocator.num_pages
         twin.tcache = self._cache(self.target, pages, self.tcache.page_size)
         twin.dcache = self._cache(self.draft, pages, self.dcache.page_size)
-        twin._verify_steps = VerifySteps(self.target, twin.tcache, self.tiers)
+        twin._verify_steps = VerifySteps(self.target, twin.tcache, twin.tiers)
         twin._generation, twin._running = 0, False
         return twin
 
@@ -159,8 +160,7 @@ class SpecDecoder:
                              f"{self.draft.gamma} heads (gamma must be in [0, {self.draft.gamma}])")
         w = k + 1
         check_positive_or_none("reserve_new_tokens", reserve_new_tokens)
-        max_new_tokens_reserved = max(max_new_tokens, reserve_new_tokens or 0)
-        max_len = check_seq_len((self.target, self.draft), p, max_new_tokens_reserved, w)
+        max_len = check_seq_len((self.target, self.draft), p, max(max_new_tokens, reserve_new_tokens or 0), w)
         self._check_idle()
         return self._run(prompts, new_tokens, policy, mode, sampling, temperature, seed, b, p, w, max_len)
 
@@ -238,9 +238,8 @@ class SpecDecoder:
         return result
 
     def _sync(self) -> None:
-        """End of a timed step or prefill on an accelerator: wait for its kernels, so the step is charged its
-        own device time (the commit read right after would wait anyway; without this, the next step's first
-        read, possibly another lockstep run's, would be charged for it)."""
+        """End of a timed step or prefill on an accelerator: wait for its kernels, so the step is charged its own
+        device time (else the next step's first read, maybe another lockstep run's, would be charged for it)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -276,6 +276,11 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
     cost.save(tmp / "cost_model.json")
+    profiled = decoder.tiers
+    if profiled:  # serve with the tiers worth replaying (`serving_tiers`): steps pad past the slower ones
+        decoder = decoder.fork(tiers=cost.tiers)
+        echo(f"tiers: {len(decoder.tiers)} served; left out (a larger tier ran faster): "
+             f"{sorted(set(profiled) - set(decoder.tiers)) or 'none'}")
     # greedy: the teacher-forced recorder records the decode loop's exact rows on 8 x B_max prompts in seconds;
     # sampling draws its own tokens, so it is recorded by decoding (on B_max prompts)
     sts_prompts = prompt_windows("heldout", encode, (1 if cfg.sampling else 8) * bmax, cfg.prompt_len, cfg.seed + 1)
@@ -357,7 +362,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                       seconds, steady, queue_tokens)
     goals = goal_check(rows)
     summary = {
-        "config": {**asdict(cfg), "policies": names, "tiers": list(decoder.tiers)},
+        "config": {**asdict(cfg), "policies": names, "tiers": list(decoder.tiers), "profiled_tiers": list(profiled)},
         "models": {"target": target.hf_model.config.to_dict().get("_name_or_path") or type(target.hf_model).__name__,
                    "target_geometry": asdict(target.geometry), "draft": draft.cfg.to_dict()},
         "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__,

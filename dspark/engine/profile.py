@@ -23,12 +23,14 @@ from dspark.cost import (
     ProfileSample,
     StepsPerSecondTable,
     TieredCostModel,
+    serving_tiers,
 )
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import FixedK, PolicyPlan
 from dspark.engine.results import GenerateResult
 from dspark.engine.sweep import tier_rows
+from dspark.verify.layout import round_up_to_tier
 
 log = logging.getLogger(__name__)
 
@@ -166,18 +168,23 @@ def monotone_in_rows(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
 
 def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, tiers: Sequence[int] = (),
                    row_bins: Sequence[int] = (1, 8, 32, 64)) -> tuple[CostModel, FitReport, int | None]:
-    """With tiers: TieredCostModel with the measured (B, tier) cells as its table (a CPU's matmul cost is
-    not additive in B and the rows: it jumps and dips with the row count). Without: the additive model
+    """With tiers: TieredCostModel over the `serving_tiers` (a tier that ran slower than a larger one is
+    left out, and its samples with it: steps pad past it) with the measured (B, tier) cells as its table
+    (a CPU's matmul cost is not additive in B and the rows: it jumps and dips with the row count); the
+    model's `tiers` are the ones to serve with. Without: the additive model
     `bias + alpha(B) + theta(M)` with theta non-decreasing and convex in M (`convex_rows`: the lag-0
     greedy budget scan then finds the argmax; an unconstrained per-row theta threads every noisy sample,
     and its dips stop the scan early) at the finest M binning whose fit is valid (a fit that predicts a
     non-positive time somewhere is refused; coarser bins average the noise out); when no binning gives a valid fit (very noisy timings), the 1-D steps/s table fitted
     on the same samples, with a logged warning. The samples are first made non-decreasing in the rows per
     batch size (`monotone_in_rows`). Returns (model, report, row_bin used or None)."""
-    samples = monotone_in_rows(samples)
     if tiers:
-        model, report = TieredCostModel.fit(samples, tiers=tiers, dense=True, platform=platform, width=gamma + 1)
+        served = serving_tiers(samples, tiers)
+        kept = [s for s in samples if round_up_to_tier(s.rows, tiers) in served]
+        model, report = TieredCostModel.fit(monotone_in_rows(kept), tiers=served, dense=True, platform=platform,
+                                            width=gamma + 1)
         return model, report, None
+    samples = monotone_in_rows(samples)
     errors = []
     for row_bin in row_bins:
         try:

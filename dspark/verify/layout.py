@@ -26,11 +26,14 @@ log = logging.getLogger(__name__)
 PAD_SLOT = -1  # KV write slot of padding rows: never written
 
 
-def check_tiers(tiers: Sequence[int] | None) -> tuple[int, ...]:
-    """Captured token tiers: strictly increasing positive ints (empty when None)."""
+def check_tiers(tiers: Sequence[int] | None, within: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Captured token tiers: strictly increasing positive ints (empty when None); with `within`, a non-empty
+    subset of those tiers (the ones a decoder profiled)."""
     if tiers is None:
         return ()
     out = tuple(tiers)
+    if within is not None and (not out or not set(out) <= set(within)):
+        raise ValueError(f"tiers must be a non-empty subset of the profiled tiers {list(within)}, got {list(out)}")
     for t in out:
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tiers must be positive ints, got {t!r} in {list(out)}")
