@@ -96,8 +96,7 @@ def test_realised_cost_feedback_follows_measured_step_times(device) -> None:
     assert not policy.speculate(slots, gens)
     policy.observe_seconds(3 * 2 / 400.0)  # the plain step took 3x its profile too
     assert policy.cost_ratio[False] == pytest.approx(3.0)
-    policy._decided = None  # re-decide now (a probe or a plan would)
-    assert policy.speculate(slots, gens)
+    assert policy.speculate(slots, gens)  # the new median re-decides at once, not at the next probe or plan
     policy.plan(sure, slots, gens)
     policy.observe_seconds(100 * STEP)  # right after plain steps: the draft's catch-up, not sampled
     assert policy.cost_ratio[True] == pytest.approx(3.0)
@@ -132,6 +131,34 @@ def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
     runs = _plain_runs(out)
     assert runs[0] == n and all(r == n for r in runs[:-1]) and len(runs) >= 3 and runs[-1] <= n
     assert all(s.times.plan > 0 for s in out.steps)  # the decision's time is charged
+
+
+def test_a_timed_probe_finds_out_that_the_profile_overpriced_speculation(device) -> None:
+    """Profiled: speculative 10 ms, plain 5 ms for 2 requests; survival 0.5 / 0.25 / 0.125 predicts tau 3.75
+    per 10 ms (375 tok/s) < 400 tok/s plain, so after the first step only probes speculate. A speculative
+    step really takes 5 ms (750 tok/s). A probe is two steps: the first catches up (not timed), the second
+    is timed; with three timed steps the median ratio 0.5 puts speculation ahead for good."""
+    planner = _planner(device=device)
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
+    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, probe_every=2, max_probe_every=2, cost_window=3,
+                      feedback_decay=None)
+    half = torch.zeros(2, GAMMA, device=device)  # conditional 0.5 per position
+
+    def step() -> str:
+        if policy.speculate(slots, gens):
+            policy.plan(half, slots, gens)
+            policy.observe_seconds(STEP / 2)
+            return "s"
+        policy.observe_seconds(2 / 400.0)  # plain steps take what the profile said
+        return "p"
+
+    trace = "".join(step() for _ in range(14))
+    assert trace == "s" + "pp" + "ss" + "pp" + "ss" + "sssss", trace
+    assert policy.cost_ratio == {True: pytest.approx(0.5), False: pytest.approx(1.0)}
+    untimed = Adaptive(planner, plain_seconds=lambda b: b / 400.0, probe_every=2, max_probe_every=2,
+                       cost_window=None, feedback_decay=None)  # no cost feedback: one-step probes
+    policy = untimed  # the ring already holds survival 0.5: plain from the start
+    assert "".join(step() for _ in range(9)) == "pp" + "s" + "pp" + "s" + "pp" + "s"
 
 
 def test_probe_interval_backs_off_while_plain_keeps_winning(decoder: SpecDecoder) -> None:

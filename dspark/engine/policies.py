@@ -66,7 +66,9 @@ class Adaptive:
     so after `probe_every` plain steps in a row the next step speculates anyway (a probe) to refresh
     the lagged survival. A probe costs a speculative step, so while probes keep confirming plain the
     interval doubles, up to `max_probe_every`; a step that speculates on its merits resets it
-    (`max_probe_every = probe_every` probes at a fixed interval). The decision reads only survival of
+    (`max_probe_every = probe_every` probes at a fixed interval). With the realised-cost feedback a probe is
+    two speculative steps: the first catches up (not timed, below), the second is timed, so a policy that
+    went plain on a profile that overpriced speculation can still find out. The decision reads only survival of
     earlier steps (non-anticipating). One policy object serves one `generate` run (the probe state is
     per run). Without `plain_seconds` every step speculates.
 
@@ -105,8 +107,8 @@ class Adaptive:
     catches up on every token the plain steps committed, a cost of having been plain, not of
     speculating, and counting it would keep a policy that once went plain there. (A refilled request's
     prompt is caught up the same way; that one is a steady cost of speculating at all, and is sampled.)
-    The planner's budget is unchanged (a common scale of T moves no argmax); `cost_window=None` turns this
-    off.
+    Every new median re-decides at the next step (also in the middle of a run of plain steps). The planner's
+    budget is unchanged (a common scale of T moves no argmax); `cost_window=None` turns this off.
 
     Without a confidence head: `estimator=OnlineAcceptanceEstimator(gamma)` (dspark.calibration.online) takes
     the head's place. The decoder then skips the head, hands the planner the estimator's confidence logits
@@ -144,6 +146,7 @@ class Adaptive:
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self._plain_run = 0  # plain steps since the last speculative step
         self._interval = probe_every  # plain steps before the next probe
+        self._probe_left = 0  # speculative steps of the current probe still to run
         self._decided: tuple[int, bool] | None = None  # (B, speculate) until the lag ring changes
         self.feedback_decay = feedback_decay
         self.prior_weight = prior_weight
@@ -163,9 +166,13 @@ class Adaptive:
         """Before drafting: True to run a speculative step for these requests, False for a plain one."""
         if self.plain_seconds is None:
             return True
+        if self._probe_left:  # a probe's second step: timed for the realised-cost feedback
+            self._probe_left -= 1
+            return True
         if self._plain_run >= self._interval:  # probe
             self._plain_run = 0
             self._interval = min(2 * self._interval, self.max_probe_every)
+            self._probe_left = 0 if self.cost_window is None else 1
             return True
         b = slots.numel()
         if self._decided is None or self._decided[0] != b:
@@ -227,6 +234,7 @@ class Adaptive:
         samples.append(seconds / predicted if predicted > 0 else 1.0)
         if len(samples) >= min(3, samples.maxlen):  # a median of at least three: one stall cannot decide
             self.cost_ratio[speculative] = statistics.median(samples)
+            self._decided = None  # the comparison moved: decide again at the next step
 
     def observe(self, commit_lens: Tensor) -> None:
         """After a speculative step: host commit lengths [B] of the step's requests (the decoder's sync)."""
