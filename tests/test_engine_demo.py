@@ -192,6 +192,16 @@ def test_cost_feedback_flag_reaches_the_adaptive_policy() -> None:
     assert main(args) != 0  # parsed (the flag exists), then the bad device is refused
 
 
+def test_profile_repeats_flag_reaches_the_config(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    seen = []
+    monkeypatch.setattr(demo_mod, "run_demo", lambda cfg: seen.append(cfg.profile_repeats))
+    assert main(["demo", "--profile-repeats", "2"]) == 0 and main(["demo"]) == 0
+    assert seen == [2, demo_mod.DemoConfig().profile_repeats]
+    monkeypatch.undo()
+    assert main(["demo", "--profile-repeats", "0", "--device", "cpu"]) == 2
+    assert "profile_repeats" in capsys.readouterr().err
+
+
 def test_goal_check_says_when_the_rounds_disagree() -> None:
     def row(b: int, med: float, lo: float, hi: float) -> dict:
         return {"batch": b, "policy": "adaptive", "speedup_vs_oracle": 0.95, "tau_relative_bias": 0.01,

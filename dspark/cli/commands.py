@@ -48,6 +48,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed rounds per batch size, every policy once per round, interleaved step by step "
                         "(lockstep); speed-ups are medians of the per-round ratios (default 3)")
+    p.add_argument("--profile-repeats", type=int, default=1,
+                   help="lockstep sweeps of the step-cost profile, each point the median over them (default 1; "
+                        "each more sweep costs about a minute here and halves the profile's timing variance)")
     p.add_argument("--sampling", action="store_true", help="rejection sampling instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lag", type=int, default=0,
@@ -81,7 +84,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         device=args.device, out=args.out, batch_sizes=args.batch_sizes, mode=args.mode,
         policies=tuple(x for x in args.policies.split(",") if x), gamma=args.gamma, prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, length_spread=args.length_spread, requests_per_slot=args.requests_per_slot,
-        min_requests=args.min_requests, repeats=args.repeats, sampling=args.sampling,
+        min_requests=args.min_requests, repeats=args.repeats, profile_repeats=args.profile_repeats,
+        sampling=args.sampling,
         temperature=args.temperature, lag=args.lag, probe_every=args.probe_every, max_probe_every=args.max_probe_every,
         threads=args.threads, seed=args.seed, tiers=args.tiers, clock=args.clock, cost_feedback=args.cost_feedback,
     )
