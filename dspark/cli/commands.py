@@ -48,9 +48,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed rounds per batch size, every policy once per round, interleaved step by step "
                         "(lockstep); speed-ups are medians of the per-round ratios (default 3)")
-    p.add_argument("--profile-repeats", type=int, default=1,
-                   help="lockstep sweeps of the step-cost profile, each point the median over them (default 1; "
-                        "each more sweep costs about a minute here and halves the profile's timing variance)")
+    p.add_argument("--profile-repeats", type=int, default=2,
+                   help="lockstep sweeps of the step-cost profile, each point the median over them (default 2: "
+                        "one sweep's noise was as large as speculation's margin; each sweep costs about a minute)")
     p.add_argument("--sampling", action="store_true", help="rejection sampling instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lag", type=int, default=0,

@@ -78,7 +78,7 @@ class DemoConfig:
     requests_per_slot: int = 2  # queue length N = requests_per_slot * B (continuous batching on B slots) ...
     min_requests: int = 4       # ... and at least this (2 requests at B = 1 are two dozen steps: a 17 % spread)
     repeats: int = 3
-    profile_repeats: int = 1  # lockstep sweeps of the step-cost profile (each point: the median of these)
+    profile_repeats: int = 2  # lockstep sweeps of the step-cost profile (each point: the median of these)
     sampling: bool = False
     temperature: float = 1.0
     lag: int = 0                # synchronous decode loop: live-survival budget (1: the overlap scheduler's lag)
