@@ -233,8 +233,9 @@ class Adaptive:
         samples = self._cost_samples[speculative]
         samples.append(seconds / predicted if predicted > 0 else 1.0)
         if len(samples) >= min(3, samples.maxlen):  # a median of at least three: one stall cannot decide
-            self.cost_ratio[speculative] = statistics.median(samples)
-            self._decided = None  # the comparison moved: decide again at the next step
+            ratio = statistics.median(samples)
+            if ratio != self.cost_ratio[speculative]:  # the comparison moved: decide again at the next step
+                self.cost_ratio[speculative], self._decided = ratio, None
 
     def observe(self, commit_lens: Tensor) -> None:
         """After a speculative step: host commit lengths [B] of the step's requests (the decoder's sync)."""
