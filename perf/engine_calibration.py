@@ -83,7 +83,6 @@ def main() -> None:
         args.prompts = 1024 if args.recorder == "teacher_forced" else 128
     torch.set_num_threads(args.threads)
 
-    t0 = time.perf_counter()
     target, draft, encode = load_models(torch.device("cpu"))
     if args.weights is not None:
         draft = load_draft(target, args.weights)

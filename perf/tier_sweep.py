@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
+from dspark.engine.progress import StageProgress
 from dspark.engine.sweep import (
     CLOCKS,
     STATS,
@@ -45,6 +46,8 @@ from dspark.engine.sweep import (
 )
 from dspark.engine.verify_step import VerifyStepAdapter
 from dspark.util.fileio import atomic_write, write_json_atomic
+from dspark.util.validate import check_int, check_output_path
+from dspark.verify.layout import check_tiers
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
 SWEEP_VERSION = 1
@@ -56,16 +59,6 @@ def ints(text: str) -> list[int]:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-
-
-def progress_bar(done: int, total: int) -> None:
-    fill = 30 * done // total
-    if done != total and fill == 30 * (done - 1) // total:
-        return
-    sys.stderr.write(f"\r  [{'#' * fill}{'.' * (30 - fill)}] {done}/{total} steps")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def load_target(model: str):
@@ -85,9 +78,7 @@ def make_adapter(spec: str, args: argparse.Namespace, device: torch.device) -> S
     common = {"tiers": args.tiers, "width": args.width, "max_requests": max(args.batches), "device": device}
     if spec == "model":
         return VerifyStepAdapter(load_target(args.model), **common, context=args.context, seed=args.seed)
-    mod, sep, attr = spec.partition(":")
-    if not sep:
-        raise SystemExit(f"--adapter must be 'model' or 'module:factory', got {spec!r}")
+    mod, _, attr = spec.partition(":")
     factory: Callable[..., StepAdapter] = getattr(importlib.import_module(mod), attr)
     return factory(**common)
 
@@ -133,6 +124,30 @@ def plot(path: Path, samples: Sequence[ProfileSample], pinned: set, models: dict
     plt.close(fig)
 
 
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """Every option checked before the target loads (argparse's usage error naming the option); the device."""
+    try:
+        for name, low in (("width", 1), ("repeats", 1), ("warmup", 0), ("inner", 1), ("threads", 1),
+                          ("context", 0), ("row_bin", 1), ("seed", 0)):
+            check_int("--" + name.replace("_", "-"), getattr(args, name), low)
+        check_tiers(args.tiers)
+        if not args.batches or min(args.batches) < 1:
+            raise ValueError(f"--batches must be positive ints, got {args.batches}")
+        if args.name is not None and (Path(args.name).name != args.name or args.name in ("", ".", "..")):
+            raise ValueError(f"--name is a file stem (no folders: use --out), got {args.name!r}")
+        check_output_path("--out", args.out, folder=True)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # torch's errors for an unknown or unusable device
+        ap.error(f"--device {args.device!r} is not usable here ({str(e).splitlines()[0][:120]})")
+    if args.adapter != "model" and not args.adapter.partition(":")[2]:
+        ap.error(f"--adapter must be 'model' or 'module:factory', got {args.adapter!r}")
+    return device
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -159,8 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="file stem (default: <adapter name>-<platform>-W<W>)")
     ap.add_argument("--out", type=Path, default=Path("graphs"))
     args = ap.parse_args(argv)
-
-    device = torch.device(args.device)
+    device = check_args(ap, args)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -172,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"clock {args.clock}, {args.stat} over repeats")
     t0 = time.perf_counter()
     samples = profile_steps(adapter, points, warmup=args.warmup, repeats=args.repeats, inner=args.inner,
-                            seed=args.seed, clock=args.clock, stat=args.stat, progress=progress_bar)
+                            seed=args.seed, clock=args.clock, stat=args.stat,
+                            progress=lambda done, total, bar=StageProgress(): bar("steps", done, total))
     elapsed = time.perf_counter() - t0
     fit_on = [s for s in samples if (s.num_requests, s.rows) in pinned]
     models = fit_cost_models(fit_on, tiers=args.tiers, width=args.width, platform=device.type,

@@ -35,7 +35,7 @@ from dspark.engine.step_attention import batch_attention
 from dspark.models.corpus import prompt_windows
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
-from dspark.util.fileio import write_json_atomic
+from dspark.util.fileio import atomic_write, write_json_atomic
 from dspark.verify.attention import RaggedVerifyAttention
 from dspark.verify.inputs import build_verify_inputs
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers
@@ -182,8 +182,7 @@ def plot(path: Path, results: dict, title: str) -> None:
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
 
 

@@ -195,7 +195,8 @@ def test_calibrate_command_writes_json_and_plots(tmp_path, capsys):
                          "--plots", str(tmp_path / "plots"), "--bootstrap", "5"])
     assert rc == 0
     out, err = capsys.readouterr()
-    assert "load [" in err and "3/3" in err and "fit [" in err and "AUROC margin" in out and "ECE floor" in out
+    assert "load 3/3" in err and "fit 2/2" in err and "evaluate 2/2" in err and "\r" not in err  # log-file lines
+    assert "AUROC margin" in out and "ECE floor" in out
     cal = Calibration.load(tmp_path / "c.json")
     assert cal.data["rows"] == 3_000 and cal.temperatures[0] == pytest.approx(0.7, rel=0.2)
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())

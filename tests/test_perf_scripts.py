@@ -21,6 +21,27 @@ def _script(name: str) -> ModuleType:
     return module
 
 
+
+@pytest.mark.parametrize("argv, match", [
+    (["--repeats", "0"], "--repeats must be an int >= 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be an int >= 0, got -1"),
+    (["--seed", "-1"], "--seed must be an int >= 0, got -1"),
+    (["--tiers", "4,2"], "tiers must be strictly increasing"),
+    (["--batches", "0"], "--batches must be positive ints"),
+    (["--device", "nodevice"], "--device 'nodevice' is not usable here"),
+    (["--adapter", "nocolon"], "--adapter must be 'model' or 'module:factory'"),
+    (["--name", "../up"], "--name is a file stem"),
+    (["--out", "/proc/dspark/graphs"], "--out '/proc/dspark/graphs' cannot be written"),
+])
+def test_tier_sweep_rejects_bad_options_before_loading_the_target(tmp_path, capsys, monkeypatch, argv, match):
+    sweep = _script("tier_sweep")
+    monkeypatch.setattr(sweep, "load_target", lambda *a: pytest.fail("the target loaded before the check"))
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "graphs")]
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["--model", "tiny", *out, *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
 @pytest.fixture
 def one_thread():
     """The scripts time one intra-op thread; restore the suite's thread count afterwards."""

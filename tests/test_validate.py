@@ -5,9 +5,11 @@ import torch
 from dspark.util.validate import (
     check_directory,
     check_int,
+    check_output_path,
     check_kv_fits,
     check_nonnegative,
     check_path,
+    check_real,
     check_tensor,
     check_type,
     check_verify_lens,
@@ -21,6 +23,31 @@ def test_check_int():
     for bad in (0, -2, 1.0, True, "1", None):
         with pytest.raises(ValueError, match=f"n must be an int >= 1, got {bad!r}"):
             check_int("n", bad, 1)
+
+
+def test_check_real_closed_and_open_ends():
+    assert check_real("x", 0, 0, 1) == 0.0 and check_real("x", 1, 0, 1) == 1.0 and check_real("x", 0.5, 0, 1,
+                                                                                              low_open=True) == 0.5
+    for bad, kw, interval in ((0, dict(low_open=True), r"\(0, 1\]"), (1, dict(high_open=True), r"\[0, 1\)"),
+                              (float("nan"), {}, r"\[0, 1\]"), (True, {}, r"\[0, 1\]"), ("0.5", {}, r"\[0, 1\]"),
+                              (1.5, {}, r"\[0, 1\]"), (-1e-9, {}, r"\[0, 1\]")):
+        with pytest.raises(ValueError, match=rf"x must be a number in {interval}, got {bad!r}"):
+            check_real("x", bad, 0, 1, **kw)
+    with pytest.raises(ValueError, match=r"\(0, inf\), got inf"):
+        check_real("x", float("inf"), 0, float("inf"), low_open=True, high_open=True)
+
+
+def test_check_output_path_probes_without_leaving_anything(tmp_path):
+    deep = tmp_path / "a" / "b" / "out.json"
+    assert check_output_path("out", deep) == deep and not (tmp_path / "a").exists()
+    assert sorted(tmp_path.iterdir()) == []  # the probe folder is gone
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="out '.*f' exists and is not a folder"):
+        check_output_path("out", tmp_path / "f", folder=True)
+    with pytest.raises(ValueError, match="exists and is not a file"):
+        check_output_path("out", tmp_path, folder=False)
+    with pytest.raises(ValueError, match=r"cannot be written \('.*f': .*\); choose another path"):
+        check_output_path("out", tmp_path / "f" / "under_a_file.json")  # a file is no folder to write in
 
 
 def test_int_tensor():

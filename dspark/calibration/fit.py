@@ -32,7 +32,7 @@ from dspark.calibration.metrics import (
 from dspark.calibration.recorder import POLICIES, StsData
 from dspark.plan.survival import calibrated_survival, check_temperatures
 from dspark.util.fileio import atomic_write_text
-from dspark.util.validate import check_int, check_path, check_tensor, check_type
+from dspark.util.validate import check_int, check_path, check_real, check_tensor, check_type
 
 SCHEMA = "dspark.calibration/1"
 METHODS = ("nll", "brier", "ece")
@@ -163,6 +163,23 @@ class PositionFit:
         return self.occupied_bins_after <= 1 < self.occupied_bins_before
 
 
+def check_fit_options(*, method: str = "nll", bounds: tuple[float, float] = (0.05, 20.0), num_bins: int = 15,
+                      holdout_fraction: float = 0.25, bootstrap: int = 0, level: float = 0.95, seed: int = 0) -> None:
+    """Validate `fit_sts`'s options (ValueError naming the option and the value): callers check them before
+    loading any data, so a bad option fails in a second, not after the shards are read."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if (not isinstance(bounds, (tuple, list)) or len(bounds) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+            or not (math.isfinite(bounds[0]) and math.isfinite(bounds[1]) and 0.0 < bounds[0] < bounds[1])):
+        raise ValueError(f"bounds must be finite with 0 < low < high, got {bounds!r}")
+    check_int("num_bins", num_bins, 1)
+    check_real("holdout_fraction", holdout_fraction, 0.0, 1.0, low_open=True, high_open=True)
+    check_int("bootstrap", bootstrap, 0)
+    check_real("level", level, 0.0, 1.0, low_open=True, high_open=True)
+    check_int("seed", seed, 0)
+
+
 def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
                      bounds: tuple[float, float] = (0.05, 20.0), num_bins: int = 15,
                      progress: Progress | None = None) -> list[PositionFit]:
@@ -170,11 +187,8 @@ def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
 
     logits [N, gamma]; labels [N, gamma]: 1 if the accepted prefix reaches draft k, 0 if not, NaN censored.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_fit_options(method=method, bounds=bounds, num_bins=num_bins)
     lo, hi = (float(b) for b in bounds)
-    if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 < lo < hi):
-        raise ValueError(f"bounds must be finite with 0 < low < high, got {bounds!r}")
     z = check_tensor("logits", logits).detach().to("cpu", torch.float64).numpy()
     y = check_tensor("labels", labels).detach().to("cpu", torch.float64).numpy()
     if z.ndim != 2 or z.shape != y.shape or z.shape[0] == 0:
@@ -208,8 +222,7 @@ def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
 
 def split_by_request(request_ids: Tensor, holdout_fraction: float, seed: int) -> Tensor:
     """Bool mask [N] of held-out rows: a seeded random `holdout_fraction` of the distinct request ids."""
-    if not (isinstance(holdout_fraction, float) and 0.0 < holdout_fraction < 1.0):
-        raise ValueError(f"holdout_fraction must be a float in (0, 1), got {holdout_fraction!r}")
+    check_fit_options(holdout_fraction=holdout_fraction, seed=seed)
     ids = torch.unique(request_ids)
     if ids.numel() < 2:
         raise ValueError(f"a held-out split needs at least 2 distinct request ids, got {ids.tolist()}")
@@ -332,6 +345,8 @@ def fit_sts(data: StsData, *, policy: str | None = None, method: str = "nll",
             bootstrap: int = 200, level: float = 0.95, seed: int = 0,
             progress: Progress | None = None) -> Calibration:
     """Fit STS temperatures for one acceptance policy on the train requests; report on held-out ones."""
+    check_fit_options(method=method, bounds=bounds, num_bins=num_bins, holdout_fraction=holdout_fraction,
+                      bootstrap=bootstrap, level=level, seed=seed)
     data = check_type("data", data, StsData).cpu().validate()
     if data.num_rows == 0:
         raise ValueError("empty STS data: no rows to calibrate on")
@@ -345,9 +360,6 @@ def fit_sts(data: StsData, *, policy: str | None = None, method: str = "nll",
     data = data.select(data.policy == POLICIES.index(policy))
     if data.num_rows == 0:
         raise ValueError(f"no rows recorded under policy {policy!r} (present: {present})")
-    check_int("bootstrap", bootstrap, 0)
-    if not (isinstance(level, float) and 0.0 < level < 1.0):
-        raise ValueError(f"level must be a float in (0, 1), got {level!r}")
     held = split_by_request(data.request_ids, holdout_fraction, seed)
     train = data.select(~held)
     fits = fit_temperatures(train.logits, train.labels, method=method, bounds=bounds, num_bins=num_bins,

@@ -5,15 +5,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from dspark.calibration.fit import METHODS, fit_sts
+from dspark.calibration.fit import METHODS, check_fit_options, fit_sts
 from dspark.calibration.recorder import POLICIES, load_sts
-
-
-def _progress(stage: str, done: int, total: int) -> None:
-    width = 30
-    bar = "#" * (width * done // max(total, 1))
-    end = "\n" if done >= total else ""
-    print(f"\r{stage:>8} [{bar:<{width}}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+from dspark.engine.progress import StageProgress
+from dspark.util.validate import check_output_path
 
 
 HELP = "fit STS temperatures from recorded confidence shards (StsRecorder output)"
@@ -36,13 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load shards, fit, write the JSON (and plots), print a per-position summary."""
-    data = load_sts(args.shards, progress=lambda i, n, _p: _progress("load", i, n))
-    calib = fit_sts(data, policy=args.policy, method=args.method, bounds=tuple(args.bounds), num_bins=args.bins,
-                    holdout_fraction=args.holdout, bootstrap=args.bootstrap, seed=args.seed, progress=_progress)
-    calib.save(args.out)
-    print(f"wrote {args.out}: policy {calib.policy}, {calib.data['rows']} rows, "
-          f"{calib.data['heldout_requests']} held-out requests")
+    """Check the options and outputs, load shards, fit, write the plots and the JSON, print a per-position
+    summary."""
+    options = dict(method=args.method, bounds=tuple(args.bounds), num_bins=args.bins, holdout_fraction=args.holdout,
+                   bootstrap=args.bootstrap, seed=args.seed)
+    check_fit_options(**options)
+    check_output_path("--out", args.out)
+    if args.plots:
+        check_output_path("--plots", args.plots, folder=True)
+    progress = StageProgress()
+    data = load_sts(args.shards, progress=lambda i, n, _p: progress("load", i, n))
+    calib = fit_sts(data, policy=args.policy, progress=progress, **options)
     print("held-out, cumulative event; ECE floor = ECE a perfectly calibrated predictor gets on this many rows")
     print(f"{'pos':>3} {'T':>8} {'rows':>7} {'ECE before':>11} {'ECE after':>10} {'ECE floor':>10} {'AUROC head':>11} "
           f"{'AUROC margin':>13}")
@@ -61,15 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
         paths = plot_reliability(calib, Path(args.plots))
         print(f"wrote {len(paths)} reliability diagrams to {args.plots}")
+    calib.save(args.out)  # last: the JSON's presence means the whole run finished
+    print(f"wrote {args.out}: policy {calib.policy}, {calib.data['rows']} rows, "
+          f"{calib.data['heldout_requests']} held-out requests")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: `python -m dspark.cli.calibrate SHARDS... --out calib.json`."""
-    parser = argparse.ArgumentParser(prog="dspark calibrate", description=HELP)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -21,15 +21,27 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
 
 
-def _device_and_out(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, npu (default: cpu)")
+def _device_and_out(p: argparse.ArgumentParser, devices: str = "cpu, cuda or npu") -> None:
+    p.add_argument("--device", default="cpu", help=f"torch device: {devices} (default: cpu)")
     p.add_argument("--out", default="demo_out", help="output folder (default: demo_out/)")
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """A comma list of ints (`1,4,16`); argparse reports the error with the option's name."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of ints such as 1,4,16, got {text!r}") from None
+
+
+def _tiers(text: str) -> tuple[int, ...]:
+    """`--tiers`: a comma list of ints, or `eager` (no tiers)."""
+    return () if text == "eager" else _int_list(text)
+
+
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
-    _device_and_out(p)
-    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
-    p.add_argument("--batch-sizes", type=ints, default=(1, 4, 16), help="comma list (default 1,4,16)")
+    _device_and_out(p, "cpu or cuda (the Ascend port runs through dspark.ascend, not this loop)")
+    p.add_argument("--batch-sizes", type=_int_list, default=(1, 4, 16), help="comma list (default 1,4,16)")
     p.add_argument("--mode", default="compact", help="verify mode: static, cap-accept or compact (default)")
     p.add_argument("--policies", default="adaptive,adaptive-est,fixed,oracle",
                    help="comma list of adaptive (the draft's confidence head + STS), adaptive-est (the head off, "
@@ -66,7 +78,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
                         "lockstep conditions as the timed runs, and on a shared CPU a slow spell during a few "
                         "speculative steps would flip the speculate-or-not decision")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: tiny ops)")
-    p.add_argument("--tiers", type=lambda text: () if text == "eager" else ints(text), default=None,
+    p.add_argument("--tiers", type=_tiers, default=None,
                    help="comma list of token tiers: compact steps pad to the smallest tier >= rows and the "
                         "planner uses a TieredCostModel of the measured tiers (default: 1..6, 8, then x1.5 / "
                         "x4/3 steps, plus every B and B*W); 'eager': no tiers, an additive cost model")
@@ -91,7 +103,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
     try:
         run_demo(cfg)
-    except (ValueError, ImportError, FileNotFoundError) as e:
+    except (ValueError, ImportError, FileNotFoundError, MemoryError) as e:
         print(f"dspark demo: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -17,6 +17,7 @@ from dspark.plan.allocate import allocate_verify_lens
 from dspark.plan.budget import BudgetDecision, expected_commit
 from dspark.plan.planner import VerifyPlan, VerifyPlanner
 from dspark.util.fileio import atomic_write, atomic_write_text
+from dspark.util.validate import check_output_path
 
 GAMMA = 7
 NUM_REQUESTS = 12
@@ -87,6 +88,7 @@ def _plot(decision: BudgetDecision, plan: VerifyPlan, path: Path) -> bool:
 
 def run(device: str = "cpu", out: str = "demo_out") -> int:
     """Run the demonstration; print the decision table; write planner_demo.{json,png} under `out`."""
+    out_dir = check_output_path("out", out, folder=True)
     if str(device).startswith("npu"):
         try:
             import torch_npu  # noqa: F401  (registers the npu device)
@@ -115,7 +117,6 @@ def run(device: str = "cpu", out: str = "demo_out") -> int:
     print(f"verify_lens (after tier fill) = {plan.verify_lens.tolist()}  expected commit "
           f"{expected_commit(plan.survival, plan.verify_lens, cfg):.3f}  tier {plan.layout.tier} "
           f"({plan.layout.total_rows} real rows + {plan.layout.num_padding_rows} padding)")
-    out_dir = Path(out)
     record = {
         "note": "synthetic logits; ILLUSTRATIVE cost table, not measured",
         "config": {"gamma": GAMMA, "num_requests": NUM_REQUESTS, "tiers": list(TIERS)},

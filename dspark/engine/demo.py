@@ -29,9 +29,9 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -39,6 +39,16 @@ from torch import Tensor
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.engine.decode import SpecDecoder, check_device
+from dspark.engine.demo_config import (
+    ADAPTIVE,
+    DemoConfig,
+    check_config,
+    demo_clock,
+    demo_tiers,
+    parse_policies,
+    queue_size,
+    request_lengths,
+)
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import Adaptive, FixedK, Oracle
 from dspark.engine.progress import Progress
@@ -52,124 +62,15 @@ from dspark.engine.records import step_records
 from dspark.engine.report import format_goals, format_table, goal_check, table_rows
 from dspark.engine.results import GenerateResult
 from dspark.engine.sts import record_and_fit
-from dspark.engine.sweep import tier_ladder
 from dspark.models.corpus import Encode, prompt_windows
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.plan.planner import VerifyPlanner
 from dspark.telemetry import StepRecord, tau_bias
 from dspark.util.fileio import temp_dir_beside
-from dspark.verify.layout import check_tiers
 
-
-@dataclass
-class DemoConfig:
-    """Everything the demo does is decided here (no environment variables)."""
-
-    device: str = "cpu"
-    out: str = "demo_out"
-    batch_sizes: tuple[int, ...] = (1, 4, 16)
-    mode: str = "compact"
-    policies: tuple[str, ...] = ("adaptive", "adaptive-est", "fixed", "oracle")
-    gamma: int = 3              # drafts per step (the shipped draft proposes up to 6; survival past 3 is ~0.1)
-    prompt_len: int = 32
-    max_new_tokens: int = 12    # mean new tokens per request ...
-    length_spread: float = 0.5  # ... each drawn uniformly from max_new_tokens x [1 - spread, 1 + spread]
-    requests_per_slot: int = 2  # queue length N = requests_per_slot * B (continuous batching on B slots) ...
-    min_requests: int = 4       # ... and at least this (2 requests at B = 1 are two dozen steps: a 17 % spread)
-    repeats: int = 3
-    profile_repeats: int = 2  # lockstep sweeps of the step-cost profile (each point: the median of these)
-    sampling: bool = False
-    temperature: float = 1.0
-    lag: int = 0                # synchronous decode loop: live-survival budget (1: the overlap scheduler's lag)
-    probe_every: int = 8        # adaptive: plain steps in a row before a probe (a speculative step) ...
-    max_probe_every: int = 64   # ... doubling while probes keep confirming plain, up to this
-    cost_feedback: bool = False  # adaptive: rescale the profiled costs by measured step times (see the CLI help)
-    threads: int = 1
-    tiers: tuple[int, ...] | None = None  # token tiers compact steps pad to (None: `tier_ladder`; (): eager)
-    clock: str = "auto"     # step timing: wall / thread (CPU time of the decoding thread); auto: see `demo_clock`
-    seed: int = 0
 
 Models = tuple[TransformersCausalLM, DraftModel, Encode]  # target, draft, text -> token ids
-ADAPTIVE = ("adaptive", "adaptive-est")  # the planner with the head + STS / with the online estimator
-
-
-def parse_policies(names: Sequence[str], gamma: int) -> list[str]:
-    """Expand `fixed` to fixed-0..fixed-gamma; validate every name (fixed-k needs 0 <= k <= gamma)."""
-    out: list[str] = []
-    for name in names:
-        if name == "fixed":
-            out += [f"fixed-{k}" for k in range(gamma + 1)]
-        elif name in ADAPTIVE + ("oracle",):
-            out.append(name)
-        elif name.startswith("fixed-") and name[6:].isdigit():
-            k = int(name[6:])
-            if k > gamma:
-                raise ValueError(f"policy {name!r}: k = {k} is outside [0, gamma = {gamma}]")
-            out.append(name)
-        else:
-            raise ValueError(f"unknown policy {name!r}; choose from adaptive, adaptive-est, oracle, fixed, fixed-K "
-                             "(0 <= K <= gamma)")
-    # fixed-0 (no speculation) always runs first: the speed baseline and the losslessness reference
-    return ["fixed-0"] + [n for n in dict.fromkeys(out) if n != "fixed-0"]
-
-
-def check_config(cfg: DemoConfig) -> None:
-    """Reject bad input before any work, naming the value."""
-    check_device(cfg.device)
-    VerifyMode.parse(cfg.mode)
-    top = DraftConfig.gamma  # the shipped draft's block
-    if isinstance(cfg.gamma, bool) or not isinstance(cfg.gamma, int) or not 1 <= cfg.gamma <= top:
-        raise ValueError(f"gamma must be an int in [1, {top}] (the draft proposes {top} tokens per step), "
-                         f"got {cfg.gamma!r}")
-    if isinstance(cfg.temperature, bool) or not isinstance(cfg.temperature, (int, float)) or not cfg.temperature > 0:
-        raise ValueError(f"temperature must be a number > 0 (sampling divides the logits by it), got "
-                         f"{cfg.temperature!r}")
-    parse_policies(cfg.policies, cfg.gamma)
-    if cfg.tiers is not None:
-        check_tiers(cfg.tiers)
-    if cfg.clock not in ("auto", "wall", "thread"):
-        raise ValueError(f"clock must be auto, wall or thread, got {cfg.clock!r}")
-    if demo_clock(cfg) == "thread" and (check_device(cfg.device).type != "cpu" or cfg.threads != 1):
-        raise ValueError(f"clock 'thread' needs device cpu and threads 1 (the CPU time of the one decoding "
-                         f"thread), got device {cfg.device!r}, threads {cfg.threads}")
-    if not cfg.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in cfg.batch_sizes):
-        raise ValueError(f"batch sizes must be positive ints, got {list(cfg.batch_sizes)}")
-    for name in ("prompt_len", "max_new_tokens", "requests_per_slot", "min_requests", "repeats", "profile_repeats",
-                 "threads", "probe_every", "max_probe_every"):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < (3 if name == "prompt_len" else 1):
-            raise ValueError(f"{name} must be a positive int (prompt_len >= 3), got {v!r}")
-    if not (isinstance(cfg.length_spread, (int, float)) and 0 <= cfg.length_spread < 1):
-        raise ValueError(f"length_spread must be in [0, 1), got {cfg.length_spread!r}")
-    if cfg.max_probe_every < cfg.probe_every:
-        raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
-
-
-def queue_size(cfg: DemoConfig, b: int) -> int:
-    """Requests in the queue served on b slots: requests_per_slot x b, at least min_requests."""
-    return max(cfg.requests_per_slot * b, cfg.min_requests)
-
-
-def demo_tiers(cfg: DemoConfig) -> tuple[int, ...]:
-    """The configured tiers, or by default `tier_ladder` over the batch sizes: the profile then measures every
-    tier a step can replay and the planner's `TieredCostModel` reads that measured table."""
-    return tier_ladder(cfg.batch_sizes, cfg.gamma + 1) if cfg.tiers is None else tuple(cfg.tiers)
-
-
-def demo_clock(cfg: DemoConfig) -> str:
-    """`thread` on the CPU with one intra-op thread (all the work runs on the timed thread, so its CPU time
-    is the step time minus the time other processes held the core), else `wall`."""
-    if cfg.clock != "auto":
-        return cfg.clock
-    return "thread" if check_device(cfg.device).type == "cpu" and cfg.threads == 1 else "wall"
-
-
-def request_lengths(n: int, mean: int, spread: float, seed: int) -> torch.Tensor:
-    """[n] int64 new-token counts, uniform over mean x [1 - spread, 1 + spread] (at least 1): a serving queue's
-    varied output lengths, so requests finish (and slots refill) at different steps under every policy."""
-    lo, hi = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
-    return torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def load_models(device: torch.device) -> Models:
@@ -225,7 +126,7 @@ def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progr
              models: Models | None = None) -> dict:
     """Run the demo; returns the JSON summary (also written to cfg.out). `models`: (target, draft, encode)
     instead of SmolLM2 and its shipped draft (tests run a tiny Llama through the same path)."""
-    check_config(cfg)
+    check_config(cfg, min(m.geometry.max_seq_len for m in models[:2]) if models else DraftConfig.max_seq_len)
     if models is None:
         from dspark.models import smollm2_gguf_path
 

@@ -5,6 +5,8 @@ in its row of the block table. A batch is admitted only if every request's whole
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -39,8 +41,14 @@ class PagedKVCache:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         shape = (num_layers, num_pages, page_size, num_heads, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        try:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
+        except (RuntimeError, MemoryError) as e:  # torch's OutOfMemoryError is a RuntimeError
+            gib = 2 * math.prod(shape) * dtype.itemsize / 2**30
+            raise MemoryError(f"the paged KV cache of {num_pages * page_size} tokens ({gib:.1f} GiB for K and V) "
+                              f"does not fit on {device}: serve fewer requests at once or shorter sequences "
+                              f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
         self.page_size = page_size
         self.allocator = BlockAllocator(num_pages)
         self.block_table = torch.zeros(0, 0, dtype=torch.int32, device=device)

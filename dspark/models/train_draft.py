@@ -48,6 +48,7 @@ from dspark.models.draft import (
 )
 from dspark.models.confidence_fit import HEAD_L2, acceptance, fit_confidence, head_report, reset_head, stream_rows
 from dspark.models.streams import features, greedy_streams
+from dspark.util.validate import check_int, check_output_path, check_real
 
 Log = Callable[[str], None]
 HEAD_SPLIT = "calibration"  # the corpus split the confidence head is fitted on
@@ -78,6 +79,21 @@ class TrainDraftConfig:
     head_iters: int = 300
     head_l2: float = HEAD_L2      # L2 weight on the confidence head's weights
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "train_streams", "head_streams", "heldout_streams", "gen_batch", "draft_vocab",
+                     "intermediate", "chain", "gamma", "steps", "batch", "head_iters"):
+            check_int(name, getattr(self, name), 1)
+        check_int("markov_rank", self.markov_rank, 0)
+        check_int("seed", self.seed, 0)
+        check_int("new_tokens (every stream needs gamma tokens after a serving start)", self.new_tokens,
+                  self.gamma + 1)
+        check_int("max_seq_len (a whole stream: prompt_len + new_tokens)", self.max_seq_len,
+                  self.prompt_len + self.new_tokens)
+        check_real("lr", self.lr, 0, math.inf, low_open=True, high_open=True)
+        for name in ("weight_decay", "head_l2"):
+            check_real(name, getattr(self, name), 0, math.inf, high_open=True)
+        check_real("soft_weight", self.soft_weight, 0, 1)
 
 
 TINY = dict(prompt_len=16, new_tokens=24, train_streams=32, head_streams=16, heldout_streams=8, gen_batch=16,
@@ -315,7 +331,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Command line: every TrainDraftConfig field is an option (`--train-streams 1024`), plus the target."""
     ap = argparse.ArgumentParser(prog="python -m dspark.models.train_draft", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random byte Llama target and tiny sizes (CI)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS, help="weights file (manifest: same name .json)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="weights file (manifest: same name .json; default: the shipped SmolLM2 draft, which a "
+                         "--tiny run must not overwrite, so --tiny needs --out)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--refit-head", action="store_true",
                     help=f"only refit the confidence head of the draft at --out (options: {', '.join(HEAD_FIELDS)})")
@@ -325,7 +343,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
+    if args.tiny and (args.out is None or args.out.resolve() == DEFAULT_WEIGHTS.resolve()):
+        ap.error(f"--tiny needs --out elsewhere than the shipped draft {DEFAULT_WEIGHTS}")
+    args.out = args.out or DEFAULT_WEIGHTS
+    try:
+        check_output_path("--out", args.out)
+    except ValueError as e:
+        ap.error(str(e))
     given = {k: getattr(args, k) for k in asdict(defaults) if getattr(args, k) is not None}
     if args.refit_head:
         if not manifest_path(args.out).is_file():
@@ -336,7 +360,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         base = json.loads(manifest_path(args.out).read_text())["training"]
     else:
         base = {**asdict(defaults), **(TINY if args.tiny else {})}
-    cfg = TrainDraftConfig(**{**base, **given})
+    try:
+        cfg = TrainDraftConfig(**{**base, **given})
+    except ValueError as e:
+        ap.error(str(e))
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -345,7 +373,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     target, encode = load_target(args.tiny, cfg.seed)
     log(f"target loaded; config {asdict(cfg)}")
-    manifest = (refit_head if args.refit_head else train)(cfg, target, encode, args.out, log)
+    try:
+        manifest = (refit_head if args.refit_head else train)(cfg, target, encode, args.out, log)
+    except ValueError as e:  # a bad value found once the target is known (e.g. a draft vocab larger than its)
+        ap.error(str(e))
     log(f"wrote {args.out} ({manifest['bytes'] / 1e6:.1f} MB, sha256 {manifest['sha256']})")
     return manifest
 

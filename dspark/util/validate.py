@@ -4,7 +4,9 @@ The tensor checks read the device once (`any()`), so per-step code runs them onl
 """
 from __future__ import annotations
 
+import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Sequence, TypeVar
 
@@ -54,6 +56,36 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
+
+
+def check_real(name: str, value: object, low: float = -math.inf, high: float = math.inf, *,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """`value` as a float when it is a real number (bools are not, NaN is not) in the interval from `low` to
+    `high` (closed unless `low_open` / `high_open`); ValueError naming it and the interval otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}, got {_shown(value)}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_output_path(name: str, value: object, *, folder: bool = False) -> Path:
+    """An output path that can be written: not an existing entry of the other kind (file vs folder), and its
+    nearest existing ancestor a writable folder. Checked before any work, so a run cannot fail at the end."""
+    path = check_path(name, value)
+    if path.exists() and path.is_dir() != folder:
+        raise ValueError(f"{name} {str(path)!r} exists and is not a {'folder' if folder else 'file'}")
+    base = path.parent
+    while not base.exists():
+        base = base.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=base, prefix=".dspark-probe."))  # what the run will do there, undone
+    except OSError as e:
+        raise ValueError(f"{name} {str(path)!r} cannot be written ({str(base)!r}: {e.strerror}); choose another "
+                         f"path") from None
+    return path
 
 
 def int_tensor(name: str, values: Tensor | Sequence[int], dtype: torch.dtype = torch.int64) -> Tensor:
