@@ -21,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark import RaggedVerifyLayout, accept_greedy, accept_sampling
+from dspark.cli.options import at_least, output_path
 from dspark.util.fileio import atomic_write_text
 
 METHODS = ("greedy/packed", "greedy/expand", "sampling/packed", "sampling/expand")
@@ -93,12 +94,12 @@ def peak_extra_bytes(method: str, x: dict, device: torch.device) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--gamma", type=int, default=7)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: stable on a shared machine)")
-    ap.add_argument("--out", default="perf/results/accept_bench.json")
+    ap.add_argument("--batch", type=at_least(1), default=64)
+    ap.add_argument("--gamma", type=at_least(1), default=7)
+    ap.add_argument("--vocab", type=at_least(1), default=32000)
+    ap.add_argument("--repeats", type=at_least(1), default=20)
+    ap.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads (1: stable on a shared machine)")
+    ap.add_argument("--out", type=output_path(), default="perf/results/accept_bench.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -30,6 +30,7 @@ from dspark.ascend.capability import (
 )
 from dspark.ascend.graphs import NpuGraphBackend, VerifyMetadataBuffers
 from dspark.ascend.metadata import AscendVerifyMetadata
+from dspark.cli.options import output_path
 from dspark.util.fileio import atomic_write_text
 from dspark.verify.layout import RaggedVerifyLayout, round_up_to_tier
 
@@ -248,7 +249,7 @@ def run(device: str) -> tuple[RaggedGraphCapability, dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "npu"], default="cpu")
-    ap.add_argument("--out", type=Path, default=Path("perf/results/ascend_bringup.json"))
+    ap.add_argument("--out", type=output_path(), default=Path("perf/results/ascend_bringup.json"))
     ap.add_argument("--capability", type=Path, default=None,
                     help="also write the recorded capability (RaggedGraphCapability.load reads it)")
     args = ap.parse_args(argv)

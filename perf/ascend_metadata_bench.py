@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dspark.ascend import AscendVerifyMetadata, runtime
+from dspark.cli.options import at_least, output_path
 from dspark.util.fileio import atomic_write_text
 from dspark.verify.layout import RaggedVerifyLayout
 
@@ -58,13 +59,11 @@ def run(device: torch.device, batches: list[int], repeats: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "npu"], default="cpu")
-    ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--out", type=Path, default=Path("perf/results/ascend_metadata_bench.json"))
+    ap.add_argument("--repeats", type=at_least(1), default=50)
+    ap.add_argument("--batches", type=at_least(1), nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--threads", type=at_least(1), default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--out", type=output_path(), default=Path("perf/results/ascend_metadata_bench.json"))
     args = ap.parse_args(argv)
-    if args.repeats < 1 or any(b < 1 for b in args.batches):
-        ap.error(f"--repeats and --batches must be >= 1, got {args.repeats} and {args.batches}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device("npu" if args.device == "npu" else "cpu")

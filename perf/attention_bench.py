@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark import RaggedVerifyAttention, RaggedVerifyLayout  # noqa: E402
+from dspark.cli.options import POSITIVE_REAL, at_least, output_path  # noqa: E402
 from dspark.kernels import dispatch  # noqa: E402
 from dspark.util.fileio import atomic_write_text  # noqa: E402
 from dspark.verify.accept import accept_greedy  # noqa: E402
@@ -195,23 +196,23 @@ def cpu_step(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch", type=int, nargs="+", default=None)
-    ap.add_argument("--width", type=int, nargs="+", default=None, help="verify rows per request (W)")
-    ap.add_argument("--prefix", type=int, nargs="+", default=None)
-    ap.add_argument("--q-heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--batch", type=at_least(1), nargs="+", default=None)
+    ap.add_argument("--width", type=at_least(1), nargs="+", default=None, help="verify rows per request (W)")
+    ap.add_argument("--prefix", type=at_least(0), nargs="+", default=None)
+    ap.add_argument("--q-heads", type=at_least(1), default=32)
+    ap.add_argument("--kv-heads", type=at_least(1), default=8)
+    ap.add_argument("--head-dim", type=at_least(1), default=128)
+    ap.add_argument("--page-size", type=at_least(1), default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--max-kv-tokens", type=int, default=4_000_000, help="skip shapes with more cached tokens")
-    ap.add_argument("--peak-gbps", type=float, default=4800.0, help="peak HBM bandwidth (H200: 4800 GB/s)")
-    ap.add_argument("--out", default=None, help="JSON path (default perf/results/attention_bench.json, "
+    ap.add_argument("--repeats", type=at_least(1), default=20)
+    ap.add_argument("--max-kv-tokens", type=at_least(1), default=4_000_000, help="skip shapes with more cached tokens")
+    ap.add_argument("--peak-gbps", type=POSITIVE_REAL, default=4800.0, help="peak HBM bandwidth (H200: 4800 GB/s)")
+    ap.add_argument("--out", type=output_path(), default=None, help="JSON path (default perf/results/attention_bench.json, "
                                                  "or attention_cpu_step.json with --cpu-step)")
     ap.add_argument("--cpu-step", action="store_true",
                     help="time plan / write_kv / run of an engine-like CPU verify step (defaults: B 4 64, W 7, "
                          "prefix 100; use --q-heads 4 --kv-heads 4 --head-dim 32 for the engine's tiny model)")
-    ap.add_argument("--table-pages", type=int, default=32, help="--cpu-step: block-table columns per request")
+    ap.add_argument("--table-pages", type=at_least(1), default=32, help="--cpu-step: block-table columns per request")
     args = ap.parse_args()
     if args.cpu_step:
         cpu_step(args)

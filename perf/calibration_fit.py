@@ -18,6 +18,7 @@ import torch
 
 from dspark.calibration.fit import evaluate, fit_temperatures, split_by_request
 from dspark.calibration.recorder import StsRecorder, load_sts
+from dspark.cli.options import at_least, output_path
 from dspark.util.fileio import atomic_write_text
 
 
@@ -35,12 +36,12 @@ def synthetic_steps(rows: int, temps: torch.Tensor, batch: int, seed: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=40_000)
-    ap.add_argument("--gamma", type=int, default=7)
-    ap.add_argument("--batch", type=int, default=64, help="requests per recorded step")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bootstrap", type=int, default=200)
-    ap.add_argument("--out", default="perf/results/calibration_fit.json")
+    ap.add_argument("--rows", type=at_least(1), default=40_000)
+    ap.add_argument("--gamma", type=at_least(1), default=7)
+    ap.add_argument("--batch", type=at_least(1), default=64, help="requests per recorded step")
+    ap.add_argument("--repeats", type=at_least(1), default=3)
+    ap.add_argument("--bootstrap", type=at_least(0), default=200)
+    ap.add_argument("--out", type=output_path(), default="perf/results/calibration_fit.json")
     args = ap.parse_args()
     temps = torch.linspace(0.5, 2.0, args.gamma)
 

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from dspark.cli.options import NONNEGATIVE_REAL, at_least, output_path, real
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, ProfileSample
 from dspark.engine.sweep import budget_regret, dense_rows, fit_cost_models, tier_rows
@@ -114,18 +115,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--survival", type=Path, default=None, help="recorded survival matrices (torch.save)")
     ap.add_argument("--tiers", type=ints, default=DEFAULT_TIERS, help="synthetic staircase tiers")
     ap.add_argument("--batches", type=ints, default=DEFAULT_BATCHES, help="synthetic batch sizes")
-    ap.add_argument("--width", type=int, default=8, help="synthetic W = gamma + 1")
-    ap.add_argument("--base-ms", type=float, default=1.0)
-    ap.add_argument("--per-request-ms", type=float, default=0.02)
-    ap.add_argument("--per-row-ms", type=float, default=0.006, help="cost per row of the replayed tier")
-    ap.add_argument("--per-real-row-ms", type=float, default=0.0005, help="extra cost per real (non-padding) row")
-    ap.add_argument("--noise", type=float, default=0.005,
+    ap.add_argument("--width", type=at_least(1), default=8, help="synthetic W = gamma + 1")
+    ap.add_argument("--base-ms", type=NONNEGATIVE_REAL, default=1.0)
+    ap.add_argument("--per-request-ms", type=NONNEGATIVE_REAL, default=0.02)
+    ap.add_argument("--per-row-ms", type=NONNEGATIVE_REAL, default=0.006, help="cost per row of the replayed tier")
+    ap.add_argument("--per-real-row-ms", type=NONNEGATIVE_REAL, default=0.0005, help="extra cost per real (non-padding) row")
+    ap.add_argument("--noise", type=NONNEGATIVE_REAL, default=0.005,
                     help="relative noise of each synthetic sample (a median over repeats)")
-    ap.add_argument("--row-bin", type=int, default=64, help="additive model M bin (synthetic)")
-    ap.add_argument("--per-batch", type=int, default=300, help="synthetic survival matrices per batch size")
-    ap.add_argument("--accept", type=float, nargs=2, default=(0.3, 0.95), metavar=("LO", "HI"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("perf/results/cost_regret.json"))
+    ap.add_argument("--row-bin", type=at_least(1), default=64, help="additive model M bin (synthetic)")
+    ap.add_argument("--per-batch", type=at_least(1), default=300, help="synthetic survival matrices per batch size")
+    ap.add_argument("--accept", type=real(0.0, 1.0, low_open=True), nargs=2, default=(0.3, 0.95), metavar=("LO", "HI"))
+    ap.add_argument("--seed", type=at_least(0), default=0)
+    ap.add_argument("--out", type=output_path(), default=Path("perf/results/cost_regret.json"))
     args = ap.parse_args(argv)
     gen = torch.Generator().manual_seed(args.seed)
 

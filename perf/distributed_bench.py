@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dspark.cli.options import at_least, output_path
 from dspark.parallel import DpTierAgreement, TpAgreement, verify_lens_hash
 from dspark.parallel.launch import run_local_gloo
 from dspark.util.fileio import atomic_write_text
@@ -80,11 +81,11 @@ def rank_bench(rank: int, world: int, batch: int, steps: int, repeats: int) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="perf/results/distributed_bench.json")
+    ap.add_argument("--worlds", type=at_least(1), nargs="+", default=[2, 4])
+    ap.add_argument("--batch", type=at_least(1), default=64)
+    ap.add_argument("--steps", type=at_least(1), default=200)
+    ap.add_argument("--repeats", type=at_least(1), default=5)
+    ap.add_argument("--out", type=output_path(), default="perf/results/distributed_bench.json")
     args = ap.parse_args()
     rows = []
     for world in args.worlds:

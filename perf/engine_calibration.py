@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dspark.calibration.fit import fit_sts
+from dspark.cli.options import at_least, output_path
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.demo import load_models
 from dspark.engine.sts import STARTS, record_sts, record_sts_teacher_forced
@@ -67,17 +68,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recorder", choices=("teacher_forced", "decode"), default="teacher_forced")
     ap.add_argument("--starts", choices=STARTS, default="all", help="teacher-forced recorder: rows recorded")
-    ap.add_argument("--prompts", type=int, default=None,
+    ap.add_argument("--prompts", type=at_least(1), default=None,
                     help="held-out prompts recorded (requests); default 1024 (teacher_forced), 128 (decode)")
-    ap.add_argument("--new-tokens", type=int, default=32, help="prompt-len + new-tokens + gamma + 1 <= 128")
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--gamma", type=int, default=4, help="drafts per step (the demo's 4; the draft proposes up to 6)")
-    ap.add_argument("--bootstrap", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--new-tokens", type=at_least(1), default=32, help="prompt-len + new-tokens + gamma + 1 <= 128")
+    ap.add_argument("--prompt-len", type=at_least(1), default=32)
+    ap.add_argument("--gamma", type=at_least(1), default=4, help="drafts per step (the demo's 4; the draft proposes up to 6)")
+    ap.add_argument("--bootstrap", type=at_least(0), default=100)
+    ap.add_argument("--seed", type=at_least(0), default=1)
+    ap.add_argument("--threads", type=at_least(1), default=1)
     ap.add_argument("--ece-fit", action="store_true", help="also fit with the ECE grid search (held-out ECE only)")
     ap.add_argument("--weights", type=Path, default=None, help=f"draft file (default {DEFAULT_WEIGHTS})")
-    ap.add_argument("--out", default="perf/results/engine_calibration.json")
+    ap.add_argument("--out", type=output_path(), default="perf/results/engine_calibration.json")
     args = ap.parse_args()
     if args.prompts is None:
         args.prompts = 1024 if args.recorder == "teacher_forced" else 128

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from dspark.cli.options import at_least, output_path
 from dspark.engine.verify_step import VerifyStepAdapter
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.util.fileio import atomic_write_text
@@ -59,9 +60,9 @@ def step_time(adapter: VerifyStepAdapter, rows: int, repeats: int) -> tuple[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    ap.add_argument("--out", default="perf/results/engine_compile.json")
+    ap.add_argument("--repeats", type=at_least(1), default=30)
+    ap.add_argument("--threads", type=at_least(1), default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--out", type=output_path(), default="perf/results/engine_compile.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows_out = []

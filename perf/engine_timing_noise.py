@@ -17,6 +17,7 @@ import statistics
 
 import torch
 
+from dspark.cli.options import at_least, output_path
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.demo import load_models, request_lengths
 from dspark.engine.lockstep import lockstep
@@ -37,10 +38,10 @@ def _spread(xs: list[float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--k", type=int, default=5, help="fixed-k policy timed")
-    ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--out", default="perf/results/engine_timing_noise.json")
+    ap.add_argument("--batch", type=at_least(1), default=4)
+    ap.add_argument("--k", type=at_least(0), default=5, help="fixed-k policy timed")
+    ap.add_argument("--repeats", type=at_least(1), default=8)
+    ap.add_argument("--out", type=output_path(), default="perf/results/engine_timing_noise.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target, draft, encode = load_models(torch.device("cpu"))

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from dspark.cli.options import at_least, output_path
 from dspark.util.fileio import atomic_write_text
 
 TIERS, SLOTS, WIDTH, RATIOS = (8, 16), 8, 4, (4, 128)
@@ -224,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--status", type=Path, help="collect: the steps' `name rc seconds` lines")
     ap.add_argument("--log", type=Path, help="collect: the run's log (for the suite's device-count line)")
     ap.add_argument("--device", choices=["cpu", "npu"], default="cpu", help="cpu = the dry mode")
-    ap.add_argument("--world", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--world", type=at_least(1), default=3)
+    ap.add_argument("--repeats", type=at_least(1), default=20)
+    ap.add_argument("--out", type=output_path(), required=True)
     args = ap.parse_args(argv)
     if args.what == "collect":
         report = collect(args.status, args.inputs, args.log)

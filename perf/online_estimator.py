@@ -39,6 +39,7 @@ import torch
 from dspark.calibration.fit import _json_clean, fit_temperatures, split_by_request
 from dspark.calibration.metrics import Sample, bootstrap_interval, metric_functions
 from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
+from dspark.cli.options import at_least, output_path
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.demo import load_models, request_lengths
@@ -247,23 +248,23 @@ def load(model: str, gamma: int, prompts: int, prompt_len: int, seed: int):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="real", choices=("real", "tiny"))
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--rows", type=int, default=4, help="requests per draft block pass (memory: rows x starts x V)")
-    ap.add_argument("--refit-every", type=int, default=4)
-    ap.add_argument("--bootstrap", type=int, default=200)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--requests-per-slot", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--profile-repeats", type=int, default=1)
+    ap.add_argument("--prompts", type=at_least(1), default=256)
+    ap.add_argument("--new-tokens", type=at_least(1), default=40)
+    ap.add_argument("--gamma", type=at_least(1), default=4)
+    ap.add_argument("--prompt-len", type=at_least(1), default=32)
+    ap.add_argument("--rows", type=at_least(1), default=4, help="requests per draft block pass (memory: rows x starts x V)")
+    ap.add_argument("--refit-every", type=at_least(1), default=4)
+    ap.add_argument("--bootstrap", type=at_least(0), default=200)
+    ap.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 4, 16])
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=16)
+    ap.add_argument("--requests-per-slot", type=at_least(1), default=2)
+    ap.add_argument("--repeats", type=at_least(1), default=2)
+    ap.add_argument("--profile-repeats", type=at_least(1), default=1)
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--overhead-only", action="store_true",
                     help="only the estimator's per-step host cost (synthetic logits over the draft's 4096 tokens)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="perf/results/online_estimator.json")
+    ap.add_argument("--seed", type=at_least(0), default=0)
+    ap.add_argument("--out", type=output_path(), default="perf/results/online_estimator.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t_start = time.perf_counter()

@@ -25,6 +25,7 @@ from dspark import (
     calibrated_survival,
     choose_budget,
 )
+from dspark.cli.options import at_least, output_path
 from dspark.plan.survival import monotone_survival
 from dspark.util.fileio import atomic_write_text
 
@@ -91,9 +92,9 @@ def paired_medians(fn_a, fn_b, repeats: int, block: int = 25) -> tuple[float, fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    ap.add_argument("--out", default="perf/results/planner_bench.json")
+    ap.add_argument("--repeats", type=at_least(1), default=200)
+    ap.add_argument("--threads", type=at_least(1), default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--out", type=output_path(), default="perf/results/planner_bench.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cost = bench_cost()

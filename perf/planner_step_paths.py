@@ -26,6 +26,7 @@ import time
 import torch
 
 from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
+from dspark.cli.options import at_least, output_path
 from dspark.kernels import dispatch
 from dspark.util.fileio import atomic_write_text
 from dspark.verify import boundary
@@ -88,10 +89,10 @@ def time_path(path: str, b: int, logits: list[torch.Tensor], repeats: int, devic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=300)
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--repeats", type=at_least(1), default=300)
+    ap.add_argument("--threads", type=at_least(1), default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default="perf/results/planner_step_paths.json")
+    ap.add_argument("--out", type=output_path(), default="perf/results/planner_step_paths.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from dspark.cli.options import POSITIVE_REAL, at_least, output_path, real
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import FixedK
 from dspark.models.corpus import prompt_windows
@@ -193,22 +194,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="real", choices=("real", "tiny"))
     ap.add_argument("--ks", default="1,3,6", help="fixed-k policies (speculative sampling); plain always runs")
-    ap.add_argument("--samples", type=int, default=768, help="sampled continuations per prompt and policy")
-    ap.add_argument("--chunk", type=int, default=256, help="prompt copies per generate call")
-    ap.add_argument("--new-tokens", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=1)
-    ap.add_argument("--candidates", type=int, default=32, help="held-out windows the prompts are chosen from")
-    ap.add_argument("--prompt-len", type=int, default=8, help="prompt tokens (each sample prefills them)")
-    ap.add_argument("--temperature", type=float, default=None,
+    ap.add_argument("--samples", type=at_least(1), default=768, help="sampled continuations per prompt and policy")
+    ap.add_argument("--chunk", type=at_least(1), default=256, help="prompt copies per generate call")
+    ap.add_argument("--new-tokens", type=at_least(1), default=2)
+    ap.add_argument("--prompts", type=at_least(1), default=1)
+    ap.add_argument("--candidates", type=at_least(1), default=32, help="held-out windows the prompts are chosen from")
+    ap.add_argument("--prompt-len", type=at_least(1), default=8, help="prompt tokens (each sample prefills them)")
+    ap.add_argument("--temperature", type=POSITIVE_REAL, default=None,
                     help=f"sampling temperature (default {DEFAULT_TEMPERATURE['real']} real, "
                          f"{DEFAULT_TEMPERATURE['tiny']} tiny: the tiny random target is a point mass at 1)")
-    ap.add_argument("--mass", type=float, default=0.995, help="first-token mass enumerated for position 2")
-    ap.add_argument("--max-branch", type=int, default=256, help="at most this many first tokens enumerated")
-    ap.add_argument("--bootstrap", type=int, default=2000,
+    ap.add_argument("--mass", type=real(0.0, 1.0, low_open=True), default=0.995, help="first-token mass enumerated for position 2")
+    ap.add_argument("--max-branch", type=at_least(1), default=256, help="at most this many first tokens enumerated")
+    ap.add_argument("--bootstrap", type=at_least(1), default=2000,
                     help="null sample sets per test (raised to 4 x tests / alpha when below)")
-    ap.add_argument("--alpha", type=float, default=0.05, help="family-wise false-alarm rate (Bonferroni)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="perf/results/sampling_distribution.json")
+    ap.add_argument("--alpha", type=real(0.0, 1.0, low_open=True, high_open=True), default=0.05, help="family-wise false-alarm rate (Bonferroni)")
+    ap.add_argument("--seed", type=at_least(0), default=0)
+    ap.add_argument("--out", type=output_path(), default="perf/results/sampling_distribution.json")
     args = ap.parse_args(argv)
     if args.temperature is None:
         args.temperature = DEFAULT_TEMPERATURE[args.model]
@@ -218,17 +219,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--ks must be comma-separated ints, got {args.ks!r}") from None
     if not args.k_list or min(args.k_list) < 1:
         raise SystemExit(f"--ks must be ints >= 1 (plain sampling always runs), got {args.ks!r}")
-    for name in ("samples", "chunk", "new_tokens", "prompts", "candidates", "max_branch", "bootstrap"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.new_tokens > 3:
         raise SystemExit(f"--new-tokens must be 1-3 (positions 1 and 2 are tested), got {args.new_tokens}")
     if args.prompt_len < 3 or args.candidates < args.prompts:
         raise SystemExit(f"--prompt-len must be >= 3 and --candidates >= --prompts, got {args.prompt_len}, "
                          f"{args.candidates}, {args.prompts}")
-    if not args.temperature > 0 or not 0 < args.mass <= 1 or not 0 < args.alpha < 1:
-        raise SystemExit(f"--temperature must be > 0, --mass in (0, 1], --alpha in (0, 1); got {args.temperature}, "
-                         f"{args.mass}, {args.alpha}")
     return args
 
 

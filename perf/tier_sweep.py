@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from dspark.cli.options import at_least
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
 from dspark.engine.progress import StageProgress
 from dspark.engine.sweep import (
@@ -46,7 +47,7 @@ from dspark.engine.sweep import (
 )
 from dspark.engine.verify_step import VerifyStepAdapter
 from dspark.util.fileio import atomic_write, write_json_atomic
-from dspark.util.validate import check_int, check_output_path
+from dspark.util.validate import check_output_path
 from dspark.verify.layout import check_tiers
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
@@ -125,11 +126,9 @@ def plot(path: Path, samples: Sequence[ProfileSample], pinned: set, models: dict
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
-    """Every option checked before the target loads (argparse's usage error naming the option); the device."""
+    """The options argparse's types cannot check alone, before the target loads (a usage error naming the
+    option); the device."""
     try:
-        for name, low in (("width", 1), ("repeats", 1), ("warmup", 0), ("inner", 1), ("threads", 1),
-                          ("context", 0), ("row_bin", 1), ("seed", 0)):
-            check_int("--" + name.replace("_", "-"), getattr(args, name), low)
         check_tiers(args.tiers)
         if not args.batches or min(args.batches) < 1:
             raise ValueError(f"--batches must be positive ints, got {args.batches}")
@@ -156,21 +155,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
                     help="target of --adapter model: SmolLM2-135M-Instruct or the tests' tiny random Llama")
     ap.add_argument("--tiers", type=ints, default=[8, 16, 24, 32, 48, 64, 80, 96, 112, 128])
-    ap.add_argument("--width", type=int, default=8, help="W = gamma + 1")
+    ap.add_argument("--width", type=at_least(1), default=8, help="W = gamma + 1")
     ap.add_argument("--batches", type=ints, default=[1, 2, 4, 8, 12, 16])
     ap.add_argument("--dense", action="store_true", help="also measure every row count (the regret oracle)")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--inner", type=int, default=1, help="steps per timing (their mean is one repeat)")
+    ap.add_argument("--repeats", type=at_least(1), default=7)
+    ap.add_argument("--warmup", type=at_least(0), default=1)
+    ap.add_argument("--inner", type=at_least(1), default=1, help="steps per timing (their mean is one repeat)")
     ap.add_argument("--stat", choices=sorted(STATS), default="median",
                     help="over repeats: median, or min (contention only slows a step: use on a shared box)")
-    ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (1: least noise on a shared box)")
+    ap.add_argument("--threads", type=at_least(1), default=1, help="CPU intra-op threads (1: least noise on a shared box)")
     ap.add_argument("--clock", choices=CLOCKS, default="wall",
                     help="CPU timer: wall (perf_counter) or thread (thread CPU time; with --threads 1 on a "
                          "shared box)")
-    ap.add_argument("--context", type=int, default=32, help="cached tokens per request (--adapter model)")
-    ap.add_argument("--row-bin", type=int, default=64, help="additive model M bin (the profiler default)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--context", type=at_least(0), default=32, help="cached tokens per request (--adapter model)")
+    ap.add_argument("--row-bin", type=at_least(1), default=64, help="additive model M bin (the profiler default)")
+    ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--name", default=None, help="file stem (default: <adapter name>-<platform>-W<W>)")
     ap.add_argument("--out", type=Path, default=Path("graphs"))
     args = ap.parse_args(argv)

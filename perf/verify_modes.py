@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dspark.cli.options import at_least, output_path
 from dspark.config import VerifyMode
 from dspark.engine.kv_cache import PagedKVCache
 from dspark.engine.step_attention import batch_attention
@@ -200,18 +201,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="real", choices=("real", "tiny"))
     ap.add_argument("--batch-sizes", default="1,4,16")
-    ap.add_argument("--gamma", type=int, default=6)
+    ap.add_argument("--gamma", type=at_least(1), default=6)
     ap.add_argument("--mean-lens", default="2,3,4,5", help="mean verify rows per request of the random sets")
-    ap.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (the cached context)")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--prompt-len", type=at_least(3), default=64, help="tokens per prompt (the cached context)")
+    ap.add_argument("--repeats", type=at_least(1), default=7)
     ap.add_argument("--tiers", default="", help="captured tiers compact pads to (default: none, eager)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="perf/results/verify_modes.json")
+    ap.add_argument("--seed", type=at_least(0), default=0)
+    ap.add_argument("--out", type=output_path(), default="perf/results/verify_modes.json")
     ap.add_argument("--png", default=None, help="default: --out with .png")
     args = ap.parse_args(argv)
-    if args.gamma < 1 or args.prompt_len < 3 or args.repeats < 1:
-        raise SystemExit(f"--gamma >= 1, --prompt-len >= 3 and --repeats >= 1 required, got {args.gamma}, "
-                         f"{args.prompt_len}, {args.repeats}")
     try:
         args.means = [float(x) for x in args.mean_lens.split(",") if x.strip()]
     except ValueError:

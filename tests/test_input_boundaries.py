@@ -170,3 +170,28 @@ def test_the_trainer_reports_a_bad_option_without_a_traceback(tmp_path: Path, ca
             train_draft.main(["--tiny", "--out", str(tmp_path / "d.safetensors"), *argv])
         assert e.value.code == 2 and match in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_option_types_check_while_parsing_and_name_the_option(tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from dspark.cli.options import POSITIVE_REAL, at_least, output_path, real
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=at_least(2), default=2)
+    ap.add_argument("--t", type=POSITIVE_REAL, default=1.0)
+    ap.add_argument("--p", type=real(0.0, 1.0, low_open=True), default=0.5)
+    ap.add_argument("--out", type=output_path(), default=str(tmp_path / "a" / "x.json"))
+    args = ap.parse_args(["--n", "3", "--t", "1e-9", "--p", "1"])
+    assert (args.n, args.t, args.p, args.out) == (3, 1e-9, 1.0, str(tmp_path / "a" / "x.json"))
+    assert not any(tmp_path.iterdir())  # checking an output path writes nothing
+    for argv, msg in ((["--n", "1"], "argument --n: value must be an int >= 2, got 1"),
+                      (["--n", "2.5"], "argument --n: expected an int, got '2.5'"),
+                      (["--t", "0"], r"argument --t: value must be a number in (0, inf), got 0.0"),
+                      (["--t", "inf"], "argument --t: value must be a number in (0, inf), got inf"),
+                      (["--p", "nan"], "argument --p: value must be a number in (0, 1], got nan"),
+                      (["--p", "x"], "argument --p: expected a number, got 'x'"),
+                      (["--out", "/proc/dspark/x.json"], "argument --out: path '/proc/dspark/x.json' cannot be")):
+        with pytest.raises(SystemExit):
+            ap.parse_args(argv)
+        assert msg in capsys.readouterr().err

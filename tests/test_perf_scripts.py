@@ -3,8 +3,10 @@ end to end with `--model tiny` (the tests' random Llama through the same code pa
 their README sections describe, and the sampling test has power against a wrong distribution."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,15 +19,17 @@ PERF = Path(__file__).resolve().parents[1] / "perf"
 def _script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"perf_{name}", PERF / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
 
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--repeats", "0"], "--repeats must be an int >= 1, got 0"),
-    (["--warmup", "-1"], "--warmup must be an int >= 0, got -1"),
-    (["--seed", "-1"], "--seed must be an int >= 0, got -1"),
+    (["--repeats", "0"], "argument --repeats: value must be an int >= 1, got 0"),
+    (["--warmup", "-1"], "argument --warmup: value must be an int >= 0, got -1"),
+    (["--seed", "-1"], "argument --seed: value must be an int >= 0, got -1"),
+    (["--repeats", "x"], "argument --repeats: expected an int, got 'x'"),
     (["--tiers", "4,2"], "tiers must be strictly increasing"),
     (["--batches", "0"], "--batches must be positive ints"),
     (["--device", "nodevice"], "--device 'nodevice' is not usable here"),
@@ -41,6 +45,36 @@ def test_tier_sweep_rejects_bad_options_before_loading_the_target(tmp_path, caps
         sweep.main(["--model", "tiny", *out, *argv])
     assert e.value.code == 2 and match in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing: the script's parser, caught before its main does any work."""
+
+
+def _parser_of(name: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    def capture(self, *a, **k):
+        raise _Parsed(self)
+    script = _script(name)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py"])
+    with pytest.raises(_Parsed) as e:
+        script.main()
+    monkeypatch.undo()
+    return e.value.args[0]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PERF.glob("*.py") if "argparse" in p.read_text()))
+def test_every_numeric_option_of_every_perf_script_is_checked_while_parsing(name: str, monkeypatch, capsys) -> None:
+    parser = _parser_of(name, monkeypatch)
+    numeric = [a for a in parser._actions if a.option_strings and a.type is not None
+               and getattr(a.type, "__name__", "") in ("int", "float", "number") or a.type in (int, float)]
+    assert all(a.type not in (int, float) for a in numeric), [a.option_strings for a in numeric if a.type in (int, float)]
+    for action in numeric:
+        bad = "nan" if action.type.__name__ == "number" else "-1"
+        opt = action.option_strings[-1]
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([opt, *[bad] * (action.nargs if isinstance(action.nargs, int) else 1)])
+        assert e.value.code == 2 and f"argument {opt}: value must be" in capsys.readouterr().err
 
 @pytest.fixture
 def one_thread():
