@@ -17,7 +17,6 @@ import json
 import logging
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -249,8 +248,8 @@ def run(device: str) -> tuple[RaggedGraphCapability, dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "npu"], default="cpu")
-    ap.add_argument("--out", type=output_path(), default=Path("perf/results/ascend_bringup.json"))
-    ap.add_argument("--capability", type=Path, default=None,
+    ap.add_argument("--out", type=output_path(), default="perf/results/ascend_bringup.json")
+    ap.add_argument("--capability", type=output_path(), default=None,
                     help="also write the recorded capability (RaggedGraphCapability.load reads it)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -11,7 +11,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=at_least(1), default=50)
     ap.add_argument("--batches", type=at_least(1), nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--threads", type=at_least(1), default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--out", type=output_path(), default=Path("perf/results/ascend_metadata_bench.json"))
+    ap.add_argument("--out", type=output_path(), default="perf/results/ascend_metadata_bench.json")
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

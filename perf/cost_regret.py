@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from dspark.cli.options import NONNEGATIVE_REAL, at_least, output_path, real
+from dspark.cli.options import NONNEGATIVE_REAL, at_least, int_list, output_path, real
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, ProfileSample
 from dspark.engine.sweep import budget_regret, dense_rows, fit_cost_models, tier_rows
@@ -38,10 +38,6 @@ from dspark.verify.layout import round_up_to_tier
 Oracle = Callable[[int, Tensor], Tensor]
 DEFAULT_TIERS = [8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
-
-
-def ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def staircase(tiers: Sequence[int], base: float, per_request: float, per_row: float, per_real_row: float) -> Oracle:
@@ -113,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", type=Path, default=None, help="a tier_sweep.py --dense result (default: synthetic)")
     ap.add_argument("--survival", type=Path, default=None, help="recorded survival matrices (torch.save)")
-    ap.add_argument("--tiers", type=ints, default=DEFAULT_TIERS, help="synthetic staircase tiers")
-    ap.add_argument("--batches", type=ints, default=DEFAULT_BATCHES, help="synthetic batch sizes")
+    ap.add_argument("--tiers", type=int_list(1), default=DEFAULT_TIERS, help="synthetic staircase tiers")
+    ap.add_argument("--batches", type=int_list(1), default=DEFAULT_BATCHES, help="synthetic batch sizes")
     ap.add_argument("--width", type=at_least(1), default=8, help="synthetic W = gamma + 1")
     ap.add_argument("--base-ms", type=NONNEGATIVE_REAL, default=1.0)
     ap.add_argument("--per-request-ms", type=NONNEGATIVE_REAL, default=0.02)
@@ -126,8 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-batch", type=at_least(1), default=300, help="synthetic survival matrices per batch size")
     ap.add_argument("--accept", type=real(0.0, 1.0, low_open=True), nargs=2, default=(0.3, 0.95), metavar=("LO", "HI"))
     ap.add_argument("--seed", type=at_least(0), default=0)
-    ap.add_argument("--out", type=output_path(), default=Path("perf/results/cost_regret.json"))
+    ap.add_argument("--out", type=output_path(), default="perf/results/cost_regret.json")
     args = ap.parse_args(argv)
+    if not args.accept[0] < args.accept[1]:
+        ap.error(f"--accept LO HI needs LO < HI, got {list(args.accept)}")
     gen = torch.Generator().manual_seed(args.seed)
 
     if args.sweep is None:

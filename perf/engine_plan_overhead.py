@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from dspark.cli.options import at_least, output_path
+from dspark.cli.options import at_least, int_list, output_path
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel
 from dspark.engine.decode import SpecDecoder
@@ -56,12 +56,12 @@ def _median_us(fn: Callable[[], object], calls: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-sizes", default="1,4,16,64")
+    ap.add_argument("--batch-sizes", type=int_list(1), default="1,4,16,64")
     ap.add_argument("--rounds", type=at_least(1), default=3)
     ap.add_argument("--gamma", type=at_least(1), default=6)
     ap.add_argument("--out", type=output_path(), default="perf/results/engine_plan_overhead.json")
     args = ap.parse_args()
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    batch_sizes = list(args.batch_sizes)
     torch.set_num_threads(1)
     target, draft, encode = load_models(torch.device("cpu"))
     cfg, cost = ScheduleConfig(gamma=args.gamma), _cost(args.gamma)

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from dspark.cli.options import at_least
+from dspark.cli.options import at_least, int_list, output_path, usable_device
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
 from dspark.engine.progress import StageProgress
 from dspark.engine.sweep import (
@@ -47,19 +47,11 @@ from dspark.engine.sweep import (
 )
 from dspark.engine.verify_step import VerifyStepAdapter
 from dspark.util.fileio import atomic_write, write_json_atomic
-from dspark.util.validate import check_output_path
 from dspark.verify.layout import check_tiers
 
 SWEEP_SCHEMA = "dspark.tier_sweep"
 SWEEP_VERSION = 1
 FILE_STEMS = {"1-D": "steps_per_second"}  # model name -> file stem (default: the name, '-' -> '_')
-
-
-def ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
 def load_target(model: str):
@@ -130,18 +122,11 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.d
     option); the device."""
     try:
         check_tiers(args.tiers)
-        if not args.batches or min(args.batches) < 1:
-            raise ValueError(f"--batches must be positive ints, got {args.batches}")
         if args.name is not None and (Path(args.name).name != args.name or args.name in ("", ".", "..")):
             raise ValueError(f"--name is a file stem (no folders: use --out), got {args.name!r}")
-        check_output_path("--out", args.out, folder=True)
+        device = usable_device(args.device)
     except ValueError as e:
-        ap.error(str(e))
-    try:
-        device = torch.device(args.device)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:  # torch's errors for an unknown or unusable device
-        ap.error(f"--device {args.device!r} is not usable here ({str(e).splitlines()[0][:120]})")
+        ap.error(f"--{e}" if str(e).startswith("device") else str(e))
     if args.adapter != "model" and not args.adapter.partition(":")[2]:
         ap.error(f"--adapter must be 'model' or 'module:factory', got {args.adapter!r}")
     return device
@@ -154,9 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                        "module:factory")
     ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
                     help="target of --adapter model: SmolLM2-135M-Instruct or the tests' tiny random Llama")
-    ap.add_argument("--tiers", type=ints, default=[8, 16, 24, 32, 48, 64, 80, 96, 112, 128])
+    ap.add_argument("--tiers", type=int_list(1), default=[8, 16, 24, 32, 48, 64, 80, 96, 112, 128])
     ap.add_argument("--width", type=at_least(1), default=8, help="W = gamma + 1")
-    ap.add_argument("--batches", type=ints, default=[1, 2, 4, 8, 12, 16])
+    ap.add_argument("--batches", type=int_list(1), default=[1, 2, 4, 8, 12, 16])
     ap.add_argument("--dense", action="store_true", help="also measure every row count (the regret oracle)")
     ap.add_argument("--repeats", type=at_least(1), default=7)
     ap.add_argument("--warmup", type=at_least(0), default=1)
@@ -171,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--row-bin", type=at_least(1), default=64, help="additive model M bin (the profiler default)")
     ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--name", default=None, help="file stem (default: <adapter name>-<platform>-W<W>)")
-    ap.add_argument("--out", type=Path, default=Path("graphs"))
+    ap.add_argument("--out", type=output_path(folder=True), default="graphs")
     args = ap.parse_args(argv)
     device = check_args(ap, args)
     if device.type == "cpu":
@@ -201,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{n:<12} {m.fit_report.rms * 1e6:>10.2f} {m.fit_report.r2:>8.4f} {sum(err) / len(err):>17.2%} "
               f"{worst:>20.2%}")
 
-    out = args.out
+    out = Path(args.out)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     record = {
         "schema": SWEEP_SCHEMA, "version": SWEEP_VERSION, "command": command, "adapter": adapter.name,

@@ -208,7 +208,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tiers", default="", help="captured tiers compact pads to (default: none, eager)")
     ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--out", type=output_path(), default="perf/results/verify_modes.json")
-    ap.add_argument("--png", default=None, help="default: --out with .png")
+    ap.add_argument("--png", type=output_path(), default=None, help="default: --out with .png")
     args = ap.parse_args(argv)
     try:
         args.means = [float(x) for x in args.mean_lens.split(",") if x.strip()]

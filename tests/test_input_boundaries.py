@@ -115,12 +115,25 @@ def test_list_options_name_themselves_when_malformed(option: str, capsys) -> Non
         cli_main(["demo", option, "1,x"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {option}: expected a comma list of ints" in err and "'1,x'" in err and "lambda" not in err
+    assert f"argument {option}: expected a comma list of ints" in err and "'x'" in err and "lambda" not in err
 
 
-def test_a_kv_cache_too_large_for_memory_says_how_large_and_what_to_do() -> None:
+def test_a_kv_cache_too_large_for_memory_says_how_large_and_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(MemoryError, match=r"KV cache of \d+ tokens \(\d+\.\d GiB for K and V\).*serve fewer"):
         PagedKVCache(num_layers=64, num_heads=64, head_dim=128, num_pages=2**30, page_size=64)
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel image is available")  # not an allocation failure: passed on as it is
+    monkeypatch.setattr("dspark.engine.kv_cache.torch.zeros", broken)
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        PagedKVCache(num_layers=1, num_heads=1, head_dim=8, num_pages=2, page_size=4)
+
+
+def test_the_demo_and_the_plan_demo_write_to_different_default_folders() -> None:
+    from dspark.cli.commands import build_parser
+
+    outs = {cmd: build_parser().parse_args([cmd]).out for cmd in ("demo", "plan-demo")}
+    assert outs == {"demo": "demo_out", "plan-demo": "plan_demo_out"}  # the demo replaces its folder whole
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -138,6 +151,17 @@ def test_calibrate_checks_its_options_before_reading_any_shard(tmp_path: Path, c
     assert cli_main(["calibrate", str(missing), "--out", str(tmp_path / "c.json"), *argv]) == 2
     err = capsys.readouterr().err
     assert re.search(match, err) and "no_such_shards" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_calibrate_plots_need_matplotlib_before_any_shard_is_read(tmp_path: Path, capsys, monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli_main(["calibrate", str(tmp_path / "none"), "--out", str(tmp_path / "c.json"), "--plots",
+                     str(tmp_path / "p")]) == 2
+    assert "--plots needs matplotlib: pip install 'dspark[plot]'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
@@ -175,15 +199,16 @@ def test_the_trainer_reports_a_bad_option_without_a_traceback(tmp_path: Path, ca
 def test_option_types_check_while_parsing_and_name_the_option(tmp_path: Path, capsys) -> None:
     import argparse
 
-    from dspark.cli.options import POSITIVE_REAL, at_least, output_path, real
+    from dspark.cli.options import POSITIVE_REAL, at_least, int_list, output_path, real
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=at_least(2), default=2)
     ap.add_argument("--t", type=POSITIVE_REAL, default=1.0)
     ap.add_argument("--p", type=real(0.0, 1.0, low_open=True), default=0.5)
     ap.add_argument("--out", type=output_path(), default=str(tmp_path / "a" / "x.json"))
+    ap.add_argument("--bs", type=int_list(1), default="1,4")
     args = ap.parse_args(["--n", "3", "--t", "1e-9", "--p", "1"])
-    assert (args.n, args.t, args.p, args.out) == (3, 1e-9, 1.0, str(tmp_path / "a" / "x.json"))
+    assert (args.n, args.t, args.p, args.out, args.bs) == (3, 1e-9, 1.0, str(tmp_path / "a" / "x.json"), (1, 4))
     assert not any(tmp_path.iterdir())  # checking an output path writes nothing
     for argv, msg in ((["--n", "1"], "argument --n: value must be an int >= 2, got 1"),
                       (["--n", "2.5"], "argument --n: expected an int, got '2.5'"),
@@ -191,7 +216,9 @@ def test_option_types_check_while_parsing_and_name_the_option(tmp_path: Path, ca
                       (["--t", "inf"], "argument --t: value must be a number in (0, inf), got inf"),
                       (["--p", "nan"], "argument --p: value must be a number in (0, 1], got nan"),
                       (["--p", "x"], "argument --p: expected a number, got 'x'"),
-                      (["--out", "/proc/dspark/x.json"], "argument --out: path '/proc/dspark/x.json' cannot be")):
+                      (["--out", "/proc/dspark/x.json"], "argument --out: path '/proc/dspark/x.json' cannot be"),
+                      (["--bs", "1,0"], "argument --bs: every value must be an int >= 1, got 0 in '1,0'"),
+                      (["--bs", "1,x"], "argument --bs: expected a comma list of ints such as 1,4,16, got 'x'")):
         with pytest.raises(SystemExit):
             ap.parse_args(argv)
         assert msg in capsys.readouterr().err

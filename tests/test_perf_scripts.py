@@ -31,11 +31,11 @@ def _script(name: str) -> ModuleType:
     (["--seed", "-1"], "argument --seed: value must be an int >= 0, got -1"),
     (["--repeats", "x"], "argument --repeats: expected an int, got 'x'"),
     (["--tiers", "4,2"], "tiers must be strictly increasing"),
-    (["--batches", "0"], "--batches must be positive ints"),
-    (["--device", "nodevice"], "--device 'nodevice' is not usable here"),
+    (["--batches", "0"], "argument --batches: every value must be an int >= 1, got 0 in '0'"),
+    (["--device", "nodevice"], "--device 'nodevice' is not usable on this machine"),
     (["--adapter", "nocolon"], "--adapter must be 'model' or 'module:factory'"),
     (["--name", "../up"], "--name is a file stem"),
-    (["--out", "/proc/dspark/graphs"], "--out '/proc/dspark/graphs' cannot be written"),
+    (["--out", "/proc/dspark/graphs"], "argument --out: path '/proc/dspark/graphs' cannot be written"),
 ])
 def test_tier_sweep_rejects_bad_options_before_loading_the_target(tmp_path, capsys, monkeypatch, argv, match):
     sweep = _script("tier_sweep")
@@ -66,15 +66,22 @@ def _parser_of(name: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentP
 @pytest.mark.parametrize("name", sorted(p.stem for p in PERF.glob("*.py") if "argparse" in p.read_text()))
 def test_every_numeric_option_of_every_perf_script_is_checked_while_parsing(name: str, monkeypatch, capsys) -> None:
     parser = _parser_of(name, monkeypatch)
-    numeric = [a for a in parser._actions if a.option_strings and a.type is not None
-               and getattr(a.type, "__name__", "") in ("int", "float", "number") or a.type in (int, float)]
-    assert all(a.type not in (int, float) for a in numeric), [a.option_strings for a in numeric if a.type in (int, float)]
-    for action in numeric:
-        bad = "nan" if action.type.__name__ == "number" else "-1"
+    options = [a for a in parser._actions if a.option_strings]
+    assert not [a.option_strings for a in options if a.type in (int, float)]  # an unchecked number
+    bad = {"number": ("nan", "value must be"), "int list": ("1,-1", "every value must be")}
+    checked = [a for a in options if getattr(a.type, "__name__", "").startswith("int >=")
+               or getattr(a.type, "__name__", "") in bad]
+    assert checked or name in ("ascend_bringup", "plan_call_chain"), "a perf script without a numeric option?"
+    for action in checked:
+        value, message = bad.get(action.type.__name__, ("-1", "value must be"))
         opt = action.option_strings[-1]
         with pytest.raises(SystemExit) as e:
-            parser.parse_args([opt, *[bad] * (action.nargs if isinstance(action.nargs, int) else 1)])
-        assert e.value.code == 2 and f"argument {opt}: value must be" in capsys.readouterr().err
+            parser.parse_args([opt, *[value] * (action.nargs if isinstance(action.nargs, int) else 1)])
+        assert e.value.code == 2 and f"argument {opt}: {message}" in capsys.readouterr().err, opt
+    for action in (a for a in options if a.dest in ("out", "png", "capability") and a.type is not None):
+        with pytest.raises(SystemExit):
+            parser.parse_args([action.option_strings[-1], "/proc/dspark/x.json"])
+        assert "cannot be written" in capsys.readouterr().err
 
 @pytest.fixture
 def one_thread():

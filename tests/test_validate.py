@@ -50,6 +50,21 @@ def test_check_output_path_probes_without_leaving_anything(tmp_path):
         check_output_path("out", tmp_path / "f" / "under_a_file.json")  # a file is no folder to write in
 
 
+def test_check_output_path_probes_where_the_run_will_write(tmp_path, monkeypatch):
+    import tempfile
+
+    probed = []
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **k: probed.append(k["dir"]) or real(**k))
+    (tmp_path / "out").mkdir()
+    check_output_path("out", tmp_path / "out", folder=True)               # writes inside the folder
+    check_output_path("out", tmp_path / "out", folder=True, beside=True)  # a temp folder renamed onto it
+    check_output_path("out", tmp_path / "new" / "deeper", folder=True)   # the nearest existing ancestor
+    check_output_path("out", tmp_path / "out" / "x.json")
+    assert probed == [tmp_path / "out", tmp_path, tmp_path, tmp_path / "out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not any((tmp_path / "out").iterdir())
+
+
 def test_int_tensor():
     assert int_tensor("x", [3, -1]).tolist() == [3, -1] and int_tensor("x", [2], torch.int32).dtype == torch.int32
     assert int_tensor("x", torch.tensor([5], dtype=torch.int16)).dtype == torch.int64

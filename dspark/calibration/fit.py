@@ -25,6 +25,7 @@ from dspark.calibration.metrics import (
     Sample,
     bin_index,
     bootstrap_interval,
+    check_num_bins,
     ece_noise_floor,
     metric_functions,
     occupied_bins,
@@ -173,7 +174,7 @@ def check_fit_options(*, method: str = "nll", bounds: tuple[float, float] = (0.0
             or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
             or not (math.isfinite(bounds[0]) and math.isfinite(bounds[1]) and 0.0 < bounds[0] < bounds[1])):
         raise ValueError(f"bounds must be finite with 0 < low < high, got {bounds!r}")
-    check_int("num_bins", num_bins, 1)
+    check_num_bins(num_bins)
     check_real("holdout_fraction", holdout_fraction, 0.0, 1.0, low_open=True, high_open=True)
     check_int("bootstrap", bootstrap, 0)
     check_real("level", level, 0.0, 1.0, low_open=True, high_open=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_path("--out", args.out)
     if args.plots:
         check_output_path("--plots", args.plots, folder=True)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plots needs matplotlib: pip install 'dspark[plot]' (or leave out --plots)")
     progress = StageProgress()
     data = load_sts(args.shards, progress=lambda i, n, _p: progress("load", i, n))
     calib = fit_sts(data, policy=args.policy, progress=progress, **options)

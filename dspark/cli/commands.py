@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from dspark.cli import calibrate as calibrate_cli
+from dspark.cli.options import int_list
 
 
 @dataclass(frozen=True)
@@ -21,27 +22,20 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
 
 
-def _device_and_out(p: argparse.ArgumentParser, devices: str = "cpu, cuda or npu") -> None:
+def _device_and_out(p: argparse.ArgumentParser, devices: str = "cpu, cuda or npu", out: str = "plan_demo_out"
+                    ) -> None:
     p.add_argument("--device", default="cpu", help=f"torch device: {devices} (default: cpu)")
-    p.add_argument("--out", default="demo_out", help="output folder (default: demo_out/)")
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    """A comma list of ints (`1,4,16`); argparse reports the error with the option's name."""
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of ints such as 1,4,16, got {text!r}") from None
+    p.add_argument("--out", default=out, help=f"output folder (default: {out}/)")
 
 
 def _tiers(text: str) -> tuple[int, ...]:
     """`--tiers`: a comma list of ints, or `eager` (no tiers)."""
-    return () if text == "eager" else _int_list(text)
+    return () if text == "eager" else int_list(1)(text)
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
-    _device_and_out(p, "cpu or cuda (the Ascend port runs through dspark.ascend, not this loop)")
-    p.add_argument("--batch-sizes", type=_int_list, default=(1, 4, 16), help="comma list (default 1,4,16)")
+    _device_and_out(p, "cpu or cuda (the Ascend port runs through dspark.ascend, not this loop)", "demo_out")
+    p.add_argument("--batch-sizes", type=int_list(1), default=(1, 4, 16), help="comma list (default 1,4,16)")
     p.add_argument("--mode", default="compact", help="verify mode: static, cap-accept or compact (default)")
     p.add_argument("--policies", default="adaptive,adaptive-est,fixed,oracle",
                    help="comma list of adaptive (the draft's confidence head + STS), adaptive-est (the head off, "

@@ -7,6 +7,8 @@ import argparse
 import math
 from typing import Callable
 
+import torch
+
 from dspark.util.validate import check_int, check_output_path, check_real
 
 
@@ -41,6 +43,18 @@ def real(low: float = -math.inf, high: float = math.inf, *, low_open: bool = Fal
     return parse
 
 
+def int_list(minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
+    """A comma list of ints (`1,4,16`), each >= minimum."""
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(_parsed(int, v, "a comma list of ints such as 1,4,16") for v in text.split(","))
+        bad = [v for v in values if v < minimum]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be an int >= {minimum}, got {bad[0]} in {text!r}")
+        return values  # type: ignore[return-value]
+    parse.__name__ = "int list"
+    return parse
+
+
 POSITIVE_REAL = real(0.0, math.inf, low_open=True, high_open=True)
 NONNEGATIVE_REAL = real(0.0, math.inf, high_open=True)
 
@@ -55,3 +69,17 @@ def output_path(folder: bool = False) -> Callable[[str], str]:
         return text
     parse.__name__ = "output folder" if folder else "output file"
     return parse
+
+
+def usable_device(device: str) -> torch.device:
+    """The torch device `device` names, after allocating on it once (an `npu` needs torch_npu imported first);
+    ValueError naming it and the reason when this machine cannot use it."""
+    if str(device).startswith("npu"):
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device)
+        except ImportError:
+            raise ValueError("device 'npu' needs torch_npu: pip install 'dspark[npu]'") from None
+    try:
+        return torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError) as e:  # torch's errors for an unknown or unusable device
+        raise ValueError(f"device {device!r} is not usable on this machine: {str(e).splitlines()[0][:160]}") from None

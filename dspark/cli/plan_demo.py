@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.cli.options import usable_device
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel
 from dspark.plan.allocate import allocate_verify_lens
@@ -86,18 +87,10 @@ def _plot(decision: BudgetDecision, plan: VerifyPlan, path: Path) -> bool:
     return True
 
 
-def run(device: str = "cpu", out: str = "demo_out") -> int:
+def run(device: str = "cpu", out: str = "plan_demo_out") -> int:
     """Run the demonstration; print the decision table; write planner_demo.{json,png} under `out`."""
     out_dir = check_output_path("out", out, folder=True)
-    if str(device).startswith("npu"):
-        try:
-            import torch_npu  # noqa: F401  (registers the npu device)
-        except ImportError:
-            raise ValueError("device 'npu' needs torch_npu: pip install 'dspark[npu]'") from None
-    try:
-        dev = torch.empty(0, device=device).device
-    except (RuntimeError, AssertionError) as e:
-        raise ValueError(f"device {device!r} is not usable on this machine: {e}") from None
+    dev = usable_device(device)
     cfg = ScheduleConfig(gamma=GAMMA)
     cost = illustrative_cost_model()
     planner = VerifyPlanner(cfg, cost, lag=1, tiers=TIERS, num_slots=NUM_REQUESTS, device=dev)

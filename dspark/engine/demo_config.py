@@ -106,7 +106,7 @@ def check_config(cfg: DemoConfig, max_seq_len: int = DraftConfig.max_seq_len) ->
                          f"x (1 + length_spread)) + verify width {cfg.gamma + 1} = "
                          f"{cfg.prompt_len + most + cfg.gamma + 1} exceeds the models' max_seq_len {max_seq_len}: "
                          f"lower --prompt-len or --max-new-tokens")
-    out = check_output_path("out", cfg.out, folder=True)
+    out = check_output_path("out", cfg.out, folder=True, beside=True)  # a temporary folder renamed onto it
     if out.is_dir() and any(out.iterdir()) and not (out / "demo.json").is_file():
         raise ValueError(f"out {str(out)!r} is a folder with other files (no demo.json from an earlier demo): the "
                          f"demo replaces its out folder as a whole, so choose a new or empty folder")

@@ -44,7 +44,9 @@ class PagedKVCache:
         try:
             self.k = torch.zeros(shape, device=device, dtype=dtype)
             self.v = torch.zeros(shape, device=device, dtype=dtype)
-        except (RuntimeError, MemoryError) as e:  # torch's OutOfMemoryError is a RuntimeError
+        except (RuntimeError, MemoryError) as e:
+            if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "alloc" not in str(e):
+                raise  # not a failed allocation (the CPU allocator's is a RuntimeError naming it)
             gib = 2 * math.prod(shape) * dtype.itemsize / 2**30
             raise MemoryError(f"the paged KV cache of {num_pages * page_size} tokens ({gib:.1f} GiB for K and V) "
                               f"does not fit on {device}: serve fewer requests at once or shorter sequences "

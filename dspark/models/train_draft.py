@@ -373,10 +373,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     target, encode = load_target(args.tiny, cfg.seed)
     log(f"target loaded; config {asdict(cfg)}")
-    try:
-        manifest = (refit_head if args.refit_head else train)(cfg, target, encode, args.out, log)
-    except ValueError as e:  # a bad value found once the target is known (e.g. a draft vocab larger than its)
-        ap.error(str(e))
+    if cfg.draft_vocab > target.config.vocab_size:  # the one option the target itself bounds
+        ap.error(f"--draft-vocab {cfg.draft_vocab} exceeds the target's vocabulary of {target.config.vocab_size}")
+    manifest = (refit_head if args.refit_head else train)(cfg, target, encode, args.out, log)
     log(f"wrote {args.out} ({manifest['bytes'] / 1e6:.1f} MB, sha256 {manifest['sha256']})")
     return manifest
 

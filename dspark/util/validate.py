@@ -71,13 +71,15 @@ def check_real(name: str, value: object, low: float = -math.inf, high: float = m
     return float(value)  # type: ignore[arg-type]
 
 
-def check_output_path(name: str, value: object, *, folder: bool = False) -> Path:
-    """An output path that can be written: not an existing entry of the other kind (file vs folder), and its
-    nearest existing ancestor a writable folder. Checked before any work, so a run cannot fail at the end."""
+def check_output_path(name: str, value: object, *, folder: bool = False, beside: bool = False) -> Path:
+    """An output path that can be written: not an existing entry of the other kind (file vs folder), and the
+    folder the run will write in writable: an existing output folder itself, else (or with `beside`: the
+    run writes a temporary entry next to the path and renames it) the nearest existing ancestor. Checked
+    before any work, so a run cannot fail at the end."""
     path = check_path(name, value)
     if path.exists() and path.is_dir() != folder:
         raise ValueError(f"{name} {str(path)!r} exists and is not a {'folder' if folder else 'file'}")
-    base = path.parent
+    base = path if folder and path.is_dir() and not beside else path.parent
     while not base.exists():
         base = base.parent
     try:
