@@ -53,14 +53,19 @@ def check_positive_or_none(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
-def check_seq_len(models: Iterable[nn.Module], prompt_len: int, new_tokens: int, width: int) -> int:
-    """The longest sequence a run reaches (prompt + new tokens + one verify width); ValueError naming the
-    model whose `geometry.max_seq_len` it exceeds."""
+def check_fits(prompt_len: int, new_tokens: int, width: int, max_seq_len: int, owner: str, fix: str) -> int:
+    """The longest sequence a run reaches (prompt + new tokens + one verify width); ValueError naming
+    `owner`'s `max_seq_len` and the `fix` when it does not fit."""
     max_len = prompt_len + new_tokens + width
-    for m in models:
-        if max_len > m.geometry.max_seq_len:
-            raise ValueError(
-                f"prompt {prompt_len} + max_new_tokens {new_tokens} + verify width {width} = {max_len} exceeds "
-                f"the {type(m).__name__}'s max_seq_len {m.geometry.max_seq_len}: shorten the prompts or "
-                f"max_new_tokens")
+    if max_len > max_seq_len:
+        raise ValueError(f"prompt {prompt_len} + max_new_tokens {new_tokens} + verify width {width} = {max_len} "
+                         f"exceeds {owner} max_seq_len {max_seq_len}: {fix}")
     return max_len
+
+
+def check_seq_len(models: Iterable[nn.Module], prompt_len: int, new_tokens: int, width: int) -> int:
+    """`check_fits` against every model's `geometry.max_seq_len`, naming the model it exceeds."""
+    for m in models:
+        check_fits(prompt_len, new_tokens, width, m.geometry.max_seq_len, f"the {type(m).__name__}'s",
+                   "shorten the prompts or max_new_tokens")
+    return prompt_len + new_tokens + width

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from dspark.config import VerifyMode
-from dspark.engine.decode import check_device
+from dspark.engine.checks import check_device, check_fits
 from dspark.engine.sweep import tier_ladder
 from dspark.models.draft import DraftConfig
 from dspark.util.validate import check_int, check_output_path, check_real
@@ -100,12 +100,9 @@ def check_config(cfg: DemoConfig, max_seq_len: int = DraftConfig.max_seq_len) ->
     check_real("length_spread", cfg.length_spread, 0, 1, high_open=True)
     if cfg.max_probe_every < cfg.probe_every:
         raise ValueError(f"max_probe_every = {cfg.max_probe_every} must be >= probe_every = {cfg.probe_every}")
-    most = length_range(cfg.max_new_tokens, cfg.length_spread)[1]
-    if cfg.prompt_len + most + cfg.gamma + 1 > max_seq_len:
-        raise ValueError(f"prompt_len {cfg.prompt_len} + the longest request's new tokens {most} (max_new_tokens "
-                         f"x (1 + length_spread)) + verify width {cfg.gamma + 1} = "
-                         f"{cfg.prompt_len + most + cfg.gamma + 1} exceeds the models' max_seq_len {max_seq_len}: "
-                         f"lower --prompt-len or --max-new-tokens")
+    check_fits(cfg.prompt_len, length_range(cfg.max_new_tokens, cfg.length_spread)[1], cfg.gamma + 1, max_seq_len,
+               "the models'", "lower --prompt-len or --max-new-tokens (the longest request gets max_new_tokens x "
+               "(1 + length_spread))")
     out = check_output_path("out", cfg.out, folder=True, beside=True)  # a temporary folder renamed onto it
     if out.is_dir() and any(out.iterdir()) and not (out / "demo.json").is_file():
         raise ValueError(f"out {str(out)!r} is a folder with other files (no demo.json from an earlier demo): the "
