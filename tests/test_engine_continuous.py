@@ -43,7 +43,7 @@ class Recording(Adaptive):
         self.admitted.append(slots.tolist())
         super().admit(slots)
 
-    def plan(self, confidence_logits, slots, generations):
+    def plan(self, confidence_logits, slots, generations, prepass=None):
         ring = self.planner.ring
         guarded = ring.read(slots, generations).cpu()
         previous = torch.tensor([self._last.get(s, g) for s, g in zip(slots.tolist(), generations.tolist())])
@@ -118,7 +118,7 @@ class FirstDrafts(FixedK):
         self.first: list[torch.Tensor] = []
         self._seen: set[tuple[int, int]] = set()
 
-    def plan(self, confidence_logits, slots, generations):
+    def plan(self, confidence_logits, slots, generations, prepass=None):
         new = [(g, s, i) for i, (s, g) in enumerate(zip(slots.tolist(), generations.tolist()))
                if (s, g) not in self._seen]
         for g, s, i in sorted(new):  # admission order: by generation, then ascending slot

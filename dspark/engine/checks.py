@@ -2,12 +2,13 @@
 sequence lengths."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 DEVICES = ("cpu", "cuda")
+Prompts = Union[Tensor, Sequence[Sequence[int]]]  # [N, P] int64, or N token-id sequences of any lengths
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -21,14 +22,46 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def check_prompts(prompts: Tensor) -> tuple[int, int]:
-    """(N, P) of int64 prompts [N, P], N >= 1 and P >= 3."""
-    if not isinstance(prompts, Tensor) or prompts.dim() != 2 or prompts.dtype != torch.long:
-        raise ValueError(f"prompts must be an int64 tensor [B, P], got {getattr(prompts, 'shape', prompts)}")
-    b, p = prompts.shape
-    if b < 1 or p < 3:
-        raise ValueError(f"need at least one prompt of >= 3 tokens, got shape {tuple(prompts.shape)}")
-    return b, p
+def check_prompts(prompts: Prompts, vocab_size: int) -> list[Tensor]:
+    """N >= 1 prompts as host int64 tensors [P_i], each of >= 3 token ids in [0, vocab_size): from an int64
+    tensor [N, P] or a sequence of token-id sequences (lengths may differ)."""
+    if isinstance(prompts, Tensor):
+        if prompts.dim() != 2 or prompts.dtype != torch.long:
+            raise ValueError(f"prompts as a tensor must be int64 [N, P], got {prompts.dtype} {list(prompts.shape)}")
+        seqs = list(prompts.cpu())
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+        seqs = []
+        for i, q in enumerate(prompts):
+            try:
+                t = torch.as_tensor(q)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"prompts[{i}] must be a sequence of token ids, got {q!r}") from None
+            if t.dim() != 1 or not t.dtype in (torch.int64, torch.int32):
+                raise ValueError(f"prompts[{i}] must be a 1-D sequence of int token ids, got {t.dtype} {list(t.shape)}")
+            seqs.append(t.cpu().to(torch.int64))
+    else:
+        raise ValueError(f"prompts must be an int64 tensor [N, P] or a list of token-id sequences, got "
+                         f"{type(prompts).__name__}")
+    if not seqs:
+        raise ValueError("prompts is empty: give at least one prompt")
+    for i, q in enumerate(seqs):
+        if q.numel() < 3:
+            raise ValueError(f"prompts[{i}] has {q.numel()} tokens; each prompt needs at least 3")
+        bad = (q < 0) | (q >= vocab_size)
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0])
+            raise ValueError(f"prompts[{i}][{j}] = {int(q[j])} is outside the vocabulary [0, {vocab_size})")
+    return seqs
+
+
+def check_stop_ids(stop_token_ids: Sequence[int], vocab_size: int) -> Tensor | None:
+    """Stop token ids as an int64 tensor (None when there are none), each in [0, vocab_size)."""
+    if isinstance(stop_token_ids, (str, bytes, Tensor)) or not isinstance(stop_token_ids, Sequence):
+        raise ValueError(f"stop_token_ids must be a sequence of ints, got {stop_token_ids!r}")
+    for t in stop_token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"stop token id {t!r} is not an int in the vocabulary [0, {vocab_size})")
+    return torch.tensor(list(stop_token_ids), dtype=torch.int64) if stop_token_ids else None
 
 
 def check_new_tokens(max_new_tokens: int | Tensor, n: int) -> Tensor:

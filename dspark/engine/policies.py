@@ -15,17 +15,22 @@ import collections
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
+from dspark.engine.drafter import Drafts, Source
 from dspark.plan.budget import choose_budget, expected_commit
 from dspark.plan.planner import VerifyPlan, VerifyPlanner
 from dspark.util.validate import check_type
+from dspark.verify.accept import AcceptResult
 from dspark.verify.layout import RaggedVerifyLayout
+
+if TYPE_CHECKING:
+    from dspark.engine.results import StepOutcome
 
 
 @dataclass
@@ -38,10 +43,46 @@ class PolicyPlan:
     budget: int | None = None
 
 
-class FixedK:
-    """Draft k tokens and verify all k (+ the root) for every request."""
+class Policy:
+    """The plug-in point for verify budgets. Hooks default to no-ops; a policy overrides what it needs.
 
-    prepass = False
+    num_drafts: tokens drafted per speculative step (0: target-only). source: what the drafter must return
+    per position, its head's confidence logits (`"head"`) or the online estimator's features
+    (`"features"`). catch_up: the most tokens committed without the drafter (plain steps) between two of its
+    proposals, beyond the verify width.
+    """
+
+    name: str = "policy"
+    num_drafts: int = 0
+    source: Source = "head"
+    catch_up: int = 0
+
+    def speculate(self, slots: Tensor, generations: Tensor) -> bool:
+        """Before drafting: True for a speculative step for these requests, False for a plain one."""
+        return True
+
+    def confidence(self, drafts: Drafts) -> Tensor:
+        """Confidence logits [B, k] the plan reads, from the step's drafts."""
+        return drafts.confidence_logits
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
+        """Verify lengths for the step. slots / generations [B] (device): the requests' slots and admission
+        numbers. prepass: runs a full static verify outside the step's time and returns its outcome."""
+        raise NotImplementedError
+
+    def admit(self, slots: Tensor) -> None:
+        """New requests took `slots` (host ids)."""
+
+    def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:
+        """After a step: its host commit lengths [B] and what it did."""
+
+    def observe_seconds(self, seconds: float) -> None:
+        """After a step: its measured seconds (draft + plan + verify + accept, no refill prefill)."""
+
+
+class FixedK(Policy):
+    """Draft k tokens and verify all k (+ the root) for every request."""
 
     def __init__(self, k: int):
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -49,76 +90,27 @@ class FixedK:
         self.num_drafts = k
         self.name = f"fixed-{k}"
 
-    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
         b = confidence_logits.shape[0]
         lens = torch.full((b,), self.num_drafts + 1, dtype=torch.int32, device=confidence_logits.device)
         return PolicyPlan(lens)
 
 
-class Adaptive:
+class Adaptive(Policy):
     """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation.
 
-    Speculate or not: with `plain_seconds` (B -> seconds of a target-only step, profiled like the
-    planner's cost model, which covers the whole speculative step: draft + plan + verify + accept),
-    each step first compares the best speculative throughput the planner predicts from the *lagged*
-    survival, theta* = max_b tau(b) / T(B, rows(b)), with the plain step's B / T_plain(B). When plain
-    wins the decoder runs a target-only step (no draft forward). Plain steps produce no new survival,
-    so after `probe_every` plain steps in a row the next step speculates anyway (a probe) to refresh
-    the lagged survival. A probe costs a speculative step, so while probes keep confirming plain the
-    interval doubles, up to `max_probe_every`; a step that speculates on its merits resets it
-    (`max_probe_every = probe_every` probes at a fixed interval). With the realised-cost feedback a probe is
-    two speculative steps: the first catches up (not timed, below), the second is timed, so a policy that
-    went plain on a profile that overpriced speculation can still find out. The decision reads only survival of
-    earlier steps (non-anticipating). One policy object serves one `generate` run (the probe state is
-    per run). Without `plain_seconds` every step speculates.
-
-    Realised-acceptance feedback: the lagged survival is the head's view of the *previous* step; with a
-    sharp head (the engine's ranks at AUROC ~0.99) it says little about the next one, and at small B one
-    request's last step decides the whole batch. After each speculative step the decoder reports the
-    committed lengths (`observe`); the policy keeps moving averages of accepted and of verified drafts per
-    request per speculative step, counted in request outcomes: a step of B requests is B outcomes, and the
-    past keeps weight `feedback_decay` per outcome (`feedback_decay ** B` per step; the default 0.985 is 0.8
-    per step at B = 16 and a window of ~70 outcomes at any B: at B = 1 a per-step window of 5 outcomes
-    went plain after any short run of rejections, which one request's text produces often). Once it has any,
-    the decision predicts a speculative step from them: tau = B (1 + accepted), rows = B (1 + verified),
-    theta = tau / T(B, rows), what the planner's steps actually delivered lately. The averages start from
-    the calibrated prediction of the first planned step (expected accepted drafts of its allocation),
-    worth `prior_weight` request outcomes: one unlucky first outcome must not send the policy plain (it would
-    then learn only from rare probes). Only outcomes of earlier steps enter (non-anticipating);
-    `feedback_decay=None` keeps the lagged-survival prediction throughout.
-    The planner's own budget and allocation are unchanged. With a lag-0 planner (synchronous budget from the
-    live survival, right for a decode loop that does not overlap drafting with verification) there is no
-    lagged survival: the policy speculates until the first outcome, then decides from the realised averages.
-
-    Continuous batching: a request admitted into a slot (`admit`) has no survival yet, and the lag ring's
-    generation guard reads all-ones for it, as good as a perfect draft. With slots refilled every few
-    steps that optimism would keep speculation on whatever the others' survival says, so until a new
-    request has `lag` survival rows of its own the lagged-survival prediction uses the mean lagged survival
-    of the batch's other requests in its place (all-ones only when every request is new).
-
-    Realised-cost feedback: both sides of the decision are profiled once, before serving; when the
-    machine's speed drifts afterwards (load, clocks, other tenants) the two predictions can drift apart.
-    After each step the decoder reports the step's measured seconds (`observe_seconds`); per kind (plain /
-    speculative) the policy keeps the median of the last `cost_window` ratios measured / predicted seconds
-    (the planner's T(B, M) of its budget, or T_plain(B)) and, once it has three, divides each side's
-    predicted throughput by it. A median, because step times on a shared machine are heavy-tailed: one step
-    stalled 5x (or a run's first step, whose draft reads every new prompt) must not flip the decision. The
-    first speculative step after plain steps (a probe, or the switch back) is not sampled: its draft first
-    catches up on every token the plain steps committed, a cost of having been plain, not of
-    speculating, and counting it would keep a policy that once went plain there. (A refilled request's
-    prompt is caught up the same way; that one is a steady cost of speculating at all, and is sampled.)
-    Every new median re-decides at the next step (also in the middle of a run of plain steps). The planner's
-    budget is unchanged (a common scale of T moves no argmax); `cost_window=None` turns this off.
-
-    Without a confidence head: `estimator=OnlineAcceptanceEstimator(gamma)` (dspark.calibration.online) takes
-    the head's place. The decoder then skips the head, hands the planner the estimator's confidence logits
-    from the draft's draft-vocabulary logits (divided by the sampling temperature when sampling), and after each
-    speculative step feeds the estimator that step's accept outcome (verify lengths and correct_len, the
-    STS-censored labels) together with the policy's own feedback. The planner must be built with
-    `temperatures=None` (the estimator is its own calibration) and the estimator's gamma.
+    planner: the VerifyPlanner (its gamma is the drafts per step). plain_seconds: B -> seconds of a
+    target-only step, profiled like the planner's cost model; with it each step first decides whether to
+    speculate at all, probing after `probe_every` plain steps in a row (the interval doubles up to
+    `max_probe_every` while probes confirm plain). feedback_decay: per-request-outcome decay of the realised
+    acceptance averages the decision reads once they exist (None: lagged survival only), started from the
+    first plan's prediction worth `prior_weight` outcomes. cost_window: steps per median of measured /
+    predicted seconds that rescales each side (None: off). estimator: an OnlineAcceptanceEstimator in
+    place of the draft's head (the planner then needs temperatures=None and its gamma).
+    One policy object serves one run. How each piece decides, and why: docs/policies.md.
     """
 
-    prepass = False
     name = "adaptive"
 
     def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
@@ -140,10 +132,13 @@ class Adaptive:
                                  f"temperatures=None, got gamma={planner.cfg.gamma} and temperatures "
                                  f"{None if planner.temperatures is None else planner.temperatures.tolist()}")
         self.estimator = estimator
+        self.source = "head" if estimator is None else "features"
+        self._features: Tensor | None = None  # the latest step's estimator features
         self.planner = planner
         self.num_drafts = planner.cfg.gamma
         self.plain_seconds = plain_seconds
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.catch_up = max_probe_every  # plain steps in a row before a probe: tokens the draft catches up
         self._plain_run = 0  # plain steps since the last speculative step
         self._interval = probe_every  # plain steps before the next probe
         self._probe_left = 0  # speculative steps of the current probe still to run
@@ -204,7 +199,14 @@ class Adaptive:
             lagged[new] = lagged[~new].mean(0)
         return choose_budget(lagged, self.planner.cost_model, self.planner.cfg).theta
 
-    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
+    def confidence(self, drafts: Drafts) -> Tensor:
+        if self.estimator is None:
+            return drafts.confidence_logits
+        self._features = drafts.features  # the inputs of this step's labels (`observe`)
+        return self.estimator.predict(drafts.features)
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
         self._decided = None  # the lag ring holds new survival
         self._pending_cost = None if self._catch_up else (True, p.decision.step_seconds)
@@ -224,7 +226,6 @@ class Adaptive:
         self._decided = None
 
     def observe_seconds(self, seconds: float) -> None:
-        """After any step: its measured seconds (draft + plan + verify + accept, no refill prefill)."""
         if self._pending_cost is None or self.cost_window is None:
             self._pending_cost = None
             return
@@ -237,8 +238,11 @@ class Adaptive:
             if ratio != self.cost_ratio[speculative]:  # the comparison moved: decide again at the next step
                 self.cost_ratio[speculative], self._decided = ratio, None
 
-    def observe(self, commit_lens: Tensor) -> None:
-        """After a speculative step: host commit lengths [B] of the step's requests (the decoder's sync)."""
+    def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:
+        """After a step: host commit lengths [B] of its requests; a speculative `outcome` also labels the
+        estimator's features."""
+        if self.estimator is not None and outcome is not None and outcome.draft_logits is not None:
+            self.estimator.observe(verify_lens=outcome.caps, correct_len=outcome.correct_len, features=self._features)
         if self._pending is None:
             return
         plan, self._pending = self._pending, None
@@ -258,11 +262,16 @@ class Adaptive:
         self._decided = None
 
 
-class Oracle:
+class Oracle(Policy):
     """Verify exactly the accepted rows (known from an untimed full-verify prepass)."""
 
-    prepass = True
     name = "oracle"
 
     def __init__(self, gamma: int):
         self.num_drafts = gamma
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
+        if prepass is None:
+            raise ValueError("the oracle plans from a full verify of the step's drafts: pass `prepass`")
+        return PolicyPlan(prepass().commit_lens.to(torch.int32))

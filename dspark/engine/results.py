@@ -18,6 +18,7 @@ class StepTimes:
     verify: float = 0.0
     accept: float = 0.0
     prefill: float = 0.0  # admitting (prefilling) requests into slots freed just before this step
+    host_plan: float = 0.0  # wall seconds of the policy's plan call (measured in a replay too; not in total)
 
     @property
     def total(self) -> float:
@@ -30,7 +31,7 @@ class StepOutcome:
 
     requests: Tensor               # [B] host ids of the unfinished requests this step ran for
     plan: PolicyPlan
-    layout: RaggedVerifyLayout     # the verify forward's layout (static modes: B x W)
+    layout: RaggedVerifyLayout     # the verify forward's layout (static modes: B x W; plain steps: B x 1)
     caps: Tensor                   # [B] verify lengths the accept honoured (static: W)
     confidence_logits: Tensor      # [B, k] the draft's raw confidence logits
     commit_lens: Tensor
@@ -44,11 +45,14 @@ class StepOutcome:
 @dataclass
 class GenerateResult:
     tokens: Tensor                 # [N, max_new_tokens] committed tokens after each request's prompt
+                                   # (zeros past its count or its stop token)
     steps: list[StepOutcome] = field(default_factory=list)
     seconds: float = 0.0           # charged time: the first admission's prefill + every step's
                                    # draft+plan+verify+accept+refill prefill (no oracle prepass)
     startup_seconds: float = 0.0   # prefill of the first admission (all slots at once)
     slots: int = 0                 # B: requests decoding at once
+    num_tokens: Tensor | None = None  # [N] int64 tokens produced per request (a stop token included)
+    finish_reasons: list[str] = field(default_factory=list)  # per request: "length" or "stop"
 
     def steady(self) -> tuple[int, float]:
         """(tokens, seconds) of the steady-state window: steps with every slot busy, refills included."""

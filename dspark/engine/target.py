@@ -1,0 +1,129 @@
+"""Targets: what verifies a step's drafts (`Target`), and the live transformers model over dspark's paged KV
+cache (`LiveTarget`).
+
+A target prefills admitted requests, runs plain (one row per request) steps, and verifies drafts in a verify
+mode: `verify` runs the forward over the step's layout, `accept` decides what is committed (greedy or
+rejection sampling, capped to each request's verify length). The trace replay swaps in a simulated target
+whose outcomes come from a recorded trace and whose time comes from a cost model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dspark.config import VerifyMode
+from dspark.engine.batch import Batch
+from dspark.engine.drafter import Drafts
+from dspark.engine.kv_cache import PagedKVCache
+from dspark.engine.sampling import Sampling
+from dspark.engine.step_attention import batch_attention
+from dspark.engine.verify_step import VerifySteps, graph_slots
+from dspark.models.paged_attend import PagedAttend
+from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.verify.accept import AcceptResult, accept_greedy, accept_sampling
+from dspark.verify.inputs import build_verify_inputs
+from dspark.verify.layout import RaggedVerifyLayout
+
+
+@dataclass
+class Verified:
+    """One verify forward: its layout, the caps accept honours ([B]: verify lengths, or W in static mode) and
+    the target's output rows (whatever the target's `accept` reads)."""
+
+    layout: RaggedVerifyLayout
+    caps: Tensor
+    rows: Any
+
+
+class Target:
+    """The plug-in point for verification (B requests of a batch's `slots`, host ids ascending)."""
+
+    def start(self, batch: Batch, width: int, max_rows: int) -> None:
+        """A run of verify width `width` begins on `batch`; no prefill exceeds `max_rows` rows per request."""
+
+    def finish(self) -> None:
+        """The run ended (also on error): release what `start` took."""
+
+    def prefill(self, batch: Batch, slots: Tensor) -> None:
+        """Cache the prompts of newly admitted `slots` (all but each prompt's last token, the first root)."""
+
+    def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
+        """Target-only step over `layout` (one row per request): [B, 1] int64 the next token of each."""
+        raise NotImplementedError
+
+    def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
+               layout: RaggedVerifyLayout | None) -> Verified:
+        """The verify forward of `mode` over root + drafts (verify_lens [B] int32; `layout`: the planner's
+        compact layout, reused)."""
+        raise NotImplementedError
+
+    def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:
+        """What the verified rows commit, capped to `verified.caps - 1` drafts plus the bonus token."""
+        raise NotImplementedError
+
+
+class LiveTarget(Target):
+    """A `TransformersCausalLM` over its paged KV cache; tier-padded compact steps run the decoder's
+    `VerifySteps` (one captured step per tier). Keeps the real rows' final hidden states per slot and
+    position (`hidden`) for a drafter that reads them."""
+
+    def __init__(self, model: TransformersCausalLM, cache: PagedKVCache, verify_steps: VerifySteps,
+                 tiers: tuple[int, ...]) -> None:
+        self.model, self.cache, self.verify_steps, self.tiers = model, cache, verify_steps, tiers
+        self.device = cache.k.device
+        self.hidden = torch.zeros(0, 0, model.geometry.hidden_size, device=self.device)
+
+    def start(self, batch: Batch, width: int, max_rows: int) -> None:
+        s, cols = batch.num_slots, batch.tokens.shape[1]
+        self.cache.admit(s, cols - 1)
+        self._graph_slots = graph_slots(s, self.tiers, width) if self.tiers else None
+        self._step = self.verify_steps.get(s, width)
+        self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1)
+        self.hidden = torch.zeros(s, cols, self.model.geometry.hidden_size, device=self.device)
+
+    def finish(self) -> None:
+        self.cache.release()
+
+    def forward(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, slots: Tensor) -> Tensor:
+        """Logits of the packed rows `tokens` of `layout` for `slots` (device ids), the cached prefix [B]
+        (host) before each; the real rows' hidden states are kept in `hidden`."""
+        table = self.cache.block_table[slots]
+        if self._step is not None and (layout.tier is not None or layout.eager_reason is not None):
+            hidden, logits, positions = self._step(tokens, layout, prefix, table)
+        else:
+            attend = PagedAttend(self._attn, self.cache.k, self.cache.v, layout, prefix, table)
+            hidden = self.model(tokens, attend.positions, attend)
+            logits, positions = self.model.logits(hidden), attend.positions
+        real = layout.total_rows
+        self.hidden[slots[layout.row_slot[:real].long()], positions[:real]] = hidden[:real]
+        return logits
+
+    def prefill(self, batch: Batch, slots: Tensor) -> None:
+        rows = (batch.prompt_lens[slots] - 1).to(torch.int32)
+        layout = RaggedVerifyLayout.from_verify_lens(rows, width=int(rows.max()))
+        dev_slots = slots.to(self.device)
+        pos = layout.positions(torch.zeros(slots.numel(), dtype=torch.int64, device=self.device))
+        ids = batch.tokens[dev_slots[layout.row_slot[: layout.total_rows].long()], pos[: layout.total_rows]]
+        self.forward(ids, layout, torch.zeros(slots.numel(), dtype=torch.int64), dev_slots)
+
+    def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
+        logits = self.forward(batch.roots(slots), layout, batch.lens[slots] - 1, slots.to(self.device))
+        return sampling.tokens(logits)
+
+    def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
+               layout: RaggedVerifyLayout | None) -> Verified:
+        prefix = batch.lens[slots] - 1
+        vin = build_verify_inputs(mode, verify_lens, batch.roots(slots), drafts.tokens, prefix.to(self.device),
+                                  tiers=self.tiers or None, slots=self._graph_slots,
+                                  layout=layout if mode is VerifyMode.COMPACT else None)
+        logits = self.forward(vin.input_ids, vin.layout, prefix, slots.to(self.device))
+        return Verified(vin.layout, vin.caps, logits)
+
+    def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:
+        if sampling.enabled:
+            return accept_sampling(drafts.tokens, drafts.probs, sampling.probs(verified.rows), verified.caps,
+                                   generator=sampling.generator, layout=verified.layout, check=False)
+        return accept_greedy(drafts.tokens, verified.rows, verified.caps, layout=verified.layout, check=False)
