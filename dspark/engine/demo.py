@@ -50,7 +50,7 @@ from dspark.engine.demo_config import (
     request_lengths,
 )
 from dspark.engine.lockstep import lockstep
-from dspark.engine.policies import Adaptive, FixedK, Oracle
+from dspark.engine.policies import make_policy
 from dspark.engine.progress import Progress
 from dspark.engine.profile import (
     PlainStepCost,
@@ -107,19 +107,6 @@ def _assert_matches_reference(ref: Tensor, out: GenerateResult, counts: Tensor, 
         if not torch.equal(out.tokens[i, :n].cpu(), ref[i, :n].cpu()):
             raise AssertionError(f"losslessness violated by {what}: request {i} differs from transformers' "
                                  f"generate(do_sample=False)")
-
-
-def _make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int, bool], VerifyPlanner],
-                 plain: PlainStepCost | None = None, probe: tuple[int, int, bool] = (8, 64, False),
-                 estimator: OnlineAcceptanceEstimator | None = None):
-    if name in ADAPTIVE:
-        every, most, cost_feedback = probe
-        est = estimator if name == "adaptive-est" else None
-        return Adaptive(planner_factory(b, est is None), plain.step_seconds if plain is not None else None, every,
-                        most, cost_window=9 if cost_feedback else None, estimator=est)
-    if name == "oracle":
-        return Oracle(gamma)
-    return FixedK(int(name[6:]))
 
 
 def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progress: bool = True,
@@ -216,7 +203,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         queue, counts = prompts[: queue_size(cfg, b)], lengths[: queue_size(cfg, b)]
         queue_tokens[b] = int(counts.sum())
         def make(name: str, b: int = b):
-            return _make_policy(name, gamma, b, planner, plain, probe, estimator)
+            return make_policy(name, gamma, b, planner, plain.step_seconds, probe, estimator)
 
         # untimed warm-up at this batch size: the first runs at new shapes are slow. On an accelerator the
         # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels (about a second
@@ -254,7 +241,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         for m in (m for m in VerifyMode if m is not mode):  # `mode` itself: every run above
             for name in names:
                 res = decoder.generate(small, short,
-                                       _make_policy(name, gamma, 2, planner, plain, probe, estimator), mode=m,
+                                       make_policy(name, gamma, 2, planner, plain.step_seconds, probe, estimator), mode=m,
                                        slots=2)
                 _assert_matches_reference(reference, res, short, f"{name} ({m.value}, 2 reused slots)")
                 lossless_checks += 1

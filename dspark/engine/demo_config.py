@@ -10,6 +10,7 @@ import torch
 
 from dspark.config import VerifyMode
 from dspark.engine.checks import check_device, check_fits
+from dspark.engine.policies import ADAPTIVE
 from dspark.engine.sweep import tier_ladder
 from dspark.models.draft import DraftConfig
 from dspark.util.validate import check_int, check_output_path, check_real
@@ -45,7 +46,6 @@ class DemoConfig:
     seed: int = 0
 
 
-ADAPTIVE = ("adaptive", "adaptive-est")  # the planner with the head + STS / with the online estimator
 
 
 def parse_policies(names: Sequence[str], gamma: int) -> list[str]:

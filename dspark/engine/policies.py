@@ -241,7 +241,7 @@ class Adaptive(Policy):
     def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:
         """After a step: host commit lengths [B] of its requests; a speculative `outcome` also labels the
         estimator's features."""
-        if self.estimator is not None and outcome is not None and outcome.draft_logits is not None:
+        if self.estimator is not None and outcome is not None and outcome.speculated:
             self.estimator.observe(verify_lens=outcome.caps, correct_len=outcome.correct_len, features=self._features)
         if self._pending is None:
             return
@@ -275,3 +275,26 @@ class Oracle(Policy):
         if prepass is None:
             raise ValueError("the oracle plans from a full verify of the step's drafts: pass `prepass`")
         return PolicyPlan(prepass().commit_lens.to(torch.int32))
+
+
+ADAPTIVE = ("adaptive", "adaptive-est")  # the planner with the head + STS / with the online estimator
+
+
+def make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int, bool], VerifyPlanner],
+                plain_seconds: Callable[[int], float] | None = None, probe: tuple[int, int, bool] = (8, 64, False),
+                estimator: OnlineAcceptanceEstimator | None = None) -> Policy:
+    """The policy named `name` (`fixed-<k>`, `adaptive`, `adaptive-est`, `oracle`) for B = b requests.
+
+    planner_factory(b, sts): a VerifyPlanner for b requests, with STS temperatures when sts; plain_seconds:
+    the profiled plain step (B -> seconds); probe: (probe_every, max_probe_every, cost feedback on);
+    estimator: the online estimator `adaptive-est` reads (one instance may serve many runs)."""
+    if name in ADAPTIVE:
+        every, most, cost_feedback = probe
+        est = estimator if name == "adaptive-est" else None
+        return Adaptive(planner_factory(b, est is None), plain_seconds, every, most,
+                        cost_window=9 if cost_feedback else None, estimator=est)
+    if name == "oracle":
+        return Oracle(gamma)
+    if not name.startswith("fixed-") or not name[6:].isdigit():
+        raise ValueError(f"unknown policy {name!r}: choose fixed-<k>, adaptive, adaptive-est or oracle")
+    return FixedK(int(name[6:]))

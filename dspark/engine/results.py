@@ -29,7 +29,7 @@ class StepTimes:
 class StepOutcome:
     """What one step did (device tensors; the caller reads them after the run, no extra syncs)."""
 
-    requests: Tensor               # [B] host ids of the unfinished requests this step ran for
+    requests: Tensor               # [B] host slot ids of the unfinished requests this step ran for
     plan: PolicyPlan
     layout: RaggedVerifyLayout     # the verify forward's layout (static modes: B x W; plain steps: B x 1)
     caps: Tensor                   # [B] verify lengths the accept honoured (static: W)
@@ -40,6 +40,12 @@ class StepOutcome:
     host_syncs: int
     useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)
     draft_logits: Tensor | None = None  # [B, k, V] the draft heads' token logits (top-2 margin baseline)
+    owners: Tensor | None = None   # [B] host: the queue index (request id) decoding in each slot
+
+    @property
+    def speculated(self) -> bool:
+        """The step drafted and verified (False: a target-only step)."""
+        return self.confidence_logits.shape[-1] > 0
 
 
 @dataclass

@@ -139,6 +139,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
                 out, commit = speculative_step(engine, batch, slots, policy, mode, sampling, stop_ids, decided)
             else:
                 out, commit = plain_step(engine, batch, slots, sampling, stop_ids, decided)
+            out.owners = batch.owners[slots].clone()
             out.useful = int((torch.minimum(lens + commit, batch.ends[slots]) - lens).sum())  # none past the count or a stop
             out.times.prefill, prefill = prefill, 0.0
             t0 = now()

@@ -1,0 +1,117 @@
+"""Replay a trace through the engine's own scheduler, step and policies (`Lab.run`).
+
+A `Lab` holds what every run of one study shares: the trace, the serving cost model (the policy's planner
+and the simulated target read the same one, or `reality=` plays the simulator with another), the STS
+temperatures and the planner settings. `run(name, B)` serves a queue of the trace's requests on B slots with
+the named policy (`dspark.engine.policies.make_policy`, as the demo builds them) and returns the engine's
+own `GenerateResult`, its step times in simulated seconds. Same trace, cost model and settings give the
+same result bit for bit.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from dspark.calibration.online import OnlineAcceptanceEstimator
+from dspark.config import ScheduleConfig, VerifyMode
+from dspark.cost.serving import ServingCost
+from dspark.engine.batch import Batch, Scheduler
+from dspark.engine.policies import Policy, make_policy
+from dspark.engine.results import GenerateResult, finish
+from dspark.engine.sampling import Sampling
+from dspark.engine.step import Engine, serve
+from dspark.engine.verify_step import graph_slots
+from dspark.plan.planner import VerifyPlanner
+from dspark.replay.sim import SimClock, SimTarget, TraceDrafter
+from dspark.replay.trace import Trace
+from dspark.util.validate import check_int, check_type
+
+
+def queue_ids(trace: Trace, slots: int, *, requests_per_slot: int = 2, min_requests: int = 64, seed: int = 0
+              ) -> Tensor:
+    """The trace requests [N] a run on `slots` slots serves: the first max(min_requests, requests_per_slot x
+    slots) of a seeded permutation (the kinds stay mixed); ValueError when the trace holds fewer."""
+    check_int("slots", slots, 1)
+    n = max(min_requests, requests_per_slot * slots)
+    if n > trace.num_requests:
+        raise ValueError(f"B = {slots} slots need {n} requests (at least {min_requests}, {requests_per_slot} per slot) "
+                         f"to stay busy but the "
+                         f"trace holds {trace.num_requests}: record a larger trace (python -m dspark.replay.record "
+                         f"--requests {n}) or lower B")
+    return torch.randperm(trace.num_requests, generator=torch.Generator().manual_seed(seed))[:n]
+
+
+@dataclass
+class Lab:
+    """One study's shared setup. gamma: drafts per step of the budget policies (<= trace.gamma);
+    temperatures: STS temperatures [gamma] (None: raw head logits); lag: the planner's lag; tiers: use the cost
+    model's graph tiers (False: eager, every row priced as is); reality: the cost model the simulated target
+    runs on (default `cost`, what the policies believe)."""
+
+    trace: Trace
+    cost: ServingCost
+    gamma: int
+    temperatures: Sequence[float] | None = None
+    lag: int = 0
+    tiers: bool = True
+    reality: ServingCost | None = None
+    probe: tuple[int, int, bool] = (8, 64, False)
+    estimators: dict[int, OnlineAcceptanceEstimator] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_type("trace", self.trace, Trace)
+        check_type("cost", self.cost, ServingCost)
+        check_int("gamma", self.gamma, 1)
+        if self.gamma > self.trace.gamma:
+            raise ValueError(f"gamma = {self.gamma} exceeds the trace's recorded block of {self.trace.gamma} drafts")
+        if self.cost.width != self.gamma + 1:
+            raise ValueError(f"the cost model {self.cost.name!r} prices verify width W = {self.cost.width} but the "
+                             f"policies verify W = gamma + 1 = {self.gamma + 1}: load it with width={self.gamma + 1}")
+        if self.reality is not None and self.reality.width != self.cost.width:
+            raise ValueError(f"reality's width {self.reality.width} differs from the cost model's {self.cost.width}")
+        if self.temperatures is not None and len(self.temperatures) < self.gamma:
+            raise ValueError(f"temperatures must hold gamma = {self.gamma} values, got {list(self.temperatures)}")
+
+    @property
+    def graph_tiers(self) -> tuple[int, ...]:
+        return self.cost.tiers if self.tiers else ()
+
+    def planner(self, b: int, sts: bool = True) -> VerifyPlanner:
+        """The VerifyPlanner for B = b requests (STS temperatures when `sts` and the lab has them)."""
+        tiers, w = self.graph_tiers, self.gamma + 1
+        temps = None if self.temperatures is None or not sts else list(self.temperatures)[: self.gamma]
+        return VerifyPlanner(ScheduleConfig(gamma=self.gamma), self.cost.speculative, lag=self.lag, num_slots=b,
+                             temperatures=temps, tiers=tiers or None,
+                             graph_slots=graph_slots(b, tiers, w) if tiers else None)
+
+    def policy(self, name: str, b: int) -> Policy:
+        """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over
+        that B's run as a server's would)."""
+        est = self.estimators.setdefault(b, OnlineAcceptanceEstimator(self.gamma)) if name == "adaptive-est" else None
+        return make_policy(name, self.gamma, b, self.planner, self.cost.plain_seconds, self.probe, est)
+
+    def run(self, policy: str | Policy, b: int, ids: Tensor | None = None,
+            mode: VerifyMode = VerifyMode.COMPACT) -> GenerateResult:
+        """Serve the trace requests `ids` (default `queue_ids(trace, b)`) on b slots with `policy` (a name, or
+        a policy object built for this lab)."""
+        ids = queue_ids(self.trace, b) if ids is None else ids
+        pol = self.policy(policy, b) if isinstance(policy, str) else policy
+        if pol.num_drafts > self.trace.gamma:
+            raise ValueError(f"policy {pol.name!r} drafts {pol.num_drafts} tokens but the trace recorded "
+                             f"{self.trace.gamma}")
+        clock = SimClock()
+        target = SimTarget(self.trace, ids, self.reality or self.cost, clock, self.graph_tiers)
+        engine = Engine(TraceDrafter(self.trace, ids), target, clock.now, lambda: None)
+        prompts = [self.trace.prompt(int(i)) for i in ids]
+        new_tokens = self.trace.new_tokens[ids].to(torch.int64)
+        w = pol.num_drafts + 1
+        longest = max(p.numel() + int(n) for p, n in zip(prompts, new_tokens))
+        scheduler = Scheduler(prompts, new_tokens, None, itertools.count(1), torch.device("cpu"))
+        batch = Batch.empty(min(b, len(prompts)), longest + w, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        return finish(serve(engine, scheduler, batch, pol, mode=mode, sampling=Sampling(False, 1.0, gen),
+                            width=w, max_rows=longest + w))

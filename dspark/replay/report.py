@@ -1,0 +1,109 @@
+"""What a policy-lab study reports per (cost model, B, policy), its table and its plot.
+
+`run_summary` reads one replayed run: steady tok/s in simulated seconds (steps with every slot busy), rows
+per step, the share of speculative steps, the tau bias (committed vs the calibrated prediction), and the
+planner's measured wall time per decision beside the modelled step time. `ratios` puts every budget policy
+against the best fixed k and the oracle at the same B.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from dspark.config import ScheduleConfig
+from dspark.engine.results import GenerateResult
+from dspark.plan.budget import expected_commit
+from dspark.plan.survival import calibrated_survival
+
+BUDGET_POLICIES = ("adaptive", "adaptive-est")
+
+
+def run_summary(res: GenerateResult, temperatures: Sequence[float] | None) -> dict:
+    """One run's numbers; temperatures [k]: how the step's confidence logits turn into the predicted tau
+    (None: raw, e.g. the online estimator's own calibration)."""
+    tokens, seconds = res.steady()
+    spec = [s for s in res.steps if s.speculated]
+    predicted = committed = 0.0
+    for s in spec:
+        k = s.confidence_logits.shape[1]
+        temps = None if temperatures is None else torch.as_tensor(list(temperatures)[:k])
+        survival = calibrated_survival(s.confidence_logits, temps)
+        predicted += expected_commit(survival, s.caps.to(torch.int64), ScheduleConfig(gamma=k))
+        committed += float(s.commit_lens.sum())
+    plan_us = [s.times.host_plan * 1e6 for s in spec]
+    return {
+        "steady_tok_s": tokens / seconds if seconds > 0 else 0.0,
+        "tokens": int(sum(s.useful for s in res.steps)),
+        "steps": len(res.steps),
+        "seconds": res.seconds,
+        "rows_per_step": statistics.fmean(float(s.layout.total_rows) for s in res.steps),
+        "speculative_share": len(spec) / len(res.steps),
+        "committed_per_request_step": statistics.fmean(float(s.commit_lens.double().mean()) for s in res.steps),
+        "tau_bias": committed / predicted - 1.0 if predicted else None,
+        "planner_us_median": statistics.median(plan_us) if plan_us else None,
+        "step_ms_mean": statistics.fmean(s.times.verify * 1e3 for s in spec) if spec else None,
+    }
+
+
+def ratios(cells: Mapping[str, dict]) -> dict:
+    """At one B, `cells` policy -> run_summary: the best fixed k and each budget policy's throughput over it
+    and over the oracle."""
+    fixed = {name: c["steady_tok_s"] for name, c in cells.items() if name.startswith("fixed-")}
+    best = max(fixed, key=fixed.__getitem__)
+    out: dict = {"best_fixed": best, "best_fixed_tok_s": fixed[best]}
+    for name in cells:
+        if name in BUDGET_POLICIES or not (name.startswith("fixed-") or name == "oracle"):
+            tok = cells[name]["steady_tok_s"]
+            out[name] = {"vs_best_fixed": tok / fixed[best],
+                         "vs_oracle": tok / cells["oracle"]["steady_tok_s"] if "oracle" in cells else None}
+    return out
+
+
+def format_table(cost: str, rows: Mapping[int, Mapping[str, dict]], policies: Sequence[str]) -> str:
+    """A text table: per B, steady tok/s of every policy, the best fixed k, adaptive / best fixed and / oracle."""
+    budget = [p for p in policies if not p.startswith("fixed-") and p != "oracle"]
+    head = ["B"] + list(policies) + ["best fixed"] + [f"{p}/fixed" for p in budget] + [f"{p}/oracle" for p in budget]
+    lines = [f"cost model: {cost} (simulated steady tok/s)", "  ".join(f"{h:>12}" for h in head)]
+    for b, cells in rows.items():
+        r = ratios(cells)
+        vals = [f"{b:>12}"] + [f"{cells[p]['steady_tok_s']:>12.1f}" for p in policies] + [f"{r['best_fixed']:>12}"]
+        vals += [f"{r[p]['vs_best_fixed']:>12.3f}" for p in budget]
+        vals += [f"{r[p]['vs_oracle']:>12.3f}" if r[p]["vs_oracle"] else f"{'-':>12}" for p in budget]
+        lines.append("  ".join(vals))
+    return "\n".join(lines)
+
+
+def plot_throughput(cost: str, rows: Mapping[int, Mapping[str, dict]], policies: Sequence[str], path: Path) -> bool:
+    """Throughput vs B (log2), one line per policy, to `path` (PNG); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    bs = sorted(rows)
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for p in policies:
+        style = "-" if not p.startswith("fixed-") else ":"
+        ax.plot(bs, [rows[b][p]["steady_tok_s"] for b in bs], style, marker="o", ms=3, label=p)
+        best = [rows[b][ratios(rows[b])["best_fixed"]]["steady_tok_s"] for b in bs]
+        rel.plot(bs, [rows[b][p]["steady_tok_s"] / f for b, f in zip(bs, best)], style, marker="o", ms=3, label=p)
+    for a, title in ((ax, "steady tokens / s (simulated)"), (rel, "relative to the best fixed k at each B")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("B (requests decoding at once)")
+        a.set_title(title)
+        a.grid(alpha=0.3)
+    ax.set_yscale("log")
+    rel.axhline(1.0, color="k", lw=0.8)
+    rel.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"policy lab: {cost}")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return True

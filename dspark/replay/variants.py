@@ -1,0 +1,83 @@
+"""What calibration, lag and tiers buy: the adaptive policy replayed with one thing changed at a time.
+
+`fit_trace_temperatures` fits STS temperatures on a seeded half of the trace's requests (labels: the greedy
+prefix reaches draft k). `variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`:
+survival from the head after STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform
+survival per position for every request, the online estimator, the oracle's exact acceptance; the planner's
+lag 1 / 2 (default 0); eager steps (no graph tiers).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from dspark.calibration.fit import fit_temperatures
+from dspark.engine.drafter import Drafts
+from dspark.engine.policies import Adaptive, Policy
+from dspark.replay.lab import Lab
+from dspark.replay.trace import Trace
+
+VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "lag 1", "lag 2",
+            "no tiers")
+
+
+def trace_labels(trace: Trace, gamma: int, requests: Tensor) -> tuple[Tensor, Tensor]:
+    """(confidence logits [n, gamma], greedy prefix labels [n, gamma]) at every position of `requests`."""
+    rows = torch.cat([torch.arange(int(trace.position_offsets[i]), int(trace.position_offsets[i + 1]))
+                      for i in requests.tolist()])
+    labels = (trace.accepted[rows, None] > torch.arange(gamma)[None, :]).to(torch.float32)
+    return trace.confidence_logits[rows, :gamma], labels
+
+
+def fit_trace_temperatures(trace: Trace, gamma: int, seed: int = 0) -> tuple[list[float], dict]:
+    """STS temperatures [gamma] fitted on a seeded half of the requests, and what the fit saw per position."""
+    half = torch.randperm(trace.num_requests, generator=torch.Generator().manual_seed(seed))[: trace.num_requests // 2]
+    logits, labels = trace_labels(trace, gamma, half.sort().values)
+    fits = fit_temperatures(logits, labels)
+    return [f.temperature for f in fits], {"requests": int(half.numel()), "rows": int(logits.shape[0]),
+                                           "at_bound": [f.at_bound for f in fits]}
+
+
+def mean_conditional_logits(trace: Trace, gamma: int) -> Tensor:
+    """logit of the mean conditional acceptance per position [gamma] over the whole trace (uniform survival)."""
+    _, labels = trace_labels(trace, gamma, torch.arange(trace.num_requests))
+    reached = torch.cat([torch.ones(labels.shape[0], 1), labels[:, :-1]], 1)
+    c = (labels.sum(0) / reached.sum(0).clamp(min=1)).clamp(1e-4, 1 - 1e-4)
+    return torch.log(c / (1 - c)).to(torch.float32)
+
+
+class UniformConfidence(Adaptive):
+    """The adaptive policy with one confidence logit per position for every request (`logits` [gamma])."""
+
+    def __init__(self, logits: Tensor, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.logits = logits
+
+    def confidence(self, drafts: Drafts) -> Tensor:
+        b, k = drafts.tokens.shape
+        return self.logits[:k].expand(b, k).clone()
+
+
+def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
+    """The lab and the policy (a name or an object) of variant `name` at B = b."""
+    replace = dataclasses.replace
+    temps = None if base.temperatures is None else list(base.temperatures)
+    simple = {"head+STS": (base, "adaptive"), "head raw": (replace(base, temperatures=None), "adaptive"),
+              "estimator": (base, "adaptive-est"), "oracle": (base, "oracle"),
+              "lag 1": (replace(base, lag=1), "adaptive"), "lag 2": (replace(base, lag=2), "adaptive"),
+              "no tiers": (replace(base, tiers=False), "adaptive")}
+    if name in simple:
+        return simple[name]
+    if name in ("temps x0.5", "temps x2"):
+        if temps is None:
+            raise ValueError(f"variant {name!r} scales the lab's temperatures, but it has none")
+        scale = 0.5 if name == "temps x0.5" else 2.0
+        return replace(base, temperatures=[t * scale for t in temps]), "adaptive"
+    if name == "uniform":
+        lab = replace(base, temperatures=None)
+        every, most, feedback = lab.probe
+        return lab, UniformConfidence(mean_conditional_logits(base.trace, base.gamma), lab.planner(b, False),
+                                      lab.cost.plain_seconds, every, most, cost_window=9 if feedback else None)
+    raise ValueError(f"unknown variant {name!r}; choose one of {VARIANTS}")

@@ -1,0 +1,122 @@
+"""The trace replay drives the engine's own scheduler and policies over a recorded (here: synthetic) trace.
+
+A synthetic trace has the structure of a recorded one: a greedy continuation per request and, at each
+position, drafts that match it for a(t) leading tokens. Whatever the policy, the replay must commit exactly
+the continuation; every step must commit min(a(t), cap - 1) + 1 at each request's position; the simulated
+clock must charge the cost model's T(B, rows); and the same inputs must give the same run bit for bit.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from dspark.config import VerifyMode
+from dspark.cost.shipped import h100_llama8b_fitted
+from dspark.replay.lab import Lab, queue_ids
+from dspark.replay.trace import Trace
+
+pytestmark = pytest.mark.cpu_only
+GAMMA, VOCAB = 4, 50
+POLICIES = ("fixed-0", "fixed-2", f"fixed-{GAMMA}", "adaptive", "adaptive-est", "oracle")
+
+
+def synthetic_trace(requests: int, seed: int, gamma: int = GAMMA) -> Trace:
+    """Random prompts, continuations and drafts matching the continuation for a random number of leading tokens."""
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(3, 9, (requests,), generator=g)
+    news = torch.randint(2, 14, (requests,), generator=g)
+    conts, drafts, accepted = [], [], []
+    for n in news.tolist():
+        cont = torch.randint(0, VOCAB, (n + gamma,), generator=g)
+        a = torch.randint(0, gamma + 1, (n,), generator=g)
+        rows = torch.stack([cont[t: t + gamma] for t in range(n)])
+        noise = (rows + torch.randint(1, VOCAB, rows.shape, generator=g)) % VOCAB  # never equals the truth
+        cols = torch.arange(gamma)
+        drafts.append(torch.where(cols[None] < a[:, None], rows, torch.where(cols[None] == a[:, None], noise,
+                                                                              torch.randint(0, VOCAB, rows.shape, generator=g))))
+        conts.append(cont)
+        accepted.append(a)
+    n_all = int(news.sum())
+    return Trace(gamma=gamma, vocab_size=VOCAB, kinds=("code", "chat", "copy"),
+                 kind_ids=torch.randint(0, 3, (requests,), generator=g),
+                 prompt_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), plens.cumsum(0)]),
+                 prompt_tokens=torch.randint(0, VOCAB, (int(plens.sum()),), generator=g),
+                 position_offsets=torch.cat([torch.zeros(1, dtype=torch.int64), news.cumsum(0)]),
+                 continuation=torch.cat(conts), drafts=torch.cat(drafts),
+                 confidence_logits=torch.randn(n_all, gamma, generator=g) * 2,
+                 features=torch.randn(n_all, gamma, 3, generator=g).abs(), accepted=torch.cat(accepted),
+                 soft=torch.rand(n_all, gamma, generator=g), target_margin=torch.rand(n_all + requests * gamma, generator=g))
+
+
+@functools.lru_cache(maxsize=None)
+def _cost():
+    return h100_llama8b_fitted(gamma=GAMMA, max_requests=16)
+
+
+def _lab(trace: Trace, **kw) -> Lab:
+    return Lab(trace, _cost(), GAMMA, temperatures=[1.0, 1.1, 0.9, 1.2], **kw)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.sampled_from([1, 3, 8]), policy=st.sampled_from(POLICIES),
+       mode=st.sampled_from(list(VerifyMode)))
+def test_replay_commits_the_continuation_and_min_of_accepted_and_cap_per_step(seed, b, policy, mode) -> None:
+    trace = synthetic_trace(24, seed)
+    ids = queue_ids(trace, b, min_requests=12)
+    res = _lab(trace).run(policy, b, ids, mode=mode)
+    for q, i in enumerate(ids.tolist()):  # lossless: the continuation, whatever the policy
+        n = int(trace.new_tokens[i])
+        assert torch.equal(res.tokens[q, :n], trace.greedy(i, 0, n)), (policy, q)
+        assert int(res.num_tokens[q]) == n and res.finish_reasons[q] == "length"
+    pos = {q: 0 for q in range(len(ids))}  # each queued request's position, advanced by an independent walk
+    for step in res.steps:
+        for j, q in enumerate(step.owners.tolist()):
+            a = int(trace.position(int(ids[q]), pos[q]).accepted)
+            cap = int(step.caps[j])
+            expect = min(a, cap - 1, step.confidence_logits.shape[1]) + 1
+            assert int(step.commit_lens[j]) == expect, (policy, mode, step.caps.tolist())
+            if policy == "oracle" and mode is VerifyMode.COMPACT:
+                assert int(step.plan.verify_lens[j]) == min(a, GAMMA) + 1  # the oracle verifies what is accepted
+            pos[q] += expect
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replay_is_deterministic_and_charges_the_cost_model(policy: str) -> None:
+    trace = synthetic_trace(40, seed=3)
+    runs = [_lab(trace).run(policy, 6, queue_ids(trace, 6, min_requests=12)) for _ in range(2)]
+    a, b = runs
+    assert len(a.steps) == len(b.steps) and a.seconds == b.seconds
+    for x, y in zip(a.steps, b.steps):
+        assert torch.equal(x.caps, y.caps) and torch.equal(x.commit_lens, y.commit_lens)
+        assert x.times.total == y.times.total
+    cost = _cost()
+    for s in a.steps:
+        n = s.requests.numel()
+        if s.speculated:
+            rows = int(s.layout.total_rows)
+            assert s.times.verify == pytest.approx(float(cost.speculative.step_seconds(num_requests=n, rows=rows)))
+        else:
+            assert s.times.verify == pytest.approx(cost.plain_seconds(n))
+
+
+def test_fixed_k_rows_and_static_mode_price_every_row() -> None:
+    trace = synthetic_trace(30, seed=5)
+    res = _lab(trace).run("fixed-2", 4, queue_ids(trace, 4, min_requests=8), mode=VerifyMode.STATIC)
+    assert all(int(s.layout.total_rows) == s.requests.numel() * 3 for s in res.steps)
+
+
+def test_a_batch_larger_than_the_trace_keeps_busy_is_refused() -> None:
+    trace = synthetic_trace(10, seed=1)
+    with pytest.raises(ValueError, match="B = 8 slots need 16 requests .* trace holds 10"):
+        queue_ids(trace, 8, min_requests=4)
+
+
+def test_lab_refuses_a_cost_model_of_another_width_and_a_gamma_past_the_trace() -> None:
+    trace = synthetic_trace(10, seed=1)
+    with pytest.raises(ValueError, match="W = 5 but the policies verify W = gamma \\+ 1 = 3"):
+        Lab(trace, _cost(), 2)
+    with pytest.raises(ValueError, match="gamma = 6 exceeds the trace's recorded block of 4"):
+        Lab(trace, _cost(), 6)
