@@ -12,27 +12,30 @@ from typing import Sequence
 
 from torch import Tensor
 
-from dspark.verify.attention import RaggedVerifyAttention, write_kv
+from dspark.kernels import kv_write as _kv
+from dspark.verify.attention import RaggedVerifyAttention
 from dspark.verify.layout import RaggedVerifyLayout
 
 
 class PlannedAttend:
     """`(layer, q [N, Hq, D], k, v [N, Hkv, D]) -> out [N, Hq, D]` with `attn` as last planned: no host work.
 
-    k_cache / v_cache: `[num_layers, num_pages, page_size, Hkv, D]`.
+    k_cache / v_cache: `[num_layers, num_pages, page_size, Hkv, D]`, checked here once against the plan's
+    geometry; the per-layer calls check nothing (the model hands in its own layer's rows).
     """
 
     def __init__(self, attn: RaggedVerifyAttention, k_cache: Tensor, v_cache: Tensor):
-        if k_cache.dim() != 5 or v_cache.shape != k_cache.shape:
-            raise ValueError(f"k_cache and v_cache must both be [layers, pages, page_size, Hkv, D], got "
-                             f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+        if not isinstance(k_cache, Tensor) or k_cache.dim() != 5:
+            raise ValueError(f"k_cache must be [layers, pages, page_size, Hkv, D], got "
+                             f"{list(getattr(k_cache, 'shape', [k_cache]))}")
+        attn.check_cache(k_cache, v_cache)
         self.attn, self.k_cache, self.v_cache = attn, k_cache, v_cache
         self.sm_scale = attn.sm_scale
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        write_kv(k, v, kc, vc, self.attn.kv_slots)
-        return self.attn.run(q.contiguous(), kc, vc)
+        _kv.write_kv(k, v, kc, vc, self.attn.kv_slots)
+        return self.attn.launch(q.contiguous(), kc, vc)
 
 
 class PagedAttend(PlannedAttend):

@@ -168,15 +168,29 @@ class RaggedVerifyAttention:
             raise RuntimeError("run() before plan(): call plan(layout, prefix_lens, block_table) first")
         expect_q = (self.num_rows, self.num_q_heads, self.head_dim)
         _check_tensor("q", q, expect_q, self.dtype, self.device)
-        cache_shape = (None, self.page_size, self.num_kv_heads, self.head_dim)
-        _check_tensor("k_cache", k_cache, cache_shape, self.dtype, self.device)
-        _check_tensor("v_cache", v_cache, (k_cache.shape[0], *cache_shape[1:]), self.dtype, self.device)
+        self.check_cache(k_cache, v_cache)
         if out is None:
             out = torch.empty_like(q)
         else:
             _check_tensor("out", out, expect_q, self.dtype, self.device)
         if lse is not None:
             _check_tensor("lse", lse, expect_q[:2], torch.float32, self.device)
+        return self.launch(q, k_cache, v_cache, out, lse)
+
+    def check_cache(self, k_cache: Tensor, v_cache: Tensor) -> None:
+        """k_cache / v_cache [pages, page_size, Hkv, D] (one layer's; or with a leading layers dim) of this
+        plan's geometry, dtype and device."""
+        lead = (None,) * (k_cache.dim() - 3) if isinstance(k_cache, Tensor) and k_cache.dim() >= 4 else (None,)
+        cache_shape = (*lead, self.page_size, self.num_kv_heads, self.head_dim)
+        _check_tensor("k_cache", k_cache, cache_shape, self.dtype, self.device)
+        _check_tensor("v_cache", v_cache, tuple(k_cache.shape), self.dtype, self.device)
+
+    def launch(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
+               lse: Tensor | None = None) -> Tensor:
+        """`run` without its checks, for a caller that checked the caches once (`check_cache`) and hands in
+        q of the planned rows: the per-layer path of a forward."""
+        if out is None:
+            out = torch.empty_like(q)
         meta = self._meta if self._torch_meta is None else self._torch_meta
         _k.ragged_attention(q, k_cache, v_cache, meta, self.sm_scale, out, lse, self._split_kv, self._torch_plan)
         return out
