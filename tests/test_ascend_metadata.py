@@ -159,6 +159,8 @@ def test_diff_names_fields(device):
 
 def test_bad_input(device):
     layout, _ = _meta(device, [2, 1], [4, 4])
+    with pytest.raises(TypeError, match=r"layout must be a RaggedVerifyLayout, got list: \[2, 1\]"):
+        AscendVerifyMetadata.from_layout([2, 1], [4, 4])
     with pytest.raises(ValueError, match="3 entries but the layout has 2"):
         AscendVerifyMetadata.from_layout(layout, [1, 2, 3])
     with pytest.raises(ValueError, match=r"live_seq_lens\[1\] = -5"):

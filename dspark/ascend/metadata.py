@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dspark.util.validate import check_int, int_tensor
+from dspark.util.validate import check_int, check_type, int_tensor
 from dspark.verify.layout import RaggedVerifyLayout
 
 INT32_MAX = 2**31 - 1
@@ -122,6 +122,7 @@ class AscendVerifyMetadata:
         """Ragged metadata. `live_seq_lens` [B]: KV length before this step; `slots`: kernel batch S
         (default the layout's slot count; extra slots are empty ghosts). A graph layout (tier set) must
         carry its width W, which bounds `max_seqlen_q` for every replay of the tier."""
+        check_type("layout", layout, RaggedVerifyLayout)
         ratios = _check_ratios(compress_ratios)
         b, device = layout.num_requests, layout.qo_indptr.device
         live = _check_live(live_seq_lens, b, device)
