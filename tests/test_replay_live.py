@@ -1,0 +1,52 @@
+"""Replay reproduces live runs: the live engine and the trace replay, given the same policy factory, take
+the same decisions step by step (verify lengths, commit lengths, speculate or not) on the tiny models."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from dspark.config import VerifyMode
+from dspark.cost.shipped import h100_llama8b_fitted
+from dspark.engine.decode import SpecDecoder
+from dspark.replay.lab import Lab
+from dspark.replay.record import record_trace
+from dspark.replay.workload import Request
+from engine_models import VOCAB, tiny_models
+
+pytestmark = pytest.mark.cpu_only
+GAMMA, N = 4, 10
+
+
+@functools.lru_cache(maxsize=None)
+def _setup():
+    target, draft = tiny_models(gamma=GAMMA)
+    g = torch.Generator().manual_seed(7)
+    requests = [Request("code" if i % 2 else "chat", torch.randint(3, VOCAB, (int(p),), generator=g), int(n))
+                for i, (p, n) in enumerate(zip(torch.randint(4, 9, (N,), generator=g), torch.randint(3, 12, (N,), generator=g)))]
+    trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=GAMMA, slots=4)
+    decoder = SpecDecoder(target, draft, cache_tokens=4096)
+    cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8, context=16)
+    return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False)
+
+
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("policy", ["fixed-0", "fixed-2", f"fixed-{GAMMA}", "adaptive", "adaptive-est", "oracle"])
+def test_replay_takes_the_live_engines_decisions_step_by_step(policy: str, b: int) -> None:
+    trace, decoder, lab = _setup()
+    ids = torch.arange(N)
+    live_lab, replay_lab = (dataclasses.replace(lab, estimators={}) for _ in range(2))  # one estimator each
+    live = decoder.generate([trace.prompt(i) for i in range(N)], trace.new_tokens.clone(), live_lab.policy(policy, b),
+                            mode=VerifyMode.COMPACT, slots=b)
+    sim = replay_lab.run(policy, b, ids)
+    assert torch.equal(live.tokens, sim.tokens)
+    assert len(live.steps) == len(sim.steps)
+    for i, (x, y) in enumerate(zip(live.steps, sim.steps)):
+        assert x.speculated == y.speculated, i
+        assert torch.equal(x.owners, y.owners), i
+        assert torch.equal(x.caps.cpu().to(torch.int64), y.caps.to(torch.int64)), (i, x.caps, y.caps)
+        assert torch.equal(x.commit_lens.cpu(), y.commit_lens), i
+        if x.speculated:
+            torch.testing.assert_close(x.confidence_logits.cpu(), y.confidence_logits, rtol=1e-4, atol=1e-4)
