@@ -36,6 +36,8 @@ def check_prompts(prompts: Prompts, vocab_size: int) -> list[Tensor]:
                 t = torch.as_tensor(q)
             except (TypeError, ValueError, RuntimeError):
                 raise ValueError(f"prompts[{i}] must be a sequence of token ids, got {q!r}") from None
+            if t.dim() == 1 and t.numel() == 0:
+                raise ValueError(f"prompts[{i}] is empty; each prompt needs at least 3 tokens")
             if t.dim() != 1 or not t.dtype in (torch.int64, torch.int32):
                 raise ValueError(f"prompts[{i}] must be a 1-D sequence of int token ids, got {t.dtype} {list(t.shape)}")
             seqs.append(t.cpu().to(torch.int64))
@@ -58,9 +60,9 @@ def check_stop_ids(stop_token_ids: Sequence[int], vocab_size: int) -> Tensor | N
     """Stop token ids as an int64 tensor (None when there are none), each in [0, vocab_size)."""
     if isinstance(stop_token_ids, (str, bytes, Tensor)) or not isinstance(stop_token_ids, Sequence):
         raise ValueError(f"stop_token_ids must be a sequence of ints, got {stop_token_ids!r}")
-    for t in stop_token_ids:
+    for i, t in enumerate(stop_token_ids):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ValueError(f"stop token id {t!r} is not an int in the vocabulary [0, {vocab_size})")
+            raise ValueError(f"stop_token_ids[{i}] = {t!r} is not an int in the vocabulary [0, {vocab_size})")
     return torch.tensor(list(stop_token_ids), dtype=torch.int64) if stop_token_ids else None
 
 
