@@ -1,7 +1,10 @@
 """dspark: speculative decoding that verifies only what is worth verifying.
 
-The public API, re-exported flat (DESIGN.md section 4b).
+The public API, re-exported flat (DESIGN.md section 4b). The serving entry points (`generate`, `SpecDecoder` and
+the drafters) need the `models` extra (transformers): they are imported on first use, so `import dspark` stays
+light.
 """
+from importlib import import_module as _import_module
 from dspark.calibration.confidence import (
     ConfidenceHead,
     confidence_loss,
@@ -51,7 +54,31 @@ from dspark.verify.inputs import VerifyInputs, build_verify_inputs
 from dspark.verify.layout import RaggedVerifyLayout
 from dspark.verify.manifest import TierManifest
 
+_SERVING = {  # name -> module, imported on first access (PEP 562)
+    "generate": "dspark.generation",
+    "Generation": "dspark.generation",
+    "SpecDecoder": "dspark.engine.decode",
+    "Drafter": "dspark.engine.drafter",
+    "BlockDrafter": "dspark.engine.drafter",
+    "NgramDrafter": "dspark.engine.ngram",
+    "CausalLMDrafter": "dspark.engine.lm_drafter",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _SERVING:
+        raise AttributeError(f"module 'dspark' has no attribute {name!r}")
+    value = getattr(_import_module(_SERVING[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SERVING))
+
+
 __all__ = [
+    *_SERVING,
     "StepRecord",
     "acceptance",
     "tau_bias",

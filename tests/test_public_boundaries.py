@@ -140,12 +140,20 @@ CASES = [
     ("TierGraphRunner", lambda: TierGraphRunner(lambda b: b, "8", 2, "cpu", width=3, row_inputs={}), ValueError,
      r"tiers must be positive ints"),
     ("StsRecorder", lambda: StsRecorder(3, gamma=2), TypeError, r"out_dir must be a str or PathLike, got int: 3"),
+    ("generate", lambda: dspark.generate(["a text", ""], target=None, tokenizer=None), ValueError,
+     r"prompts\[1\] must be a non-empty str, got ''"),
+    ("SpecDecoder", lambda: dspark.SpecDecoder(None, None), TypeError,
+     r"target must be a dspark.models.TransformersCausalLM, got NoneType"),
+    ("BlockDrafter", lambda: dspark.BlockDrafter("draft"), TypeError, r"draft must be a dspark.models.DraftModel, got str"),
+    ("NgramDrafter", lambda: dspark.NgramDrafter(3, 2), ValueError, r"n_min must be <= n_max, got n_min=3 > n_max=2"),
+    ("CausalLMDrafter", lambda: dspark.CausalLMDrafter("model"), TypeError,
+     r"model must be a dspark.models.TransformersCausalLM or a transformers PreTrainedModel, got str"),
 ]
 
 # Result records, errors, enums and interfaces: nothing to call with bad input.
 NOT_CALLED_WITH_INPUT = {"AcceptResult", "BudgetDecision", "CostModel", "CostTableMismatchError", "DpTier", "FitReport",
                          "GraphBackend", "StepBuffers", "StepRecord", "TpDisagreementError", "VerifyInputs", "VerifyMode",
-                         "VerifyPlan", "StsData"}
+                         "VerifyPlan", "StsData", "Drafter", "Generation"}
 
 
 @pytest.mark.parametrize("name, call, error, message", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])

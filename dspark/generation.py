@@ -1,0 +1,77 @@
+"""`dspark.generate`: text in, text out, through a tokenizer; the shortest way to speculative decoding with your
+own transformers model. One call builds a `SpecDecoder` for the prompts, serves them all at once with one
+policy (fixed-k by default) and decodes the continuations; `SpecDecoder` itself serves token ids, queues on
+fewer slots, adaptive policies and step telemetry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from dspark.config import VerifyMode
+from dspark.engine.decode import SpecDecoder
+from dspark.engine.drafter import Drafter
+from dspark.engine.ngram import NgramDrafter
+from dspark.engine.policies import FixedK, Policy
+from dspark.engine.results import GenerateResult
+from dspark.models.draft import DraftModel
+from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.util.validate import check_int, check_type
+
+
+@dataclass
+class Generation:
+    """What `generate` produced for N prompts."""
+
+    texts: list[str]            # each prompt's continuation, decoded (special tokens skipped)
+    tokens: list[list[int]]     # each prompt's new token ids (a stop token included)
+    finish_reasons: list[str]   # per prompt: "length" (max_new_tokens reached) or "stop"
+    result: GenerateResult      # the engine's record: steps, commit lengths, phase times
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens over the run's charged seconds (prefill included)."""
+        return sum(map(len, self.tokens)) / self.result.seconds
+
+
+def generate(prompts: str | Sequence[str], *, target: Any, tokenizer: Any, drafter: Drafter | DraftModel | None = None,
+             k: int = 4, policy: Policy | None = None, max_new_tokens: int = 64, sampling: bool = False,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             stop_token_ids: Sequence[int] | None = None, mode: VerifyMode | str = VerifyMode.COMPACT,
+             device: str | torch.device = "cpu") -> Generation:
+    """Continue each prompt with speculative decoding, losslessly: greedy output equals the target's own greedy
+    decoding, sampled output follows the target's (warped) distribution.
+
+    prompts: one text or N texts (each non-empty, at least 3 tokens once tokenized). target: a transformers
+    causal LM of the Llama family (wrapped in `TransformersCausalLM`, which routes its attention through dspark)
+    or an already wrapped one; tokenizer: its tokenizer (encodes the prompts, decodes the outputs, and is
+    compared with a drafter's own). drafter: an `NgramDrafter` (the default: prompt lookup, no model), a
+    `CausalLMDrafter`, a `DraftModel` or any `Drafter`. k: drafts per step of the default fixed-k policy;
+    policy: any engine policy in its place. max_new_tokens: per prompt. sampling, temperature, top_k, top_p,
+    seed: as `SpecDecoder.generate` (greedy by default). stop_token_ids: the ids that end a request (default
+    the tokenizer's EOS). mode: the verify mode. device: where the models run.
+    Returns the Generation (texts, token ids, finish reasons, the engine's result).
+    """
+    texts = [prompts] if isinstance(prompts, str) else prompts
+    if isinstance(texts, (bytes, torch.Tensor)) or not isinstance(texts, Sequence) or not texts:
+        raise ValueError(f"prompts must be a non-empty text or a non-empty sequence of texts, got {prompts!r}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"prompts[{i}] must be a non-empty str, got {text!r}")
+    check_int("max_new_tokens", max_new_tokens, 1)
+    policy = FixedK(check_int("k", k, 0)) if policy is None else check_type("policy", policy, Policy)
+    lm = target if isinstance(target, TransformersCausalLM) else TransformersCausalLM(target)
+    ids = [list(x) for x in tokenizer(list(texts))["input_ids"]]
+    if stop_token_ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stop_token_ids = [] if eos is None else [eos]
+    per_request = max(map(len, ids)) + max_new_tokens + policy.num_drafts + 1 + policy.catch_up
+    decoder = SpecDecoder(lm, NgramDrafter() if drafter is None else drafter, device=device, tokenizer=tokenizer,
+                          cache_tokens=len(ids) * (per_request + 16), page_size=16)
+    result = decoder.generate(ids, max_new_tokens, policy, mode=mode, sampling=sampling, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=list(stop_token_ids))
+    new = [result.tokens[i, : int(n)].tolist() for i, n in enumerate(result.num_tokens)]
+    return Generation([tokenizer.decode(t, skip_special_tokens=True) for t in new], new, result.finish_reasons,
+                      result)
