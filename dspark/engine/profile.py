@@ -27,25 +27,26 @@ from dspark.cost import (
 )
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.lockstep import lockstep
-from dspark.engine.policies import FixedK, PolicyPlan
+from dspark.engine.policies import FixedK, Policy, PolicyPlan
 from dspark.engine.results import GenerateResult
 from dspark.engine.sweep import tier_rows
+from dspark.verify.accept import AcceptResult
 from dspark.verify.layout import round_up_to_tier
 
 log = logging.getLogger(__name__)
 
 
-class ForcedRows:
+class ForcedRows(Policy):
     """Profiling policy: draft gamma tokens, verify `rows` rows for `batch` requests spread evenly (the same
     rows per request once finished requests have left the batch)."""
 
-    prepass = False
     name = "forced-rows"
 
     def __init__(self, gamma: int, rows: int, batch: int):
         self.num_drafts, self.rows, self.batch = gamma, rows, batch
 
-    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor) -> PolicyPlan:
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
         b = confidence_logits.shape[0]
         extra = (self.rows - self.batch) * b // self.batch
         lens = 1 + extra // b + (torch.arange(b) < extra % b).to(torch.int32)
