@@ -149,8 +149,8 @@ def greedy_triton(draft: Tensor, target_logits: Tensor, verify_lens: Tensor, row
 
 def greedy(draft: Tensor, target_logits: Tensor, verify_lens: Tensor,
            row_start: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Greedy accept: Triton on accelerators, the torch reference on the CPU."""
-    if not dispatch.use_triton(target_logits):
+    """Greedy accept: Triton on accelerators, the torch reference elsewhere (CPU, torch.compile)."""
+    if not dispatch.use_kernel(target_logits):
         return greedy_ref(draft, target_logits, verify_lens, row_start)
     b = draft.shape[0]
     return greedy_triton(draft, target_logits, verify_lens, row_start,
@@ -283,8 +283,8 @@ def sampling_triton(draft: Tensor, draft_probs: Tensor, target_probs: Tensor, ve
 
 def sampling(draft: Tensor, draft_probs: Tensor, target_probs: Tensor, verify_lens: Tensor,
              row_start: Tensor | None, uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """Rejection-sampling accept: Triton on accelerators, the torch reference on the CPU."""
-    if not dispatch.use_triton(target_probs):
+    """Rejection-sampling accept: Triton on accelerators, the torch reference elsewhere (CPU, torch.compile)."""
+    if not dispatch.use_kernel(target_probs):
         return sampling_ref(draft, draft_probs, target_probs, verify_lens, row_start, uniforms)
     b = draft.shape[0]
     return sampling_triton(draft, draft_probs, target_probs, verify_lens, row_start, uniforms,

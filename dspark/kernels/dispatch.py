@@ -2,7 +2,8 @@
 
 CUDA and NPU tensors run Triton kernels (when triton is installed, `dspark.kernels._triton`), CPU tensors
 run the torch reference. `DSPARK_KERNEL_BACKEND` (`auto` | `triton` | `torch`) overrides this; tests set
-`triton` to run kernels on the CPU through `TRITON_INTERPRET=1`.
+`triton` to run kernels on the CPU through `TRITON_INTERPRET=1`. Inside `torch.compile` the public verify
+path takes its torch references (`use_kernel`, `use_host`), so a traced step has no numpy call or launcher.
 
 Every dspark kernel loops persistently over its work items
 (`for item in tl.range(tl.program_id(0), n, tl.num_programs(0))`), so one source serves both launch
@@ -68,9 +69,18 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 
 
 def use_host(*tensors: torch.Tensor) -> bool:
-    """True when a small-tensor numpy host path serves: CPU tensors under the `auto` backend (a chain of
-    torch ops on a few hundred elements costs microseconds per op; numpy, a fraction of that)."""
-    return backend() == "auto" and all(t.device.type == "cpu" for t in tensors)
+    """True when a small-tensor numpy host path serves: CPU tensors that need no autograd, under the `auto`
+    backend, outside `torch.compile` (a chain of torch ops on a few hundred elements costs microseconds per
+    op; numpy, a fraction of that; a traced function takes the torch path, numpy does not trace)."""
+    if torch.compiler.is_compiling():
+        return False
+    return backend() == "auto" and all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
+
+
+def use_kernel(*tensors: torch.Tensor) -> bool:
+    """`use_triton`, except inside `torch.compile`: a traced public function runs the torch reference (the
+    kernels' launchers read host integers)."""
+    return not torch.compiler.is_compiling() and use_triton(*tensors)
 
 
 @functools.lru_cache(maxsize=None)

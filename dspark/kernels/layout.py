@@ -55,8 +55,8 @@ def qo_indptr_triton(lens: Tensor, out: Tensor) -> Tensor:
 
 
 def qo_indptr(lens: Tensor) -> Tensor:
-    """`[0, cumsum(lens)]` int32: Triton on accelerators, the torch reference on the CPU."""
-    if not dispatch.use_triton(lens):
+    """`[0, cumsum(lens)]` int32: Triton on accelerators, the torch reference elsewhere (CPU, torch.compile)."""
+    if not dispatch.use_kernel(lens):
         return qo_indptr_ref(lens)
     return qo_indptr_triton(lens, torch.empty(lens.numel() + 1, dtype=torch.int32, device=lens.device))
 
@@ -117,8 +117,9 @@ def row_maps_triton(slot_lens: Tensor, row_slot: Tensor, row_within: Tensor) -> 
 
 
 def row_maps(slot_lens: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
-    """(row_slot, row_within) int32 [num_rows]: Triton on accelerators, the torch reference on the CPU."""
-    if not dispatch.use_triton(slot_lens):
+    """(row_slot, row_within) int32 [num_rows]: Triton on accelerators, the torch reference elsewhere (CPU,
+    torch.compile)."""
+    if not dispatch.use_kernel(slot_lens):
         return row_maps_ref(slot_lens, num_rows)
     empty = lambda: torch.empty(num_rows, dtype=torch.int32, device=slot_lens.device)  # noqa: E731
     return row_maps_triton(slot_lens, empty(), empty())
@@ -236,16 +237,16 @@ def scatter_triton(packed: Tensor, qo_indptr: Tensor, width: int, fill: float, o
 
 
 def pack(strided: Tensor, row_slot: Tensor, row_within: Tensor, num_real_rows: int, fill: float) -> Tensor:
-    """`[B, W, ...] -> [rows, ...]`: Triton on accelerators, the torch reference on the CPU."""
-    if not dispatch.use_triton(strided):
+    """`[B, W, ...] -> [rows, ...]`: Triton on accelerators, the torch reference elsewhere (CPU, torch.compile)."""
+    if not dispatch.use_kernel(strided):
         return pack_ref(strided, row_slot, row_within, num_real_rows, fill)
     out = torch.empty((row_slot.numel(), *strided.shape[2:]), dtype=strided.dtype, device=strided.device)
     return pack_triton(strided, row_slot, row_within, num_real_rows, fill, out)
 
 
 def scatter(packed: Tensor, qo_indptr: Tensor, width: int, num_real_rows: int, fill: float) -> Tensor:
-    """`[rows, ...] -> [B, W, ...]`: Triton on accelerators, the torch reference on the CPU."""
-    if not dispatch.use_triton(packed):
+    """`[rows, ...] -> [B, W, ...]`: Triton on accelerators, the torch reference elsewhere (CPU, torch.compile)."""
+    if not dispatch.use_kernel(packed):
         return scatter_ref(packed, qo_indptr, width, num_real_rows, fill)
     out = torch.empty((qo_indptr.numel() - 1, width, *packed.shape[1:]), dtype=packed.dtype,
                       device=packed.device)

@@ -51,8 +51,10 @@ def accept_greedy(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tens
     draft_tokens [B, gamma] int; target_logits strided [B, gamma + 1, V], or packed [rows, V] with the
     layout of the forward that produced them; verify_lens [B] int in [1, gamma + 1] (<= the layout's).
     check=False skips the data checks (lengths in range, draft ids in the vocabulary: one host read) for a
-    step whose lengths and drafts the engine made itself; shapes are still checked. Then no host read
-    happens and the whole call compiles with `fullgraph=True` (tests/test_compile_verify_path.py).
+    step whose lengths and drafts the engine made itself; shapes are still checked. Inside `torch.compile`
+    the data checks are skipped whatever `check` says, and the call runs the torch reference
+    (tests/test_compile_public.py).
+    Returns the AcceptResult (same fields eager and traced).
     """
     vl, row_start = _check_common(draft_tokens, target_logits, verify_lens, layout, "target_logits", check)
     correct, bonus = _k.greedy(draft_tokens, target_logits, vl, row_start)
@@ -78,7 +80,7 @@ def accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Ten
             f"draft_probs must be [B={b}, gamma={gamma}, V={target_probs.shape[-1]}], "
             f"got {tuple(draft_probs.shape)}"
         )
-    if check:
+    if check and not torch.compiler.is_compiling():
         verified = torch.arange(gamma + 1, device=vl.device)[None, :] < vl[:, None]
         _check_probs("target_probs", _row_stats(target_probs, row_start, gamma + 1), verified)
         _check_probs("draft_probs", _row_stats(draft_probs, None, gamma), verified[:, 1:])
@@ -143,7 +145,7 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
     if vocab < 1:
         raise ValueError(f"{name} has an empty vocabulary: shape {tuple(target.shape)}")
     check_type("check", data, bool)
-    if not data:
+    if not data or torch.compiler.is_compiling():  # the data checks read the device: not in a traced step
         return vl, row_start
     # every data check below in one host read; the first failing one is then named in order
     bad_len = (vl < 1) | (vl > w)
