@@ -3,6 +3,7 @@ baseline, the Calibration JSON (validation, atomic save), reliability plots and 
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,9 +13,11 @@ from dspark.calibration.fit import (
     fit_temperatures,
     split_by_request,
 )
+from dspark.calibration.metrics import Sample, metric_functions
 from dspark.calibration.plots import plot_reliability
 from dspark.calibration.recorder import POLICIES, StsData, StsRecorder
 from dspark.cli import main as cli_main
+from dspark.plan.survival import calibrated_survival
 
 
 def synthetic(n, temps, seed, device, *, policy="greedy", censor=True, margin_signal=False, rid_offset=0,
@@ -83,6 +86,26 @@ def test_ece_grid_collapse_on_tiny_data_is_reported(device):
     cal = fit_sts(d, method="ece", bootstrap=0, holdout_fraction=0.25)
     assert cal.metrics["fit"][0]["collapsed"]
     assert any("collapsed all" in w and "one ECE bin" in w for w in cal.warnings), cal.warnings
+
+
+@pytest.mark.parametrize("method", ["nll", "brier"])
+def test_the_fitter_scores_the_survival_the_planner_serves(method, device):
+    """The objective the fitter minimized, at its own temperatures, is the objective of `calibrated_survival`
+    with those temperatures (after the Calibration round trip), bit for bit: one formula, fitted and served."""
+    d = synthetic(3_000, [0.6, 1.7, 1.1], 7, device)
+    d.logits[::97, 1] = float("nan")
+    d.logits[::89, 0] = float("-inf")
+    fits = fit_temperatures(d.logits, d.labels, method=method)
+    fitted = [f.temperature for f in fits]
+    temps = Calibration(temperatures=fitted, gamma=3, policy="greedy", method=method).temperatures
+    assert temps == fitted  # float32-exact: served unchanged
+    served = calibrated_survival(d.logits, temps).cpu().numpy()
+    metric = metric_functions(15)[method]
+    for f in fits:
+        obs = torch.isfinite(d.labels[:, f.position]).numpy()
+        p, y = served[obs, f.position], d.labels[:, f.position].numpy()[obs]
+        assert metric(Sample.build(p, y, sort=False), np.ones(p.size)) == f.score
+        assert f.temperature not in (1.0, 0.05, 20.0)  # a fitted value, not a default or a bound
 
 
 def test_temperature_at_search_bound_is_flagged(device):

@@ -6,11 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dspark import SurvivalLagRing, calibrated_survival, monotone_survival
-from dspark.plan.survival import (
-    check_temperatures,
-    cumulative_survival,
-    survival_from_checked,
-)
+from dspark.plan.survival import check_temperatures, monotone_host, survival_from_checked
 
 
 def test_teaching_example_survival(device):
@@ -91,8 +87,8 @@ def test_fixed_order_float32_product_and_checked_path(b, g, seed, device):
         want[:, k] = want[:, k - 1] * c[:, k]
     assert torch.equal(s, want)
     assert torch.equal(survival_from_checked(z, temps), s)
-    # the device path (column loop; on the CPU it serves tensors that require grad) gives the same bits
-    assert torch.equal(cumulative_survival(c.clone().requires_grad_()).detach(), cumulative_survival(c))
+    # the torch path (on the CPU it serves tensors that require grad) gives the same bits
+    assert torch.equal(calibrated_survival(z.clone().requires_grad_(), temps).detach(), s)
 
 
 @pytest.mark.parametrize(
@@ -120,6 +116,24 @@ def test_monotone_survival_running_min_and_nan(device):
     out = monotone_survival(s)
     assert out.device == s.device
     assert out.tolist() == [[pytest.approx(0.9), pytest.approx(0.9), 0.5, 0.0, 0.0]]
+
+
+@pytest.mark.cpu_only(reason="the host (numpy) repair")
+@given(b=st.integers(0, 9), g=st.integers(1, 7), seed=st.integers(0, 2**31 - 1), nan=st.booleans(),
+       calibrated=st.booleans())
+def test_host_repair_equals_monotone_survival(b, g, seed, nan, calibrated):
+    """The host repair returns the array itself when nothing needs repair, else monotone_survival's bits."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(b, g, generator=gen) * 3
+    s = calibrated_survival(z) if calibrated else torch.rand(b, g, generator=gen)
+    if nan and b:
+        s[int(torch.randint(0, b, (1,), generator=gen)), int(torch.randint(0, g, (1,), generator=gen))] = math.nan
+    values = s.numpy()
+    got = monotone_host(values)
+    assert torch.equal(torch.from_numpy(got), monotone_survival(s))
+    already = not bool(s.isnan().any()) and (g == 1 or bool((s[:, 1:] <= s[:, :-1]).all()))
+    assert (got is values) == already
+    assert already or not (calibrated and not nan)  # calibrated survival needs no repair
 
 
 def test_lag_ring_generation_guard(device):

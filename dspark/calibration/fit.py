@@ -1,8 +1,9 @@
 """STS fitting: per-position temperatures for the survival, and the `Calibration` JSON that carries them.
 
 `fit_sts` fits `T_0, T_1, ...` left to right on the *cumulative* event (the accepted prefix reaches draft
-k), keeping the survival of the already fitted positions fixed, exactly as the runtime evaluates it
-(`c = sigmoid(z / T)`, `s = cumprod(c)`, `dspark.plan.survival.calibrated_survival`). The objective is the
+k), keeping the survival of the already fitted positions fixed, with the planner's own formula and
+rounding (`dspark.plan.survival.confidence_host` at float32 T, float32 products: the survival it scores
+is `calibrated_survival`'s, bit for bit). The objective is the
 design note's ECE grid search (`method="ece"`) or a proper score (`"nll"` default, `"brier"`) minimized by
 a log-spaced grid then golden-section search on log T inside `bounds`. Requests are split into train and
 held-out sets by request id; every metric in the report is measured on the held-out requests, before
@@ -31,7 +32,7 @@ from dspark.calibration.metrics import (
     occupied_bins,
 )
 from dspark.calibration.recorder import POLICIES, StsData
-from dspark.plan.survival import calibrated_survival, check_temperatures
+from dspark.plan.survival import calibrated_survival, check_temperatures, confidence_host
 from dspark.util.fileio import atomic_write_text
 from dspark.util.validate import check_int, check_path, check_real, check_tensor, check_type
 
@@ -114,13 +115,9 @@ class Calibration:
             raise ValueError(f"{path}: {e}") from None
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
-def _conditional(z: np.ndarray, t: float) -> np.ndarray:
-    x = z / t
-    return np.where(np.isfinite(x), _sigmoid(np.where(np.isfinite(x), x, 0.0)), 0.0)
+def _served(log_t: float) -> np.float32:
+    """The temperature exp(log T) as the planner serves it: rounded to float32 (`check_temperatures`)."""
+    return np.float32(math.exp(log_t))
 
 
 def _argmin_1d(f: Callable[[float], float], lo: float, hi: float, refine: bool) -> float:
@@ -149,11 +146,16 @@ def _argmin_1d(f: Callable[[float], float], lo: float, hi: float, refine: bool) 
 
 @dataclass(frozen=True)
 class PositionFit:
-    """One position's fit: temperature, rows used, bound flag, and the ECE-collapse diagnosis."""
+    """One position's fit: temperature, rows used, the objective there, bound flag, the ECE-collapse diagnosis.
+
+    `score` is the objective at `temperature` on the observed training rows, computed from the survival
+    the planner serves for these temperatures (`calibrated_survival`), bit for bit; NaN without rows.
+    """
 
     position: int
     temperature: float
     rows: int
+    score: float
     at_bound: bool
     occupied_bins_before: int
     occupied_bins_after: int
@@ -200,22 +202,24 @@ def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
     metric = metric_functions(num_bins)["ece_width" if method == "ece" else method]
 
     def score(p: np.ndarray, labels: np.ndarray) -> float:
-        return metric(Sample.build(p, labels, sort=False), np.ones(p.size))
+        return metric(Sample.build(p, labels, sort=False), np.ones(p.size)) if p.size else math.nan
 
-    prev = np.ones(z.shape[0])
+    # the served survival, position by position: float32 products of `confidence_host` at float32 T
+    prev = np.ones(z.shape[0], dtype=np.float32)
     fits = []
     for k in range(z.shape[1]):
         obs = np.isfinite(y[:, k])
         zk, yk, pk = z[obs, k], y[obs, k], prev[obs]
         if zk.size == 0:
-            t = 1.0
+            t = np.float32(1)
         else:
-            t = math.exp(_argmin_1d(lambda lt: score(pk * _conditional(zk, math.exp(lt)), yk),
-                                    math.log(lo), math.log(hi), refine=method != "ece"))
-        occ = [occupied_bins(pk * _conditional(zk, tt), num_bins) for tt in (1.0, t)]
+            t = _served(_argmin_1d(lambda lt: score(pk * confidence_host(zk, _served(lt)), yk),
+                                   math.log(lo), math.log(hi), refine=method != "ece"))
+        occ = [occupied_bins(pk * confidence_host(zk, tt), num_bins) for tt in (np.float32(1), t)]
         at_bound = zk.size > 0 and min(abs(math.log(t / lo)), abs(math.log(t / hi))) < BOUND_TOL
-        fits.append(PositionFit(k, t, int(zk.size), bool(at_bound), occ[0], occ[1]))
-        prev = prev * _conditional(z[:, k], t)
+        fits.append(PositionFit(k, float(t), int(zk.size), score(pk * confidence_host(zk, t), yk), bool(at_bound),
+                                occ[0], occ[1]))
+        prev = prev * confidence_host(z[:, k], t)
         if progress is not None:
             progress("fit", k + 1, z.shape[1])
     return fits
@@ -297,8 +301,8 @@ def evaluate(data: StsData, temperatures: list[float], *, num_bins: int = 15, bo
     s_before = calibrated_survival(z).double().numpy()
     s_after = calibrated_survival(z, t).double().numpy()
     zf = z.double().numpy()
-    c_before = _conditional(zf, 1.0)
-    c_after = _conditional(zf, np.asarray(temperatures, dtype=np.float64))
+    c_before = confidence_host(zf, None).astype(np.float64)
+    c_after = confidence_host(zf, t.numpy()).astype(np.float64)
     y = data.labels.double().numpy()
     margin = data.margin.double().numpy()
     margin_cum = np.minimum.accumulate(np.nan_to_num(margin, nan=np.inf), axis=1)

@@ -1,14 +1,15 @@
 """Calibrated survival from confidence logits, and the lag ring with its generation guard.
 
 `s[r, k] = prod_{i<=k} sigmoid(z[r, i] / T_i)` is P(the accepted prefix of request r reaches draft k).
-Every path evaluates it in one fixed order: the confidence `c = 1 / (1 + exp(-z / T))` in float64, rounded
-once to float32, then the left-to-right float32 product. Why float64: a float32 sigmoid is not correctly
-rounded and its implementations differ in the last bit (on the CPU torch runs the vectorised body and the
-scalar tail of a tensor through different code, so a request's bits depended on its batch size and
-position; CUDA's expf is a third). In float64 they differ by at most an ulp of float64, which the rounding
-to float32 hides, so a request's survival does not depend on its batch, and paths and ranks agree. The
-division cannot overflow either: a finite logit keeps its confidence (3e38 / 0.5 gives c = 1);
-non-finite logits give c = 0.
+One formula, two backends (numpy on the host, torch ops on devices and inside `torch.compile`), one
+fixed order: the confidence `c = 1 / (1 + exp(-z / T))` in float64, rounded once to float32, then the
+left-to-right float32 product; the STS fitter fits with the same host function (`confidence_host`).
+Why float64: a float32 sigmoid is not correctly rounded and its implementations differ in the last bit
+(on the CPU torch runs the vectorised body and the scalar tail of a tensor through different code, so a
+request's bits depended on its batch size and position; CUDA's expf is a third). In float64 they differ
+by at most an ulp of float64, which the rounding to float32 hides, so a request's survival does not
+depend on its batch, and paths and ranks agree. The division cannot overflow either: a finite logit
+keeps its confidence (3e38 / 0.5 gives c = 1); non-finite logits give c = 0.
 """
 from __future__ import annotations
 
@@ -34,7 +35,20 @@ def _check_matrix(name: str, x: object) -> Tensor:
 
 
 def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Tensor:
-    """Validate STS temperatures: length gamma, finite, > 0. Returns a float32 CPU tensor."""
+    """Validated STS temperatures.
+
+    Args:
+        temperatures: [gamma] tensor or sequence of reals, finite and > 0.
+        gamma: drafts per request.
+    Returns:
+        float32 [gamma] tensor: on the CPU; inside `torch.compile` on the tensor's device, with the values
+        not read (only the length is checked).
+    """
+    if torch.compiler.is_compiling():
+        t = torch.as_tensor(temperatures).reshape(-1)
+        if t.numel() != gamma:
+            raise ValueError(f"temperatures must have length gamma={gamma}, got {t.numel()}")
+        return t.to(torch.float32)
     if not isinstance(temperatures, Tensor):
         values = list(check_type("temperatures", temperatures, (list, tuple, np.ndarray)))
         for i, v in enumerate(values):
@@ -49,32 +63,15 @@ def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Te
     return t.to(torch.float32)
 
 
-def cumulative_survival(conditional: Tensor) -> Tensor:
-    """Left-to-right product of conditional probabilities along positions (fixed order, no scan).
-
-    On the CPU (no autograd, `auto` backend) numpy's `multiply.accumulate` runs the same sequential
-    products in the tensor's dtype (each correctly rounded, so the bits match the column loop) in one
-    call instead of 2 gamma torch ops; torch's own `cumprod` is no substitute (on the CPU it accumulates
-    float32 in float64, on GPUs it scans). Elsewhere `cumulative_survival_torch`."""
-    if not conditional.shape[1]:
-        return conditional.clone()
-    if dispatch.use_host(conditional) and not conditional.requires_grad:
-        return torch.from_numpy(np.multiply.accumulate(conditional.numpy(), axis=1))
-    return cumulative_survival_torch(conditional)
-
-
-def cumulative_survival_torch(conditional: Tensor) -> Tensor:
-    """The device-side product [B, gamma >= 1]: one column at a time, left to right (compiles with
-    `fullgraph=True`; tests/test_compile_verify_path.py)."""
-    cols = conditional.unbind(1)
-    out = [cols[0]]
-    for col in cols[1:]:
-        out.append(out[-1] * col)
-    return torch.stack(out, dim=1)
-
-
 def calibrated_survival(logits: Tensor, temperatures: Tensor | Sequence[float] | None = None) -> Tensor:
-    """Survival [B, gamma] float32 from confidence logits [B, gamma]; non-finite logits give c = 0."""
+    """Survival `s[r, k] = prod_{i<=k} sigmoid(z[r, i] / T_i)`; non-finite logits give c = 0.
+
+    Args:
+        logits: floating [B, gamma >= 1] confidence logits.
+        temperatures: STS temperatures [gamma] (`check_temperatures`), or None for T = 1.
+    Returns:
+        float32 [B, gamma] on the logits' device, non-increasing along positions.
+    """
     z = _check_matrix("logits", logits)
     gamma = z.shape[1]
     if gamma == 0:
@@ -84,31 +81,49 @@ def calibrated_survival(logits: Tensor, temperatures: Tensor | Sequence[float] |
 
 
 def survival_from_checked(logits: Tensor, temperatures: Tensor | None) -> Tensor:
-    """`calibrated_survival` (same float32 values, bit for bit) for per-step callers that validated once:
-    logits a floating [B, gamma >= 1] tensor, temperatures what `check_temperatures` returned (or None).
-    Skips re-validating the temperatures, a host read and a dozen small ops per step."""
-    return cumulative_survival(confidence(logits, temperatures))
+    """`calibrated_survival` without its checks, for callers that validated once (same bits).
+
+    Args:
+        logits: floating [B, gamma >= 1].
+        temperatures: float32 [gamma] as `check_temperatures` returns it, or None.
+    Returns:
+        float32 [B, gamma]: the numpy host path for CPU tensors (`dispatch.use_host`), torch ops elsewhere.
+    """
+    if dispatch.use_host(logits):
+        t = None if temperatures is None else temperatures.numpy()
+        return torch.from_numpy(survival_host(logits.to(torch.float64).numpy(), t))
+    return _cumulative_torch(_confidence_torch(logits, temperatures))
 
 
-def confidence(logits: Tensor, temperatures: Tensor | None) -> Tensor:
-    """c = 1 / (1 + exp(-z / T)) evaluated elementwise in float64, rounded to float32 [B, gamma]; 0 where
-    the logit is not finite. CPU tensors without autograd (`auto` backend) take one numpy pass (a few
-    calls instead of a chain of torch ops), others `confidence_torch`."""
-    if dispatch.use_host(logits) and not logits.requires_grad:
-        zn = logits.to(torch.float64).numpy()  # exact, and finite wherever the logit is
-        finite = np.isfinite(zn)
-        if temperatures is not None:
-            zn = zn / temperatures.numpy().astype(np.float64)
-        with np.errstate(over="ignore"):  # exp(-z) overflows to inf for z < -709: c = 0, as it should
-            c = (1.0 / (1.0 + np.exp(-np.where(finite, zn, 0.0)))).astype(np.float32)
-        c[~finite] = 0.0
-        return torch.from_numpy(c)
-    return confidence_torch(logits, temperatures)
+def confidence_host(logits: np.ndarray, temperatures: np.ndarray | np.float32 | None) -> np.ndarray:
+    """Conditional confidence `c = 1 / (1 + exp(-z / T))` in float64, rounded once to float32.
+
+    The formula the planner serves and the STS fitter fits (`dspark.calibration.fit`).
+    Args:
+        logits: float64 array of any shape.
+        temperatures: float32, broadcastable to the logits (or None for T = 1).
+    Returns:
+        float32 array of the logits' shape; 0 where the logit is not finite.
+    """
+    finite = np.isfinite(logits)
+    z = logits if temperatures is None else logits / np.asarray(temperatures).astype(np.float64)
+    with np.errstate(over="ignore"):  # exp(-z) overflows to inf for z < -709: c = 0, as it should
+        c = (1.0 / (1.0 + np.exp(-np.where(finite, z, 0.0)))).astype(np.float32)
+    return np.where(finite, c, np.float32(0))
 
 
-def confidence_torch(logits: Tensor, temperatures: Tensor | None) -> Tensor:
-    """The device-side `confidence`: the same formula in torch ops, no host read, no data-dependent
-    branch (compiles with `fullgraph=True, dynamic=True`; tests/test_compile_verify_path.py)."""
+def survival_host(logits: np.ndarray, temperatures: np.ndarray | None) -> np.ndarray:
+    """Host survival: `confidence_host`, then numpy's left-to-right float32 product along positions.
+
+    Args:
+        logits: float64 [B, gamma]; temperatures: float32 [gamma] or None.
+    Returns:
+        float32 [B, gamma].
+    """
+    return np.multiply.accumulate(confidence_host(logits, temperatures), axis=1)
+
+
+def _confidence_torch(logits: Tensor, temperatures: Tensor | None) -> Tensor:
     z = logits.to(torch.float64)
     finite = torch.isfinite(z)
     if temperatures is not None:
@@ -118,19 +133,42 @@ def confidence_torch(logits: Tensor, temperatures: Tensor | None) -> Tensor:
     return torch.where(finite, c, zero.to(torch.float32))
 
 
-def survival_torch(logits: Tensor, temperatures: Tensor | None) -> Tensor:
-    """Device-side survival [B, gamma >= 1] float32 from checked logits: `confidence_torch` then
-    `cumulative_survival_torch`. The entry point the verify path compiles."""
-    return cumulative_survival_torch(confidence_torch(logits, temperatures))
+def _cumulative_torch(conditional: Tensor) -> Tensor:
+    """One column at a time, left to right (torch's CPU cumprod accumulates float32 in float64; GPUs scan)."""
+    cols = conditional.unbind(1)
+    out = [cols[0]]
+    for col in cols[1:]:
+        out.append(out[-1] * col)
+    return torch.stack(out, dim=1)
 
 
 def monotone_survival(survival: Tensor) -> Tensor:
-    """Survival handed in directly, made usable: float32, NaN -> 0, running minimum along positions."""
+    """Survival handed in directly, made usable (DESIGN.md 4.3).
+
+    Args:
+        survival: floating [B, gamma].
+    Returns:
+        float32 [B, gamma]: NaN -> 0, then the running minimum along positions.
+    """
     s = _check_matrix("survival", survival).to(torch.float32)
     s = torch.nan_to_num(s, nan=0.0)
     if s.shape[1] == 0:
         return s
     return torch.cummin(s, dim=1).values
+
+
+def monotone_host(values: np.ndarray) -> np.ndarray:
+    """`monotone_survival` of a host float32 [B, gamma] array: the array itself when it is already
+    non-increasing along positions and NaN-free (one comparison pass), else the repaired copy."""
+    if values.size == 0:
+        return values
+    gamma = values.shape[1]
+    flat = values.reshape(-1)
+    ok = flat[1:] <= flat[:-1]  # False at any NaN and at any rise
+    ok[gamma - 1:: gamma] = True  # across a row boundary
+    if bool(ok.all()) if gamma > 1 else not np.isnan(flat).any():
+        return values
+    return monotone_survival(torch.from_numpy(values)).numpy()
 
 
 @dataclass(frozen=True)
