@@ -1,6 +1,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -182,6 +183,8 @@ def test_host_path_and_torch_reference_agree_with_the_global_order(case, device)
     want = global_order_lens(s, budget, cfg)
     assert topk.verify_lens_ref(s.to(device), *args).tolist() == want
     assert topk.verify_lens_host(s.numpy(), *args).tolist() == want
+    ranked = np.sort(s.numpy()[:, cfg.floor - 1: cfg.cap - 1], axis=None)  # the budget scan's sorted window
+    assert topk.verify_lens_host(s.numpy(), *args, ranked=ranked).tolist() == want
 
 
 def test_forced_torch_backend_uses_the_reference(torch_backend, device):

@@ -196,6 +196,11 @@ def test_bad_plan_inputs(device):
         planner.plan(torch.zeros(2, 4, device=device), *ids(2))
     with pytest.raises(ValueError, match="slots must lie in"):
         planner.plan(torch.zeros(2, GAMMA, device=device), torch.tensor([0, 9]), torch.zeros(2, dtype=torch.int64))
+    # slots / generations of another batch size are named (the ring used to blame the survival)
+    with pytest.raises(ValueError, match=r"slots must be \[B=2\] .* got shape \(3,\)"):
+        planner.plan(torch.zeros(2, GAMMA, device=device), *ids(3))
+    with pytest.raises(ValueError, match=r"generations must be \[B=2\] .* got shape \(1,\)"):
+        planner.plan(torch.zeros(2, GAMMA, device=device), ids(2)[0], torch.zeros(1, dtype=torch.int64))
 
 
 def test_plan_demo_writes_json_and_png(tmp_path, capsys, device):

@@ -6,10 +6,12 @@ candidate is valid when s >= eps (NaN never is). The best k = min(budget, #valid
 the global order (survival desc, position asc, request asc) are selected; verify_lens = F + selected
 per request.
 
-The reference and the host path encode that order in unique int64 keys (value bits, then the reversed
-position-major index) and take the k-th largest. The host path exists because at planner sizes a
-torch op costs microseconds of dispatch and the allocation is a dozen of them; numpy does the same
-integer work in a fraction of that (perf/planner_bench.py).
+The reference encodes that order in unique int64 keys (value bits, then the reversed position-major
+index) and takes the k-th largest. The host path takes the k-th largest value t (from the budget scan's
+sorted window, or one partition), every candidate >= t, and drops the ties at t past the k-th in
+position-major order (rare: a tie needs equal float32 survivals). It exists because at planner sizes a
+torch op costs microseconds of dispatch and the allocation is a dozen of them; numpy does the same work in
+a fraction of that (perf/planner_bench.py).
 
 Flattening the window position-major (index i = j * B + r) makes the tie order simply
 "smaller i first", so the kernel's selection is the set
@@ -25,8 +27,6 @@ atomics, no integer sort. Indices need n = B * C < 2**31.
 """
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -34,11 +34,6 @@ from torch import Tensor
 from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
 from dspark.kernels._triton import jit, tl, triton
-
-
-def _eps_key(eps: float) -> int:
-    """The smallest valid key: fp32 bits of eps, shifted above the 31 index bits (host side)."""
-    return struct.unpack("<i", struct.pack("<f", eps))[0] << 31
 
 
 def verify_lens_ref(survival: Tensor, budget: int | Tensor, floor: int, cap: int, eps: float) -> Tensor:
@@ -63,18 +58,34 @@ def verify_lens_ref(survival: Tensor, budget: int | Tensor, floor: int, cap: int
     return (key >= torch.maximum(kth, eps_key)).sum(1, dtype=torch.int32) + floor
 
 
-def verify_lens_host(survival: np.ndarray, budget: int, floor: int, cap: int, eps: float) -> Tensor:
-    """numpy path of `verify_lens_ref` for float32 survival already on the host (identical results). [B] int32."""
+def verify_lens_host(survival: np.ndarray, budget: int, floor: int, cap: int, eps: float,
+                     ranked: np.ndarray | None = None) -> Tensor:
+    """numpy path of `verify_lens_ref` (identical results) on the host.
+
+    Args:
+        survival: float32 [B, gamma], non-increasing along positions and NaN-free.
+        budget: int >= 0; floor, cap, eps: F, M_max and survival_eps.
+        ranked: the window's values sorted ascending (float32 [B * C]) when the caller has them (the
+            budget scan sorted them); else the k-th largest comes from one `np.partition`.
+    Returns:
+        [B] int32 CPU tensor.
+    """
     cand = survival[:, floor - 1: cap - 1]
-    b, c = cand.shape
-    k = min(budget, b * c)
+    n = cand.size
+    eps32 = np.float32(eps)
+    valid = np.count_nonzero(cand >= eps32) if ranked is None else n - int(ranked.searchsorted(eps32))
+    k = min(budget, valid)  # the valid candidates are exactly the `valid` largest values
     if k == 0:
-        return torch.full((b,), floor, dtype=torch.int32)
-    key = (cand + np.float32(0)).view(np.int32).astype(np.int64)
-    key <<= 31
-    key |= np.arange(b * c - 1, b * (c - 1) - 1, -1)[:, None] - np.arange(0, b * c, b)
-    kth = max(int(np.partition(key, b * c - k, axis=None)[b * c - k]), _eps_key(eps))
-    return torch.from_numpy((key >= kth).sum(1, dtype=np.int32) + np.int32(floor))
+        return torch.full((cand.shape[0],), floor, dtype=torch.int32)
+    kth = ranked[n - k] if ranked is not None else np.partition(cand, n - k, axis=None)[n - k]
+    ge = cand >= kth
+    lens = ge.astype(np.float32) @ np.ones(ge.shape[1], dtype=np.float32)  # row counts (exact): one BLAS call
+    excess = (int(lens.sum()) if ranked is None else n - int(ranked.searchsorted(kth))) - k
+    if excess:  # ties at the k-th value: drop the last `excess` in position-major order (i = j * B + r)
+        ties = (cand == kth).T  # [C, B]
+        dropped = (np.cumsum(ties[::-1, ::-1], axis=None) <= excess).reshape(ties.shape)[::-1, ::-1] & ties
+        lens = lens - np.count_nonzero(dropped, axis=0)
+    return torch.from_numpy((lens + floor).astype(np.int32))
 
 
 def candidate_keys(survival: Tensor, floor: int, cap: int, eps: float) -> Tensor:
@@ -162,8 +173,9 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
     return lens
 
 
-def verify_lens(survival: Tensor, budget: int, floor: int, cap: int, eps: float) -> Tensor:
-    """Dispatch for device survival: Triton on CUDA/NPU (or when forced), the torch reference otherwise."""
-    if dispatch.use_triton(survival):
+def verify_lens(survival: Tensor, budget: int | Tensor, floor: int, cap: int, eps: float) -> Tensor:
+    """Dispatch for device survival: Triton on CUDA/NPU (or when forced), the torch reference otherwise and
+    inside `torch.compile` (`dispatch.use_kernel`)."""
+    if dispatch.use_kernel(survival):
         return verify_lens_triton(survival, budget, floor, cap, eps)
     return verify_lens_ref(survival, budget, floor, cap, eps)

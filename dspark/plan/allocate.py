@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import Tensor
 
 from dspark.config import ScheduleConfig
 from dspark.kernels import topk
-from dspark.plan.budget import HostSurvival, candidate_window, check_config, plan_on_host
+from dspark.plan.budget import HostSurvival, _check_survival, check_config, plan_on_host_checked
+from dspark.plan.survival import monotone_survival
 
 
 def check_budget(budget: object) -> int:
@@ -29,16 +31,40 @@ def check_budget(budget: object) -> int:
     return value
 
 
-def allocate_verify_lens(survival: Tensor | HostSurvival, budget: int, cfg: ScheduleConfig) -> Tensor:
-    """[B] int32 verify lengths in [F, M_max]: F plus the request's share of the global top-`budget`.
+def allocate_verify_lens(survival: Tensor | HostSurvival, budget: int | Tensor, cfg: ScheduleConfig) -> Tensor:
+    """Verify lengths: F plus each request's share of the global top-`budget` candidates.
 
-    One entry point, two backends: a step planned on the host (`plan_on_host`: CPU tensors, or the
-    step's `HostSurvival`) runs the numpy radix select and returns a CPU tensor; otherwise the Triton
-    kernel runs on the survival's device. Both equal the torch reference (`dspark.kernels.topk`)."""
-    k = check_budget(budget)
+    Args:
+        survival: floating [B, gamma] (made non-increasing first, NaN -> 0), or the step's `HostSurvival`.
+        budget: int >= 0; inside `torch.compile` also a 0-d integer tensor (a traced `choose_budget`'s).
+        cfg: the schedule.
+    Returns:
+        [B] int32 in [F, M_max]: a CPU tensor when planned on the host (`plan_on_host`), else on the
+        survival's device.
+    """
     cfg = check_config(cfg)
-    host = survival if isinstance(survival, HostSurvival) else plan_on_host(survival, cfg)
-    if host is not None:
-        return topk.verify_lens_host(host.values, k, cfg.floor, cfg.cap, cfg.survival_eps)
-    s, _ = candidate_window(survival, cfg)
-    return topk.verify_lens(s.contiguous(), k, cfg.floor, cfg.cap, cfg.survival_eps)
+    _check_survival(survival, cfg)
+    if not (torch.compiler.is_compiling() and isinstance(budget, Tensor)):
+        budget = check_budget(budget)
+    if isinstance(survival, HostSurvival):
+        return allocate_checked(survival, budget, cfg)
+    host = plan_on_host_checked(survival, calibrated=False, small_batches=False)
+    return allocate_checked(monotone_survival(survival) if host is None else host, budget, cfg)
+
+
+def allocate_checked(survival: Tensor | HostSurvival, budget: int | Tensor, cfg: ScheduleConfig) -> Tensor:
+    """`allocate_verify_lens` without checks or repair.
+
+    Args:
+        survival: the step's `HostSurvival` (the numpy host path, its sorted window reused), or a
+            [B, gamma] non-increasing NaN-free tensor (calibrated or `monotone_survival`): the Triton
+            kernel on accelerators, the torch reference elsewhere and inside `torch.compile`.
+        budget: int >= 0 (or a 0-d tensor on the tensor path).
+        cfg: the schedule.
+    Returns:
+        [B] int32, as `allocate_verify_lens`.
+    """
+    if isinstance(survival, HostSurvival):
+        return topk.verify_lens_host(survival.values, budget, cfg.floor, cfg.cap, cfg.survival_eps,
+                                     ranked=survival.window(cfg)[0])
+    return topk.verify_lens(survival.contiguous(), budget, cfg.floor, cfg.cap, cfg.survival_eps)

@@ -10,6 +10,11 @@ survival (DESIGN.md 4.3). Then
 `choose_budget` takes the argmax of theta (ties to the smaller b). Callers hand it survival at least
 one step old (lagged) so that admitting a draft never depends on that draft's own value
 (non-anticipation, DESIGN.md 4.4); `greedy_budget` is the synchronous alternative.
+
+Two backends, one formula: the host decision (`host_decision`: numpy sort, torch's sequential cumsum) for
+eager calls, whatever the survival's device (the budget is an int), and the traced one
+(`traced_decision`: torch ops, static shapes) inside `torch.compile` and for the planner's device steps.
+The public functions check their inputs, then call these; the planner, validated once, calls them directly.
 """
 from __future__ import annotations
 
@@ -23,133 +28,101 @@ from torch import Tensor
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, check_cost_model
 from dspark.kernels import dispatch
-from dspark.plan.survival import _check_matrix, monotone_survival
+from dspark.plan.survival import _check_matrix, monotone_host, monotone_survival
 from dspark.util.validate import check_verify_lens
 from dspark.verify import boundary
 
+HOST_PLAN_MAX = 16384  # survival entries (B * gamma) up to which an accelerator's step may be planned on the host
+
 
 def check_config(cfg: object) -> ScheduleConfig:
+    """`cfg` when it is a ScheduleConfig; TypeError naming it otherwise."""
     if not isinstance(cfg, ScheduleConfig):
         raise TypeError(f"cfg must be a ScheduleConfig, got {type(cfg).__name__}: {cfg!r}")
     return cfg
 
 
-def _check_survival(survival: Tensor, cfg: ScheduleConfig) -> ScheduleConfig:
-    cfg = check_config(cfg)
-    _check_matrix("survival", survival)
-    if survival.shape[1] != cfg.gamma:
-        raise ValueError(f"survival must be [B, gamma={cfg.gamma}], got shape {tuple(survival.shape)}")
-    return cfg
-
-
-def candidate_window(survival: Tensor, cfg: ScheduleConfig) -> tuple[Tensor, Tensor]:
-    """(monotone survival [B, gamma], candidates [B, C]) for the window of DESIGN.md 4.2.
-
-    Survival is made non-increasing along positions first (NaN -> 0), so every request's valid
-    candidates form a prefix of its window.
-    """
-    cfg = _check_survival(survival, cfg)
-    s = monotone_survival(survival)
-    return s, s[:, cfg.floor - 1: cfg.cap - 1]
-
-
-HOST_PLAN_MAX = 16384  # survival entries (B * gamma) up to which an accelerator's step may be planned on the host
-
-
-@dataclass(frozen=True)
 class HostSurvival:
     """One step's survival on the host: float32 numpy [B, gamma], non-increasing along positions, NaN-free.
 
     The budget scan and the allocation both take it in place of the tensor, so a step planned on the host
-    pays one device-to-host copy; small numpy arrays then cost far less per call than a chain of torch
-    ops (perf/planner_bench.py)."""
+    pays one device-to-host copy and one sort of its candidate window (`window`, kept for the config last
+    asked): small numpy arrays cost far less per call than a chain of torch ops (perf/planner_bench.py).
+    """
 
-    values: np.ndarray
+    __slots__ = ("values", "_cfg", "_ranked", "_num_valid")
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+        self._cfg: ScheduleConfig | None = None
+
+    def window(self, cfg: ScheduleConfig) -> tuple[np.ndarray, int]:
+        """(the candidate window `values[:, F-1 : M_max-1]` sorted ascending, float32 [B * C]; #candidates,
+        the values >= survival_eps compared in float32, which are the largest ones)."""
+        if self._cfg is not cfg:
+            self._ranked = np.sort(self.values[:, cfg.floor - 1: cfg.cap - 1], axis=None)
+            self._num_valid = self._ranked.size - int(self._ranked.searchsorted(np.float32(cfg.survival_eps)))
+            self._cfg = cfg
+        return self._ranked, self._num_valid
 
 
-def host_survival(survival: Tensor, cfg: ScheduleConfig) -> np.ndarray:
-    """`monotone_survival` copied to the host: float32 numpy [B, gamma] (the budget is an int: its curves
-    are computed on the host whatever the device)."""
-    _check_survival(survival, cfg)
-    return boundary.to_host(monotone_survival(survival))
+def _check_survival(survival: Tensor | HostSurvival, cfg: ScheduleConfig) -> None:
+    shape = survival.values.shape if isinstance(survival, HostSurvival) else _check_matrix("survival", survival).shape
+    if len(shape) != 2 or shape[1] != cfg.gamma:
+        raise ValueError(f"survival must be [B, gamma={cfg.gamma}], got shape {tuple(shape)}")
 
 
 def plan_on_host(survival: Tensor, cfg: ScheduleConfig, *, calibrated: bool = False,
                  small_batches: bool = False) -> HostSurvival | None:
-    """Where a step is planned, decided once: the host copy when it is planned on the host, else None
-    (the allocation then runs on the survival's device).
+    """Where a step is planned, decided once: its `HostSurvival` when planned on the host, else None (the
+    allocation then runs on the survival's device).
 
-    CPU tensors are planned on the host. An accelerator's step is too when `small_batches` allows it
-    (the planner's lag-0 steps without TP/DP agreement: their budget reads the survival on the host
-    anyway) and B * gamma <= HOST_PLAN_MAX, so the allocation and layout cost a few numpy calls instead
-    of a chain of kernel launches. `calibrated`: the survival is `calibrated_survival`'s, already
-    non-increasing and NaN-free bit for bit, so no running minimum is taken."""
+    Args:
+        survival: floating [B, gamma].
+        cfg: the schedule.
+        calibrated: the survival is `calibrated_survival`'s (non-increasing and NaN-free): no repair check.
+        small_batches: an accelerator's step may be planned on the host when B * gamma <= HOST_PLAN_MAX (the
+            planner's lag-0 steps without TP/DP agreement: their budget reads the survival anyway).
+    Returns:
+        The host survival for CPU tensors (`dispatch.use_host`) and allowed small batches; None otherwise,
+        and always inside `torch.compile`.
+    """
     _check_survival(survival, cfg)
-    on_host = dispatch.use_host(survival) or (small_batches and dispatch.backend() == "auto"
-                                              and survival.numel() <= HOST_PLAN_MAX)
-    if not on_host:
-        return None
-    return HostSurvival(boundary.to_host(survival) if calibrated else host_survival(survival, cfg))
+    return plan_on_host_checked(survival, calibrated, small_batches)
 
 
-def _host_values(survival: Tensor | HostSurvival, cfg: ScheduleConfig) -> np.ndarray:
-    if isinstance(survival, HostSurvival):
-        if survival.values.ndim != 2 or survival.values.shape[1] != cfg.gamma:
-            raise ValueError(f"survival must be [B, gamma={cfg.gamma}], got shape {survival.values.shape}")
-        return survival.values
-    return host_survival(survival, cfg)
+def plan_on_host_checked(survival: Tensor, calibrated: bool, small_batches: bool) -> HostSurvival | None:
+    """`plan_on_host` without its checks (survival a floating [B, gamma] tensor of the planner's config)."""
+    if dispatch.use_host(survival) or (small_batches and dispatch.use_host() and survival.numel() <= HOST_PLAN_MAX):
+        return host_survival(survival, calibrated)
+    return None
 
 
-@dataclass(frozen=True)
-class _Curves:
-    """Host (numpy) float64 curves over b = 0..#candidates."""
-
-    base: int  # B * F: rows at b = 0
-    tau: np.ndarray
-    seconds: np.ndarray | None = None
-    theta: np.ndarray | None = None
-
-
-def _host_curves(survival: Tensor, cost_model: CostModel | None, cfg: ScheduleConfig) -> _Curves:
-    """Curves from `host_survival`: a values-only numpy sort (about ten times faster than torch.sort at
-    planner sizes on the CPU) and sequential float64 prefix sums."""
-    return _curves(host_survival(survival, cfg), cost_model, cfg)
-
-
-def _curves(host: np.ndarray, cost_model: CostModel | None, cfg: ScheduleConfig) -> _Curves:
-    cand = host[:, cfg.floor - 1: cfg.cap - 1]
-    valid = cand >= cfg.survival_eps
-    n = int(np.count_nonzero(valid))
-    best = np.sort(np.where(valid, cand, np.float32(0)), axis=None).astype(np.float64)[: -n - 1: -1]
-    floor = host.shape[0] + (host[:, : cfg.floor - 1].sum(dtype=np.float64) if cfg.floor > 1 else 0.0)
-    tau = np.empty(n + 1)
-    tau[0] = 0.0
-    np.cumsum(best, out=tau[1:])
-    tau += floor
-    base = host.shape[0] * cfg.floor
-    if cost_model is None:
-        return _Curves(base, tau)
-    seconds = cost_model.seconds_curve(host.shape[0], base, n + 1)
-    return _Curves(base, tau, seconds, tau / seconds)
-
-
-def tau_curve(survival: Tensor, cfg: ScheduleConfig) -> Tensor:
-    """tau(b) for b = 0..#candidates: float64 [#candidates + 1] on the host (one vectorized pass)."""
-    return torch.from_numpy(_host_curves(survival, None, cfg).tau)
+def host_survival(survival: Tensor, calibrated: bool = False) -> HostSurvival:
+    """The survival on the host (a view of a float32 CPU tensor, else one `boundary.to_host` copy),
+    repaired as `monotone_survival` unless `calibrated` or already non-increasing and NaN-free."""
+    if survival.dtype == torch.float32 and survival.device.type == "cpu" and not survival.requires_grad:
+        values = survival.numpy()  # a view: no copy, no device read
+    else:
+        values = boundary.to_host(survival.to(torch.float32))
+    return HostSurvival(values if calibrated else monotone_host(values))
 
 
 @dataclass(frozen=True)
 class BudgetDecision:
     """The chosen budget, its verify rows and predicted tau, step seconds and theta; whole curves for plots.
 
-    The curves are float64 host tensors indexed by b = 0..#candidates.
+    Eager calls: `budget` / `rows` ints, `tau` / `step_seconds` / `theta` floats, the curves float64 host
+    tensors indexed by b = 0..#candidates. Inside `torch.compile` (`traced_decision`): 0-d tensors (int64
+    budget and rows, float64 values) on the survival's device, and curves of the static length B * C + 1
+    (C = M_max - F candidate columns): tau repeats tau(#candidates) and theta is -inf past #candidates.
     """
 
-    budget: int
-    tau: float
-    step_seconds: float
-    theta: float
-    rows: int                   # B * F + budget
+    budget: int | Tensor
+    tau: float | Tensor
+    step_seconds: float | Tensor
+    theta: float | Tensor
+    rows: int | Tensor                   # B * F + budget
     tau_curve: Tensor
     step_seconds_curve: Tensor
     theta_curve: Tensor
@@ -157,23 +130,121 @@ class BudgetDecision:
     @property
     def rows_curve(self) -> Tensor:
         """Verify rows B * F + b for each budget b of the curves."""
-        return self.rows - self.budget + torch.arange(self.tau_curve.numel(), dtype=torch.int64)
+        return self.rows - self.budget + torch.arange(self.tau_curve.numel(), dtype=torch.int64,
+                                                      device=self.tau_curve.device)
 
 
-def _decide(c: _Curves, budget: int) -> BudgetDecision:
-    return BudgetDecision(budget, float(c.tau[budget]), float(c.seconds[budget]), float(c.theta[budget]),
-                          c.base + budget, torch.from_numpy(c.tau), torch.from_numpy(c.seconds),
-                          torch.from_numpy(c.theta))
+class _Curves(NamedTuple):
+    """Host float64 curves over b = 0..#candidates."""
+
+    base: int  # B * F: rows at b = 0
+    tau: np.ndarray
+    seconds: np.ndarray | None
+    theta: np.ndarray | None
+
+
+def _host_curves(host: HostSurvival, cost_model: CostModel | None, cfg: ScheduleConfig,
+                 seconds: np.ndarray | None) -> _Curves:
+    """tau from the sorted window (sequential float64 prefix sums, best first), and with a cost model
+    T(B, B * F + b) (`seconds`, when the caller cached the whole window, else `seconds_curve`) and theta."""
+    values, f = host.values, cfg.floor
+    (asc, n), b = host.window(cfg), values.shape[0]  # the valid: the n largest
+    floor = b + (values[:, : f - 1].sum(dtype=np.float64) if f > 1 else 0.0)
+    tau = np.empty(n + 1)
+    tau[0] = 0.0
+    best = torch.from_numpy(asc[asc.size - n:][::-1].astype(np.float64))
+    torch.cumsum(best, 0, out=torch.from_numpy(tau[1:]))  # sequential, like the traced path's
+    tau += floor
+    if cost_model is None:
+        return _Curves(b * f, tau, None, None)
+    seconds = cost_model.seconds_curve(b, b * f, n + 1) if seconds is None else seconds[: n + 1]
+    return _Curves(b * f, tau, seconds, tau / seconds)
+
+
+def _greedy_stop(c: _Curves) -> int:
+    """`greedy_budget`'s scan over runs of equal predicted seconds (see its docstring)."""
+    ends = np.flatnonzero(np.append(c.seconds[1:] != c.seconds[:-1], True))  # last budget of each run
+    stops = np.flatnonzero(c.theta[ends[1:]] <= c.theta[ends[:-1]])
+    return int(ends[stops[0]] if stops.size else ends[-1])
+
+
+def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig, *, greedy: bool = False,
+                  seconds: np.ndarray | None = None) -> BudgetDecision:
+    """`choose_budget` (or with `greedy`, `greedy_budget`) on the host, without checks.
+
+    Args:
+        host: the step's survival on the host.
+        cost_model: a model that fits the config (`check_cost_model`).
+        cfg: the schedule.
+        greedy: the synchronous early-stop scan instead of the argmax.
+        seconds: float64 [>= #candidates + 1] T(B, B * F + b) when the caller caches it per B
+            (`seconds_over_window`); None reads `cost_model.seconds_curve`.
+    Returns:
+        The eager BudgetDecision (ints, floats, host curves).
+    """
+    c = _host_curves(host, cost_model, cfg, seconds)
+    k = _greedy_stop(c) if greedy else int(c.theta.argmax())
+    return BudgetDecision(k, float(c.tau[k]), float(c.seconds[k]), float(c.theta[k]), c.base + k,
+                          torch.from_numpy(c.tau), torch.from_numpy(c.seconds), torch.from_numpy(c.theta))
+
+
+def traced_decision(survival: Tensor, seconds: Tensor, cfg: ScheduleConfig, *, greedy: bool = False) -> BudgetDecision:
+    """The budget with torch ops only (static shapes, no host read): the `torch.compile` path.
+
+    Args:
+        survival: [B, gamma] non-increasing, NaN-free (`monotone_survival` / calibrated).
+        seconds: float64 [B * C + 1] T(B, B * F + b) on the survival's device.
+        cfg: the schedule; greedy: the early-stop scan instead of the argmax.
+    Returns:
+        A BudgetDecision of 0-d tensors and static-length curves (see BudgetDecision).
+    """
+    curves = theta_curves_torch(survival, seconds, cfg.floor, cfg.cap, cfg.survival_eps)
+    k = curves.greedy if greedy else curves.budget
+    at = k.reshape(1)  # a tensor index: no host read
+    tau, step_seconds, theta = (x.index_select(0, at).squeeze(0) for x in (curves.tau, seconds, curves.theta))
+    return BudgetDecision(k, tau, step_seconds, theta, survival.shape[0] * cfg.floor + k, curves.tau, seconds,
+                          curves.theta)
+
+
+def seconds_torch(cost_model: CostModel, num_requests: int, cfg: ScheduleConfig, device: torch.device) -> Tensor:
+    """float64 [B * C + 1] T(B, B * F + b) from `cost_model.step_seconds` on `device` (traceable for models
+    whose `step_seconds` is)."""
+    count = num_requests * cfg.num_candidate_columns + 1
+    rows = num_requests * cfg.floor + torch.arange(count, dtype=torch.float64, device=device)
+    return cost_model.step_seconds(num_requests, rows)
+
+
+def seconds_over_window(cost_model: CostModel, num_requests: int, cfg: ScheduleConfig) -> Tensor:
+    """float64 host [B * C + 1]: T(B, B * F + b) for every budget b a batch of B can take (C candidates
+    per request); depends on B only, so a caller caches it (on its device)."""
+    count = num_requests * cfg.num_candidate_columns + 1
+    return torch.from_numpy(cost_model.seconds_curve(num_requests, num_requests * cfg.floor, count))
+
+
+def _decide(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig,
+            greedy: bool) -> BudgetDecision:
+    cfg = check_config(cfg)
+    check_cost_model(cost_model, width=cfg.width)
+    _check_survival(survival, cfg)
+    if isinstance(survival, HostSurvival):
+        return host_decision(survival, cost_model, cfg, greedy=greedy)
+    if torch.compiler.is_compiling():
+        s = monotone_survival(survival)
+        return traced_decision(s, seconds_torch(cost_model, s.shape[0], cfg, s.device), cfg, greedy=greedy)
+    return host_decision(host_survival(survival), cost_model, cfg, greedy=greedy)
 
 
 def choose_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
     """argmax_b theta(b) over b in [0, #candidates], ties to the smaller b (hand in lagged survival).
 
-    The cost model must have been profiled at the config's W (`check_cost_model`). `survival` may be a
-    `HostSurvival` already on the host (the sync-free planner's lagged ring row)."""
-    cfg = check_config(cfg)
-    c = _curves(_host_values(survival, cfg), check_cost_model(cost_model, width=cfg.width), cfg)
-    return _decide(c, int(np.argmax(c.theta)))
+    Args:
+        survival: floating [B, gamma] (made non-increasing first, NaN -> 0), or the step's `HostSurvival`.
+        cost_model: profiled at the config's W (`check_cost_model`).
+        cfg: the schedule.
+    Returns:
+        BudgetDecision; inside `torch.compile` its traced form (tensors, see BudgetDecision).
+    """
+    return _decide(survival, cost_model, cfg, greedy=False)
 
 
 def greedy_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
@@ -187,13 +258,27 @@ def greedy_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: S
     cost every run is one candidate. Caveat: the stop test reads the next run's own survivals, so this is
     non-anticipating only to the extent the survival of a draft is fixed before its token is known;
     it may also stop at a local maximum below the free argmax. Use lag >= 1 for the strict guarantee.
-    `survival` may be the step's `HostSurvival` (`plan_on_host`).
+
+    Args and returns as `choose_budget`.
+    """
+    return _decide(survival, cost_model, cfg, greedy=True)
+
+
+def tau_curve(survival: Tensor, cfg: ScheduleConfig) -> Tensor:
+    """tau(b) for every budget.
+
+    Args:
+        survival: floating [B, gamma] (made non-increasing first, NaN -> 0).
+        cfg: the schedule.
+    Returns:
+        float64 [#candidates + 1] on the host; inside `torch.compile` [B * C + 1] on the survival's device,
+        repeating tau(#candidates) past #candidates.
     """
     cfg = check_config(cfg)
-    c = _curves(_host_values(survival, cfg), check_cost_model(cost_model, width=cfg.width), cfg)
-    ends = np.flatnonzero(np.append(c.seconds[1:] != c.seconds[:-1], True))  # last budget of each run
-    stops = np.flatnonzero(c.theta[ends[1:]] <= c.theta[ends[:-1]])
-    return _decide(c, int(ends[stops[0]] if stops.size else ends[-1]))
+    _check_survival(survival, cfg)
+    if torch.compiler.is_compiling():
+        return _tau_torch(monotone_survival(survival), cfg.floor, cfg.cap, cfg.survival_eps)[0]
+    return torch.from_numpy(_host_curves(host_survival(survival), None, cfg, None).tau)
 
 
 class DeviceCurves(NamedTuple):
@@ -209,20 +294,28 @@ class DeviceCurves(NamedTuple):
 def theta_curves_torch(survival: Tensor, seconds: Tensor, floor: int, cap: int, eps: float) -> DeviceCurves:
     """The device-side budget: tau, theta and their argmax over every budget b = 0..B * C at once.
 
-    survival: monotone [B, gamma] (`monotone_survival` / calibrated); seconds: float64 [B * C + 1] =
-    T(B, B * F + b) on the same device (`seconds_over_window`). Same formulas as the host curves of
-    `choose_budget` (sums in another order: equal to rounding). Budgets past #candidates get theta = -inf,
-    so the static length B * C + 1 replaces the data-dependent one: no host read, no data-dependent
-    branch (compiles with `fullgraph=True, dynamic=True`; tests/test_compile_verify_path.py)."""
+    Args:
+        survival: monotone [B, gamma] (`monotone_survival` / calibrated).
+        seconds: float64 [B * C + 1] = T(B, B * F + b) on the same device.
+        floor, cap, eps: F, M_max, survival_eps.
+    Returns:
+        DeviceCurves. Budgets past #candidates get theta = -inf, so the static length B * C + 1 replaces the
+        data-dependent one: no host read, no data-dependent branch.
+    """
+    tau, num_valid = _tau_torch(survival, floor, cap, eps)
+    b = torch.arange(tau.numel(), device=tau.device)
+    theta = torch.where(b <= num_valid, tau / seconds, float("-inf"))
+    return DeviceCurves(torch.argmax(theta), _greedy_over_runs(theta, seconds, num_valid), num_valid, tau, theta)
+
+
+def _tau_torch(survival: Tensor, floor: int, cap: int, eps: float) -> tuple[Tensor, Tensor]:
+    """(tau [B * C + 1] float64, #candidates 0-d int64): the best candidates first, invalid ones as zeros
+    sorted last, so tau past #candidates repeats tau(#candidates)."""
     cand = survival[:, floor - 1: cap - 1]
     valid = cand >= eps
     best = torch.sort(torch.where(valid, cand, 0.0).reshape(-1).to(torch.float64), descending=True).values
     base = survival.shape[0] + survival[:, : floor - 1].to(torch.float64).sum()
-    tau = base + torch.cat([best.new_zeros(1), torch.cumsum(best, 0)])
-    num_valid = valid.sum().to(torch.int64)
-    b = torch.arange(tau.numel(), device=tau.device)
-    theta = torch.where(b <= num_valid, tau / seconds, float("-inf"))
-    return DeviceCurves(torch.argmax(theta), _greedy_over_runs(theta, seconds, num_valid), num_valid, tau, theta)
+    return base + torch.cat([best.new_zeros(1), torch.cumsum(best, 0)]), valid.sum().to(torch.int64)
 
 
 def _greedy_over_runs(theta: Tensor, seconds: Tensor, num_valid: Tensor) -> Tensor:
@@ -240,30 +333,41 @@ def _greedy_over_runs(theta: Tensor, seconds: Tensor, num_valid: Tensor) -> Tens
     return run_end.index_select(0, torch.argmax(stops.to(torch.int8)).reshape(1)).squeeze(0)  # no host read
 
 
-def seconds_over_window(cost_model: CostModel, num_requests: int, cfg: ScheduleConfig) -> Tensor:
-    """float64 host [B * C + 1]: T(B, B * F + b) for every budget b a batch of B can take (C candidates
-    per request); depends on B only, so a caller caches it on its device."""
-    count = num_requests * (cfg.cap - cfg.floor) + 1
-    return torch.from_numpy(cost_model.seconds_curve(num_requests, num_requests * cfg.floor, count))
-
-
 def expected_commit_torch(survival: Tensor, verify_lens: Tensor) -> Tensor:
-    """0-d float64 tau of an allocation on the device: sum_r (1 + sum_{j < verify_lens[r] - 1} s[r, j]) for
-    monotone survival [B, gamma] and int verify_lens [B] (compiles with `fullgraph=True`)."""
+    """tau of an allocation, without checks: sum_r (1 + sum_{j < verify_lens[r] - 1} s[r, j]).
+
+    Args:
+        survival: [B, gamma] non-increasing, NaN-free (`monotone_survival` / calibrated).
+        verify_lens: [B] integer in [1, W].
+    Returns:
+        0-d float64 tensor on the survival's device (no host read).
+    """
     cols = torch.arange(survival.shape[1], device=survival.device)
     verified = cols.unsqueeze(0) < (verify_lens.to(survival.device, torch.int64) - 1).unsqueeze(1)
     return survival.shape[0] + torch.where(verified, survival, torch.zeros_like(survival)).to(torch.float64).sum()
 
 
-def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) -> float:
-    """tau of a given allocation: sum_r (1 + sum_{j < verify_lens[r] - 1} s[r, j]) (E[sum commit_lens])."""
-    s, _ = candidate_window(survival, cfg)
+def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) -> float | Tensor:
+    """tau of a given allocation: sum_r (1 + sum_{j < verify_lens[r] - 1} s[r, j]) (E[sum commit_lens]).
+
+    Args:
+        survival: floating [B, gamma] (made non-increasing first, NaN -> 0).
+        verify_lens: integer [B] in [1, W].
+        cfg: the schedule.
+    Returns:
+        A float; inside `torch.compile` a 0-d float64 tensor on the survival's device.
+    """
+    cfg = check_config(cfg)
+    _check_survival(survival, cfg)
     if not isinstance(verify_lens, Tensor):
         raise TypeError(f"verify_lens must be a tensor, got {type(verify_lens).__name__}")
     if verify_lens.dtype.is_floating_point or verify_lens.dtype == torch.bool:
         raise TypeError(f"verify_lens must be an integer tensor, got dtype {verify_lens.dtype}")
-    if tuple(verify_lens.shape) != (s.shape[0],):
-        raise ValueError(f"verify_lens must be [B={s.shape[0]}], got shape {tuple(verify_lens.shape)}")
+    if tuple(verify_lens.shape) != (survival.shape[0],):
+        raise ValueError(f"verify_lens must be [B={survival.shape[0]}], got shape {tuple(verify_lens.shape)}")
+    s = monotone_survival(survival)
+    if torch.compiler.is_compiling():  # the range check reads the lengths: skipped in a traced step
+        return expected_commit_torch(s, verify_lens)
     vl = verify_lens.to(s.device, torch.int64)
     check_verify_lens(vl, cfg.width)
     return float(expected_commit_torch(s, vl))

@@ -28,20 +28,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, check_cost_model
 from dspark.parallel import DpTier, ParallelAgreement, ParallelConfig
-from dspark.plan.allocate import allocate_verify_lens
+from dspark.plan.allocate import allocate_checked
 from dspark.plan.budget import (
     BudgetDecision,
     HostSurvival,
     check_config,
-    choose_budget,
-    greedy_budget,
-    plan_on_host,
+    host_decision,
+    host_survival,
+    plan_on_host_checked,
     seconds_over_window,
     theta_curves_torch,
 )
@@ -51,7 +52,7 @@ from dspark.plan.survival import (
     check_temperatures,
     survival_from_checked,
 )
-from dspark.util.validate import check_int, check_type
+from dspark.util.validate import check_int, check_tensor, check_type
 from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
@@ -117,6 +118,7 @@ class VerifyPlanner:
         self.sync_free = sync_free
         self._next_row = self.ring.next_row_to_host() if sync_free else None
         self._seconds: dict[tuple[int, torch.device], Tensor] = {}  # T(B, B*F + b) per (B, device)
+        self._host_seconds_by_b: dict[int, np.ndarray] = {}  # the same on the host, per B
         if parallel is not None and not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
         self.parallel = None if parallel is None else ParallelAgreement(
@@ -125,44 +127,70 @@ class VerifyPlanner:
         )
 
     def plan(self, logits: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
-        """Plan one verify step for a batch of confidence logits [B, gamma].
+        """Plan one verify step.
 
-        slots / generations ([B] integer tensors, best kept on the CPU) key the lag ring; with lag = 0
-        there is no ring and they are not read.
+        Args:
+            logits: floating confidence logits [B, gamma].
+            slots / generations: [B] integer tensors (best kept on the CPU) keying the lag ring; with
+                lag = 0 there is no ring and they are not read.
+        Returns:
+            The step's VerifyPlan. The step's inputs are checked here once; the configuration, cost model
+            and tiers were checked at construction, and the stages below run unchecked.
         """
-        if _check_matrix("logits", logits).shape[1] != self.cfg.gamma:
-            raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")
-        if logits.device.type != self._platform_checked:  # the run's platform: where its logits live
-            check_cost_model(self.cost_model, platform=logits.device.type)
-            self._platform_checked = logits.device.type
+        b = self._check_step(logits, slots, generations)
         survival = survival_from_checked(logits, self.temperatures)
         if self.sync_free:
             return self._plan_sync_free(survival, slots, generations)
-        host = plan_on_host(survival, self.cfg, calibrated=True,
-                            small_batches=self.ring is None and self.parallel is None)
+        cfg = self.cfg
+        small = self.ring is None and self.parallel is None
+        host = plan_on_host_checked(survival, calibrated=True, small_batches=small)
         lagged = None if self.ring is None else self.ring.exchange(slots, generations, survival).to(survival.device)
-        b = survival.shape[0]
         if host is None:
             decision, live_valid = self._device_decision(survival, lagged)
         else:
-            live_valid = None
-            decision = (greedy_budget(host, self.cost_model, self.cfg) if lagged is None
-                        else choose_budget(lagged, self.cost_model, self.cfg))
-        offered = tier_fill_budget(decision.budget, b, self.cfg.floor, self.tiers) if self.tiers else decision.budget
-        verify_lens = allocate_verify_lens(survival if host is None else host, offered, self.cfg)
+            # the ring holds calibrated rows (or ones): no repair
+            budget_from = host if lagged is None else host_survival(lagged, calibrated=True)
+            decision = host_decision(budget_from, self.cost_model, cfg, greedy=lagged is None,
+                                     seconds=self._host_seconds(b))
+            live_valid = host.window(cfg)[1]
+        offered = tier_fill_budget(decision.budget, b, cfg.floor, self.tiers) if self.tiers else decision.budget
+        verify_lens = allocate_checked(survival if host is None else host, offered, cfg)
         dp = None
         if self.parallel is not None:
             verify_lens = self.parallel.verify_lens(verify_lens)
         if self.parallel is not None and self.parallel.dp is not None:
             layout, dp = self.parallel.dp.step(verify_lens)
         else:
-            total = None if live_valid is None or self.parallel is not None else b * self.cfg.floor + min(offered, live_valid)
-            layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, self.graph_slots,
-                                                         width=self.cfg.width, total_rows=total)
+            total = None if self.parallel is not None else b * cfg.floor + min(offered, live_valid)
+            layout = RaggedVerifyLayout.from_checked(verify_lens, self.tiers, self.graph_slots, cfg.width,
+                                                     total_rows=total)
             if layout.verify_lens.device != survival.device:  # planned on the host for an accelerator
                 layout = layout.to(survival.device)
                 verify_lens = layout.verify_lens
-        return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * self.cfg.floor, offered, dp)
+        return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * cfg.floor, offered, dp)
+
+    def _check_step(self, logits: Tensor, slots: Tensor, generations: Tensor) -> int:
+        """The step's inputs: logits [B, gamma] of the config's gamma, and with a ring slots / generations [B]
+        (their values are checked by the ring); the cost model's platform once per device type. Returns B."""
+        if _check_matrix("logits", logits).shape[1] != self.cfg.gamma:
+            raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")
+        b = logits.shape[0]
+        if self.ring is not None:
+            for name, v in (("slots", slots), ("generations", generations)):
+                if check_tensor(name, v).shape != (b,):
+                    raise ValueError(f"{name} must be [B={b}] (one per request of logits {tuple(logits.shape)}), "
+                                     f"got shape {tuple(v.shape)}")
+        if logits.device.type != self._platform_checked:  # the run's platform: where its logits live
+            check_cost_model(self.cost_model, platform=logits.device.type)
+            self._platform_checked = logits.device.type
+        return b
+
+    def _host_seconds(self, b: int) -> np.ndarray:
+        """T(B, B*F + b) over every budget of a batch of B on the host, computed once per B."""
+        seconds = self._host_seconds_by_b.get(b)
+        if seconds is None:
+            seconds = self._host_seconds_by_b[b] = seconds_over_window(self.cost_model, b, self.cfg).numpy()
+        return seconds
 
     def _device_decision(self, live: Tensor, lagged: Tensor | None) -> tuple[BudgetDecision, int]:
         """The budget chosen on the device (argmax over lagged survival, or the greedy scan over live survival
@@ -191,16 +219,12 @@ class VerifyPlanner:
         lagged = self._next_row.read(slots, generations)
         self.ring.write(slots, generations, survival)
         self._next_row = self.ring.next_row_to_host()
-        decision = choose_budget(HostSurvival(lagged), self.cost_model, self.cfg)
-        b, floor = survival.shape[0], self.cfg.floor
-        tier = round_up_to_tier(b * floor + decision.budget, self.tiers) if self.tiers else None
-        offered = decision.budget if tier is None else tier - b * floor
-        verify_lens = allocate_verify_lens(survival, offered, self.cfg)
-        if tier is None:  # no tier fixes the rows: the layout reads its total (the step's one read)
-            layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, self.graph_slots,
-                                                         width=self.cfg.width)
-        else:
-            layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers, self.graph_slots,
-                                                         width=self.cfg.width, graph_rows=tier)
-        executed = None if layout.total_rows is None else layout.total_rows - b * floor
+        b, cfg = survival.shape[0], self.cfg
+        decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self._host_seconds(b))
+        tier = round_up_to_tier(b * cfg.floor + decision.budget, self.tiers) if self.tiers else None
+        offered = decision.budget if tier is None else tier - b * cfg.floor
+        verify_lens = allocate_checked(survival, offered, cfg)
+        # no tier fixes the rows: the layout reads its total (the step's one read)
+        layout = RaggedVerifyLayout.from_checked(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier)
+        executed = None if layout.total_rows is None else layout.total_rows - b * cfg.floor
         return VerifyPlan(verify_lens, layout, decision, survival, executed, offered)

@@ -111,16 +111,23 @@ class RaggedVerifyLayout:
     ) -> "RaggedVerifyLayout":
         """Build the layout; pad to the smallest tier >= total rows when tiers are given.
 
-        slots: captured slot count S (>= B); padding rows need at least one ghost slot (S > B), and
-        default S = B + ceil(padding / W), just enough ghost slots. on_overflow: `eager` (run unpadded, reason recorded)
-        or `error` when the rows exceed the largest tier.
-
-        Device lengths are read to the host once (`dspark.verify.boundary.to_host`: the total and the
-        range check), unless the caller already knows what that read would tell: `total_rows` (the planner
-        derives it from its own decision; the lengths are then trusted, not re-checked), or `graph_rows`,
-        the rows the step runs, fixed before the lengths exist (sync-free planning): the layout is then built
-        on the device with no host read and `total_rows` is None (the real rows stay on the device:
-        `real_rows`); the default slot count then assumes the most padding, `graph_rows - B`.
+        Args:
+            verify_lens: [B] integer lengths in [1, W] (a tensor: the layout lives on its device).
+            tiers: captured graph token tiers, strictly increasing (None: eager, no padding).
+            slots: captured slot count S >= B; padding rows need a ghost slot (S > B); default
+                B + ceil(padding / W), just enough ghost slots.
+            width: W = gamma + 1 when known (ghost slots hold at most W rows each).
+            on_overflow: `eager` (run unpadded past the largest tier, the reason recorded) or `error`.
+            total_rows: sum(verify_lens) when the caller knows it (the planner derives it from its
+                decision): the lengths are then trusted, not read or re-checked.
+            graph_rows: the rows the step runs, fixed before the lengths exist (sync-free planning): the
+                layout is built on the device with no host read, `total_rows` None (`real_rows` holds
+                it) and the default slot count assumes the most padding, `graph_rows - B`.
+        Returns:
+            The layout. Without `total_rows` / `graph_rows` the lengths are read to the host once
+            (`dspark.verify.boundary.to_host`: the total and the range check). Inside `torch.compile` the
+            row count is a shape, so one of the two must be given (ValueError otherwise); the layout then
+            equals the eager one, built on the lengths' device.
         """
         vl = _as_lens(verify_lens)
         b = vl.numel()
@@ -133,23 +140,46 @@ class RaggedVerifyLayout:
             raise ValueError("give total_rows or graph_rows, not both")
         if graph_rows is not None:
             check_int("graph_rows", graph_rows, b)
-            tier = graph_rows if graph_rows in tiers_t else None
-            num_slots = _slot_count(b, slots, graph_rows - b, width)
-            cap = width if width is not None else max(graph_rows - b, 1)
-            return cls._on_device(vl, graph_rows, num_slots, cap, width, None, tier, None)
-        host = dispatch.use_host(vl)
-        if total_rows is not None:
-            total = check_int("total_rows", total_rows, b)
+        elif total_rows is not None:
+            check_int("total_rows", total_rows, b)
+        elif torch.compiler.is_compiling():
+            raise ValueError("inside torch.compile the layout's row count is a shape: pass total_rows= (the "
+                             "lengths' sum, known on the host) or graph_rows= (the rows the step runs)")
         else:
-            lens_np = vl.numpy() if host else boundary.to_host(vl)  # the host read the layout needs
+            lens_np = boundary.to_host(vl)  # the host read the layout needs (a view on the CPU)
             if b and (lens_np.min() < 1 or (width is not None and lens_np.max() > width)):
                 check_verify_lens(vl.cpu(), width if width is not None else int(lens_np.max()))  # names the value
-            total = int(lens_np.sum())
+            total_rows = int(lens_np.sum())
+        return cls.from_checked(vl, tiers_t, slots, width, total_rows=total_rows, graph_rows=graph_rows,
+                                on_overflow=on_overflow)
+
+    @classmethod
+    def from_checked(cls, verify_lens: Tensor, tiers: tuple[int, ...], slots: int | None, width: int | None, *,
+                     total_rows: int | None = None, graph_rows: int | None = None,
+                     on_overflow: str = "eager") -> "RaggedVerifyLayout":
+        """`from_verify_lens` without its argument checks, for callers that validated once.
+
+        Args:
+            verify_lens: [B] int32 lengths in [1, W], trusted.
+            tiers: `check_tiers`' tuple (empty: eager); slots, width, on_overflow as `from_verify_lens`.
+            total_rows: sum(verify_lens), or None to read it (one `boundary.to_host`; not inside
+                `torch.compile`).
+            graph_rows: as `from_verify_lens` (then `total_rows` is ignored).
+        Returns:
+            The layout: numpy-built for CPU lengths (`dispatch.use_host`), on the lengths' device otherwise.
+        """
+        b = verify_lens.numel()
+        if graph_rows is not None:
+            tier = graph_rows if graph_rows in tiers else None
+            num_slots = _slot_count(b, slots, graph_rows - b, width)
+            cap = width if width is not None else max(graph_rows - b, 1)
+            return cls._on_device(verify_lens, graph_rows, num_slots, cap, width, None, tier, None)
+        total = int(boundary.to_host(verify_lens).sum()) if total_rows is None else total_rows
         tier, reason = None, None
-        if tiers_t:
-            tier = round_up_to_tier(total, tiers_t)
+        if tiers:
+            tier = round_up_to_tier(total, tiers)
             if tier is None:
-                reason = f"{total} verify rows exceed the largest captured tier {tiers_t[-1]}"
+                reason = f"{total} verify rows exceed the largest captured tier {tiers[-1]}"
                 if on_overflow == "error":
                     raise ValueError(reason + "; capture a larger tier or lower the budget")
                 log.info("eager verify step: %s", reason)
@@ -162,16 +192,17 @@ class RaggedVerifyLayout:
                 f"{leftover} padding rows do not fit {num_slots - b} ghost slots of width {ghost_cap} "
                 f"(batch {b}, slots {num_slots}); capture more slots for this tier"
             )
-        if not host:
-            return cls._on_device(vl, rows, num_slots, ghost_cap, width, total, tier, reason)
-        lens_np = vl.numpy()
+        if not dispatch.use_host(verify_lens):
+            return cls._on_device(verify_lens, rows, num_slots, ghost_cap, width, total, tier, reason)
+        lens_np = verify_lens.numpy()
         ghost = np.clip(leftover - np.arange(num_slots - b) * ghost_cap, 0, ghost_cap).astype(np.int32)
         slot_lens_np = np.concatenate([lens_np, ghost])
         slot_qo, row_slot, row_within = map(torch.from_numpy, _k.slot_maps_host(slot_lens_np, rows))
-        return cls(verify_lens=vl, qo_indptr=slot_qo[: b + 1].clone(), slot_lens=torch.from_numpy(slot_lens_np),
-                   slot_qo_indptr=slot_qo, seqused=torch.from_numpy(np.concatenate([lens_np, np.zeros_like(ghost)])),
-                   row_slot=row_slot, row_within=row_within, width=width, total_rows=total, graph_num_tokens=rows,
-                   tier=tier, eager_reason=reason)
+        return cls(verify_lens=verify_lens, qo_indptr=slot_qo[: b + 1].clone(),
+                   slot_lens=torch.from_numpy(slot_lens_np), slot_qo_indptr=slot_qo,
+                   seqused=torch.from_numpy(np.concatenate([lens_np, np.zeros_like(ghost)])), row_slot=row_slot,
+                   row_within=row_within, width=width, total_rows=total, graph_num_tokens=rows, tier=tier,
+                   eager_reason=reason)
 
     @classmethod
     def _on_device(cls, vl: Tensor, rows: int, num_slots: int, ghost_cap: int, width: int | None,
