@@ -99,3 +99,30 @@ def test_to_moves_every_tensor_and_keeps_the_geometry(device):
     on_device = lay.to(device)
     assert all(torch.equal(getattr(on_device, f).cpu(), getattr(lay, f)) for f in tensors)
     assert lay.to("cpu").row_slot.data_ptr() == lay.row_slot.data_ptr()  # same device: no copy
+
+
+@given(b=st.integers(1, 9), gamma=st.integers(1, 6), seed=st.integers(0, 2**31 - 1), pad=st.integers(0, 7),
+       mode=st.sampled_from(["static", "cap-accept", "compact"]))
+def test_inputs_from_checked_equal_the_checked_build(b, gamma, seed, pad, mode, device):
+    """The engine's unchecked entry (`inputs_from_checked`, over a layout built once) builds what the public,
+    checked `build_verify_inputs` builds."""
+    from dspark import VerifyMode, build_verify_inputs
+    from dspark.verify.inputs import inputs_from_checked
+
+    g, w = torch.Generator().manual_seed(seed), gamma + 1
+    vl = torch.randint(1, w + 1, (b,), generator=g, dtype=torch.int32).to(device)
+    root = torch.randint(0, 50, (b,), generator=g).to(device)
+    drafts = torch.randint(0, 50, (b, gamma), generator=g).to(device)
+    prefix = torch.randint(0, 9, (b,), generator=g).to(device)
+    table = torch.randperm(b * 4, generator=g).view(b, 4).to(device)
+    rows = int(vl.sum()) if mode == "compact" else b * w
+    tiers, slots = [rows + pad], b + 1 + pad
+    want = build_verify_inputs(mode, vl, root, drafts, prefix, tiers=tiers, slots=slots, block_table=table,
+                               page_size=4)
+    lens = vl if mode == "compact" else torch.full_like(vl, w)
+    layout = RaggedVerifyLayout.from_checked(lens, tuple(tiers), slots, w, total_rows=rows)
+    got = inputs_from_checked(VerifyMode(mode), vl, root, drafts, prefix.to(torch.int64), layout, table, 4)
+    for name in ("input_ids", "positions", "kv_slots", "caps"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.layout.graph_num_tokens == want.layout.graph_num_tokens == rows + pad
+    assert bool((got.kv_slots[: rows] >= 0).all()) and bool((got.kv_slots[rows:] == -1).all())

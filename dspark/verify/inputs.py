@@ -25,7 +25,7 @@ from dspark.util.validate import (
     check_nonnegative,
     check_verify_lens,
 )
-from dspark.verify.layout import PAD_SLOT, RaggedVerifyLayout  # noqa: F401  (PAD_SLOT: re-exported)
+from dspark.verify.layout import PAD_SLOT, RaggedVerifyLayout, check_tiers  # noqa: F401  (PAD_SLOT: re-exported)
 
 
 @dataclass(frozen=True)
@@ -85,22 +85,36 @@ def build_verify_inputs(
     check_nonnegative("prefix_lens", host_prefix)
     if reused is not None and not torch.equal(host[2], host_vl):
         raise ValueError(f"layout was built for verify_lens {host[2].tolist()}, not {host_vl.tolist()}")
-    full = torch.full_like(vl, w)
     if layout is None:
-        layout = RaggedVerifyLayout.from_verify_lens(vl if compact else full, tiers, slots, width=w)
-    tokens = torch.cat([root_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
-    positions = layout.positions(prefix)
-    kv_slots = None
+        total = int(host_vl.sum()) if compact else b * w
+        layout = RaggedVerifyLayout.from_checked(vl if compact else torch.full_like(vl, w), check_tiers(tiers), slots,
+                                                 w, total_rows=total)
     if block_table is not None or page_size is not None:
         _check_block_table(block_table, page_size, b, host_prefix + (host_vl if compact else w))
-        kv_slots = layout.kv_slots(positions, block_table, page_size)
-    return VerifyInputs(
-        input_ids=layout.pack(tokens, fill=0),
-        positions=positions,
-        kv_slots=kv_slots,
-        layout=layout,
-        caps=full if mode is VerifyMode.STATIC else vl,
-    )
+    return inputs_from_checked(mode, vl, root_tokens, draft_tokens, prefix, layout, block_table, page_size)
+
+
+def inputs_from_checked(mode: VerifyMode, verify_lens: Tensor, root_tokens: Tensor, draft_tokens: Tensor,
+                        prefix_lens: Tensor, layout: RaggedVerifyLayout, block_table: Tensor | None = None,
+                        page_size: int | None = None) -> VerifyInputs:
+    """`build_verify_inputs` without its checks or host read, for a step that validated its inputs once.
+
+    Args:
+        mode: a VerifyMode member.
+        verify_lens: [B] int32 in [1, W] on the tokens' device; root_tokens [B]; draft_tokens [B, gamma];
+            prefix_lens [B] int64 >= 0.
+        layout: the forward's layout: compact, built from `verify_lens` (`VerifyPlan.layout`); static /
+            cap-accept, W rows per request.
+        block_table, page_size: both or neither; every written position inside the request's pages.
+    Returns:
+        The VerifyInputs (no host read: every map is computed on the device).
+    """
+    tokens = torch.cat([root_tokens.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
+    positions = layout.positions(prefix_lens)
+    kv_slots = None if block_table is None else layout.kv_slots(positions, block_table, page_size)
+    caps = torch.full_like(verify_lens, draft_tokens.shape[1] + 1) if mode is VerifyMode.STATIC else verify_lens
+    return VerifyInputs(input_ids=layout.pack(tokens, fill=0), positions=positions, kv_slots=kv_slots,
+                        layout=layout, caps=caps)
 
 
 def _check_tokens(root_tokens: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
