@@ -14,7 +14,7 @@ Host reads per step (all through `dspark.verify.boundary.to_host`, tests/test_ho
 - planned on the host (CPU tensors; lag-0 small accelerator batches): the survival's host copy, one read
   (none on the CPU, where it is a view);
 - planned on the device: the budget's argmax, tau / theta curves and the live candidate count are
-  computed there (`theta_curves_torch`) and one read brings the decision and the count, which fix the
+  computed there (`traced_decision`) and one read brings the decision and the count, which fix the
   total rows and so the tier; allocation and layout then run on the device without another read;
 - `sync_free=True` (lag >= 1): none. The budget is chosen on the host from the lag-ring row that the
   previous step copied asynchronously (`SurvivalLagRing.next_row_to_host`), so the tier is known before
@@ -22,6 +22,11 @@ Host reads per step (all through `dspark.verify.boundary.to_host`, tests/test_ho
   left there. It equals the synchronous planner's verify_lens bit for bit (tests/test_sync_free.py).
 The lag ring's slot checks read `slots` / `generations`, host-side scheduling data (no device read when
 they live on the CPU, as they should).
+
+Checks: the configuration, cost model (its W), tiers, temperatures and lag are validated once, at
+construction; a step checks only its own inputs (logits shape, slots / generations) and the cost model's
+platform once per device type, then runs the unchecked stages (`survival_from_checked`, `host_decision` /
+`traced_decision`, `allocate_checked`, `RaggedVerifyLayout.from_checked`).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from dspark.plan.budget import (
     host_survival,
     plan_on_host_checked,
     seconds_over_window,
-    theta_curves_torch,
+    traced_decision,
 )
 from dspark.plan.survival import (
     SurvivalLagRing,
@@ -77,10 +82,11 @@ class VerifyPlan:
     dp: DpTier | None = None
 
 
-def tier_fill_budget(budget: int, num_requests: int, floor: int, tiers: Sequence[int]) -> int:
-    """The budget that fills the tier B * F + budget rows round up to (unchanged past the largest tier)."""
-    tier = round_up_to_tier(num_requests * floor + budget, tiers)
-    return budget if tier is None else tier - num_requests * floor
+def tier_fill(budget: int, num_requests: int, floor: int, tiers: Sequence[int]) -> tuple[int, int | None]:
+    """(the budget that fills the tier B * F + budget rows round up to, that tier); past the largest tier, or
+    without tiers, (budget, None)."""
+    tier = round_up_to_tier(num_requests * floor + budget, tiers) if tiers else None
+    return (budget, None) if tier is None else (tier - num_requests * floor, tier)
 
 
 class VerifyPlanner:
@@ -153,7 +159,7 @@ class VerifyPlanner:
             decision = host_decision(budget_from, self.cost_model, cfg, greedy=lagged is None,
                                      seconds=self._host_seconds(b))
             live_valid = host.window(cfg)[1]
-        offered = tier_fill_budget(decision.budget, b, cfg.floor, self.tiers) if self.tiers else decision.budget
+        offered, _ = tier_fill(decision.budget, b, cfg.floor, self.tiers)
         verify_lens = allocate_checked(survival if host is None else host, offered, cfg)
         dp = None
         if self.parallel is not None:
@@ -201,17 +207,15 @@ class VerifyPlanner:
             self._seconds[key] = seconds_over_window(self.cost_model, b, self.cfg).to(live.device)
         seconds = self._seconds[key]
         cfg = self.cfg
-        curves = theta_curves_torch(live if lagged is None else lagged, seconds, cfg.floor, cfg.cap, cfg.survival_eps)
-        chosen = curves.greedy if lagged is None else curves.budget
+        traced = traced_decision(live if lagged is None else lagged, seconds, cfg, greedy=lagged is None)
+        budgets = (traced.theta_curve > float("-inf")).sum()  # 0..#candidates: theta is -inf past them
         live_valid = (live[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum()
-        at = chosen.reshape(1)  # a tensor index (tau[chosen] would read `chosen` on the host)
-        counts = torch.stack([chosen, curves.num_valid, live_valid]).to(torch.float64)
-        picked = torch.cat([counts, curves.tau.index_select(0, at), seconds.index_select(0, at),
-                            curves.theta.index_select(0, at)])
-        budget, num_valid, valid, tau, step_seconds, theta = boundary.to_host(picked).tolist()
-        n = int(num_valid) + 1
+        picked = torch.stack([x.to(torch.float64) for x in (traced.budget, budgets, live_valid, traced.tau,
+                                                            traced.step_seconds, traced.theta)])
+        budget, n, valid, tau, step_seconds, theta = boundary.to_host(picked).tolist()
+        n = int(n)
         decision = BudgetDecision(int(budget), tau, step_seconds, theta, b * cfg.floor + int(budget),
-                                  curves.tau[:n], seconds[:n], curves.theta[:n])
+                                  traced.tau_curve[:n], seconds[:n], traced.theta_curve[:n])
         return decision, int(valid)
 
     def _plan_sync_free(self, survival: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
@@ -221,8 +225,7 @@ class VerifyPlanner:
         self._next_row = self.ring.next_row_to_host()
         b, cfg = survival.shape[0], self.cfg
         decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self._host_seconds(b))
-        tier = round_up_to_tier(b * cfg.floor + decision.budget, self.tiers) if self.tiers else None
-        offered = decision.budget if tier is None else tier - b * cfg.floor
+        offered, tier = tier_fill(decision.budget, b, cfg.floor, self.tiers)
         verify_lens = allocate_checked(survival, offered, cfg)
         # no tier fixes the rows: the layout reads its total (the step's one read)
         layout = RaggedVerifyLayout.from_checked(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier)
