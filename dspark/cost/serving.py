@@ -34,7 +34,6 @@ from dspark.util.validate import check_int, check_real, check_type
 SCHEMA = "dspark.serving_cost"
 SCHEMA_VERSION = 1
 COST_MODELS_DIR = Path(__file__).resolve().parents[2] / "graphs" / "cost_models"
-REGENERATE = "python -m dspark.cost.shipped --write NAME --gamma GAMMA --out PATH"
 
 # per cost-model kind: the JSON fields holding seconds (power 1) or rates (power -1), which `perturbed` scales
 _PERTURBED_FIELDS = {"additive": (("bias", 1), ("alpha", 1), ("theta", 1)),
@@ -63,10 +62,12 @@ class BatchCurve:
         return float(np.interp(num_requests, self.batch_sizes, self.seconds))
 
     def to_dict(self) -> dict[str, list]:
+        """{"batch_sizes": [...], "seconds": [...]}."""
         return {"batch_sizes": list(self.batch_sizes), "seconds": list(self.seconds)}
 
     @classmethod
     def from_dict(cls, d: object) -> "BatchCurve":
+        """Validate and rebuild from `to_dict` output."""
         if not isinstance(d, dict) or set(d) != {"batch_sizes", "seconds"}:
             raise ValueError(f"a batch curve must be a JSON object with batch_sizes and seconds, got {d!r}")
         return cls(d["batch_sizes"], d["seconds"])
@@ -141,6 +142,7 @@ class ServingCost:
         return num_requests
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON object `save` writes (schema, version, every field; the cost model's own `to_dict`)."""
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "name": self.name, "platform": self.platform,
                 "description": self.description, "sources": list(self.sources), "max_requests": self.max_requests,
                 "tiers": list(self.tiers), "parameters": dict(self.parameters),
@@ -219,7 +221,9 @@ def load_serving_cost(name_or_path: str | os.PathLike, *, width: int | None = No
         try:
             check_cost_model(cost.speculative, width=check_int("width", width, 2))
         except ValueError as e:
-            raise ValueError(f"{path}: {e}; or write this model for W={width}: {REGENERATE}") from None
+            name = cost.name if cost.name in serving_cost_names() else "NAME"
+            raise ValueError(f"{path}: {e}; or write this model for W={width}: python -m dspark.cost.shipped --write "
+                             f"{name} --gamma {width - 1} --out PATH") from None
     return cost
 
 

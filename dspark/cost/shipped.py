@@ -23,10 +23,11 @@ from typing import Callable, Sequence
 import torch
 
 from dspark.cost.additive import AdditiveCostModel
+from dspark.cost.base import ProfileSample, check_probes
 from dspark.cost.roofline import Accelerator, BlockDraftGeometry, Forward, LlamaGeometry
 from dspark.cost.serving import COST_MODELS_DIR, BatchCurve, ServingCost
-from dspark.cost.tiered import tier_index
-from dspark.util.validate import check_int
+from dspark.cost.tiered import TieredCostModel, tier_index
+from dspark.util.validate import check_int, check_type
 
 VLLM_CAPTURE = ("vLLM default CUDA-graph capture sizes [1, 2, 4] + range(8, 256, 8) + range(256, 513, 16) "
                 "(vllm/config, set_cudagraph_sizes; 512 = min(2 x max_num_seqs 256, 512))")
@@ -194,47 +195,79 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
     gamma: drafts per request per step (W = gamma + 1); batch_sizes: the profiled B (the file covers 1..max);
     repeats: lockstep sweeps per point (the median is kept); seed: the held-out prompt draw.
     """
-    import platform
-
     from dspark.engine.decode import SpecDecoder
     from dspark.engine.demo import load_models
     from dspark.engine.demo_config import DemoConfig, demo_clock, demo_tiers, length_range
-    from dspark.engine.profile import ForcedRows, fit_cost_model, profile_points, profile_step_costs
+    from dspark.engine.profile import ForcedRows, profile_points, profile_step_costs
     from dspark.models.corpus import prompt_windows
 
-    cfg = DemoConfig(batch_sizes=tuple(check_int("batch size", b, 1) for b in batch_sizes), gamma=gamma,
-                     profile_repeats=check_int("repeats", repeats, 1), seed=check_int("seed", seed, 0))
+    cfg = DemoConfig(batch_sizes=check_probes("batch_sizes", sorted(batch_sizes), 1),
+                     gamma=check_int("gamma", gamma, 1), profile_repeats=check_int("repeats", repeats, 1),
+                     seed=check_int("seed", seed, 0))
     torch.set_num_threads(cfg.threads)
     target, draft, encode = load_models(torch.device("cpu"))
-    longest, top = length_range(cfg.max_new_tokens, cfg.length_spread)[1], max(cfg.batch_sizes)
-    prompts = prompt_windows("heldout", encode, top, cfg.prompt_len, cfg.seed)
-    decoder = SpecDecoder(target, draft, cache_tokens=top * (cfg.prompt_len + longest + gamma + 1 + 16),
-                          tiers=demo_tiers(cfg), clock=demo_clock(cfg))
-    samples, plain = profile_step_costs(decoder, prompts, profile_points(cfg.batch_sizes, gamma, decoder.tiers),
-                                        gamma, tokens=cfg.max_new_tokens, repeats=repeats,
-                                        reserve_new_tokens=longest)
-    machine = f"{platform.machine()}-cpu"
-    model, _, _ = fit_cost_model(samples, gamma, platform=machine, tiers=decoder.tiers)
-
-    def drafting(b: int) -> float:  # median draft seconds of full-batch steps verifying the roots only
+    longest, width, tiers = length_range(cfg.max_new_tokens, cfg.length_spread)[1], gamma + 1, demo_tiers(cfg)
+    prompts = prompt_windows("heldout", encode, max(cfg.batch_sizes), cfg.prompt_len, cfg.seed)
+    samples, plain, drafting = [], [], []
+    for b in cfg.batch_sizes:  # one decoder per B holding the tiers its steps replay: memory stays bounded
+        decoder = SpecDecoder(target, draft, cache_tokens=b * (cfg.prompt_len + longest + width + 16),
+                              tiers=[t for t in tiers if b <= t <= b * width], clock=demo_clock(cfg))
+        measured, plain_b = profile_step_costs(decoder, prompts[:b], profile_points([b], gamma, tiers), gamma,
+                                               tokens=cfg.max_new_tokens, repeats=repeats, reserve_new_tokens=longest)
+        samples += measured
+        plain.append(plain_b.seconds[0])
         runs = [decoder.generate(prompts[:b], cfg.max_new_tokens, ForcedRows(gamma, b, b), reserve_new_tokens=longest)
-                for _ in range(repeats)]
-        return statistics.median(statistics.median(s.times.draft for s in r.steps if s.requests.numel() == b)
-                                 for r in runs)
+                for _ in range(repeats)]  # the draft phase of full-batch steps verifying the roots only
+        drafting.append(statistics.median(statistics.median(s.times.draft for s in r.steps
+                                                            if s.requests.numel() == b) for r in runs))
+    parameters = {"gamma": gamma, "batch_sizes": list(cfg.batch_sizes), "repeats": repeats, "seed": seed,
+                  "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
+                  "clock": demo_clock(cfg), "profiled_tiers": list(tiers)}
+    return profiled_cost(samples, BatchCurve(cfg.batch_sizes, plain), BatchCurve(cfg.batch_sizes, drafting),
+                         gamma=gamma, tiers=tiers, parameters=parameters)
 
+
+def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, draft: BatchCurve, *, gamma: int,
+                  tiers: Sequence[int], parameters: dict) -> ServingCost:
+    """`cpu-measured` from the demo profile's results: whole-step samples (B, M, seconds), plain and draft seconds
+    per B, the profiled tiers; the demo's `fit_cost_model`, then `fill_monotone`."""
+    import platform
+
+    from dspark.engine.profile import fit_cost_model
+
+    machine = f"{platform.machine()}-cpu"
+    model = fill_monotone(fit_cost_model(samples, gamma, platform=machine, tiers=tiers)[0], samples)
     return ServingCost(
         "cpu-measured", machine,
         "SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's tiers and thread "
         "clock), profiled by the demo's own code while other jobs shared the 2-core machine.",
-        ("measured: dspark.engine.profile.profile_step_costs + fit_cost_model (the demo's profile: TieredCostModel "
-         "table over its serving tiers, plain step per B)",
+        ("measured: dspark.engine.profile.profile_step_costs per batch size + fit_cost_model over the demo's tiers "
+         "(TieredCostModel table over its serving tiers; plain step per B)",
+         "unmeasured table cells made monotone in the tier (fill_monotone)",
          "draft seconds: median draft phase of full-batch steps verifying the roots only (ForcedRows M = B)",
          f"machine: {platform.platform()}, torch {torch.__version__}"),
-        model, BatchCurve(plain.batch_sizes, plain.seconds), _curve(sorted(cfg.batch_sizes), drafting),
-        tiers=model.tiers, max_requests=top,
-        parameters={"gamma": gamma, "batch_sizes": list(cfg.batch_sizes), "repeats": repeats, "seed": seed,
-                    "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
-                    "clock": decoder.clock, "profiled_tiers": list(decoder.tiers)})
+        model, plain, draft, tiers=model.tiers, max_requests=plain.batch_sizes[-1], parameters=parameters)
+
+
+def fill_monotone(model: TieredCostModel, samples: Sequence[ProfileSample]) -> TieredCostModel:
+    """The model with each batch probe's table row non-decreasing in the tier, its measured cells (the tier tops
+    its samples lie on, as `profile_points` puts them) kept: a filled cell below them takes at most the next
+    tier's value, one above at least the previous tier's. Every B between two probes then costs no less with
+    more rows."""
+    check_type("model", model, TieredCostModel)
+    if model.table is None:
+        raise ValueError("fill_monotone needs a TieredCostModel with a table (fit with dense=True)")
+    tiers, table = model.tiers, [list(row) for row in model.table]
+    for b, row in zip(model.batch_probes, table):
+        idx = [tiers.index(s.rows) for s in samples if s.num_requests == b and s.rows in tiers]
+        if not idx:
+            raise ValueError(f"no sample replays a tier of the model at batch probe B={b}")
+        for i in range(min(idx) - 1, -1, -1):
+            row[i] = min(row[i], row[i + 1])
+        for i in range(max(idx) + 1, len(row)):
+            row[i] = max(row[i], row[i - 1])
+    return TieredCostModel(model.bias, model.batch_probes, model.alpha, tiers, model.phi, table=table,
+                           platform=model.platform, width=model.width, fit_report=model.fit_report)
 
 
 GENERATORS: dict[str, Callable[..., ServingCost]] = {
