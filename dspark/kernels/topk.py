@@ -27,6 +27,8 @@ atomics, no integer sort. Indices need n = B * C < 2**31.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -58,6 +60,11 @@ def verify_lens_ref(survival: Tensor, budget: int | Tensor, floor: int, cap: int
     return (key >= torch.maximum(kth, eps_key)).sum(1, dtype=torch.int32) + floor
 
 
+@functools.lru_cache(maxsize=None)
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
 def verify_lens_host(survival: np.ndarray, budget: int, floor: int, cap: int, eps: float,
                      ranked: np.ndarray | None = None) -> Tensor:
     """numpy path of `verify_lens_ref` (identical results) on the host.
@@ -79,7 +86,7 @@ def verify_lens_host(survival: np.ndarray, budget: int, floor: int, cap: int, ep
         return torch.full((cand.shape[0],), floor, dtype=torch.int32)
     kth = ranked[n - k] if ranked is not None else np.partition(cand, n - k, axis=None)[n - k]
     ge = cand >= kth
-    lens = ge.astype(np.float32) @ np.ones(ge.shape[1], dtype=np.float32)  # row counts (exact): one BLAS call
+    lens = ge.astype(np.float32) @ _ones(ge.shape[1])  # row counts (exact) in one BLAS call
     excess = (int(lens.sum()) if ranked is None else n - int(ranked.searchsorted(kth))) - k
     if excess:  # ties at the k-th value: drop the last `excess` in position-major order (i = j * B + r)
         ties = (cand == kth).T  # [C, B]

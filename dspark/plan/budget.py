@@ -101,7 +101,7 @@ def plan_on_host_checked(survival: Tensor, calibrated: bool, small_batches: bool
 def host_survival(survival: Tensor, calibrated: bool = False) -> HostSurvival:
     """The survival on the host (a view of a float32 CPU tensor, else one `boundary.to_host` copy),
     repaired as `monotone_survival` unless `calibrated` or already non-increasing and NaN-free."""
-    if survival.dtype == torch.float32 and survival.device.type == "cpu" and not survival.requires_grad:
+    if survival.is_cpu and survival.dtype == torch.float32 and not survival.requires_grad:
         values = survival.numpy()  # a view: no copy, no device read
     else:
         values = boundary.to_host(survival.to(torch.float32))
