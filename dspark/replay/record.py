@@ -15,7 +15,8 @@ What the live decode loop computes at a step of request i at position t agrees w
 rounding (the live loop runs the paged ragged attention; tests compare them step by step).
 
 `python -m dspark.replay.record --out PATH --requests 512 --seed 0` records the default workload with
-SmolLM2-135M-Instruct and the shipped draft; the shipped trace's manifest names its command and time.
+SmolLM2-135M-Instruct and the shipped draft; the shipped trace's manifest names its command and time. The
+same command, slots and thread count on the same machine and torch build write the same file bit for bit.
 """
 from __future__ import annotations
 
