@@ -188,12 +188,13 @@ def h200_roofline_llama8b(*, gamma: int = 3, context: int = 1024, max_requests: 
         LLAMA31_8B.forward(), draft.forward(), gamma, gamma=gamma, context=context, max_requests=max_requests)
 
 
-def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), max_requests: int = 256,
                  repeats: int = 2, seed: int = 0) -> ServingCost:
     """Profile this CPU with the demo's own code: SmolLM2 + its shipped draft, the demo's tiers, clock and threads.
 
-    gamma: drafts per request per step (W = gamma + 1); batch_sizes: the profiled B (the file covers 1..max);
-    repeats: lockstep sweeps per point (the median is kept); seed: the held-out prompt draw.
+    gamma: drafts per request per step (W = gamma + 1); batch_sizes: the profiled B; max_requests: the largest B
+    covered (past the profiled ones, `scale_batches`); repeats: lockstep sweeps per point (the median is kept);
+    seed: the held-out prompt draw.
     """
     from dspark.engine.decode import SpecDecoder
     from dspark.engine.demo import load_models
@@ -201,15 +202,16 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
     from dspark.engine.profile import ForcedRows, profile_points, profile_step_costs
     from dspark.models.corpus import prompt_windows
 
-    cfg = DemoConfig(batch_sizes=check_probes("batch_sizes", sorted(batch_sizes), 1),
+    sizes = check_probes("batch_sizes", sorted(batch_sizes), 1)
+    cfg = DemoConfig(batch_sizes=sizes + tuple(doublings(sizes[-1], check_int("max_requests", max_requests, 1))),
                      gamma=check_int("gamma", gamma, 1), profile_repeats=check_int("repeats", repeats, 1),
                      seed=check_int("seed", seed, 0))
     torch.set_num_threads(cfg.threads)
     target, draft, encode = load_models(torch.device("cpu"))
     longest, width, tiers = length_range(cfg.max_new_tokens, cfg.length_spread)[1], gamma + 1, demo_tiers(cfg)
-    prompts = prompt_windows("heldout", encode, max(cfg.batch_sizes), cfg.prompt_len, cfg.seed)
+    prompts = prompt_windows("heldout", encode, sizes[-1], cfg.prompt_len, cfg.seed)
     samples, plain, drafting = [], [], []
-    for b in cfg.batch_sizes:  # one decoder per B holding the tiers its steps replay: memory stays bounded
+    for b in sizes:  # one decoder per B holding the tiers its steps replay: memory stays bounded
         decoder = SpecDecoder(target, draft, cache_tokens=b * (cfg.prompt_len + longest + width + 16),
                               tiers=[t for t in tiers if b <= t <= b * width], clock=demo_clock(cfg))
         measured, plain_b = profile_step_costs(decoder, prompts[:b], profile_points([b], gamma, tiers), gamma,
@@ -220,33 +222,75 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
                 for _ in range(repeats)]  # the draft phase of full-batch steps verifying the roots only
         drafting.append(statistics.median(statistics.median(s.times.draft for s in r.steps
                                                             if s.requests.numel() == b) for r in runs))
-    parameters = {"gamma": gamma, "batch_sizes": list(cfg.batch_sizes), "repeats": repeats, "seed": seed,
+    parameters = {"gamma": gamma, "batch_sizes": list(sizes), "repeats": repeats, "seed": seed,
                   "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
-                  "clock": demo_clock(cfg), "profiled_tiers": list(tiers)}
-    return profiled_cost(samples, BatchCurve(cfg.batch_sizes, plain), BatchCurve(cfg.batch_sizes, drafting),
-                         gamma=gamma, tiers=tiers, parameters=parameters)
+                  "clock": demo_clock(cfg), "tier_ladder": list(tiers)}
+    return profiled_cost(samples, BatchCurve(sizes, plain), BatchCurve(sizes, drafting), gamma=gamma, tiers=tiers,
+                         max_requests=max_requests, parameters=parameters)
 
 
 def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, draft: BatchCurve, *, gamma: int,
-                  tiers: Sequence[int], parameters: dict) -> ServingCost:
+                  tiers: Sequence[int], max_requests: int, parameters: dict) -> ServingCost:
     """`cpu-measured` from the demo profile's results: whole-step samples (B, M, seconds), plain and draft seconds
-    per B, the profiled tiers; the demo's `fit_cost_model`, then `fill_monotone`."""
+    at the profiled B, the tier ladder up to max_requests x W; the demo's `fit_cost_model` over the profiled tiers,
+    `fill_monotone`, then `scale_batches` up to max_requests."""
     import platform
 
     from dspark.engine.profile import fit_cost_model
 
-    machine = f"{platform.machine()}-cpu"
-    model = fill_monotone(fit_cost_model(samples, gamma, platform=machine, tiers=tiers)[0], samples)
+    machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
+    fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
+    model, (plain, draft) = scale_batches(fill_monotone(fitted, samples), (plain, draft), tiers, max_requests)
     return ServingCost(
         "cpu-measured", machine,
         "SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's tiers and thread "
-        "clock), profiled by the demo's own code while other jobs shared the 2-core machine.",
+        f"clock), profiled by the demo's own code at B <= {top} while other jobs shared the 2-core machine; larger B "
+        "scaled in proportion.",
         ("measured: dspark.engine.profile.profile_step_costs per batch size + fit_cost_model over the demo's tiers "
          "(TieredCostModel table over its serving tiers; plain step per B)",
          "unmeasured table cells made monotone in the tier (fill_monotone)",
+         f"B > {top}: B / {top} steps of {top} requests with the same rows per request (scale_batches)",
          "draft seconds: median draft phase of full-batch steps verifying the roots only (ForcedRows M = B)",
          f"machine: {platform.platform()}, torch {torch.__version__}"),
-        model, plain, draft, tiers=model.tiers, max_requests=plain.batch_sizes[-1], parameters=parameters)
+        model, plain, draft, tiers=model.tiers, max_requests=max_requests, parameters=parameters)
+
+
+def _table(model: TieredCostModel, who: str) -> list[list[float]]:
+    check_type("model", model, TieredCostModel)
+    if model.table is None:
+        raise ValueError(f"{who} needs a TieredCostModel with a table (fit with dense=True)")
+    return [list(row) for row in model.table]
+
+
+def doublings(start: int, top: int) -> list[int]:
+    """start x 2, start x 4, ... below top, then top; empty when top <= start."""
+    out, b = [], start * 2
+    while b < top:
+        out.append(b)
+        b *= 2
+    return out + [top] if top > start else []
+
+
+def scale_batches(model: TieredCostModel, curves: Sequence[BatchCurve], tiers: Sequence[int], max_requests: int
+                  ) -> tuple[TieredCostModel, list[BatchCurve]]:
+    """Costs past the model's largest batch probe b0 up to max_requests, priced as B / b0 steps of b0 requests
+    with the same rows per request (the demo's `PlainStepCost` rule, for every cost): batch probes
+    `doublings(b0, max_requests)` and the tiers of `tiers` above the model's, across which each measured row is
+    held at its last value. curves: per-B seconds measured up to b0, extended the same way."""
+    b0, w, table = model.batch_probes[-1], model.width, _table(model, "scale_batches")
+    added = doublings(b0, max_requests)
+    if not added:
+        return model, list(curves)
+    new_tiers = model.tiers + tuple(t for t in tiers if t > model.tiers[-1])
+    held = len(new_tiers) - len(model.tiers)
+    table = [row + [row[-1]] * held for row in table]
+    table += [[b / b0 * model.step_seconds(b0, min(max(math.ceil(t * b0 / b), b0), b0 * w)) for t in new_tiers]
+              for b in added]
+    alpha, phi = model.alpha + (model.alpha[-1],) * len(added), model.phi + (model.phi[-1],) * held
+    scaled = TieredCostModel(model.bias, model.batch_probes + tuple(added), alpha, new_tiers, phi, table=table,
+                             platform=model.platform, width=w, fit_report=model.fit_report)
+    return scaled, [BatchCurve(c.batch_sizes + tuple(added), c.seconds + tuple(c(b0) * b / b0 for b in added))
+                    for c in curves]
 
 
 def fill_monotone(model: TieredCostModel, samples: Sequence[ProfileSample]) -> TieredCostModel:
@@ -254,10 +298,7 @@ def fill_monotone(model: TieredCostModel, samples: Sequence[ProfileSample]) -> T
     its samples lie on, as `profile_points` puts them) kept: a filled cell below them takes at most the next
     tier's value, one above at least the previous tier's. Every B between two probes then costs no less with
     more rows."""
-    check_type("model", model, TieredCostModel)
-    if model.table is None:
-        raise ValueError("fill_monotone needs a TieredCostModel with a table (fit with dense=True)")
-    tiers, table = model.tiers, [list(row) for row in model.table]
+    tiers, table = model.tiers, _table(model, "fill_monotone")
     for b, row in zip(model.batch_probes, table):
         idx = [tiers.index(s.rows) for s in samples if s.num_requests == b and s.rows in tiers]
         if not idx:
