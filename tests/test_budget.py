@@ -112,6 +112,42 @@ def test_greedy_admits_a_paid_tier_whole(device):
     assert greedy_budget(s, cost, cfg).budget == 6 == choose_budget(s, cost, cfg).budget
 
 
+@settings(max_examples=30)
+@given(case=cases(max_b=4, max_gamma=4), tiers=st.lists(st.integers(1, 20), min_size=1, max_size=5, unique=True))
+def test_greedy_with_tiers_scans_tier_runs_on_a_cost_that_drifts_inside_a_tier(case, tiers, device):
+    """With the step's tiers the scan's unit is a tier (a KV term makes every row cost a little more, so
+    equal-seconds runs would be single rows and the scan would stop at the first tier edge)."""
+    cfg, s, _ = case
+    tiers = sorted(tiers)
+    s = s.to(device)
+    theta = exhaustive_theta(s, wavy_additive(), cfg)
+    rows = s.shape[0] * cfg.floor
+
+    def key(b):  # the tier rows + b replay, or past the largest a run of its own
+        m = rows + b
+        return next((i for i, t in enumerate(tiers) if t >= m), len(tiers) + m)
+
+    def run_end(b):
+        while b + 1 < len(theta) and key(b + 1) == key(b):
+            b += 1
+        return b
+
+    b = run_end(0)
+    while b + 1 < len(theta) and theta[run_end(b + 1)] > theta[b]:
+        b = run_end(b + 1)
+    assert greedy_budget(s, wavy_additive(), cfg, tiers=tiers).budget == b
+
+
+def test_greedy_with_tiers_crosses_a_tier_edge_a_single_row_would_not(device):
+    cfg = ScheduleConfig(gamma=2)
+    s = torch.tensor([[0.9, 0.8]] * 2, device=device)
+    # T = 1 s + 0.5 s per tier step + 0.01 s per row: theta 1.96, 1.90 (one row into tier 4 does not pay),
+    # 2.47 (tier 4's top), 2.24, 2.62 (tier 6's top, the argmax)
+    cost = AdditiveCostModel(1.0, [1, 4], [0.0, 0.0], [2, 3, 4, 5, 6], [0.02, 0.53, 0.54, 1.05, 1.06])
+    assert greedy_budget(s, cost, cfg).budget == 0
+    assert greedy_budget(s, cost, cfg, tiers=[2, 4, 6]).budget == 4 == choose_budget(s, cost, cfg).budget
+
+
 def test_ties_go_to_the_smaller_budget(device):
     cfg = ScheduleConfig(gamma=3)
     s = torch.tensor([[1.0, 1.0, 0.25]], device=device)

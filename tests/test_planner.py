@@ -144,7 +144,9 @@ def test_tier_fill_fills_the_paid_tier_and_never_crosses_it(b, seed, lag, tiers,
 def test_tier_fill_example(device):
     cfg = ScheduleConfig(gamma=GAMMA)
     cliff = AdditiveCostModel(1e-3, [1], [0.0], [0, 10, 11, 40], [0.0, 0.2e-3, 10e-3, 12e-3])
-    planner = VerifyPlanner(cfg, cliff, lag=0, tiers=(16, 32), graph_slots=8)
+    # lag 1 (the argmax over the ring's all-ones rows of new requests): the lag-0 scan's unit is a whole
+    # tier, so it never stops inside one
+    planner = VerifyPlanner(cfg, cliff, lag=1, num_slots=4, tiers=(16, 32), graph_slots=8)
     z = torch.full((4, GAMMA), 6.0, device=device)  # confident: every candidate is valid
     plan = planner.plan(z, *ids(4))
     assert plan.decision.budget == 6 and plan.decision.rows == 10 and plan.budget == plan.tier_budget == 12

@@ -19,7 +19,7 @@ The public functions check their inputs, then call these; the planner, validated
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from dspark.kernels import dispatch
 from dspark.plan.survival import _check_matrix, monotone_host, monotone_survival
 from dspark.util.validate import check_verify_lens
 from dspark.verify import boundary
+from dspark.verify.layout import check_tiers
 
 HOST_PLAN_MAX = 16384  # survival entries (B * gamma) up to which an accelerator's step may be planned on the host
 
@@ -161,15 +162,23 @@ def _host_curves(host: HostSurvival, cost_model: CostModel | None, cfg: Schedule
     return _Curves(b * f, tau, seconds, tau / seconds)
 
 
-def _greedy_stop(c: _Curves) -> int:
-    """`greedy_budget`'s scan over runs of equal predicted seconds (see its docstring)."""
-    ends = np.flatnonzero(np.append(c.seconds[1:] != c.seconds[:-1], True))  # last budget of each run
+def tier_keys(rows: np.ndarray, tiers: Sequence[int]) -> np.ndarray:
+    """Per row count, the tier it replays (the smallest tier >= rows), or past the largest tier a key of
+    its own: equal keys are one run of `greedy_budget`'s scan."""
+    t = np.asarray(tiers, dtype=np.int64)
+    return np.where(rows > t[-1], rows + t.size, np.searchsorted(t, rows, side="left"))
+
+
+def _greedy_stop(c: _Curves, tiers: Sequence[int] | None) -> int:
+    """`greedy_budget`'s scan over runs of one tier, or of equal predicted seconds (see its docstring)."""
+    key = tier_keys(c.base + np.arange(c.tau.size), tiers) if tiers else c.seconds
+    ends = np.flatnonzero(np.append(key[1:] != key[:-1], True))  # last budget of each run
     stops = np.flatnonzero(c.theta[ends[1:]] <= c.theta[ends[:-1]])
     return int(ends[stops[0]] if stops.size else ends[-1])
 
 
 def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig, *, greedy: bool = False,
-                  seconds: np.ndarray | None = None) -> BudgetDecision:
+                  seconds: np.ndarray | None = None, tiers: Sequence[int] | None = None) -> BudgetDecision:
     """`choose_budget` (or with `greedy`, `greedy_budget`) on the host, without checks.
 
     Args:
@@ -179,26 +188,29 @@ def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig
         greedy: the synchronous early-stop scan instead of the argmax.
         seconds: float64 [>= #candidates + 1] T(B, B * F + b) when the caller caches it per B
             (`seconds_over_window`); None reads `cost_model.seconds_curve`.
+        tiers: the graph tiers the step pads to (checked, ascending): the greedy scan's runs.
     Returns:
         The eager BudgetDecision (ints, floats, host curves).
     """
     c = _host_curves(host, cost_model, cfg, seconds)
-    k = _greedy_stop(c) if greedy else int(c.theta.argmax())
+    k = _greedy_stop(c, tiers) if greedy else int(c.theta.argmax())
     return BudgetDecision(k, float(c.tau[k]), float(c.seconds[k]), float(c.theta[k]), c.base + k,
                           torch.from_numpy(c.tau), torch.from_numpy(c.seconds), torch.from_numpy(c.theta))
 
 
-def traced_decision(survival: Tensor, seconds: Tensor, cfg: ScheduleConfig, *, greedy: bool = False) -> BudgetDecision:
+def traced_decision(survival: Tensor, seconds: Tensor, cfg: ScheduleConfig, *, greedy: bool = False,
+                    tiers: Tensor | None = None) -> BudgetDecision:
     """The budget with torch ops only (static shapes, no host read): the `torch.compile` path.
 
     Args:
         survival: [B, gamma] non-increasing, NaN-free (`monotone_survival` / calibrated).
         seconds: float64 [B * C + 1] T(B, B * F + b) on the survival's device.
         cfg: the schedule; greedy: the early-stop scan instead of the argmax.
+        tiers: int64 [T] ascending graph tiers on the survival's device (the greedy scan's runs), or None.
     Returns:
         A BudgetDecision of 0-d tensors and static-length curves (see BudgetDecision).
     """
-    curves = theta_curves_torch(survival, seconds, cfg.floor, cfg.cap, cfg.survival_eps)
+    curves = theta_curves_torch(survival, seconds, cfg.floor, cfg.cap, cfg.survival_eps, tiers)
     k = curves.greedy if greedy else curves.budget
     at = k.reshape(1)  # a tensor index: no host read
     tau, step_seconds, theta = (x.index_select(0, at).squeeze(0) for x in (curves.tau, seconds, curves.theta))
@@ -222,16 +234,18 @@ def seconds_over_window(cost_model: CostModel, num_requests: int, cfg: ScheduleC
 
 
 def _decide(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig,
-            greedy: bool) -> BudgetDecision:
+            greedy: bool, tiers: Sequence[int] | None = None) -> BudgetDecision:
     cfg = check_config(cfg)
     check_cost_model(cost_model, width=cfg.width)
     _check_survival(survival, cfg)
+    tiers = check_tiers(tiers) or None
     if isinstance(survival, HostSurvival):
-        return host_decision(survival, cost_model, cfg, greedy=greedy)
+        return host_decision(survival, cost_model, cfg, greedy=greedy, tiers=tiers)
     if torch.compiler.is_compiling():
         s = monotone_survival(survival)
-        return traced_decision(s, seconds_torch(cost_model, s.shape[0], cfg, s.device), cfg, greedy=greedy)
-    return host_decision(host_survival(survival), cost_model, cfg, greedy=greedy)
+        t = None if tiers is None else torch.tensor(tiers, dtype=torch.int64, device=s.device)
+        return traced_decision(s, seconds_torch(cost_model, s.shape[0], cfg, s.device), cfg, greedy=greedy, tiers=t)
+    return host_decision(host_survival(survival), cost_model, cfg, greedy=greedy, tiers=tiers)
 
 
 def choose_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
@@ -247,21 +261,23 @@ def choose_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: S
     return _decide(survival, cost_model, cfg, greedy=False)
 
 
-def greedy_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
+def greedy_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig,
+                  tiers: Sequence[int] | None = None) -> BudgetDecision:
     """Synchronous (lag = 0) budget: admit candidates best-first while theta strictly rises.
 
-    Candidates whose rows the cost model prices the same as the rows before them (a run of equal
-    predicted seconds: one tier of a `TieredCostModel`, one bucket of a steps/s table) are admitted
-    together, as one unit: their time is paid with the run's first row, and graph-tier fill adds them
-    anyway. So this equals the sequential scan over the runs' last budgets that stops at the first run
+    The scan's unit is a run of candidates admitted together: with `tiers` (the graph tiers the step pads
+    to) the candidates whose rows replay the same tier, else those the cost model prices the same as the
+    rows before them (one tier of a `TieredCostModel`, one bucket of a steps/s table). A run's time is paid
+    with its first row, and graph-tier fill adds the rest anyway; a row-by-row scan would stop at every
+    tier edge. So this equals the sequential scan over the runs' last budgets that stops at the first run
     whose theta does not exceed the previous run's (evaluated vectorized); with a strictly increasing
     cost every run is one candidate. Caveat: the stop test reads the next run's own survivals, so this is
     non-anticipating only to the extent the survival of a draft is fixed before its token is known;
     it may also stop at a local maximum below the free argmax. Use lag >= 1 for the strict guarantee.
 
-    Args and returns as `choose_budget`.
+    Args and returns as `choose_budget`; tiers: ascending ints, or None.
     """
-    return _decide(survival, cost_model, cfg, greedy=True)
+    return _decide(survival, cost_model, cfg, greedy=True, tiers=tiers)
 
 
 def tau_curve(survival: Tensor, cfg: ScheduleConfig) -> Tensor:
@@ -291,13 +307,15 @@ class DeviceCurves(NamedTuple):
     theta: Tensor       # [B * C + 1] float64, -inf past num_valid
 
 
-def theta_curves_torch(survival: Tensor, seconds: Tensor, floor: int, cap: int, eps: float) -> DeviceCurves:
+def theta_curves_torch(survival: Tensor, seconds: Tensor, floor: int, cap: int, eps: float,
+                       tiers: Tensor | None = None) -> DeviceCurves:
     """The device-side budget: tau, theta and their argmax over every budget b = 0..B * C at once.
 
     Args:
         survival: monotone [B, gamma] (`monotone_survival` / calibrated).
         seconds: float64 [B * C + 1] = T(B, B * F + b) on the same device.
         floor, cap, eps: F, M_max, survival_eps.
+        tiers: int64 [T] ascending graph tiers (the greedy scan's runs), or None (runs of equal seconds).
     Returns:
         DeviceCurves. Budgets past #candidates get theta = -inf, so the static length B * C + 1 replaces the
         data-dependent one: no host read, no data-dependent branch.
@@ -305,7 +323,12 @@ def theta_curves_torch(survival: Tensor, seconds: Tensor, floor: int, cap: int, 
     tau, num_valid = _tau_torch(survival, floor, cap, eps)
     b = torch.arange(tau.numel(), device=tau.device)
     theta = torch.where(b <= num_valid, tau / seconds, float("-inf"))
-    return DeviceCurves(torch.argmax(theta), _greedy_over_runs(theta, seconds, num_valid), num_valid, tau, theta)
+    if tiers is None:
+        key = seconds
+    else:
+        rows = survival.shape[0] * floor + b
+        key = torch.where(rows > tiers[-1], rows + tiers.numel(), torch.searchsorted(tiers, rows))
+    return DeviceCurves(torch.argmax(theta), _greedy_over_runs(theta, key, num_valid), num_valid, tau, theta)
 
 
 def _tau_torch(survival: Tensor, floor: int, cap: int, eps: float) -> tuple[Tensor, Tensor]:
@@ -318,11 +341,12 @@ def _tau_torch(survival: Tensor, floor: int, cap: int, eps: float) -> tuple[Tens
     return base + torch.cat([best.new_zeros(1), torch.cumsum(best, 0)]), valid.sum().to(torch.int64)
 
 
-def _greedy_over_runs(theta: Tensor, seconds: Tensor, num_valid: Tensor) -> Tensor:
-    """`greedy_budget`'s scan on the device: the last budget of the first run of equal predicted seconds
-    whose next run's theta does not exceed its own (runs past num_valid do not exist: theta -inf)."""
+def _greedy_over_runs(theta: Tensor, key: Tensor, num_valid: Tensor) -> Tensor:
+    """`greedy_budget`'s scan on the device: the last budget of the first run (budgets of equal `key`: one
+    tier, or equal predicted seconds) whose next run's theta does not exceed its own (runs past num_valid do
+    not exist: theta -inf)."""
     b = torch.arange(theta.numel(), device=theta.device)
-    differs = torch.cat([seconds[1:] != seconds[:-1], torch.ones(1, dtype=torch.bool, device=theta.device)])
+    differs = torch.cat([key[1:] != key[:-1], torch.ones(1, dtype=torch.bool, device=theta.device)])
     is_end = (b <= num_valid) & (differs | (b == num_valid))
     run = torch.cumsum(is_end.to(torch.int64), 0) - is_end.to(torch.int64)  # index of the run b belongs to
     run_theta = torch.full((theta.numel() + 1,), float("-inf"), dtype=theta.dtype, device=theta.device)

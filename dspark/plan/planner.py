@@ -118,6 +118,7 @@ class VerifyPlanner:
         self._platform_checked: str | None = None  # device type the cost model's platform was checked for
         self.lag = lag
         self.tiers = check_tiers(tiers)
+        self._tier_tensors: dict[torch.device, Tensor] = {}
         self.graph_slots = graph_slots
         self.temperatures = None if temperatures is None else check_temperatures(temperatures, cfg.gamma)
         self.ring = SurvivalLagRing(num_slots, cfg.gamma, lag, device) if lag > 0 else None
@@ -157,7 +158,7 @@ class VerifyPlanner:
             # the ring holds calibrated rows (or ones): no repair
             budget_from = host if lagged is None else host_survival(lagged, calibrated=True)
             decision = host_decision(budget_from, self.cost_model, cfg, greedy=lagged is None,
-                                     seconds=self._host_seconds(b))
+                                     seconds=self._host_seconds(b), tiers=self.tiers or None)
             live_valid = host.window(cfg)[1]
         offered, _ = tier_fill(decision.budget, b, cfg.floor, self.tiers)
         verify_lens = allocate_checked(survival if host is None else host, offered, cfg)
@@ -198,6 +199,14 @@ class VerifyPlanner:
             seconds = self._host_seconds_by_b[b] = seconds_over_window(self.cost_model, b, self.cfg).numpy()
         return seconds
 
+    def _device_tiers(self, device: torch.device) -> Tensor | None:
+        """The tiers as an int64 tensor on `device` (the traced greedy scan's runs), made once per device."""
+        if not self.tiers:
+            return None
+        if device not in self._tier_tensors:
+            self._tier_tensors[device] = torch.tensor(self.tiers, dtype=torch.int64, device=device)
+        return self._tier_tensors[device]
+
     def _device_decision(self, live: Tensor, lagged: Tensor | None) -> tuple[BudgetDecision, int]:
         """The budget chosen on the device (argmax over lagged survival, or the greedy scan over live survival
         at lag 0) and the live candidate count, brought to the host in one read."""
@@ -207,7 +216,8 @@ class VerifyPlanner:
             self._seconds[key] = seconds_over_window(self.cost_model, b, self.cfg).to(live.device)
         seconds = self._seconds[key]
         cfg = self.cfg
-        traced = traced_decision(live if lagged is None else lagged, seconds, cfg, greedy=lagged is None)
+        traced = traced_decision(live if lagged is None else lagged, seconds, cfg, greedy=lagged is None,
+                                 tiers=self._device_tiers(live.device))
         budgets = (traced.theta_curve > float("-inf")).sum()  # 0..#candidates: theta is -inf past them
         live_valid = (live[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum()
         picked = torch.stack([x.to(torch.float64) for x in (traced.budget, budgets, live_valid, traced.tau,
