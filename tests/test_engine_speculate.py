@@ -81,6 +81,28 @@ def test_realised_acceptance_decides_once_observed(device) -> None:
     assert off.realised is None and off.speculate(slots, gens)
 
 
+def test_plain_steps_pull_the_realised_average_back_to_the_long_run_mean(device) -> None:
+    """A plain step observes nothing: its B outcomes count as the long-run mean, so a short bad streak sends
+    a small batch plain for a few steps only (the replay found B = 2 stuck plain behind one streak)."""
+    from types import SimpleNamespace
+
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
+    policy = Adaptive(_planner(device=device), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5 ** 0.5,
+                      prior_weight=0, max_probe_every=64, probe_every=64)
+    confident = torch.full((2, GAMMA), 8.0, device=device)
+    for commit in [[GAMMA + 1, GAMMA + 1]] * 3 + [[1, 1]] * 3:  # long-run mean 1.5 accepted; then a streak
+        policy.plan(confident, slots, gens)
+        policy.observe(torch.tensor(commit, device=device))
+    assert policy.realised[0] < 1.0 and not policy.speculate(slots, gens)  # 3 * (1 + r) / 10 ms < 400 tok/s
+    plain = SimpleNamespace(speculated=False, requests=slots)
+    steps = 0
+    while not policy.speculate(slots, gens):  # each plain step halves the distance to the mean (1.5)
+        policy.observe(torch.ones(2, dtype=torch.int64), plain)
+        steps += 1
+        assert steps < 5
+    assert steps == 2 and policy.realised[0] == pytest.approx(1.5 - (1.5 - 0.375) * 0.25)
+
+
 def test_realised_cost_feedback_follows_measured_step_times(device) -> None:
     """Profiled: speculative 10 ms, plain 5 ms for 2 requests. With survival 0.9, speculation predicts
     tau ~ 7.4 per 10 ms (740 tok/s) vs plain 400 tok/s. If speculative steps then measure 3x their prediction

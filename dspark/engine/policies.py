@@ -154,6 +154,7 @@ class Adaptive(Policy):
         self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
         self._prior: tuple[float, float] | None = None  # the first planned step's predicted (accepted, verified)
         self._observed = 0  # request outcomes of speculative steps seen
+        self._totals = (0.0, 0.0)  # accepted, verified drafts summed over those outcomes
         self._pending: VerifyPlan | None = None  # the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
@@ -243,6 +244,14 @@ class Adaptive(Policy):
         estimator's features."""
         if self.estimator is not None and outcome is not None and outcome.speculated:
             self.estimator.observe(verify_lens=outcome.caps, correct_len=outcome.correct_len, features=self._features)
+        if outcome is not None and not outcome.speculated and self.realised is not None:
+            # a plain step observes nothing: its B outcomes count as the long-run mean (the recent average
+            # describes text that has moved on), so one bad streak cannot keep a small batch plain
+            w = 1 - self.feedback_decay ** outcome.requests.numel()
+            prior, weight = (self._prior, self.prior_weight) if self._prior is not None else ((0.0, 0.0), 0)
+            mean = [(t + weight * p) / (self._observed + weight) for t, p in zip(self._totals, prior)]
+            self.realised = ((1 - w) * self.realised[0] + w * mean[0], (1 - w) * self.realised[1] + w * mean[1])
+            self._decided = None
         if self._pending is None:
             return
         plan, self._pending = self._pending, None
@@ -254,6 +263,7 @@ class Adaptive(Policy):
         verified = float((vl - 1).mean())
         n = vl.size
         self._observed += n
+        self._totals = (self._totals[0] + n * accepted, self._totals[1] + n * verified)
         # the mean of the prior and the first outcomes, then the moving average
         prior = self.prior_weight if self._prior is not None else 0
         w = max(1 - self.feedback_decay ** n, n / (self._observed + prior))

@@ -1,7 +1,7 @@
 """What calibration, lag and tiers buy: the adaptive policy replayed with one thing changed at a time.
 
-`fit_trace_temperatures` fits STS temperatures on a seeded half of the trace's requests (labels: the greedy
-prefix reaches draft k). `variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`:
+`fit_trace_temperatures` fits STS temperatures on a seeded half of the trace's requests at the positions a
+decode loop steps at (labels: the greedy prefix reaches draft k), as the demo's teacher-forced recorder does. `variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`:
 survival from the head after STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform
 survival per position for every request, the online estimator, the oracle's exact acceptance; the planner's
 lag 1 / 2 (default 0); eager steps (no graph tiers).
@@ -23,10 +23,23 @@ VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estima
             "no tiers")
 
 
+def step_rows(trace: Trace, gamma: int, requests: Tensor) -> Tensor:
+    """The trace rows a fixed-gamma greedy run of `requests` steps at (t = 0, then t += min(a(t), gamma) + 1):
+    the positions a decode loop visits, where acceptance is lower than over all positions (a hard stretch is
+    visited at every token, an easy one skipped)."""
+    rows = []
+    for i in requests.tolist():
+        start, end = int(trace.position_offsets[i]), int(trace.position_offsets[i + 1])
+        t = start
+        while t < end:
+            rows.append(t)
+            t += min(int(trace.accepted[t]), gamma) + 1
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def trace_labels(trace: Trace, gamma: int, requests: Tensor) -> tuple[Tensor, Tensor]:
-    """(confidence logits [n, gamma], greedy prefix labels [n, gamma]) at every position of `requests`."""
-    rows = torch.cat([torch.arange(int(trace.position_offsets[i]), int(trace.position_offsets[i + 1]))
-                      for i in requests.tolist()])
+    """(confidence logits [n, gamma], greedy prefix labels [n, gamma]) at the step positions of `requests`."""
+    rows = step_rows(trace, gamma, requests)
     labels = (trace.accepted[rows, None] > torch.arange(gamma)[None, :]).to(torch.float32)
     return trace.confidence_logits[rows, :gamma], labels
 
