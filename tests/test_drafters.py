@@ -101,13 +101,13 @@ def _policies(device: torch.device) -> dict[str, Policy]:
 
 
 def _queue(seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """16 prompts of 3-12 tokens (every other one repeating a stretch of itself) and 6-12 new tokens each."""
+    """16 prompts of 3-12 tokens (every other one repeating a stretch of itself) and 5-10 new tokens each."""
     g = torch.Generator().manual_seed(seed)
     prompts = []
     for i in range(16):
         p = torch.randint(0, VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
         prompts.append(torch.cat([p, p[:4]]) if i % 2 else p)
-    return prompts, torch.randint(6, 13, (16,), generator=g)
+    return prompts, torch.randint(5, 11, (16,), generator=g)
 
 
 def _generate_reference(target: TransformersCausalLM, prompts, counts, stop: list[int]) -> list[list[int]]:
@@ -179,10 +179,10 @@ def test_a_causal_lm_drafter_that_is_the_target_is_always_accepted(device) -> No
     target, _ = target_and_draft_lm()
     twin = TransformersCausalLM(copy.deepcopy(target.hf_model))
     dec = SpecDecoder(target, CausalLMDrafter(twin), cache_tokens=2048, page_size=8, device=device)
-    prompts, counts = _queue(seed=4)
-    ref = dec.generate(prompts[:8], counts[:8], FixedK(0))
+    prompts, _ = _queue(seed=4)
+    ref = dec.generate(prompts[:8], 12, FixedK(0))
     for policy in (FixedK(GAMMA), Alternate(GAMMA)):
-        out = dec.generate(prompts[:8], counts[:8], policy, slots=3)  # 8 requests on 3 slots: refills
+        out = dec.generate(prompts[:8], 12, policy, slots=3)  # 8 requests on 3 slots: refills
         assert torch.equal(out.tokens, ref.tokens)
         spec = [s for s in out.steps if s.speculated]
         assert len(spec) >= 6 and all(bool((s.correct_len == GAMMA).all()) for s in spec)
@@ -222,3 +222,25 @@ def test_a_drafter_of_another_vocabulary_or_tokenizer_is_refused(device) -> None
         NgramDrafter(0, 2)
     with pytest.raises(TypeError, match="draft must be a dspark.models.DraftModel or a Drafter"):
         SpecDecoder(target, "ngram", cache_tokens=64)
+
+
+@pytest.mark.cpu_only(reason="the demo command's n-gram family on the CPU (perf/device_check.sh runs the demo on a GPU)")
+def test_the_demo_serves_the_ngram_family_beside_the_block_draft(tmp_path) -> None:
+    from dspark.engine.demo import DemoConfig, parse_policies, run_demo
+
+    assert parse_policies(["ngram-fixed", "ngram-adaptive-est"], 2) == ["fixed-0", "ngram-fixed-1", "ngram-fixed-2",
+                                                                        "ngram-adaptive-est"]
+    with pytest.raises(ValueError, match=r"policy 'ngram-fixed-0': k = 0 is outside \[1, gamma = 2\]"):
+        parse_policies(["ngram-fixed-0"], 2)
+    with pytest.raises(ValueError, match="unknown policy 'ngram-oracle'"):
+        parse_policies(["ngram-oracle"], 2)
+    target, draft = tiny_models(gamma=GAMMA)
+    cfg = DemoConfig(out=str(tmp_path / "out"), batch_sizes=(2,), gamma=2, prompt_len=8, max_new_tokens=6, repeats=1,
+                     profile_repeats=1, policies=("ngram-fixed-2", "ngram-adaptive-est"), tiers=())
+    summary = run_demo(cfg, echo=lambda s: None, show_progress=False,
+                       models=(target, draft, lambda text: [b % 64 for b in text.encode("utf-8")]))
+    assert {r["policy"] for r in summary["results"]} == {"fixed-0", "ngram-fixed-2", "ngram-adaptive-est"}
+    assert summary["lossless"]["checked_runs"] == 3 + 2 * 3  # every policy at B = 2, and in the two other modes
+    family = summary["ngram"]["family"]
+    assert [f["batch"] for f in family] == [2] and family[0]["best_fixed"].startswith("ngram-fixed-")
+    assert "adaptive_est_vs_best_fixed" in family[0] and summary["ngram"]["estimator"]["steps_observed"] > 0

@@ -40,7 +40,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="adaptive,adaptive-est,fixed,oracle",
                    help="comma list of adaptive (the draft's confidence head + STS), adaptive-est (the head off, "
                         "an online acceptance estimator in its place), oracle, fixed (= fixed-0..fixed-gamma), "
-                        "fixed-K")
+                        "fixed-K; the n-gram drafter (prompt lookup, no model) beside the block draft: ngram-fixed "
+                        "(= ngram-fixed-1..ngram-fixed-gamma), ngram-fixed-K, ngram-adaptive-est")
     p.add_argument("--gamma", type=int, default=3, help="drafts per step, at most the draft's block of 6 (default 3)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=12, help="mean new tokens per request (default 12)")

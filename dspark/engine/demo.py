@@ -8,7 +8,9 @@
 3. record the draft's confidence against realised acceptance and fit STS temperatures;
 4. serve the same queue of held-out prompts (N = requests_per_slot x B, output lengths varied around
    max_new_tokens) with every policy (adaptive with the head + STS, adaptive-est with the head off and an
-   online acceptance estimator in its place, fixed-k for k = 0..gamma, oracle) at each batch size B by continuous batching: B slots, a finished
+   online acceptance estimator in its place, fixed-k for k = 0..gamma, oracle; on request the n-gram drafter's
+   family beside them, `ngram-fixed-k` and `ngram-adaptive-est`: prompt lookup, no model, its own estimator)
+   at each batch size B by continuous batching: B slots, a finished
    request's slot is refilled at once (prefill timed); reported are committed tokens/s over the whole
    queue (ramp-up and drain tail included) and over the steady state (every slot busy). Each round runs
    every policy once, all of them in `lockstep` (interleaved step by step, each on its own decoder), so
@@ -27,6 +29,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -41,6 +44,7 @@ from dspark.config import ScheduleConfig, VerifyMode
 from dspark.engine.decode import SpecDecoder, check_device
 from dspark.engine.demo_config import (
     ADAPTIVE,
+    NGRAM,
     DemoConfig,
     check_config,
     demo_clock,
@@ -50,6 +54,7 @@ from dspark.engine.demo_config import (
     request_lengths,
 )
 from dspark.engine.lockstep import lockstep
+from dspark.engine.ngram import NgramDrafter
 from dspark.engine.policies import make_policy
 from dspark.engine.progress import Progress
 from dspark.engine.profile import (
@@ -107,6 +112,27 @@ def _assert_matches_reference(ref: Tensor, out: GenerateResult, counts: Tensor, 
         if not torch.equal(out.tokens[i, :n].cpu(), ref[i, :n].cpu()):
             raise AssertionError(f"losslessness violated by {what}: request {i} differs from transformers' "
                                  f"generate(do_sample=False)")
+
+
+def family_summary(rows: list[dict], prefix: str) -> list[dict]:
+    """Per batch size, a drafter family's best fixed k (the `prefix`fixed-k with the best paired steady speed-up
+    over fixed-0) and its `prefix`adaptive-est's paired speed-up over that fixed k (medians of per-round ratios)."""
+    out = []
+    for b in sorted({r["batch"] for r in rows}):
+        runs = {r["policy"]: r["steady_tokens_per_s_runs"] for r in rows if r["batch"] == b}
+        fixed = [n for n in runs if n.startswith(prefix + "fixed-")]
+        if not fixed:
+            continue
+
+        def paired(n: str, m: str) -> float:
+            return statistics.median(x / y for x, y in zip(runs[n], runs[m]))
+
+        best = max(fixed, key=lambda n: paired(n, "fixed-0"))
+        entry = {"batch": b, "best_fixed": best, "best_fixed_vs_no_spec": paired(best, "fixed-0")}
+        if prefix + "adaptive-est" in runs:
+            entry["adaptive_est_vs_best_fixed"] = paired(prefix + "adaptive-est", best)
+        out.append(entry)
+    return out
 
 
 def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progress: bool = True,
@@ -188,7 +214,22 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     # adaptive-est: the draft's head off, one online estimator for the whole demo (as in a server: it starts
     # from its warm-up prior at the first run and keeps learning from every accept outcome after it)
     estimator = OnlineAcceptanceEstimator(gamma)
-    decoders = {name: decoder.fork() for name in names}  # one per policy: each round runs them in lockstep
+    # the n-gram family: the same target and tiers with an NgramDrafter, its own estimator; its adaptive-est
+    # plans with the block decoder's profiled costs (n-gram drafting is cheaper: its speculation is priced high)
+    ngram = (SpecDecoder(target, NgramDrafter(), cache_tokens=max(bmax, 2) * per_request, device=device,
+                         tiers=decoder.tiers or None, clock=decoder.clock)
+             if any(n.startswith(NGRAM) for n in names) else None)
+    ngram_estimator = OnlineAcceptanceEstimator(gamma)
+
+    def served_by(name: str) -> SpecDecoder:
+        return ngram if name.startswith(NGRAM) else decoder
+
+    def make_for(name: str, b: int):
+        if name.startswith(NGRAM):
+            return make_policy(name[len(NGRAM):], gamma, b, planner, plain.step_seconds, probe, ngram_estimator)
+        return make_policy(name, gamma, b, planner, plain.step_seconds, probe, estimator)
+
+    decoders = {name: served_by(name).fork() for name in names}  # one per policy: each round runs them in lockstep
     records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: the plots
     rounds: dict[tuple[str, int], list[list[StepRecord]]] = {}  # every round's steps: demo.json
     every_round: dict[tuple[str, int], list[StepRecord]] = {}  # every round's, flat: the table's step statistics
@@ -203,7 +244,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         queue, counts = prompts[: queue_size(cfg, b)], lengths[: queue_size(cfg, b)]
         queue_tokens[b] = int(counts.sum())
         def make(name: str, b: int = b):
-            return make_policy(name, gamma, b, planner, plain.step_seconds, probe, estimator)
+            return make_for(name, b)
 
         # untimed warm-up at this batch size: the first runs at new shapes are slow. On an accelerator the
         # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels (about a second
@@ -230,8 +271,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 tokens, busy_seconds = res.steady()
                 steady.setdefault((name, b), []).append(tokens / busy_seconds)
                 recs = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
-                                    lag=cfg.lag if name in ADAPTIVE else 0,
-                                    temperatures=None if name == "adaptive-est" else temps)
+                                    lag=cfg.lag if name.removeprefix(NGRAM) in ADAPTIVE else 0,
+                                    temperatures=None if name.startswith(NGRAM) or name == "adaptive-est" else temps)
                 every_round.setdefault((name, b), []).extend(recs)
                 rounds.setdefault((name, b), []).append(recs)
                 if rep == 0:
@@ -240,9 +281,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         short = torch.full((small.shape[0],), max(1, cfg.max_new_tokens // 2), dtype=torch.int64)
         for m in (m for m in VerifyMode if m is not mode):  # `mode` itself: every run above
             for name in names:
-                res = decoder.generate(small, short,
-                                       make_policy(name, gamma, 2, planner, plain.step_seconds, probe, estimator), mode=m,
-                                       slots=2)
+                res = served_by(name).generate(small, short, make_for(name, 2), mode=m, slots=2)
                 _assert_matches_reference(reference, res, short, f"{name} ({m.value}, 2 reused slots)")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")
@@ -263,6 +302,10 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         "calibration": {"path": "calibration.json", "temperatures": temps, "warnings": calib.warnings},
         "estimator": {"steps_observed": estimator.steps_observed, "refits": estimator.refits,
                       "labels_seen": estimator.labels_seen.tolist(), "parameters": estimator.parameters.tolist()},
+        "ngram": None if ngram is None else {
+            "drafter": repr(ngram.drafter), "family": family_summary(rows, NGRAM),
+            "estimator": {"steps_observed": ngram_estimator.steps_observed, "refits": ngram_estimator.refits,
+                          "parameters": ngram_estimator.parameters.tolist()}},
         "results": rows,
         "goals": goals,
         "tau_bias": tau_bias([r for recs in every_round.values() for r in recs]),
@@ -279,6 +322,11 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         plot_reliability(calib, tmp)
     echo(format_table(rows))
     echo(format_goals(goals))
+    if ngram is not None:
+        echo(f"{ngram.drafter}: " + "; ".join(
+            f"B={f['batch']} best {f['best_fixed']} {f['best_fixed_vs_no_spec']:.2f}x plain"
+            + (f", ngram-adaptive-est {f['adaptive_est_vs_best_fixed']:.2f}x of it" if "adaptive_est_vs_best_fixed" in f
+               else "") for f in summary["ngram"]["family"]))
     echo(f"greedy losslessness: {lossless_checks} runs identical to target-only greedy decoding, which equals "
          f"transformers' generate(do_sample=False) on {generate_checks} requests"
          if not cfg.sampling else "sampling mode: losslessness is distributional (see tests/test_engine.py)")

@@ -48,22 +48,29 @@ class DemoConfig:
 
 
 
+NGRAM = "ngram-"  # the n-gram drafter's policy family: ngram-fixed-K, ngram-adaptive-est
+
+
 def parse_policies(names: Sequence[str], gamma: int) -> list[str]:
-    """Expand `fixed` to fixed-0..fixed-gamma; validate every name (fixed-k needs 0 <= k <= gamma)."""
+    """Expand `fixed` to fixed-0..fixed-gamma and `ngram-fixed` to ngram-fixed-1..ngram-fixed-gamma; validate every
+    name (fixed-k needs 0 <= k <= gamma, ngram-fixed-k 1 <= k <= gamma: its k = 0 is fixed-0)."""
     out: list[str] = []
     for name in names:
-        if name == "fixed":
-            out += [f"fixed-{k}" for k in range(gamma + 1)]
-        elif name in ADAPTIVE + ("oracle",):
+        family, base = (NGRAM, name[len(NGRAM):]) if name.startswith(NGRAM) else ("", name)
+        low = 1 if family else 0
+        if base == "fixed":
+            out += [f"{family}fixed-{k}" for k in range(low, gamma + 1)]
+        elif base in (("adaptive-est",) if family else ADAPTIVE + ("oracle",)):
             out.append(name)
-        elif name.startswith("fixed-") and name[6:].isdigit():
-            k = int(name[6:])
-            if k > gamma:
-                raise ValueError(f"policy {name!r}: k = {k} is outside [0, gamma = {gamma}]")
+        elif base.startswith("fixed-") and base[6:].isdigit():
+            k = int(base[6:])
+            if not low <= k <= gamma:
+                raise ValueError(f"policy {name!r}: k = {k} is outside [{low}, gamma = {gamma}]")
             out.append(name)
         else:
             raise ValueError(f"unknown policy {name!r}; choose from adaptive, adaptive-est, oracle, fixed, fixed-K "
-                             "(0 <= K <= gamma)")
+                             "(0 <= K <= gamma), and for the n-gram drafter ngram-fixed, ngram-fixed-K (1 <= K <= "
+                             "gamma), ngram-adaptive-est")
     # fixed-0 (no speculation) always runs first: the speed baseline and the losslessness reference
     return ["fixed-0"] + [n for n in dict.fromkeys(out) if n != "fixed-0"]
 
