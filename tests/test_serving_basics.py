@@ -130,6 +130,16 @@ def test_text_in_text_out_equals_transformers_generate(device) -> None:
     assert one.tokens == [want[1][:5]]
 
 
+@pytest.mark.cpu_only(reason="the example as written, on the CPU")
+def test_the_drafters_example_runs(capsys) -> None:
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "drafters.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.count("equal to transformers' generate") == 2
+
+
 def test_bad_input_is_named(device) -> None:
     target, _ = target_and_draft_lm()
     dec = SpecDecoder(target, NgramDrafter(), cache_tokens=512, page_size=8, device=device)
