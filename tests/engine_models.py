@@ -3,14 +3,13 @@ DraftModel distilled on it for a few seconds, so drafts are partly accepted (bot
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import torch
 
-from dspark.models.draft import DraftConfig, DraftModel
-from dspark.models.streams import greedy_streams
 from dspark.models.confidence_fit import fit_confidence, stream_rows
-from dspark.models.train_draft import TINY, TrainDraftConfig, distil
+from dspark.models.distil import distil
+from dspark.models.draft import DraftConfig, DraftModel
+from dspark.models.stream_store import labelled_streams
 from dspark.models.transformers_lm import TransformersCausalLM
 
 VOCAB = 64
@@ -35,19 +34,19 @@ def tiny_llama(vocab: int = VOCAB, seed: int = 0, max_seq_len: int = 128, embed_
 @functools.lru_cache(maxsize=None)
 def tiny_models(vocab: int = VOCAB, seed: int = 0, gamma: int = 4, steps: int = 60, max_seq_len: int = 64
                 ) -> tuple[TransformersCausalLM, DraftModel]:
-    """(target, draft): the draft distilled `steps` steps on the target's greedy streams of random prompts."""
+    """(target, draft): the draft distilled `steps` steps on the target's greedy streams of random prompts
+    (`dspark.models.distil`, as the real trainer), its confidence head fitted briefly on other streams."""
     hf = tiny_llama(vocab, seed, max_seq_len)
-    cfg = replace(TrainDraftConfig(**TINY), gamma=gamma, steps=steps, draft_vocab=vocab, prompt_len=8,
-                  new_tokens=24, max_seq_len=max_seq_len, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    prompts = torch.randint(0, vocab, (48, cfg.prompt_len), generator=gen)
-    tokens, hidden = greedy_streams(hf, prompts, cfg.new_tokens, batch=16)
+    streams = labelled_streams(hf, torch.randint(0, vocab, (48, 8), generator=gen), 24, batch=16)
     emb, head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
     dcfg = DraftConfig(hidden_size=64, vocab_size=vocab, draft_vocab_size=vocab, num_q_heads=4, num_kv_heads=2,
                        head_dim=16, intermediate_size=64, chain_size=64, gamma=gamma, markov_rank=4,
                        max_seq_len=max_seq_len)
     torch.manual_seed(seed + 2)
     draft = DraftModel(dcfg, emb, head, torch.arange(vocab))
-    distil(draft, tokens[:32], hidden[:32], cfg, lambda _: None)
-    fit_confidence(draft, stream_rows(draft, tokens[32:], hidden[32:], cfg.prompt_len), 3)  # moderate logits
+    distil(draft, {"code": streams.select(slice(0, 32))}, steps=steps, rows=256, lr=2e-3, weight_decay=0.1,
+           soft_weight=0.5, feature_weight=0.5, seed=seed, log=lambda _: None)
+    rest = streams.select(slice(32, None))
+    fit_confidence(draft, stream_rows(draft, rest.tokens, rest.hidden, 8), 3)  # moderate logits
     return TransformersCausalLM(hf), draft.eval()

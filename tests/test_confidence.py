@@ -91,3 +91,20 @@ def test_confidence_loss_rejects_bad_mask_and_decay(device):
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="decay"):
             confidence_loss(z, z, torch.ones(2, 3, device=device), decay=bad)
+
+
+def test_per_position_terms_and_their_bad_args(device):
+    head = ConfidenceHead(6, num_features=2, positions=3).to(device)
+    hidden = torch.randn(2, 3, 6, device=device)
+    with torch.no_grad():
+        head.position_weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.0, 0.0]]))
+        head.position_bias.copy_(torch.tensor([0.5, -0.5, 0.0]))
+    z = head(hidden)
+    base = head.proj(hidden).squeeze(-1)
+    want = base + torch.stack([0.5 + hidden[:, 0, 4], -0.5 + 2 * hidden[:, 1, 5], base.new_zeros(2)], 1)
+    torch.testing.assert_close(z, want)
+    assert ConfidenceHead(6, num_features=2).num_features == 0  # no positions: no per-position terms
+    with pytest.raises(ValueError, match="num_features=7 exceeds hidden_size=6"):
+        ConfidenceHead(6, num_features=7, positions=2)
+    with pytest.raises(ValueError, match="positions must be an int >= 0, got -1"):
+        ConfidenceHead(6, num_features=2, positions=-1)

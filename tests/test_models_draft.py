@@ -167,6 +167,26 @@ def test_refit_head_reproduces_the_full_run(tiny_run, tmp_path):
         main(["--tiny", "--out", str(tmp_path / "none.safetensors"), "--refit-head"])
 
 
+@pytest.mark.cpu_only(reason="the training command and its weight files, on the CPU")
+def test_a_run_from_an_init_file_keeps_its_body_with_steps_0(tiny_run, target, tmp_path):
+    """--init F --steps 0: F's vocabulary and body, a head refitted from the seed; distillation from F changes
+    the body; --steps 0 without --init is refused."""
+    from safetensors.torch import load_file
+
+    out, manifest = tiny_run
+    kept = main(["--tiny", "--out", str(tmp_path / "kept.safetensors"), "--init", str(out), "--steps", "0"])
+    assert kept["init"]["sha256"] == manifest["sha256"] and kept["training"]["steps"] == 0
+    assert kept["heldout_acceptance"] == manifest["heldout_acceptance"]  # the same body on the same streams
+    old, new = load_file(str(out)), load_file(str(tmp_path / "kept.safetensors"))
+    assert all(torch.equal(old[k], new[k]) for k in old if not k.startswith("confidence."))
+    tuned = main(["--tiny", "--out", str(tmp_path / "tuned.safetensors"), "--init", str(out), "--steps", "3"])
+    assert torch.equal(load_draft(target, tmp_path / "tuned.safetensors").vocab_ids, load_draft(target, out).vocab_ids)
+    assert not torch.equal(load_file(str(tmp_path / "tuned.safetensors"))["fuse.weight"], old["fuse.weight"])
+    assert tuned["wall_s"]["total_with_init"] > tuned["wall_s"]["total"]
+    with pytest.raises(SystemExit):
+        main(["--tiny", "--out", str(tmp_path / "none.safetensors"), "--steps", "0"])
+
+
 @pytest.mark.cpu_only(reason="file lists: no tensors")
 def test_corpus_splits_partition_the_stdlib_files():
     """train, calibration and heldout are disjoint and cover every file; calibration and heldout alternate

@@ -1,17 +1,24 @@
 """Fitting and measuring the draft's `dspark.ConfidenceHead` on recorded greedy streams (the head stage of
-`dspark.models.train_draft`): rows at every serving start, the seeded re-initialisation, the L-BFGS fit on
-the greedy conditional-acceptance event, and the per-position reports a manifest records.
+`dspark.models.train_draft`): rows at every serving start (the head's inputs: chain state and the features of
+its distribution), the seeded re-initialisation, the L-BFGS fit on the greedy conditional-acceptance event, and
+the per-position reports a manifest records.
 """
 from __future__ import annotations
 
 import math
+import time
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from dspark.calibration.confidence import confidence_loss, previous_tokens
 from dspark.models.draft import DraftModel
+from dspark.models.draft_file import round_to_file
+from dspark.models.stream_store import Streams
 from dspark.models.streams import features, stream_labels
+
+Rows = tuple[Tensor, Tensor, Tensor, Tensor]  # head inputs [R, g, H], previous tokens, labels, masks [R, g]
 
 HEAD_L2 = 3e-2  # see fit_confidence
 
@@ -19,18 +26,22 @@ HEAD_L2 = 3e-2  # see fit_confidence
 @torch.no_grad()
 def stream_rows(draft: DraftModel, tokens: Tensor, hidden: Tensor, prompt_len: int, chunk: int = 16
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """At every serving start whose gamma tokens are all in the stream: the greedy chain's states
-    [R, g, d], the token before each draft [R, g], and greedy conditional labels / masks [R, g]."""
+    """At every serving start whose gamma tokens are all in the stream: the head's inputs [R, g, d + F]
+    (`DraftModel.head_inputs`: the greedy chain's states and their distributions' features), the token before
+    each draft [R, g], and greedy conditional labels / masks [R, g].
+
+    tokens [N, T] and hidden [N, T - 1, d] (any float dtype) are greedy streams of prompt_len-token prompts."""
     g, p, t = draft.gamma, prompt_len, tokens.shape[1]
     out: list[list[Tensor]] = [[], [], [], []]
     to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.int64)
     to_draft[draft.vocab_ids] = torch.arange(draft.vocab_ids.numel())
     for tok, hid in zip(tokens.split(chunk), hidden.split(chunk)):
-        x = draft.forward_dense(tok, features(hid))[:, p - 1: t - g]
+        x = draft.forward_dense(tok, features(hid.float()))[:, p - 1: t - g]
         hk, reduced = draft.chain(x, g)
+        inputs = draft.head_inputs(hk, reduced)
         label, reached = stream_labels(reduced, to_draft[tok[:, p:].unfold(1, g, 1)])
         drafts = draft.vocab_ids[reduced.argmax(-1)]
-        for acc, v in zip(out, (hk, previous_tokens(tok[:, p - 1: t - g].flatten(), drafts.flatten(0, 1)),
+        for acc, v in zip(out, (inputs, previous_tokens(tok[:, p - 1: t - g].flatten(), drafts.flatten(0, 1)),
                                 label, reached)):
             acc.append(v.flatten(0, 1) if v.dim() > 2 else v)
     return tuple(torch.cat(v) for v in out)  # type: ignore[return-value]
@@ -39,7 +50,8 @@ def stream_rows(draft: DraftModel, tokens: Tensor, hidden: Tensor, prompt_len: i
 def reset_head(draft: DraftModel, seed: int) -> None:
     """Re-initialise the ConfidenceHead from `seed` alone: projection uniform in +-1/sqrt(fan_in) (nn.Linear's
     range; a zero projection with the zero embedding would be a stationary point of their product), zero
-    bias and zero previous-token embedding (a token absent from the fit rows adds nothing)."""
+    bias, zero previous-token embedding (a token absent from the fit rows adds nothing) and zero per-position
+    terms."""
     head = draft.confidence
     gen = torch.Generator().manual_seed(seed)
     bound = head.proj.in_features ** -0.5
@@ -48,6 +60,9 @@ def reset_head(draft: DraftModel, seed: int) -> None:
         head.proj.bias.zero_()
         if head.embed is not None:
             head.embed.weight.zero_()
+        if head.positions:
+            head.position_bias.zero_()
+            head.position_weight.zero_()
 
 
 def fit_confidence(draft: DraftModel, rows: tuple[Tensor, Tensor, Tensor, Tensor], max_iter: int,
@@ -84,12 +99,15 @@ def fit_confidence(draft: DraftModel, rows: tuple[Tensor, Tensor, Tensor, Tensor
 
 
 def acceptance(labels: Tensor, masks: Tensor) -> dict:
-    """Per draft position: reached (drafts before it all matched), accepted, their ratio; and the mean
-    accepted drafts per start with all gamma drafts verified."""
+    """Per draft position: reached (drafts before it all matched), accepted, their ratio; the mean accepted
+    drafts per start with all gamma drafts verified, and with only the first k verified for k = 1..gamma."""
+    run = (labels.bool() & masks).sum(1)
     reached, accepted = masks.sum(0), (labels.bool() & masks).sum(0)
-    return {"reached": reached.tolist(), "accepted": accepted.tolist(),
+    return {"starts": int(labels.shape[0]), "reached": reached.tolist(), "accepted": accepted.tolist(),
             "rate": [round(a / max(r, 1), 4) for a, r in zip(accepted.tolist(), reached.tolist())],
-            "mean_accepted": round(float((labels.bool() & masks).sum(1).float().mean()), 4)}
+            "mean_accepted": round(float(run.float().mean()), 4),
+            "mean_accepted_by_gamma": [round(float(run.clamp(max=k).float().mean()), 4)
+                                       for k in range(1, labels.shape[1] + 1)]}
 
 
 def head_report(draft: DraftModel, rows: tuple[Tensor, Tensor, Tensor, Tensor]) -> dict:
@@ -105,3 +123,46 @@ def head_report(draft: DraftModel, rows: tuple[Tensor, Tensor, Tensor, Tensor]) 
     rate = (labels.bool() & m).sum(0) / n
     return {"loss": round(loss, 5), "mean_p": [round(float(v), 4) for v in mean_p],
             "rate": [round(float(v), 4) for v in rate]}
+
+
+def _cat(parts: list[Rows]) -> Rows:
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(4))  # type: ignore[return-value]
+
+
+def head_stage(draft: DraftModel, head: dict[str, Streams], held: dict[str, Streams], *, seed: int, iters: int,
+               l2: float, log: Callable[[str], None], split: str = "calibration") -> tuple[dict, dict]:
+    """Reset the head (`seed`), fit it on the rows of every kind's `head` streams, then measure on `held`.
+
+    Args:
+        draft: the trained draft (its head is refitted in place).
+        head, held: {kind: greedy Streams} of the fit split and of the held-out split.
+        seed, iters, l2: `reset_head`'s seed, `fit_confidence`'s L-BFGS iterations and L2 weight.
+        log: progress lines.
+        split: the fit split's name, recorded.
+    Returns:
+        (manifest entries: held-out acceptance (code) and per kind, head losses and reports; wall seconds).
+    """
+    wall, t0 = {}, time.perf_counter()
+    reset_head(draft, seed)
+    fit_rows = _cat([stream_rows(draft, s.tokens, s.hidden, s.prompt_len) for s in head.values()])
+    fit_confidence(draft, fit_rows, iters, l2)
+    round_to_file(draft)
+    fit = head_report(draft, fit_rows)
+    wall["confidence_head"] = time.perf_counter() - t0
+    log(f"confidence head fitted on {sum(s.tokens.shape[0] for s in head.values())} {split} streams "
+        f"({', '.join(head)}): loss {fit['loss']:.4f}")
+    t0 = time.perf_counter()
+    rows = {k: stream_rows(draft, s.tokens, s.hidden, s.prompt_len) for k, s in held.items()}
+    acc = {k: acceptance(r[2], r[3]) for k, r in rows.items()}
+    reports = {k: head_report(draft, r) for k, r in rows.items()}
+    pooled = head_report(draft, _cat(list(rows.values())))
+    wall["heldout_eval"] = time.perf_counter() - t0
+    for k, a in acc.items():
+        log(f"held-out {k}: conditional acceptance per position {a['rate']} (reached {a['reached']}); mean "
+            f"accepted drafts {a['mean_accepted_by_gamma']} at gamma 1..{len(a['rate'])}; head loss "
+            f"{reports[k]['loss']:.4f}, mean p {reports[k]['mean_p']}")
+    return {"heldout_acceptance": acc["code"], "heldout_acceptance_per_kind": acc,
+            "confidence_loss": {"fit": fit["loss"], "heldout": pooled["loss"]},
+            "confidence_head": {"split": split, "streams": {k: s.tokens.shape[0] for k, s in head.items()},
+                                "l2": l2, "features": draft.cfg.confidence_features, "fit": fit,
+                                "heldout": pooled, "heldout_per_kind": reports}}, wall

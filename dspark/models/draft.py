@@ -8,7 +8,9 @@ embedding of draft k-1 (the block's argmax; the true token when training, which 
 text is exactly what draft k sees whenever drafts < k were accepted). Token logits are computed over a
 reduced draft vocabulary (the training text's most frequent target-greedy tokens) with the target's own
 output-embedding rows and scattered to target ids (-inf elsewhere). Draft k's confidence logit comes from
-`dspark.ConfidenceHead` on step k's state plus the token before draft k, never draft k's own token.
+`dspark.ConfidenceHead` on step k's state, the features of step k's own distribution (top-1 log-odds, top-2
+margin, entropy: `dspark.calibration.online.draft_features` of the reduced logits, `confidence_features`) and
+the token before draft k, never draft k's own token.
 
 The weights file holds only the draft's own parameters (fp16) and its vocabulary; the target's embedding
 and LM head are passed in. `load_draft` checks the file's sha256 against its manifest and the target's
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.calibration.confidence import ConfidenceHead, previous_tokens
+from dspark.calibration.online import FEATURES, draft_features
 from dspark.models.geometry import ModelGeometry
 from dspark.util.validate import check_int
 
@@ -60,15 +63,19 @@ class DraftConfig:
     chain_size: int = 512
     gamma: int = 6
     markov_rank: int = 8
+    confidence_features: int = len(FEATURES)  # 0: the seed's head (state + previous token only)
     max_seq_len: int = 2048
     rope_theta: float = 1.0e5
     rms_eps: float = 1.0e-5
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name not in ("rope_theta", "rms_eps", "markov_rank"):
+            if f.name not in ("rope_theta", "rms_eps", "markov_rank", "confidence_features"):
                 check_int(f.name, getattr(self, f.name), 1)
         check_int("markov_rank", self.markov_rank, 0)
+        if self.confidence_features not in (0, len(FEATURES)):
+            raise ValueError(f"confidence_features must be 0 or {len(FEATURES)} ({', '.join(FEATURES)}), got "
+                             f"{self.confidence_features!r}")
         if self.num_q_heads % self.num_kv_heads or self.head_dim % 2:
             raise ValueError(f"num_q_heads={self.num_q_heads} must be a multiple of num_kv_heads="
                              f"{self.num_kv_heads} and head_dim={self.head_dim} even")
@@ -126,7 +133,9 @@ class DraftModel(nn.Module):
         self.chain_pos = nn.Parameter(torch.zeros(max(cfg.gamma - 1, 1), 2 * cfg.chain_size))
         self.chain_out = nn.Linear(cfg.chain_size, d, bias=False)
         self.out_norm = RMSNorm(d, eps=eps)
-        self.confidence = ConfidenceHead(d, cfg.markov_rank, v if cfg.markov_rank else None)
+        nf = cfg.confidence_features
+        self.confidence = ConfidenceHead(d + nf, cfg.markov_rank, v if cfg.markov_rank else None, num_features=nf,
+                                         positions=cfg.gamma if nf else 0)
         half = hd // 2
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
         ang = torch.arange(cfg.max_seq_len, dtype=torch.float64)[:, None] * inv[None, :]
@@ -216,20 +225,34 @@ class DraftModel(nn.Module):
         """[..., k, d] -> [..., k, V] token logits over the target vocabulary (-inf outside the draft vocab)."""
         return self.scatter_logits(self._reduced_logits(hk))
 
+    def head_inputs(self, hk: Tensor, reduced: Tensor | None = None) -> Tensor:
+        """The confidence head's input [..., k, d + confidence_features]: hk [..., k, d] and the features of its
+        reduced logits [..., k, draft_vocab_size] (computed from hk when not given)."""
+        if not self.cfg.confidence_features:
+            return hk
+        reduced = self._reduced_logits(hk) if reduced is None else reduced
+        lead, k = hk.shape[:-2].numel(), hk.shape[-2]
+        nf = self.cfg.confidence_features
+        feats = draft_features(reduced.reshape(lead, k, reduced.shape[-1])).reshape(*hk.shape[:-1], nf)
+        return torch.cat([hk, feats.to(hk.dtype)], -1)
+
     def confidence_logits(self, hk: Tensor, anchor: Tensor, drafts: Tensor) -> Tensor:
         """[..., k] confidence logits from hk [..., k, d]; draft j also sees the token before it (anchor [...]
         = the last committed token for j = 0, then drafts [..., k]), never its own."""
-        k = hk.shape[-2]
-        flat = hk.reshape(-1, k, hk.shape[-1])
-        prev = (previous_tokens(anchor.reshape(-1), drafts.reshape(-1, k)) if self.confidence.markov_rank
+        return self._confidence(self.head_inputs(hk), anchor, drafts)
+
+    def _confidence(self, inputs: Tensor, anchor: Tensor, drafts: Tensor) -> Tensor:
+        lead, k = inputs.shape[:-2].numel(), inputs.shape[-2]
+        prev = (previous_tokens(anchor.reshape(lead), drafts.reshape(lead, k)) if self.confidence.markov_rank
                 else None)
-        return self.confidence(flat, prev).reshape(hk.shape[:-1])
+        return self.confidence(inputs.reshape(lead, k, inputs.shape[-1]), prev).reshape(inputs.shape[:-1])
 
     def propose(self, hidden: Tensor, k: int, anchor: Tensor) -> tuple[Tensor, Tensor]:
         """Greedy block in one pass: draft logits [..., k, V] and confidence logits [..., k] from the last
         row's hidden [..., d] and the last committed token anchor [...]."""
         hk, reduced = self.chain(hidden, k)
-        return self.scatter_logits(reduced), self.confidence_logits(hk, anchor, self.vocab_ids[reduced.argmax(-1)])
+        conf = self._confidence(self.head_inputs(hk, reduced), anchor, self.vocab_ids[reduced.argmax(-1)])
+        return self.scatter_logits(reduced), conf
 
 
 # -- the weights file ---------------------------------------------------------------------------------
@@ -298,7 +321,7 @@ def load_draft(target: nn.Module, path: Path | str = DEFAULT_WEIGHTS) -> DraftMo
         state = {name: f.get_tensor(name) for name in f.keys()}
     _check_target(path, meta["target"], target_identity(target))
     hf = getattr(target, "hf_model", target)
-    cfg = DraftConfig(**meta["config"])
+    cfg = DraftConfig(**{"confidence_features": 0, **meta["config"]})  # files from before the features: 0
     dtype = hf.get_input_embeddings().weight.dtype
     model = DraftModel(cfg, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight,
                        state["vocab_ids"])

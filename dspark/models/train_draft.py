@@ -1,103 +1,118 @@
 """Train the draft (`dspark.models.draft`) for a transformers target: `python -m dspark.models.train_draft`.
 
-Nothing is downloaded. Prompts are token windows of the stdlib's `.py` files (`dspark.models.corpus`: the
-draft distils on the `train` split, the confidence head is fitted on the `calibration` split, acceptance is
-reported on the `heldout` split). The target continues each prompt greedily with its own KV cache, and its
-final-normed hidden states along the way are the draft's features, so every training label is the serving
-event: on the target's greedy text, head k at row t learns the token at t + k + 1, which is the target's
-top-1 there given the true (= accepted) tokens before it. The draft learns from those labels (hard
-cross-entropy mixed with the target's soft distribution over the draft vocabulary), then
-`dspark.ConfidenceHead` is re-initialised from the seed and fitted alone, by L-BFGS, on the greedy
-conditional-acceptance event of the finished draft (draft k matches given drafts < k matched; masked rows
-are not labels) on calibration streams: files the draft never trained on, so the head learns the
-acceptance of unseen text, not of text the draft partly memorised. Held-out acceptance per draft position
-and the head's held-out loss and mean prediction are written to the manifest beside the safetensors file
-(both written atomically).
+Nothing is downloaded. Stage 1, the target's data (`dspark.models.train_data`, cached under `--cache` by
+content, so a rerun or a pilot pays the target once): teacher-forced windows of the `train` split's stdlib code
+and language-reference prose (one target pass labels every position with its top-1) and greedy streams of
+train-split prompts of every kind (`dspark.models.kinds`: code continuation, chat-template questions,
+copy-heavy edits), whose prompt rows are teacher-forced text and whose continuations are the serving event.
+Stage 2 distils the draft on all of them (`dspark.models.distil`). Stage 3 re-initialises
+`dspark.ConfidenceHead` from the seed and fits it alone, by L-BFGS, on the greedy conditional-acceptance
+event of the finished draft (draft k matches given drafts < k matched; masked rows are not labels) over
+greedy streams of every kind from the `calibration` split, files the draft never trained on. Held-out
+acceptance per kind and draft position, and the head's held-out loss and mean prediction, are written to
+the manifest beside the safetensors file (both atomically), with the wall time of every stage (the target's
+time as recorded when its streams were generated, so a cached rerun still reports the full run time).
 
-`--refit-head` runs only the head stage on an existing weights file (sha256 checked): it regenerates the
-head streams of a full run with the file's training config, refits, re-measures and rewrites both files.
-The head stage is the same computation in both paths, so a full run's file equals full run + refit byte
-for byte.
+`--refit-head` runs only stage 3 on an existing weights file (sha256 checked): the same computation as a full
+run's, so a full run's file equals full run + refit byte for byte.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from dspark.models.corpus import Encode, prompt_windows
-from dspark.models.draft import (
-    DEFAULT_WEIGHTS,
-    FORMAT,
-    METADATA_KEY,
-    DraftConfig,
-    DraftModel,
-    file_sha256,
-    load_draft,
-    manifest_path,
-    target_identity,
-)
-from dspark.models.confidence_fit import HEAD_L2, acceptance, fit_confidence, head_report, reset_head, stream_rows
-from dspark.models.streams import features, greedy_streams
+from dspark.cli.options import int_list
+from dspark.models.confidence_fit import head_stage
+from dspark.models.corpus import Encode
+from dspark.models.distil import distil
+from dspark.models.draft import DEFAULT_WEIGHTS, DraftConfig, DraftModel, load_draft, manifest_path
+from dspark.models.draft_file import round_to_file, save_draft
+from dspark.models.kinds import KINDS, PROMPT_LEN
+from dspark.models.stream_store import Streams
+from dspark.models.train_data import kind_streams, text_streams
 from dspark.util.validate import check_int, check_output_path, check_real
 
 Log = Callable[[str], None]
 HEAD_SPLIT = "calibration"  # the corpus split the confidence head is fitted on
 HEAD_FIELDS = ("head_streams", "heldout_streams", "gen_batch", "head_iters", "head_l2")  # --refit-head may change
+COUNTS = ("train_streams", "head_streams", "heldout_streams")  # per-kind stream counts, in KINDS order
+ZERO_OK = ("markov_rank", "seed", "text_windows", "prose_windows", "steps")  # int fields that may be 0
 
 
 @dataclass(frozen=True)
 class TrainDraftConfig:
     """Data sizes, draft shape and optimisation schedule of one training run."""
 
-    prompt_len: int = 32          # tokens of stdlib text before each greedy continuation (the demo's prompts)
-    new_tokens: int = 40          # greedy tokens the target writes after each prompt
-    train_streams: int = 4096     # streams the draft distils on
-    head_streams: int = 1024      # calibration-split streams the confidence head is fitted on
-    heldout_streams: int = 256    # held-out files' streams the reported acceptance is measured on
-    gen_batch: int = 128          # streams per target generation batch
+    prompt_len: int = 32          # code-kind prompt tokens of every greedy stream (the demo's prompts)
+    new_tokens: int = 40          # greedy tokens after each head / held-out prompt
+    text_windows: int = 320       # teacher-forced train-split code windows
+    prose_windows: int = 64       # teacher-forced train-split language-reference windows
+    window_len: int = 256
+    train_streams: tuple[int, ...] = (128, 64, 64)    # greedy train-split streams per kind (code, chat, edit)
+    train_new_tokens: int = 64
+    head_streams: tuple[int, ...] = (192, 64, 64)     # calibration-split streams the head is fitted on
+    heldout_streams: tuple[int, ...] = (256, 64, 64)  # held-out streams acceptance is measured on
+    gen_batch: int = 64           # prompts per target generation batch (and stream cache file)
     draft_vocab: int = DraftConfig.draft_vocab_size  # the draft's shape: DraftConfig's defaults, one source
     intermediate: int = DraftConfig.intermediate_size
     chain: int = DraftConfig.chain_size
     gamma: int = DraftConfig.gamma
     markov_rank: int = DraftConfig.markov_rank
     max_seq_len: int = DraftConfig.max_seq_len
-    steps: int = 400
-    batch: int = 48               # streams per optimisation step
+    steps: int = 600
+    rows: int = 2048              # training rows per optimisation step
     lr: float = 2e-3
     weight_decay: float = 0.1
-    soft_weight: float = 0.5      # loss = (1 - w) * hard CE on the greedy token + w * CE on the target's soft q
+    soft_weight: float = 0.5      # (1 - w) hard CE on the target's top-1 + w CE on its softmax over the draft vocab
+    feature_weight: float = 0.5   # + this x the relative squared error of each chain state vs the target's state
     head_iters: int = 300
-    head_l2: float = HEAD_L2      # L2 weight on the confidence head's weights
+    head_l2: float = 3e-2         # L2 weight on the confidence head's weights
     seed: int = 0
+    init: str = ""                # a draft file to start from (its vocabulary and body; "" = from scratch)
 
     def __post_init__(self) -> None:
-        for name in ("prompt_len", "train_streams", "head_streams", "heldout_streams", "gen_batch", "draft_vocab",
-                     "intermediate", "chain", "gamma", "steps", "batch", "head_iters"):
-            check_int(name, getattr(self, name), 1)
-        check_int("markov_rank", self.markov_rank, 0)
-        check_int("seed", self.seed, 0)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in COUNTS:
+                if (not isinstance(v, tuple) or len(v) != len(KINDS)
+                        or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in v)):
+                    raise ValueError(f"{f.name} must be {len(KINDS)} ints >= 0 (streams per kind {KINDS}), got {v!r}")
+            elif isinstance(f.default, int) and f.name not in ZERO_OK + ("new_tokens",):
+                check_int(f.name, v, 1)
+        for name in ZERO_OK:
+            check_int(name, getattr(self, name), 0)
         check_int("new_tokens (every stream needs gamma tokens after a serving start)", self.new_tokens,
                   self.gamma + 1)
-        check_int("max_seq_len (a whole stream: prompt_len + new_tokens)", self.max_seq_len,
-                  self.prompt_len + self.new_tokens)
+        lens = [self.prompt_len if k == "code" else PROMPT_LEN[k] for k in KINDS]
+        longest = max([self.window_len + 1] + [n + max(self.new_tokens, self.train_new_tokens)
+                                               for n, *c in zip(lens, *(getattr(self, f) for f in COUNTS)) if any(c)])
+        check_int("max_seq_len (the longest stream or window)", self.max_seq_len, longest)
+        if not (self.head_streams[0] or sum(self.head_streams)) or not self.heldout_streams[0]:
+            raise ValueError(f"head_streams needs a stream and heldout_streams a code stream, got "
+                             f"{self.head_streams!r} and {self.heldout_streams!r}")
         check_real("lr", self.lr, 0, math.inf, low_open=True, high_open=True)
-        for name in ("weight_decay", "head_l2"):
+        for name in ("weight_decay", "head_l2", "feature_weight"):
             check_real(name, getattr(self, name), 0, math.inf, high_open=True)
         check_real("soft_weight", self.soft_weight, 0, 1)
+        if not isinstance(self.init, str):
+            raise ValueError(f"init must be a path string ('' for none), got {self.init!r}")
+        if not self.steps and not self.init:
+            raise ValueError("steps=0 (no distillation) needs init, the draft file whose body is kept")
 
 
-TINY = dict(prompt_len=16, new_tokens=24, train_streams=32, head_streams=16, heldout_streams=8, gen_batch=16,
-            draft_vocab=128, intermediate=64, chain=64, max_seq_len=128, steps=30, batch=8, head_iters=50)
+TINY = dict(prompt_len=16, new_tokens=24, text_windows=16, prose_windows=8, window_len=48,
+            train_streams=(16, 0, 0), train_new_tokens=24, head_streams=(16, 0, 0), heldout_streams=(8, 0, 0),
+            gen_batch=16, draft_vocab=128, intermediate=64, chain=64, max_seq_len=160, steps=30, rows=256,
+            head_iters=50)
 
 
 def tiny_target(seed: int = 0) -> nn.Module:
@@ -126,220 +141,130 @@ def load_target(tiny: bool, seed: int) -> tuple[nn.Module, Encode]:
     return hf.eval(), lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 
-def target_streams(target: nn.Module, prompts: Tensor, new_tokens: int, batch: int, log: Log,
-                   what: str) -> tuple[Tensor, Tensor]:
-    """`greedy_streams` (tokens [n, P + new_tokens], hidden [n, P + new_tokens - 1, d]) logging as `what`."""
-    return greedy_streams(target, prompts, new_tokens, batch=batch, log=lambda msg: log(f"{what} {msg}"))
-
-
-def choose_vocab(tokens: Tensor, prompt_len: int, size: int, vocab_size: int) -> Tensor:
-    """The `size` target ids most frequent among the greedy tokens (ties: smaller id first)."""
-    counts = torch.bincount(tokens[:, prompt_len:].flatten(), minlength=vocab_size)
+def choose_vocab(sets: Sequence[Streams], size: int, vocab_size: int) -> Tensor:
+    """The `size` target ids most frequent among the target's top-1 labels of all streams (ties: smaller id)."""
+    counts = sum(torch.bincount(s.argmax.flatten(), minlength=vocab_size) for s in sets)
     order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
     return torch.tensor(order[:size], dtype=torch.int64)
 
 
-def _windows(x: Tensor, start: int, g: int, fill: float) -> Tensor:
-    """[n, T, ...] -> [n, T - start, g, ...]: element t + j of x at row t (from `start`), `fill` past the end."""
-    pad = torch.full((x.shape[0], g - 1, *x.shape[2:]), fill, dtype=x.dtype)
-    w = torch.cat([x, pad], 1)[:, start:].unfold(1, g, 1)
-    return w.movedim(-1, 2) if x.dim() > 2 else w
+def _coverage(s: Streams, vocab: Tensor) -> float:
+    return round(float(torch.isin(s.argmax, vocab).float().mean()), 4)
 
 
-def distil(draft: DraftModel, tokens: Tensor, hidden: Tensor, cfg: TrainDraftConfig, log: Log) -> None:
-    """AdamW (warm-up, cosine decay) on the greedy rows of the streams, autocast to bf16 on the CPU."""
-    p, g, vd = cfg.prompt_len, cfg.gamma, cfg.draft_vocab
-    to_draft = torch.full((draft.cfg.vocab_size + 1,), -100, dtype=torch.int64)  # index -1 (past end) -> ignored
-    to_draft[draft.vocab_ids] = torch.arange(vd)
-    labels = to_draft[_windows(tokens, p, g, -1)]                  # [n, C, g] draft-vocab ids of t + k + 1
-    teacher = _windows(tokens, p, g, 0)[..., :-1]                  # target ids of t + 1 .. t + g - 1
-    params = [q for q in draft.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    warm, t0, shown = max(1, cfg.steps // 20), time.perf_counter(), []
-    draft.train()
-    for step in range(cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / cfg.steps)))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        idx = torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)
-        lab = labels[idx]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            x = draft.forward_dense(tokens[idx], features(hidden[idx]))[:, p - 1: tokens.shape[1] - 1]
-            reduced = draft.chain(x, g, teacher[idx])[1].float()
-        valid = lab >= 0
-        logq = torch.log_softmax(reduced, -1)
-        per_row = -logq.gather(-1, lab.clamp_min(0)[..., None])[..., 0]
-        if cfg.soft_weight:
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the target's logits at t + k
-                soft = torch.softmax((_windows(hidden[idx], p - 1, g, 0.0) @ draft.out_rows.t()).float(), -1)
-            per_row = (1 - cfg.soft_weight) * per_row - cfg.soft_weight * (soft * logq).sum(-1)
-        loss = (per_row * valid).sum() / valid.sum().clamp_min(1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        shown.append(((reduced.argmax(-1) == lab) & valid).sum((0, 1)).float() / valid.sum((0, 1)).clamp_min(1))
-        if (step + 1) % max(1, cfg.steps // 40) == 0 or step + 1 == cfg.steps:
-            acc, el = torch.stack(shown).mean(0), time.perf_counter() - t0
-            eta = el / (step + 1) * (cfg.steps - step - 1)
-            log(f"distil step {step + 1}/{cfg.steps}  loss {loss.item():.3f}  train top-1 "
-                f"{' '.join(f'{a:.2f}' for a in acc.tolist())}  {el:.0f} s (eta {eta:.0f} s)")
-            shown = []
-    draft.eval()
+def eval_sets(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, cache: Path | None, log: Log
+              ) -> tuple[dict[str, Streams], dict[str, Streams]]:
+    """(head streams of the calibration split (seed + 1), held-out streams (seed)): {kind: Streams} each."""
+    kw = dict(new_tokens=cfg.new_tokens, code_len=cfg.prompt_len, batch=cfg.gen_batch, cache=cache, log=log)
+    return (kind_streams(target, HEAD_SPLIT, encode, cfg.head_streams, seed=cfg.seed + 1, **kw),
+            kind_streams(target, "heldout", encode, cfg.heldout_streams, seed=cfg.seed, **kw))
 
 
-def _as_stored(draft: DraftModel) -> None:
-    """Round the parameters to the file's float16 in place: what is measured is what ships."""
-    with torch.no_grad():
-        for weight in draft.parameters():
-            weight.copy_(weight.half())
-
-
-def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
-    """write(temp path) in the destination folder, then rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make a shipped file unreadable to other users
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def save_draft(draft: DraftModel, target: nn.Module, out: Path, manifest: dict) -> dict:
-    """fp16 safetensors (vocab ids int32) with the config and target identity as metadata, then the manifest
-    with the file's sha256; both atomic. Returns the manifest."""
-    from safetensors.torch import save_file
-
-    state = {k: (v.to(torch.int32) if k == "vocab_ids" else v.detach().to(torch.float16)).contiguous()
-             for k, v in draft.state_dict().items()}
-    # one metadata key: safetensors writes several in hash order, which would change the file's bytes
-    meta = {METADATA_KEY: json.dumps({"format": FORMAT, "config": draft.cfg.to_dict(),
-                                      "target": target_identity(target)}, sort_keys=True)}
-    _write_atomic(out, lambda tmp: save_file(state, tmp, metadata=meta))
-    manifest = {"weights": out.name, "sha256": file_sha256(out), "bytes": out.stat().st_size, **manifest}
-    _write_atomic(manifest_path(out), lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1) + "\n"))
-    return manifest
-
-
-def head_streams(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, log: Log) -> tuple[Tensor, Tensor]:
-    """The confidence head's streams: `head_streams` calibration-split prompts (seed + 1), the target's
-    greedy continuations. The same call in a full run and a refit."""
-    prompts = prompt_windows(HEAD_SPLIT, encode, cfg.head_streams, cfg.prompt_len, cfg.seed + 1)
-    return target_streams(target, prompts, cfg.new_tokens, cfg.gen_batch, log, "head")
-
-
-def heldout_streams(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, log: Log) -> tuple[Tensor, Tensor]:
-    """`heldout_streams` held-out-split prompts (seed) and their greedy continuations: evaluation only."""
-    prompts = prompt_windows("heldout", encode, cfg.heldout_streams, cfg.prompt_len, cfg.seed)
-    return target_streams(target, prompts, cfg.new_tokens, cfg.gen_batch, log, "held-out")
-
-
-def head_stage(draft: DraftModel, cfg: TrainDraftConfig, head: tuple[Tensor, Tensor], held: tuple[Tensor, Tensor],
-               log: Log) -> tuple[dict, dict]:
-    """Reset and fit the head on the head streams, round to the file's float16, then measure on the held-out
-    streams: (manifest entries, wall seconds). The whole head stage of a full run and of a refit."""
-    p, wall = cfg.prompt_len, {}
-    t0 = time.perf_counter()
-    reset_head(draft, cfg.seed + 2)
-    fit_rows = stream_rows(draft, *head, p)
-    fit_confidence(draft, fit_rows, cfg.head_iters, cfg.head_l2)
-    _as_stored(draft)
-    fit = head_report(draft, fit_rows)
-    wall["confidence_head"] = time.perf_counter() - t0
-    log(f"confidence head fitted on {cfg.head_streams} {HEAD_SPLIT} streams: loss {fit['loss']:.4f}")
-    t0 = time.perf_counter()
-    rows = stream_rows(draft, *held, p)
-    held_rep, acc = head_report(draft, rows), acceptance(rows[2], rows[3])
-    wall["heldout_eval"] = time.perf_counter() - t0
-    log(f"held-out greedy conditional acceptance per position {acc['rate']} (reached {acc['reached']}); "
-        f"mean accepted drafts per start {acc['mean_accepted']}; head loss {held_rep['loss']:.4f}, "
-        f"mean p {held_rep['mean_p']}")
-    return {"heldout_acceptance": acc,
-            "confidence_loss": {"fit": fit["loss"], "heldout": held_rep["loss"]},
-            "confidence_head": {"split": HEAD_SPLIT, "streams": cfg.head_streams, "l2": cfg.head_l2,
-                                "fit": fit, "heldout": held_rep}}, wall
-
-
-def _coverage(tokens: Tensor, vocab: Tensor, prompt_len: int) -> float:
-    return round(float(torch.isin(tokens[:, prompt_len:], vocab).float().mean()), 4)
-
-
-def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, log: Log) -> dict:
-    """The whole run: streams, vocabulary, distillation, head stage, save."""
-    wall, t0 = {}, time.perf_counter()
-    p, c = cfg.prompt_len, cfg.new_tokens
-    tokens, hidden = target_streams(target, prompt_windows("train", encode, cfg.train_streams, p, cfg.seed), c,
-                                    cfg.gen_batch, log, "train")
-    head = head_streams(cfg, target, encode, log)
-    held = heldout_streams(cfg, target, encode, log)
-    wall["target_streams"] = time.perf_counter() - t0
-    emb, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    vocab = choose_vocab(tokens, p, cfg.draft_vocab, emb.shape[0])
-    coverage = {"train": _coverage(tokens, vocab, p), "heldout": _coverage(held[0], vocab, p)}
-    log(f"draft vocabulary {cfg.draft_vocab}: covers {coverage['train']:.3f} of train / "
-        f"{coverage['heldout']:.3f} of held-out greedy tokens")
-    dcfg = DraftConfig(hidden_size=emb.shape[1], vocab_size=emb.shape[0], draft_vocab_size=cfg.draft_vocab,
-                       num_q_heads=target.config.num_attention_heads,
-                       num_kv_heads=target.config.num_key_value_heads or target.config.num_attention_heads,
-                       head_dim=getattr(target.config, "head_dim", None)
-                       or target.config.hidden_size // target.config.num_attention_heads,
+def _draft_config(cfg: TrainDraftConfig, target: nn.Module) -> DraftConfig:
+    c = target.config
+    emb = target.get_input_embeddings().weight
+    return DraftConfig(hidden_size=emb.shape[1], vocab_size=emb.shape[0], draft_vocab_size=cfg.draft_vocab,
+                       num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+                       head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
                        intermediate_size=cfg.intermediate, chain_size=cfg.chain, gamma=cfg.gamma,
                        markov_rank=cfg.markov_rank, max_seq_len=cfg.max_seq_len)
+
+
+def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, cache: Path | None, log: Log) -> dict:
+    """The whole run: target streams (stage 1), vocabulary, distillation, head stage, save; returns the manifest."""
+    wall, t0 = {}, time.perf_counter()
+    kw = dict(batch=cfg.gen_batch, cache=cache, log=log, seed=cfg.seed)
+    sets = {} if not cfg.steps else {  # steps 0 keeps the init's body: no training streams
+        **text_streams(target, "train", encode, cfg.text_windows, cfg.prose_windows, length=cfg.window_len, **kw),
+        **kind_streams(target, "train", encode, cfg.train_streams, new_tokens=cfg.train_new_tokens,
+                       code_len=cfg.prompt_len, **kw)}
+    head, held = eval_sets(cfg, target, encode, cache, log)
+    wall["stage1_read"] = time.perf_counter() - t0
+    wall["target_streams"] = sum(s.seconds for d in (sets, head, held) for s in d.values())
+    emb, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    start = load_draft(target, cfg.init) if cfg.init else None
+    vocab = start.vocab_ids if start is not None else choose_vocab(list(sets.values()), cfg.draft_vocab, emb.shape[0])
+    coverage = {"train": {k: _coverage(s, vocab) for k, s in sets.items()},
+                "heldout": {k: _coverage(s, vocab) for k, s in held.items()}}
+    log(f"draft vocabulary {cfg.draft_vocab}: covers {coverage} of the target's top-1 labels")
     torch.manual_seed(cfg.seed + 1)
-    draft = DraftModel(dcfg, emb.detach(), lm_head.detach(), vocab)
+    draft = DraftModel(_draft_config(cfg, target), emb.detach(), lm_head.detach(), vocab)
+    init = {} if start is None else warm_start(draft, start, Path(cfg.init))
     t1 = time.perf_counter()
-    distil(draft, tokens, hidden, cfg, log)
-    _as_stored(draft)
+    if cfg.steps:
+        distil(draft, sets, steps=cfg.steps, rows=cfg.rows, lr=cfg.lr, weight_decay=cfg.weight_decay,
+               soft_weight=cfg.soft_weight, feature_weight=cfg.feature_weight, seed=cfg.seed + 1, log=log)
+    round_to_file(draft)
     wall["distil"] = time.perf_counter() - t1
-    entries, head_wall = head_stage(draft, cfg, head, held, log)
+    entries, head_wall = head_stage(draft, head, held, seed=cfg.seed + 2, iters=cfg.head_iters, l2=cfg.head_l2,
+                                    log=log, split=HEAD_SPLIT)
     wall.update(head_wall)
-    wall["total"] = time.perf_counter() - t0
+    wall["total"] = wall["target_streams"] + wall["distil"] + sum(head_wall.values())
+    if init:
+        wall["total_with_init"] = wall["total"] + init["wall_s"]
     return save_draft(draft, target, out, {
-        "training": asdict(cfg), "threads": torch.get_num_threads(), "vocab_coverage": coverage, **entries,
-        "wall_s": {k: round(v, 1) for k, v in wall.items()}})
+        "training": asdict(cfg), "threads": torch.get_num_threads(), "init": init or None, "vocab_coverage": coverage,
+        **entries, "wall_s": {k: round(v, 1) for k, v in wall.items()}})
 
 
-def refit_head(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, log: Log) -> dict:
+def warm_start(draft: DraftModel, start: DraftModel, path: Path) -> dict:
+    """Copy `start`'s body (every parameter but the confidence head's) into `draft`; returns what the manifest
+    records of it (file, sha256, its own total training seconds). ValueError when the shapes differ."""
+    if {k: v for k, v in start.cfg.to_dict().items() if k != "confidence_features"} != {
+            k: v for k, v in draft.cfg.to_dict().items() if k != "confidence_features"}:
+        raise ValueError(f"init {path} has draft config {start.cfg.to_dict()}, this run builds {draft.cfg.to_dict()}")
+    body = {k: v for k, v in start.state_dict().items() if not k.startswith("confidence.")}
+    draft.load_state_dict(body, strict=False)
+    man = json.loads(manifest_path(path).read_text())
+    return {"file": path.name, "sha256": man["sha256"], "wall_s": float(man["wall_s"]["total"])}
+
+
+def refit_head(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, cache: Path | None,
+               log: Log) -> dict:
     """The head stage alone on the draft at `out` (sha256 checked), which a run with `cfg` wrote: rewrites
     `out` and its manifest (training wall times kept, head-stage ones replaced, `head_refit` added)."""
     old = json.loads(manifest_path(out).read_text())
-    stored = TrainDraftConfig(**old["training"])
+    stored = TrainDraftConfig(**_tuples(old["training"]))
     changed = [k for k in asdict(cfg) if k not in HEAD_FIELDS and getattr(cfg, k) != getattr(stored, k)]
     if changed:
         was = ", ".join(f"{k}={getattr(stored, k)!r}" for k in changed)
         raise ValueError(f"refit_head: {out} was trained with {was}; a refit may change only {', '.join(HEAD_FIELDS)}")
     draft = load_draft(target, out)
     t0 = time.perf_counter()
-    head = head_streams(cfg, target, encode, log)
-    held = heldout_streams(cfg, target, encode, log)
+    head, held = eval_sets(cfg, target, encode, cache, log)
     streams_s = time.perf_counter() - t0
-    entries, head_wall = head_stage(draft, cfg, head, held, log)
+    entries, head_wall = head_stage(draft, head, held, seed=cfg.seed + 2, iters=cfg.head_iters, l2=cfg.head_l2,
+                                    log=log, split=HEAD_SPLIT)
     wall = {**old["wall_s"], **{k: round(v, 1) for k, v in head_wall.items()}}
-    coverage = {**old["vocab_coverage"], "heldout": _coverage(held[0], draft.vocab_ids, cfg.prompt_len)}
+    coverage = {**old["vocab_coverage"], "heldout": {k: _coverage(s, draft.vocab_ids) for k, s in held.items()}}
     return save_draft(draft, target, out, {
         "training": asdict(cfg), "threads": old["threads"], "vocab_coverage": coverage, **entries, "wall_s": wall,
         "head_refit": {"from_sha256": old["sha256"], "threads": torch.get_num_threads(),
                        "wall_s": round(streams_s + sum(head_wall.values()), 1)}})
 
 
+def _tuples(d: dict) -> dict:
+    """A manifest's training config (JSON lists) as TrainDraftConfig keywords (tuples)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
-    """Command line: every TrainDraftConfig field is an option (`--train-streams 1024`), plus the target."""
+    """Command line: every TrainDraftConfig field is an option (`--text-windows 256`, `--train-streams
+    256,128,128`), plus the target, threads, the stream cache and --refit-head."""
     ap = argparse.ArgumentParser(prog="python -m dspark.models.train_draft", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random byte Llama target and tiny sizes (CI)")
     ap.add_argument("--out", type=Path, default=None,
                     help="weights file (manifest: same name .json; default: the shipped SmolLM2 draft, which a "
                          "--tiny run must not overwrite, so --tiny needs --out)")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="folder of cached target streams (stage 1), read and written; default: none")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--refit-head", action="store_true",
                     help=f"only refit the confidence head of the draft at --out (options: {', '.join(HEAD_FIELDS)})")
     defaults = TrainDraftConfig()
     for name, value in asdict(defaults).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
+        kind = int_list(0) if isinstance(value, tuple) else type(value)
+        ap.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
@@ -348,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args.out = args.out or DEFAULT_WEIGHTS
     try:
         check_output_path("--out", args.out)
+        if args.cache is not None:
+            check_output_path("--cache", args.cache, folder=True)
     except ValueError as e:
         ap.error(str(e))
     given = {k: getattr(args, k) for k in asdict(defaults) if getattr(args, k) is not None}
@@ -357,12 +284,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         other = [k for k in given if k not in HEAD_FIELDS]
         if other:
             ap.error(f"--refit-head may change only {', '.join(HEAD_FIELDS)}, got --{other[0].replace('_', '-')}")
-        base = json.loads(manifest_path(args.out).read_text())["training"]
+        base = _tuples(json.loads(manifest_path(args.out).read_text())["training"])
     else:
         base = {**asdict(defaults), **(TINY if args.tiny else {})}
     try:
         cfg = TrainDraftConfig(**{**base, **given})
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         ap.error(str(e))
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -375,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(f"target loaded; config {asdict(cfg)}")
     if cfg.draft_vocab > target.config.vocab_size:  # the one option the target itself bounds
         ap.error(f"--draft-vocab {cfg.draft_vocab} exceeds the target's vocabulary of {target.config.vocab_size}")
-    manifest = (refit_head if args.refit_head else train)(cfg, target, encode, args.out, log)
+    run = refit_head if args.refit_head else train
+    manifest = run(cfg, target, encode, args.out, args.cache, log)
     log(f"wrote {args.out} ({manifest['bytes'] / 1e6:.1f} MB, sha256 {manifest['sha256']})")
     return manifest
 
