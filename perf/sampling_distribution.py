@@ -1,5 +1,10 @@
 """Is speculative sampling lossless on the real model? Committed-token distributions vs the exact target's.
 
+`--drafter` picks what drafts: the shipped block draft (`block`), prompt lookup (`ngram`: deterministic
+proposals, q one-hot) or a small causal LM (`causal-lm`: the target's first `--draft-layers` layers with its
+embeddings, final norm and head, the same vocabulary and tokenizer); `--top-k` / `--top-p` warp the target and
+the drafter alike, and the exact reference below is warped by transformers' own warpers.
+
 For `--prompts` held-out prompts (chosen among `--candidates` windows: among those where the draft's greedy
 first token is the target's, the ones whose first-token top-1 probability is closest to 0.5, so sampled drafts
 are both accepted and rejected), the decode loop
@@ -24,6 +29,7 @@ behaviour. Prints a table, writes perf/results/sampling_distribution.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import platform
 import sys
@@ -36,6 +42,8 @@ from torch import Tensor
 
 from dspark.cli.options import POSITIVE_REAL, at_least, output_path, real
 from dspark.engine.decode import SpecDecoder
+from dspark.engine.lm_drafter import CausalLMDrafter
+from dspark.engine.ngram import NgramDrafter
 from dspark.engine.policies import FixedK
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DraftModel
@@ -48,6 +56,38 @@ PAGE_SIZE = 16
 # at 12 its top-1 is about 0.5 and drafts are accepted ~40 % of the time, so both accept paths are tested
 DEFAULT_TEMPERATURE = {"real": 1.0, "tiny": 12.0}
 Models = tuple[TransformersCausalLM, DraftModel, Callable[[str], list] | None]
+
+
+def drafter_for(name: str, target: TransformersCausalLM, draft: DraftModel, layers: int) -> object:
+    """The drafter `--drafter` names: the block draft, an NgramDrafter, or a CausalLMDrafter over the target's
+    first `layers` layers (its own weights, copied: the target is untouched)."""
+    if name == "block":
+        return draft
+    if name == "ngram":
+        return NgramDrafter(1, 3)
+    hf = target.hf_model
+    if not 1 <= layers < hf.config.num_hidden_layers:
+        raise SystemExit(f"--draft-layers must be in [1, {hf.config.num_hidden_layers - 1}], got {layers}")
+    config = copy.deepcopy(hf.config)
+    config.num_hidden_layers = layers
+    small = type(hf)(config).to(hf.dtype).eval()
+    small.load_state_dict({k: v for k, v in hf.state_dict().items() if not k.startswith("model.layers.")
+                           or int(k.split(".")[2]) < layers})
+    return CausalLMDrafter(small)
+
+
+def warp(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
+    """transformers' own sampling warpers, in generate's order (the reference the engine's warp must match)."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else []) + (
+        [TopPLogitsWarper(top_p)] if top_p else [])
+    return LogitsProcessorList(warpers)(None, logits)
 
 
 def load(model: str, gamma: int) -> Models:
@@ -74,49 +114,53 @@ def _repo_on_path() -> None:
 
 
 @torch.no_grad()
-def next_token_probs(target: TransformersCausalLM, seqs: Tensor, temperature: float, batch: int = 64) -> Tensor:
-    """[n, V] float64 softmax(logits / temperature) of the token after each row of `seqs` [n, L] (dense forward
-    with the model's own attention, in batches)."""
+def next_token_probs(target: TransformersCausalLM, seqs: Tensor, temperature: float, batch: int = 64,
+                     top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """[n, V] float64 warped probabilities (temperature, top-k, top-p: `warp`) of the token after each row of
+    `seqs` [n, L] (dense forward with the model's own attention, in batches)."""
     out = []
     with target.own_attention() as model:
         for i in range(0, seqs.shape[0], batch):
             x = seqs[i: i + batch]
             logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[:, -1]
-            out.append(torch.softmax(logits.double() / temperature, -1))
+            out.append(torch.softmax(warp(logits.double(), temperature, top_k, top_p), -1))
     return torch.cat(out)
 
 
-def choose_prompts(decoder: SpecDecoder, candidates: Tensor, count: int, temperature: float) -> Tensor:
+def choose_prompts(decoder: SpecDecoder, candidates: Tensor, count: int, temperature: float,
+                   top_k: int | None = None, top_p: float | None = None) -> Tensor:
     """The `count` candidates whose first-token top-1 probability is closest to 0.5 among those where the
     draft's greedy first token is the target's (one greedy fixed-1 step over all candidates): there the draft
     puts its mass where the target does, so sampled drafts are both accepted and rejected. Candidates without
     that agreement come last (used only when too few agree)."""
-    top = next_token_probs(decoder.target, candidates, temperature).max(-1).values
+    top = next_token_probs(decoder.target, candidates, temperature, top_k=top_k, top_p=top_p).max(-1).values
     res = decoder.generate(candidates, 1, FixedK(1), mode="compact")
     agree = (res.steps[0].correct_len >= 1).cpu()
     return candidates[((top - 0.5).abs() + (~agree).double()).argsort()[:count]]
 
 
 def exact_reference(target: TransformersCausalLM, prompt: Tensor, temperature: float, mass: float,
-                    max_branch: int) -> dict:
-    """p1 [V]; branch S [s] (top first tokens, mass >= `mass` or `max_branch` of them); p2 [s, V] = p(t2 | t1)."""
-    p1 = next_token_probs(target, prompt[None], temperature)[0]
+                    max_branch: int, top_k: int | None = None, top_p: float | None = None) -> dict:
+    """p1 [V]; branch S [s] (top first tokens, mass >= `mass` or `max_branch` of them); p2 [s, V] = p(t2 | t1),
+    all warped."""
+    p1 = next_token_probs(target, prompt[None], temperature, top_k=top_k, top_p=top_p)[0]
     order = p1.argsort(descending=True)
     size = min(int((p1[order].cumsum(0) < mass).sum()) + 1, max_branch, p1.numel())
     branch = order[:size]
     seqs = torch.cat([prompt[None].expand(size, -1), branch[:, None]], 1)
-    return {"p1": p1, "branch": branch, "p2": next_token_probs(target, seqs, temperature)}
+    return {"p1": p1, "branch": branch, "p2": next_token_probs(target, seqs, temperature, top_k=top_k, top_p=top_p)}
 
 
 def sample_runs(decoder: SpecDecoder, prompt: Tensor, k: int, samples: int, chunk: int, new_tokens: int,
-                temperature: float, seed: int) -> tuple[Tensor, dict]:
+                temperature: float, seed: int, top_k: int | None = None, top_p: float | None = None
+                ) -> tuple[Tensor, dict]:
     """[samples, new_tokens] committed tokens of `samples` copies of `prompt` under fixed-k sampling (compact
     mode), `chunk` copies per generate call; and what the first step did (draft-1 acceptance)."""
     tokens, accepted, seconds = [], [], 0.0
     for i, start in enumerate(range(0, samples, chunk)):
         n = min(chunk, samples - start)
         res = decoder.generate(prompt[None].expand(n, -1).contiguous(), new_tokens, FixedK(k), mode="compact",
-                               sampling=True, temperature=temperature, seed=seed + i)
+                               sampling=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i)
         tokens.append(res.tokens[:, :new_tokens].cpu())
         if k:
             accepted.append((res.steps[0].correct_len >= 1).float().cpu())
@@ -193,6 +237,11 @@ def check_samples(tokens: Tensor, ref: dict, bootstrap: int, gen: torch.Generato
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="real", choices=("real", "tiny"))
+    ap.add_argument("--drafter", default="block", choices=("block", "ngram", "causal-lm"))
+    ap.add_argument("--draft-layers", type=at_least(1), default=6,
+                    help="causal-lm: the target's first layers that make the drafter (default 6)")
+    ap.add_argument("--top-k", type=at_least(1), default=None, help="sample among the k most likely tokens")
+    ap.add_argument("--top-p", type=real(0.0, 1.0, low_open=True), default=None, help="sample within the nucleus")
     ap.add_argument("--ks", default="1,3,6", help="fixed-k policies (speculative sampling); plain always runs")
     ap.add_argument("--samples", type=at_least(1), default=768, help="sampled continuations per prompt and policy")
     ap.add_argument("--chunk", type=at_least(1), default=256, help="prompt copies per generate call")
@@ -233,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     target, draft, encode = load(args.model, max(args.k_list))
-    if max(args.k_list) > draft.gamma:
+    if args.drafter == "block" and max(args.k_list) > draft.gamma:
         raise SystemExit(f"--ks {args.ks}: the draft proposes at most gamma = {draft.gamma} tokens")
     gen = torch.Generator().manual_seed(args.seed)
     if encode is not None:
@@ -243,8 +292,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     width = max(args.k_list) + 1
     per_request = -(-(args.prompt_len + args.new_tokens + width) // PAGE_SIZE) * PAGE_SIZE
     batch = max(min(args.chunk, args.samples), args.candidates)
-    decoder = SpecDecoder(target, draft, cache_tokens=batch * per_request)
-    prompts = choose_prompts(decoder, candidates, args.prompts, args.temperature)
+    decoder = SpecDecoder(target, drafter_for(args.drafter, target, draft, args.draft_layers),
+                          cache_tokens=batch * per_request)
+    prompts = choose_prompts(decoder, candidates, args.prompts, args.temperature, args.top_k, args.top_p)
     policies = [("plain", 0)] + [(f"fixed-{k}", k) for k in args.k_list]
     num_tests = 2 * len(policies) * len(prompts) * (3 if args.new_tokens > 1 else 1)  # TV + chi2 per tested set
     threshold = args.alpha / num_tests
@@ -252,13 +302,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     bootstrap = max(args.bootstrap, math.ceil(4 / threshold))
     runs = []
     for i, prompt in enumerate(prompts):
-        ref = exact_reference(target, prompt, args.temperature, args.mass, args.max_branch)
+        ref = exact_reference(target, prompt, args.temperature, args.mass, args.max_branch, args.top_k, args.top_p)
         info = {"prompt": i, "prompt_ids": prompt.tolist(), "p1_top": float(ref["p1"].max()),
                 "p1_entropy_nats": float(-(ref["p1"] * ref["p1"].clamp(min=1e-300).log()).sum()),
                 "branch_size": int(ref["branch"].numel()), "branch_mass": float(ref["p1"][ref["branch"]].sum())}
         for j, (name, k) in enumerate(policies):
             tokens, stats = sample_runs(decoder, prompt, k, args.samples, args.chunk, args.new_tokens,
-                                        args.temperature, args.seed + 1000 * (i * len(policies) + j))
+                                        args.temperature, args.seed + 1000 * (i * len(policies) + j), args.top_k,
+                                        args.top_p)
             runs.append({**info, "policy": name, **stats, "tests": check_samples(tokens, ref, bootstrap, gen)})
     for r in runs:
         for t in r["tests"].values():
@@ -285,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 def format_table(summary: dict) -> str:
     """One line per (prompt, policy, tested position)."""
     c = summary["config"]
-    lines = [f"{summary['target']} ({summary['model']}, vocab {summary['vocab']}), T = {c['temperature']}, "
+    lines = [f"{summary['target']} ({summary['model']}, vocab {summary['vocab']}), drafter {c['drafter']}, "
+             f"T = {c['temperature']}, top-k {c['top_k']}, top-p {c['top_p']}, "
              f"{c['samples']} samples per policy, compact mode, {summary['bootstrap']} bootstrap sets",
              "| prompt | policy | tested | n | TV | TV null p99 | TV p | chi2 (bins) | chi2 null p99 | chi2 p | pass |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
