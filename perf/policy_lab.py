@@ -39,6 +39,8 @@ VARIANT_BATCHES = (1, 4, 16, 64, 256)
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--draft-sha256", default=None,
+                    help="refuse a trace recorded with another draft (default: accept the trace's own draft)")
     ap.add_argument("--costs", default=None, help="comma list of serving cost names or .json paths (default: all shipped)")
     ap.add_argument("--gamma", type=at_least(1), default=3)
     ap.add_argument("--batch-sizes", type=int_list(1), default=BATCH_SIZES)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     t_start = time.perf_counter()
     torch.set_num_threads(1)
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, draft_sha256=args.draft_sha256)
     costs = args.costs.split(",") if args.costs else serving_cost_names()
     models = [load_serving_cost(c, width=args.gamma + 1) for c in costs]  # every error before any work
     for b in args.batch_sizes:
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.variants:
         units += len(VARIANTS) * len(VARIANT_BATCHES)
     bar = Progress(units, print)
-    out: dict = {"trace": {"path": str(args.trace), "sha256": trace.meta.get("sha256"), "summary": trace.summary()},
+    out: dict = {"trace": {"path": str(args.trace), "sha256": trace.meta.get("sha256"),
+                           "draft_sha256": trace.meta.get("draft_sha256"), "summary": trace.summary()},
                  "gamma": args.gamma, "temperatures": temps, "sts_fit": fit, "policies": policies,
                  "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__},
                  "what_if": "acceptance from the 135M SmolLM2 pair; on the 8B cost models a what-if",

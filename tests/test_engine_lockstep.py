@@ -49,7 +49,8 @@ def test_fork_shares_models_not_caches(decoder: SpecDecoder) -> None:
     twin = decoder.fork()
     assert twin.target is decoder.target and twin.draft is decoder.draft
     assert twin.tcache is not decoder.tcache and twin.tcache.k.data_ptr() != decoder.tcache.k.data_ptr()
-    assert twin.dcache.capacity_tokens == decoder.dcache.capacity_tokens
+    mine, theirs = decoder._drafter.cache, twin._drafter.cache  # the bound block drafters' own KV caches
+    assert theirs is not mine and theirs.capacity_tokens == mine.capacity_tokens
 
 
 def test_one_run_per_decoder_at_a_time(decoder: SpecDecoder) -> None:

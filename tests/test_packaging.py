@@ -3,6 +3,7 @@ written, each declared dependency is used, and the license the metadata names is
 from __future__ import annotations
 
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -47,8 +48,8 @@ def test_import_and_a_cpu_planner_step_work_without_triton():
 
 def test_the_readme_planner_example_is_the_tested_file_and_runs():
     example = (ROOT / "examples" / "planner.py").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    assert example in blocks, "README's Planner API block must be examples/planner.py verbatim"
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "usage.md").read_text(), flags=re.S)
+    assert example in blocks, "docs/usage.md's Planner API block must be examples/planner.py verbatim"
     out = _run(["examples/planner.py"])
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("budget ") and "planned" in out.stdout
@@ -70,3 +71,26 @@ def test_the_declared_license_file_is_there():
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "Apache-2.0"
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_readme_quick_start_is_the_example_file_and_runs(capsys):
+    """A newcomer pastes the README's quick start into a file: it is examples/quickstart.py, and it runs."""
+    example = (ROOT / "examples" / "quickstart.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert blocks and blocks[0] == example, "README's quick start must be examples/quickstart.py verbatim"
+    runpy.run_path(str(ROOT / "examples" / "quickstart.py"), run_name="__main__")
+    assert "tokens/s; ended by" in capsys.readouterr().out
+
+
+def test_every_markdown_link_resolves():
+    """Relative links of README.md, docs/ and the graphs / perf READMEs point at files that exist."""
+    pages = [ROOT / "README.md", ROOT / "perf" / "README.md", ROOT / "graphs" / "README.md",
+             *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "graphs").glob("*/README.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "#", "mailto:")):
+                continue
+            if not (page.parent / target.split("#")[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
