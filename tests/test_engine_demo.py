@@ -174,17 +174,19 @@ def test_cost_feedback_flag_reaches_the_adaptive_policy() -> None:
     from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
     from dspark.engine.profile import PlainStepCost
 
+    from dspark.engine.policies import make_policy
+
     cost = AdditiveCostModel(1e-3, [1], [0.0], [1, 3], [0.0, 1e-4])
     planner = lambda b, sts=True: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4,  # noqa: E731
                                                 temperatures=[1.5, 1.5] if sts else None)
     plain = PlainStepCost((1,), (1e-3,))
-    off = demo_mod._make_policy("adaptive", 2, 1, planner, plain, (8, 64, False))
-    on = demo_mod._make_policy("adaptive", 2, 1, planner, plain, (8, 64, True))
+    off = make_policy("adaptive", 2, 1, planner, plain.step_seconds, (8, 64, False))
+    on = make_policy("adaptive", 2, 1, planner, plain.step_seconds, (8, 64, True))
     assert off.cost_window is None and on.cost_window == 9
     from dspark.calibration.online import OnlineAcceptanceEstimator
 
     est = OnlineAcceptanceEstimator(2)
-    head, online = (demo_mod._make_policy(n, 2, 1, planner, plain, (8, 64, False), est)
+    head, online = (make_policy(n, 2, 1, planner, plain.step_seconds, (8, 64, False), est)
                     for n in ("adaptive", "adaptive-est"))
     assert head.estimator is None and head.planner.temperatures is not None  # the head, STS-calibrated
     assert online.estimator is est and online.planner.temperatures is None  # the estimator is its own calibration
