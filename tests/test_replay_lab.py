@@ -18,7 +18,7 @@ from dspark.cost.shipped import h100_llama8b_fitted
 from dspark.replay.lab import Lab, queue_ids
 from dspark.replay.trace import Trace
 
-pytestmark = pytest.mark.cpu_only
+pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
 GAMMA, VOCAB = 4, 50
 POLICIES = ("fixed-0", "fixed-2", f"fixed-{GAMMA}", "adaptive", "adaptive-est", "oracle")
 

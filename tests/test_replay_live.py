@@ -16,7 +16,7 @@ from dspark.replay.record import record_trace
 from dspark.replay.workload import Request
 from engine_models import VOCAB, tiny_models
 
-pytestmark = pytest.mark.cpu_only
+pytestmark = pytest.mark.cpu_only(reason="the replay runs on host tensors; the live side is compared on the CPU")
 GAMMA, N = 4, 10
 
 
