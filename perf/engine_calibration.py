@@ -1,152 +1,242 @@
-"""STS calibration of the shipped draft's confidence head on SmolLM2 (issue 16's "must show").
+"""Calibration and ranking of a draft's confidence on SmolLM2 (issues 16 and 29's "must show").
 
-Loads SmolLM2 and its shipped draft and records greedy STS rows (fixed gamma, every draft verified, so
-nothing is censored) on held-out prompts with the teacher-forced recorder: by default at every start
-(`record_sts_teacher_forced(starts="all")`: ~tau times the rows of the same decoding work, which a
-per-position ECE near 1 % needs), `--starts steps` at the decode loop's own step boundaries (the rows
-`record_sts` would record, tests check it), `--recorder decode` with the decode loop itself. Fits
-per-position temperatures (NLL; `--ece-fit` also the design note's ECE grid) on 3/4 of the requests and
-prints, per draft position and event (cumulative survival, conditional), on the held-out quarter: rows,
-ECE (equal-width and equal-mass) before / after calibration next to the ECE noise floor of a perfectly
-calibrated predictor with the same probabilities, and the AUROC of the head next to the top-2 draft
-logit margin baseline with bootstrap intervals. Writes perf/results/engine_calibration.json.
+Held-out code prompts (`corpus.prompt_windows("heldout", ..., seed)` for each of `--prompt-seeds`, the demo's
+prompt kind) are decoded
+greedily once (`dspark.models.stream_store`, cached under `--cache`); at every start of every stream the
+draft's block gives its confidence logits, its distribution's features and the greedy accepted count
+(`dspark.models.draft_eval.block_rows`, the rows the decode loop would record, nothing censored), and the soft
+proxy 1 - TV(q, p). Requests are split (`--holdout`, by request): on the fit part, STS temperatures
+(`dspark.calibration.fit.fit_temperatures`, NLL, the planner's calibration), a per-position affine (Platt)
+variant c_k = sigmoid(a_k z_k + b_k) on the conditional event, and the online estimator replayed start by
+start (`OnlineAcceptanceEstimator`, refit every 4 starts); on the held-out part, per draft position and event
+(cumulative: the survival the planner reads; conditional: P(draft k accepted | reached k)): ECE (15 equal-width /
+equal-mass bins) with the noise floor of a perfectly calibrated predictor of the same probabilities, Brier, and
+AUROC with 95 % request-bootstrap intervals, for the head before / after STS, Platt, the estimator, its prior
+(c = top-1 probability) and the top-2 margin (AUROC only). Then the seed's section VII.A comparison for the
+head after STS against three targets: the soft 1 - TV proxy (on the accepted path), the greedy prefix label at
+every start, and the runtime correct_len at the decode loop's own step boundaries (L = P, then L += accepted + 1).
+Writes perf/results/engine_calibration.json.
 
-`--weights` measures another draft file for the same target (default: the shipped one).
-
-    PYTHONPATH=. python perf/engine_calibration.py [--prompts 1024] [--new-tokens 32] [--gamma 4] [--weights F]
+    PYTHONPATH=. python perf/engine_calibration.py [--prompts 640] [--prompt-seeds 1,2] [--gamma 4] [--weights F]
 """
 from __future__ import annotations
 
 import argparse
-import math
 import platform
-import tempfile
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from dspark.calibration.fit import fit_sts
-from dspark.cli.options import at_least, output_path
-from dspark.engine.decode import SpecDecoder
+from dspark.calibration.fit import _json_clean, fit_temperatures, split_by_request
+from dspark.calibration.metrics import Sample, bootstrap_interval, ece_noise_floor, metric_functions
+from dspark.calibration.online import OnlineAcceptanceEstimator, fit_logistic
+from dspark.cli.options import at_least, int_list, output_path, real
 from dspark.engine.demo import load_models
-from dspark.engine.sts import STARTS, record_sts, record_sts_teacher_forced
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256, load_draft
+from dspark.models.draft_eval import block_rows
+from dspark.models.stream_store import labelled_streams
 from dspark.util.fileio import write_json_atomic
 
-
-def _finite_or_none(x: object) -> object:
-    """NaN -> None (strict JSON), recursively."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite_or_none(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite_or_none(v) for v in x]
-    return x
+BINS, LEVEL = 15, 0.95
+FNS = metric_functions(BINS)
 
 
-def _row(pos: dict, event: str) -> dict:
-    e = pos[event]
-    v = lambda block, name: e[block][name]["value"]  # noqa: E731
-    rel = e["reliability"]["after"]
-    count = sum(rel["count"])
-    mean = lambda key: sum(x * c for x, c in zip(rel[key], rel["count"]) if c) / count  # noqa: E731
-    return {"position": pos["position"], "event": event, "rows": e["rows"],
-            "mean_p_after": mean("mean_p"), "accept_rate": mean("freq"),
-            "ece_width_before": v("before", "ece_width"), "ece_width_after": v("after", "ece_width"),
-            "ece_width_floor": e["ece_floor_after"]["width"],
-            "ece_mass_before": v("before", "ece_mass"), "ece_mass_after": v("after", "ece_mass"),
-            "ece_mass_floor": e["ece_floor_after"]["mass"],
-            "auroc_head": v("after", "auroc"), "auroc_head_ci": e["after"]["auroc"]["ci"],
-            "auroc_margin": e.get("auroc_margin", {}).get("value", float("nan")),
-            "auroc_margin_ci": e.get("auroc_margin", {}).get("ci", [float("nan")] * 2)}
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--recorder", choices=("teacher_forced", "decode"), default="teacher_forced")
-    ap.add_argument("--starts", choices=STARTS, default="all", help="teacher-forced recorder: rows recorded")
-    ap.add_argument("--prompts", type=at_least(1), default=None,
-                    help="held-out prompts recorded (requests); default 1024 (teacher_forced), 128 (decode)")
-    ap.add_argument("--new-tokens", type=at_least(1), default=32, help="prompt-len + new-tokens + gamma + 1 <= 128")
+def score(p: np.ndarray, y: np.ndarray, groups: np.ndarray, bootstrap: int, seed: int, calibrated: bool = True) -> dict:
+    """AUROC (0/1 labels only) and, for probabilities, ECE width / mass with floor and Brier; 95 % cluster CIs."""
+    s = Sample.build(p, y, groups)
+    out = {}
+    names = (("ece_width", "ece_mass", "brier") if calibrated else ()) + (
+        ("auroc",) if np.isin(y, (0.0, 1.0)).all() else ())
+    for name in names:
+        lo, hi = bootstrap_interval(FNS[name], s, bootstrap, LEVEL, np.random.default_rng(seed))
+        out[name] = {"value": FNS[name](s, np.ones(s.p.size)), "ci": [lo, hi]}
+    if calibrated:
+        out["ece_floor"] = ece_noise_floor(p, BINS, "width", 20, np.random.default_rng(seed))
+        out["mean_p"], out["mean_y"] = float(p.mean()), float(y.mean())
+    return out
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def fit_platt(z: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """[g, 2] (bias, slope) per position: logistic fit of the conditional event on the reached rows."""
+    return np.stack([fit_logistic(z[accepted >= k, k: k + 1], (accepted[accepted >= k] > k).astype(float),
+                                  np.array([0.0, 1.0]), 1e-6) for k in range(z.shape[1])])
+
+
+def replay_estimator(feats: torch.Tensor, accepted: torch.Tensor, gamma: int) -> OnlineAcceptanceEstimator:
+    """The online estimator fed the fit requests start by start (every draft verified), as in serving."""
+    est = OnlineAcceptanceEstimator(gamma, refit_every=4)
+    full = torch.full((feats.shape[0],), gamma + 1, dtype=torch.int64)
+    for i in range(feats.shape[1]):
+        est.observe(verify_lens=full, correct_len=accepted[:, i], features=feats[:, i])
+    return est
+
+
+def loop_starts(accepted: np.ndarray) -> np.ndarray:
+    """[N, n] bool: the decode loop's step boundaries (offset 0, then += accepted + 1) per request."""
+    keep = np.zeros(accepted.shape, bool)
+    for r in range(accepted.shape[0]):
+        i = 0
+        while i < accepted.shape[1]:
+            keep[r, i] = True
+            i += int(accepted[r, i]) + 1
+    return keep
+
+
+def tables(cond: dict, acc: np.ndarray, margin: np.ndarray, groups: np.ndarray, bootstrap: int, seed: int) -> list:
+    """Per position and event: every model's scores ({name: c [R, g]}), the margin's AUROC."""
+    rows = []
+    for k in range(acc.shape[1] if acc.ndim > 1 else next(iter(cond.values())).shape[1]):
+        for event in ("cumulative", "conditional"):
+            keep = np.ones(acc.shape[0], bool) if event == "cumulative" else acc >= k
+            y = (acc[keep] > k).astype(float)
+            row = {"position": k, "event": event, "rows": int(keep.sum()), "accept_rate": float(y.mean())}
+            for name, c in cond.items():
+                p = np.prod(c[:, : k + 1], 1) if event == "cumulative" else c[:, k]
+                row[name] = score(p[keep], y, groups[keep], bootstrap, seed)
+            m = margin[:, : k + 1].min(1) if event == "cumulative" else margin[:, k]
+            row["margin"] = score(m[keep], y, groups[keep], bootstrap, seed, calibrated=False)
+            rows.append(row)
+    return rows
+
+
+def section_vii_a(c: np.ndarray, soft: np.ndarray, acc: np.ndarray, loop: np.ndarray, groups: np.ndarray,
+                  bootstrap: int, seed: int) -> list:
+    """The head after STS against the soft proxy, the greedy prefix label and the runtime correct_len."""
+    rows = []
+    for k in range(c.shape[1]):
+        surv = np.prod(c[:, : k + 1], 1)
+        reached = acc >= k
+        r = {"position": k}
+        r["soft_conditional"] = {**score(c[reached, k], soft[reached, k], groups[reached], bootstrap, seed),
+                                 "spearman": spearman(c[reached, k], soft[reached, k])}
+        r["soft_cumulative"] = score(surv, np.prod(soft[:, : k + 1], 1), groups, bootstrap, seed)
+        for name, keep in (("greedy", np.ones_like(reached)), ("runtime", loop)):
+            r[f"{name}_conditional"] = score(c[keep & reached, k], (acc[keep & reached] > k).astype(float),
+                                             groups[keep & reached], bootstrap, seed)
+            r[f"{name}_cumulative"] = score(surv[keep], (acc[keep] > k).astype(float), groups[keep], bootstrap, seed)
+        rows.append(r)
+    return rows
+
+
+def _cell(d: dict, key: str) -> str:
+    if key not in d:
+        return "-"
+    v, (lo, hi) = d[key]["value"], d[key]["ci"]
+    return f"{v:.4f}" if key != "auroc" else f"{v:.3f} [{lo:.3f},{hi:.3f}]"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=at_least(1), default=640, help="held-out code prompts (requests) per seed")
+    ap.add_argument("--prompt-seeds", type=int_list(0), default=(1, 2), help="prompt draws, concatenated")
+    ap.add_argument("--new-tokens", type=at_least(1), default=32, help="starts per stream")
     ap.add_argument("--prompt-len", type=at_least(1), default=32)
-    ap.add_argument("--gamma", type=at_least(1), default=4, help="drafts per step (the demo's 4; the draft proposes up to 6)")
-    ap.add_argument("--bootstrap", type=at_least(0), default=100)
+    ap.add_argument("--gamma", type=at_least(1), default=4)
+    ap.add_argument("--stream-gamma", type=at_least(1), default=6,
+                    help="streams hold new-tokens + stream-gamma - 1 tokens (6: shared with perf/draft_acceptance.py)")
+    ap.add_argument("--holdout", type=real(0, 1, low_open=True, high_open=True), default=0.75,
+                    help="share of requests held out (STS fits one temperature per position: a quarter is plenty)")
+    ap.add_argument("--bootstrap", type=at_least(0), default=50)
     ap.add_argument("--seed", type=at_least(0), default=1)
     ap.add_argument("--threads", type=at_least(1), default=1)
-    ap.add_argument("--ece-fit", action="store_true", help="also fit with the ECE grid search (held-out ECE only)")
     ap.add_argument("--weights", type=Path, default=None, help=f"draft file (default {DEFAULT_WEIGHTS})")
+    ap.add_argument("--cache", type=Path, default=None, help="stream cache folder (read and written)")
     ap.add_argument("--out", type=output_path(), default="perf/results/engine_calibration.json")
-    args = ap.parse_args()
-    if args.prompts is None:
-        args.prompts = 1024 if args.recorder == "teacher_forced" else 128
+    args = ap.parse_args(argv)
+    if args.stream_gamma < args.gamma:
+        ap.error(f"--stream-gamma {args.stream_gamma} must be >= --gamma {args.gamma}")
     torch.set_num_threads(args.threads)
-
+    t0 = time.perf_counter()
     target, draft, encode = load_models(torch.device("cpu"))
     if args.weights is not None:
         draft = load_draft(target, args.weights)
-    decode_loop = args.recorder == "decode"
-    decoder = SpecDecoder(target, draft, cache_tokens=(args.prompts if decode_loop else 1) * 1024)
-    prompts = prompt_windows("heldout", encode, args.prompts, args.prompt_len, args.seed)
+    prompts = torch.cat([prompt_windows("heldout", encode, args.prompts, args.prompt_len, seed)
+                         for seed in args.prompt_seeds])
+    with target.own_attention() as model:
+        streams = labelled_streams(model, prompts, args.new_tokens + args.stream_gamma - 1, batch=64,
+                                   cache=args.cache, log=lambda m: print(m, flush=True))
+        lm_head = model.get_output_embeddings().weight.detach()
     t1 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        if decode_loop:
-            data = record_sts(decoder, prompts, args.gamma, args.new_tokens, Path(tmp), seed=args.seed)
-        else:
-            data = record_sts_teacher_forced(decoder, prompts, args.gamma, args.new_tokens, Path(tmp),
-                                             starts=args.starts)
+    rows = block_rows(draft, streams, args.gamma, args.new_tokens, lm_head=lm_head)
     t2 = time.perf_counter()
-    calib = fit_sts(data, policy="greedy", method="nll", bootstrap=args.bootstrap, seed=args.seed)
+    held = split_by_request(torch.arange(prompts.shape[0]), args.holdout, args.seed).numpy()
+    n, g = args.new_tokens, args.gamma
+    z, acc = rows["conf"].double().numpy(), rows["accepted"].numpy()
+    flat = lambda x, m: x[m].reshape(-1, *x.shape[2:])  # noqa: E731  [requests, n, ...] -> [rows, ...]
+    labels = (np.arange(g) < flat(acc, ~held)[:, None]).astype(np.float64)
+    fits = fit_temperatures(torch.from_numpy(flat(z, ~held)), torch.from_numpy(labels))
+    temps = np.array([f.temperature for f in fits])
+    platt = fit_platt(flat(z, ~held), flat(acc, ~held))
+    est = replay_estimator(rows["features"][torch.from_numpy(~held)], rows["accepted"][torch.from_numpy(~held)], g)
+    zh, ah, fh = flat(z, held), flat(acc, held), rows["features"][torch.from_numpy(held)].flatten(0, 1)
+    groups = np.repeat(np.flatnonzero(held), n)
+    cond = {"head_raw": _sigmoid(zh), "head_sts": _sigmoid(zh / temps),
+            "head_platt": _sigmoid(platt[:, 0] + platt[:, 1] * zh),
+            "estimator": torch.sigmoid(est.predict(fh).double()).numpy(),
+            "prior": torch.sigmoid(fh[..., 0].double()).numpy()}
+    table = tables(cond, ah, fh[..., 1].double().numpy(), groups, args.bootstrap, args.seed)
+    loop = flat(loop_starts(acc), held)
+    vii = section_vii_a(cond["head_sts"], flat(rows["soft"].double().numpy(), held), ah, loop, groups,
+                        args.bootstrap, args.seed)
     t3 = time.perf_counter()
-    ece_fit = fit_sts(data, policy="greedy", method="ece", bootstrap=0, seed=args.seed) if args.ece_fit else None
-
-    rows = [_row(p, ev) for ev in ("cumulative", "conditional") for p in calib.metrics["positions"] if p[ev]]
-    source = "decode loop" if decode_loop else f"teacher-forced, starts={args.starts}"
-    print(f"SmolLM2 + shipped draft; recorded {data.num_rows} rows ({source}; "
-          f"{args.prompts} prompts x {args.new_tokens} new tokens, gamma {args.gamma}) in {t2 - t1:.1f}s; "
-          f"fit+report {t3 - t2:.1f}s; held-out {calib.data['heldout_rows']} rows / "
-          f"{calib.data['heldout_requests']} requests")
-    at_bound = [w for w in calib.warnings if "search bound" in w]
-    where = "at a search bound" if at_bound else "inside the search bounds"
-    print(f"temperatures: {[round(t, 3) for t in calib.temperatures]} ({where})")
-    print(f"{'event':<12}{'k':>2}{'rows':>6} | {'ECEw before':>11}{'after':>7}{'floor':>7} | "
-          f"{'ECEm before':>11}{'after':>7}{'floor':>7} | {'AUROC head [95% CI]':>21}{'margin [95% CI]':>22} | "
-          f"{'mean p':>6}{'rate':>6}")
-    ci = lambda v, c: f"{v:.3f} [{c[0]:.3f},{c[1]:.3f}]"  # noqa: E731
-    for r in rows:
-        print(f"{r['event']:<12}{r['position']:>2}{r['rows']:>6} | {r['ece_width_before']:>11.4f}"
-              f"{r['ece_width_after']:>7.4f}{r['ece_width_floor']:>7.4f} | {r['ece_mass_before']:>11.4f}"
-              f"{r['ece_mass_after']:>7.4f}{r['ece_mass_floor']:>7.4f} | {ci(r['auroc_head'], r['auroc_head_ci']):>21}"
-              f"{ci(r['auroc_margin'], r['auroc_margin_ci']):>22} | {r['mean_p_after']:>6.3f}{r['accept_rate']:>6.3f}")
-    ece_rows = None
-    if ece_fit is not None:
-        ece_rows = [_row(p, "cumulative") for p in ece_fit.metrics["positions"] if p["cumulative"]]
-        print(f"ECE-grid fit: temperatures {[round(t, 3) for t in ece_fit.temperatures]}; held-out cumulative ECE "
-              f"after (width / mass): " + ", ".join(f"k{r['position']} {r['ece_width_after']:.4f} / "
-                                                     f"{r['ece_mass_after']:.4f}" for r in ece_rows))
-    cum = [r for r in rows if r["event"] == "cumulative"]
-    met = all(max(r["ece_width_after"], r["ece_mass_after"]) <= 0.01 for r in cum)
-    better = [r["position"] for r in cum if r["auroc_head"] > r["auroc_margin"]]
-    print(f"ECE after <= 1% at every position (cumulative, both binnings): {met}; "
-          f"head ranks better than the margin baseline at positions {better} of {len(cum)}")
-    for w in calib.warnings:
-        print(f"warning: {w}")
-    write_json_atomic(args.out, _finite_or_none({
-        "command": "PYTHONPATH=. python perf/engine_calibration.py " + " ".join(
-            f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
-            for k, v in vars(args).items() if k != "out" and v is not False and v is not None),
-        "draft_sha256": file_sha256(args.weights or DEFAULT_WEIGHTS),
-        "platform": platform.machine(), "threads": args.threads, "source": source,
-        "record_seconds": t2 - t1, "fit_seconds": t3 - t2, "rows": data.num_rows,
-        "temperatures": calib.temperatures, "data": calib.data, "table": rows,
-        "ece_le_1pct_every_position": met, "temperature_at_bound": bool(at_bound),
-        "head_better_than_margin_positions": better,
-        "warnings": calib.warnings,
-        "ece_fit": None if ece_fit is None else {"temperatures": ece_fit.temperatures, "table": ece_rows,
-                                                 "warnings": ece_fit.warnings}}))
-    print(f"wrote {args.out}")
+    at_bound = [f.position for f in fits if f.at_bound]
+    print(f"{streams.tokens.shape[0]} streams ({streams.seconds:.0f} s target time, read in {t1 - t0:.0f} s); block "
+          f"rows {t2 - t1:.0f} s; fit + report {t3 - t2:.0f} s; held-out {int(held.sum())} requests x {n} starts")
+    bound = f"at a search bound: {at_bound}" if at_bound else "inside the search bounds"
+    print(f"STS temperatures {np.round(temps, 3).tolist()} ({bound}); Platt (bias, slope) "
+          f"{np.round(platt, 3).tolist()}")
+    models = list(cond)
+    print(f"{'event':<11}{'k':>2}{'rows':>7}{'rate':>6} | ECE width (mass) per model: {' / '.join(models)} | "
+          f"AUROC: {' / '.join(models + ['margin'])}")
+    for r in table:
+        eces = "  ".join(f"{r[m]['ece_width']['value']:.4f}({r[m]['ece_mass']['value']:.4f})" for m in models)
+        aucs = "  ".join(_cell(r[m], "auroc") for m in models + ["margin"])
+        print(f"{r['event']:<11}{r['position']:>2}{r['rows']:>7}{r['accept_rate']:6.3f} | {eces} | {aucs}  "
+              f"floor {r['head_sts']['ece_floor']:.4f}")
+    print("section VII.A, head after STS: mean c / mean target, ECE width, Brier (AUROC; Spearman for the soft proxy)")
+    for r in vii:
+        cells = []
+        for key in ("soft_conditional", "soft_cumulative", "greedy_conditional", "greedy_cumulative",
+                    "runtime_conditional", "runtime_cumulative"):
+            d = r[key]
+            extra = (f" rho {d['spearman']:.3f}" if "spearman" in d else
+                     f" auc {d['auroc']['value']:.3f}" if "auroc" in d else "")
+            cells.append(f"{key} {d['mean_p']:.3f}/{d['mean_y']:.3f} ece {d['ece_width']['value']:.4f} brier "
+                         f"{d['brier']['value']:.4f}{extra}")
+        print(f"k{r['position']}: " + "; ".join(cells))
+    cum = [r for r in table if r["event"] == "cumulative"]
+    summary = {
+        "command": "PYTHONPATH=. python perf/engine_calibration.py "
+                   + " ".join(sys.argv[1:] if argv is None else argv),
+        "draft_sha256": file_sha256(args.weights or DEFAULT_WEIGHTS), "platform": platform.machine(),
+        "threads": args.threads, "streams": list(streams.tokens.shape), "target_seconds": streams.seconds,
+        "heldout_requests": int(held.sum()), "temperatures": temps.tolist(), "temperature_at_bound": at_bound,
+        "platt": platt.tolist(), "estimator_parameters": est.parameters.tolist(), "table": table,
+        "section_vii_a": vii,
+        "ece_sts_le_1pct_every_position": all(
+            max(r["head_sts"]["ece_width"]["value"], r["head_sts"]["ece_mass"]["value"]) <= 0.01 for r in cum),
+        "sts_never_worse": all(r["head_sts"]["ece_width"]["value"] <= r["head_raw"]["ece_width"]["value"] for r in cum),
+        "head_auroc_ge_margin_and_estimator": all(r["head_sts"]["auroc"]["value"] >= max(
+            r["margin"]["auroc"]["value"], r["estimator"]["auroc"]["value"]) for r in table),
+        "seconds": round(t3 - t0, 1)}
+    write_json_atomic(args.out, _json_clean(summary))
+    print(f"ECE after STS <= 1 % at every position: {summary['ece_sts_le_1pct_every_position']}; STS never worse: "
+          f"{summary['sts_never_worse']}; head AUROC >= margin and estimator everywhere: "
+          f"{summary['head_auroc_ge_margin_and_estimator']}\nwrote {args.out}")
+    return summary
 
 
 if __name__ == "__main__":

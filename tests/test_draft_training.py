@@ -208,3 +208,27 @@ def test_a_draft_file_from_before_the_features_still_loads(target, tmp_path):
     h = torch.randn(2, 64)
     anchor = torch.tensor([1, 2])
     torch.testing.assert_close(loaded.propose(h, 3, anchor)[1], old.propose(h, 3, anchor)[1], atol=1e-2, rtol=1e-2)
+
+
+def test_block_rows_are_the_blocks_propose_gives_at_every_start(target, device):
+    """conf / accepted per start equal propose on the root's state and a greedy match against the stream; the
+    soft proxy is sum_x min(q, p) with p the target's softmax at the draft's position."""
+    from dspark.models.draft_eval import block_rows
+    from dspark.models.streams import features
+
+    model = target.to(device)
+    draft = _draft(model, gamma=3).to(device)
+    prompts = torch.randint(3, 256, (3, 6), generator=torch.Generator().manual_seed(4))
+    s = labelled_streams(model, prompts.to(device), 9, batch=3)
+    rows = block_rows(draft, s, 3, 5, lm_head=model.get_output_embeddings().weight.detach(), chunk=2)
+    assert rows["conf"].shape == (3, 5, 3) and rows["accepted"].shape == (3, 5) and rows["soft"].shape == (3, 5, 3)
+    hidden = draft.forward_dense(s.tokens, features(s.hidden.float()))
+    for i in range(5):
+        root = 5 + i                                                     # the row of the last committed token
+        logits, conf = draft.propose(hidden[:, root], 3, s.tokens[:, root])
+        torch.testing.assert_close(rows["conf"][:, i], conf, atol=1e-5, rtol=1e-4)
+        match = (logits.argmax(-1) == s.tokens[:, root + 1: root + 4]).long()
+        assert torch.equal(rows["accepted"][:, i], torch.cumprod(match, -1).sum(-1))
+        q = torch.softmax(logits[:, 0], -1)
+        p = torch.softmax(s.hidden[:, root].float() @ model.get_output_embeddings().weight.t(), -1)
+        torch.testing.assert_close(rows["soft"][:, i, 0], torch.minimum(p, q).sum(-1), atol=1e-5, rtol=1e-4)

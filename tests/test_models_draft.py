@@ -238,7 +238,7 @@ def test_shipped_weights_load_for_smollm2(smollm2):
     if not DEFAULT_WEIGHTS.is_file():
         pytest.fail(f"shipped draft weights {DEFAULT_WEIGHTS} are missing")
     draft = load_draft(smollm2)
-    assert draft.gamma == 6 and draft.geometry.num_layers == 1
+    assert draft.gamma == 6 and draft.geometry.num_layers == 1 and draft.cfg.confidence_features == 3
     assert (draft.geometry.num_q_heads, draft.geometry.num_kv_heads, draft.geometry.head_dim) == (9, 3, 64)
     logits, conf = draft.propose(torch.randn(1, 576), 6, torch.tensor([1]))
     assert logits.shape == (1, 6, 49152) and not math.isnan(float(conf.sum()))

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from dspark.cli.options import int_list
-from dspark.models.confidence_fit import head_stage
+from dspark.models.confidence_fit import HEAD_L2, head_stage
 from dspark.models.corpus import Encode
 from dspark.models.distil import distil
 from dspark.models.draft import DEFAULT_WEIGHTS, DraftConfig, DraftModel, load_draft, manifest_path
@@ -75,7 +75,7 @@ class TrainDraftConfig:
     soft_weight: float = 0.5      # (1 - w) hard CE on the target's top-1 + w CE on its softmax over the draft vocab
     feature_weight: float = 0.5   # + this x the relative squared error of each chain state vs the target's state
     head_iters: int = 300
-    head_l2: float = 3e-2         # L2 weight on the confidence head's weights
+    head_l2: float = HEAD_L2      # L2 weight on the confidence head's shared weights (`fit_confidence`)
     seed: int = 0
     init: str = ""                # a draft file to start from (its vocabulary and body; "" = from scratch)
 
