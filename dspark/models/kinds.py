@@ -4,8 +4,9 @@
 - `chat`: a question about a line-aligned window of a file's code, in SmolLM2-Instruct's chat template with its
   default system prompt; the model answers in English prose.
 - `edit`: a copy-heavy edit request (re-indent, requote, strip comments) of a line-aligned window, the answer
-  opened with a code fence: the target repeats much of the window (about half of its greedy trigrams are the
-  window's, measured on six train-split prompts), so acceptance there rewards copying.
+  opened with a code fence: the target repeats much of the window (for the re-indent request on six
+  train-split prompts, 9-100 % of its greedy trigrams were the window's, 50 % on average), so acceptance there
+  rewards copying.
 
 `prose_windows` is English text for teacher-forced training: windows of the stdlib's own language reference
 (`pydoc_data.topics`), its topics split like the files (sorted by name, topic i is held out when i % 20 == 0,
