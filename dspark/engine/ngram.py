@@ -9,7 +9,7 @@ the device, in three passes over the committed tokens (O(B * L * (n_max + k)), n
             proposals: past the end, a match p = L - 1 - j* tokens back repeats with period p
             (d_i = d_{i - p}), so a match always yields k tokens; without a match every d_i is the root
             (nothing to copy) and the features say so;
-  features  per position i, for the online estimator ([B, k, 3] float32, `FEATURES`):
+  features  per position i, for the online estimator ([B, k, 3] float32):
             0  continuation log-odds: of the s_{i-1} earlier ends of the matched n-gram whose continuation
                agreed with d_0..d_{i-1} (s_{-1}: all of them), s_i also agreed at i;
                log((s_i + 1/2) / (s_{i-1} - s_i + 1/2)) (NO_MATCH without a match);
@@ -22,7 +22,6 @@ probability p(d_i) and otherwise draws from p without d_i, which is lossless.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +35,6 @@ from dspark.util.validate import check_int
 if TYPE_CHECKING:
     from dspark.engine.target import LiveTarget
 
-FEATURES = ("continuation_log_odds", "match_length", "log_match_distance")
 NO_MATCH = -8.0  # feature 0 without a match: sigmoid(-8) = 3e-4, never worth verifying under the prior
 
 
