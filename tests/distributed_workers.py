@@ -19,6 +19,7 @@ from dspark.parallel import (
     CostTableMismatchError,
     DpTierAgreement,
     ParallelConfig,
+    PlanningConfigMismatchError,
     TpAgreement,
     TpDisagreementError,
 )
@@ -131,6 +132,34 @@ def cost_table(rank: int, world: int, group: dist.ProcessGroup) -> dict:
     except CostTableMismatchError as e:
         return {"message": str(e), "ranks": list(e.ranks)}
     return {"message": None, "ranks": []}
+
+
+PLANNING_CHANGES = {  # one planning setting the last rank changes -> VerifyPlanner keyword arguments
+    "schedule": {"cfg": ScheduleConfig(gamma=GAMMA, min_verify_len=2)},
+    "tiers": {"tiers": [t * 2 for t in TIERS]},
+    "graph_slots": {"graph_slots": SLOTS + 1},
+    "temperatures": {"temperatures": [1.0] * (GAMMA - 1) + [1.5]},
+    "lag": {"lag": 2},
+    "num_slots": {"num_slots": 32},
+}
+
+
+def planning_config(rank: int, world: int, group: dist.ProcessGroup) -> dict:
+    """For each of `PLANNING_CHANGES` the last rank builds its planner with that one setting changed, over the
+    same cost table: every rank's error (message, differing ranks), or None when none was raised."""
+    out = {}
+    for name, change in PLANNING_CHANGES.items():
+        kwargs = {"cfg": ScheduleConfig(gamma=GAMMA), "tiers": TIERS, "graph_slots": SLOTS, "lag": 1,
+                  "num_slots": 16, "temperatures": [1.0] * GAMMA}
+        if rank == world - 1:
+            kwargs |= change
+        try:
+            VerifyPlanner(kwargs.pop("cfg"), cost_tables()[0], **kwargs,
+                          parallel=ParallelConfig(tp_group=group, dp_group=group))
+            out[name] = None
+        except PlanningConfigMismatchError as e:
+            out[name] = {"message": str(e), "ranks": list(e.ranks)}
+    return out
 
 
 def planner_inputs(replica: int, step: int, num_slots: int) -> tuple[torch.Tensor, ...]:
@@ -246,6 +275,7 @@ def scenarios(rank: int, world: int, steps: dict[int, dict[str, int]], inject: d
             "broadcast_injected": tp_injected(rank, n, g, max(inject) + 3, inject, "broadcast"),
             "dp": dp_steps(rank, n, g, k["dp"]),
             "cost": cost_table(rank, n, g),
+            "planning": planning_config(rank, n, g),
             "planner": planner_steps(rank, n, g, tp_pairs, k["planner"]),
             "estimator": estimator_steps(rank, n, g, k["estimator"], "verify"),
             "estimator_drift": estimator_steps(rank, n, g, k["estimator_drift"], "verify", k["drift_step"]),

@@ -26,6 +26,7 @@ from dspark.parallel import (
     ParallelConfig,
     TpAgreement,
     check_cost_table,
+    check_planning_config,
     verify_lens_hash,
 )
 from dspark.parallel.launch import run_local_gloo
@@ -202,6 +203,18 @@ def test_rank_with_other_cost_table_is_refused_naming_both_hashes(launches, worl
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_rank_with_any_other_planning_setting_is_refused_on_every_rank(launches, world):
+    for rank, r in enumerate(launches(world)):
+        for name in w.PLANNING_CHANGES:
+            err = r["planning"][name]
+            assert err is not None, f"rank {rank}: a last rank with another {name} was not refused"
+            assert err["ranks"] == [world - 1]
+            assert f"differ across ranks in {name} (" in err["message"]
+            assert f"ranks [{world - 1}] have" in err["message"]
+            assert ("is refused" if rank == world - 1 else "holds the group configuration") in err["message"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_planner_with_parallel_config_agrees_and_matches_a_single_rank_planner(launches, world):
     ranks = [r["planner"] for r in launches(world)]
     solo = [VerifyPlanner(ScheduleConfig(gamma=w.GAMMA), w.cost_tables()[0], lag=1, tiers=w.TIERS,
@@ -347,6 +360,9 @@ def test_one_rank_group_is_a_no_op_and_validates(one_rank_group):
     check_cost_table(None, "anything")
     with pytest.raises(ValueError, match="''"):
         check_cost_table(None, "")
+    check_planning_config(None, {"tiers": "(8,)"})
+    with pytest.raises(TypeError, match=r"config must map setting names to str values, got \{'lag': 1\}"):
+        check_planning_config(None, {"lag": 1})
     with pytest.raises(ValueError, match="'sometimes'"):
         TpAgreement(None, "sometimes")
     with pytest.raises(ValueError, match="slots .* got 0"):

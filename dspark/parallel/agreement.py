@@ -4,13 +4,14 @@ view (`ParallelAgreement`) and the start-up cost-table check.
 In production the planner runs on every rank. Two TP ranks holding different `verify_lens`, or two DP
 ranks replaying different graph tiers, issue collectives of different shapes and hang; `dspark.parallel.tp`
 and `dspark.parallel.dp` make the per-step agreement explicit and cheap and turn every disagreement into an
-error naming the ranks. `check_cost_table`: the budget is computed from replicated inputs (lagged survival,
-same cost table), so ranks agree without a per-step collective; the table's fingerprint is compared once
-at start-up. `EstimatorAgreement`: the online acceptance estimator's parameters, agreed at every refit.
+error naming the ranks. `check_cost_table` / `check_planning_config`: the budget is computed from
+replicated inputs (lagged survival, same cost table, same schedule, tiers, graph slots, temperatures and
+lag), so ranks agree without a per-step collective; the table's fingerprint and every other planning
+setting are compared once at start-up. `EstimatorAgreement`: the online acceptance estimator's parameters, agreed at every refit.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from dspark.parallel.tp import (
     AgreementError,
     CostTableMismatchError,
     ParallelConfig,
+    PlanningConfigMismatchError,
     TpAgreement,
     by_value,
     collective_device,
@@ -40,21 +42,27 @@ def check_cost_table(group: dist.ProcessGroup | None, fingerprint: str) -> None:
                           "replicated inputs and must match.")
 
 
+def _gather(group: dist.ProcessGroup | None, value: object) -> tuple[list[int], list[object], list[int]]:
+    """(the group's ranks, every rank's `value`, the ranks whose value differs from the first rank's);
+    collective, skipped on a one-rank group."""
+    ranks = group_ranks(group)
+    if len(ranks) == 1:
+        return ranks, [value], []
+    gathered: list[object] = [None] * len(ranks)
+    dist.all_gather_object(gathered, value, group=group)
+    return ranks, gathered, [r for r, v in zip(ranks, gathered) if v != gathered[0]]
+
+
 def check_fingerprint(group: dist.ProcessGroup | None, fingerprint: str, *, what: str,
                       error: type[AgreementError] = AgreementError, fix: str = "") -> None:
     """Start-up check that every rank of `group` holds the same `fingerprint` of `what` (a cost table, an
     estimator configuration); collective; on a mismatch every rank raises `error` naming the ranks."""
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint must be a non-empty str, got {fingerprint!r}")
-    ranks = group_ranks(group)
-    if len(ranks) == 1:
-        return
-    gathered: list[object] = [None] * len(ranks)
-    dist.all_gather_object(gathered, fingerprint, group=group)
-    ref = gathered[0]
-    differ = [r for r, f in zip(ranks, gathered) if f != ref]
+    ranks, gathered, differ = _gather(group, fingerprint)
     if not differ:
         return
+    ref = gathered[0]
     me = dist.get_rank()
     who = (
         f"rank {me} is refused: its {what} {fingerprint} differs from {ref} (rank {ranks[0]})"
@@ -62,6 +70,34 @@ def check_fingerprint(group: dist.ProcessGroup | None, fingerprint: str, *, what
     )
     detail = "; ".join(f"ranks {rs} have {f}" for f, rs in by_value(gathered, ranks).items())
     raise error(f"{what} fingerprints differ across ranks ({detail}); {who}. {fix}".rstrip(), differ)
+
+
+def check_planning_config(group: dist.ProcessGroup | None, config: Mapping[str, str]) -> None:
+    """Start-up check: every rank of `group` must plan with the same settings.
+
+    Args:
+        group: the TP or DP group (collective: all its ranks call it).
+        config: setting name -> its canonical value as a str (`VerifyPlanner.planning_config`).
+    Raises:
+        PlanningConfigMismatchError on every rank, naming each setting that differs and which ranks hold
+        which value; `ranks` are the ranks that differ from the group's first.
+    """
+    if not isinstance(config, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in config.items()):
+        raise TypeError(f"config must map setting names to str values, got {config!r}")
+    ranks, gathered, differ = _gather(group, dict(config))
+    if not differ:
+        return
+    names = sorted({k for c in gathered for k in c if any(c.get(k) != o.get(k) for o in gathered)})
+    detail = "; ".join(
+        f"{name}: " + ", ".join(f"ranks {rs} have {v}" for v, rs in
+                                by_value([c.get(name, "<unset>") for c in gathered], ranks).items())
+        for name in names)
+    raise PlanningConfigMismatchError(
+        f"planning configurations differ across ranks in {', '.join(names)} ({detail}); rank {dist.get_rank()} "
+        f"{'is refused' if dist.get_rank() in differ else 'holds the group configuration'}. Build the planner "
+        f"with the same ScheduleConfig, tiers, graph_slots, temperatures and lag on every rank: a rank planning "
+        f"differently picks other budgets or tiers and hangs the next collective.", differ)
 
 
 class EstimatorAgreement:
@@ -100,6 +136,7 @@ class ParallelAgreement:
         tiers: Sequence[int] | None = None,
         slots: int | None = None,
         width: int | None = None,
+        planning: Mapping[str, str] | None = None,
     ):
         self.config = config
         self.tp = TpAgreement(config.tp_group, config.tp_mode) if config.tp_group is not None else None
@@ -108,6 +145,8 @@ class ParallelAgreement:
         )
         for group in {id(g): g for g in (config.tp_group, config.dp_group) if g is not None}.values():
             check_cost_table(group, fingerprint)
+            if planning is not None:
+                check_planning_config(group, planning)
 
     def verify_lens(self, verify_lens: Tensor) -> Tensor:
         """TP-agreed lens (unchanged without a TP group)."""

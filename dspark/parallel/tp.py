@@ -44,6 +44,10 @@ class CostTableMismatchError(AgreementError):
     """Ranks loaded cost tables with different fingerprints."""
 
 
+class PlanningConfigMismatchError(AgreementError):
+    """Ranks built their planners with different planning configurations (tiers, slots, temperatures, ...)."""
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How a `VerifyPlanner` agrees with its peers.

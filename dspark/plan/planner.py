@@ -95,7 +95,8 @@ class VerifyPlanner:
     num_slots: request-pool slots the ring tracks; temperatures: STS per-position temperatures
     (None = 1); tiers: captured graph token tiers (None = eager, no fill); graph_slots: captured slot
     count S handed to the layout (None = B + 1 when padding exists); parallel: TP/DP process groups
-    (start-up compares the cost table's fingerprint across them; a rank with another table is refused).
+    (start-up compares the cost table's fingerprint and `planning_config` across them; a rank that differs
+    in either is refused on every rank).
     The cost model must fit the run (`check_cost_model`): its W at construction, its platform at the
     first `plan` on each device type.
     """
@@ -130,8 +131,18 @@ class VerifyPlanner:
             raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
         self.parallel = None if parallel is None else ParallelAgreement(
             parallel, fingerprint=cost_model.fingerprint(), tiers=self.tiers, slots=graph_slots,
-            width=cfg.width,
+            width=cfg.width, planning=self.planning_config(),
         )
+
+    def planning_config(self) -> dict[str, str]:
+        """Every setting a budget, allocation or tier depends on besides the cost table, as canonical strs:
+        TP / DP ranks must agree on each (`dspark.parallel.check_planning_config`)."""
+        temps = None if self.temperatures is None else self.temperatures.double().tolist()
+        return {
+            "schedule": repr(self.cfg), "tiers": repr(self.tiers), "graph_slots": repr(self.graph_slots),
+            "width": repr(self.cfg.width), "temperatures": repr(None if temps is None else [t.hex() for t in temps]),
+            "lag": repr(self.lag), "num_slots": repr(self.ring.num_slots if self.ring is not None else None),
+        }
 
     def plan(self, logits: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
         """Plan one verify step.
