@@ -96,7 +96,8 @@ def catch_up_layout(batch: Batch, slots: Tensor, cached: Tensor, device: torch.d
     lens = batch.lens[slots]
     rows = lens - cached[slots]
     prefix = lens - rows
-    layout = RaggedVerifyLayout.from_verify_lens(rows.to(torch.int32).to(device))
+    layout = RaggedVerifyLayout.from_checked(rows.to(torch.int32).to(device), (), None, None,
+                                             total_rows=int(rows.sum()))
     real = layout.total_rows
     pos = layout.positions(prefix.to(device))[:real]
     return layout, prefix, pos, slots.to(device)[layout.row_slot[:real].long()]

@@ -49,7 +49,7 @@ def plain_step(engine: Engine, batch: Batch, slots: Tensor, sampling: Sampling, 
     b, dev = slots.numel(), batch.tokens.device
     now = engine.clock
     t0 = now()
-    layout = RaggedVerifyLayout.from_verify_lens(torch.ones(b, dtype=torch.int32), width=1)
+    layout = RaggedVerifyLayout.from_checked(torch.ones(b, dtype=torch.int32), (), None, 1, total_rows=b)
     token = engine.target.plain(batch, slots, layout, sampling)
     t1 = now()
     ones = torch.ones(b, dtype=torch.int32, device=dev)

@@ -23,8 +23,10 @@ from dspark.engine.step_attention import batch_attention
 from dspark.engine.verify_step import VerifySteps, graph_slots
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.util.validate import check_verify_lens
+from dspark.verify import boundary
 from dspark.verify.accept import AcceptResult, accept_greedy, accept_sampling
-from dspark.verify.inputs import build_verify_inputs
+from dspark.verify.inputs import check_layout_fits, inputs_from_checked
 from dspark.verify.layout import RaggedVerifyLayout
 
 
@@ -36,6 +38,35 @@ class Verified:
     layout: RaggedVerifyLayout
     caps: Tensor
     rows: Any
+
+
+def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: RaggedVerifyLayout | None,
+                tiers: tuple[int, ...], slots: int | None) -> tuple[RaggedVerifyLayout, Tensor]:
+    """(the forward's layout, the caps accept honours) of one verify step in `mode`.
+
+    Args:
+        verify_lens: [B] int32, the policy's lengths (root included); width: W = drafts + 1.
+        layout: the planner's compact layout of these lengths (reused; its tier and slots are checked
+            against `tiers` / `slots`), or None: the lengths come from a policy without a planner and are
+            checked here, once per step (one host read).
+        tiers / slots: the captured graph tiers (empty: eager) and graph slot count.
+    Returns:
+        compact: the ragged layout of `verify_lens` and caps `verify_lens`; static / cap-accept: W rows per
+        request and caps W (static) or `verify_lens` (cap-accept).
+    """
+    if layout is None or mode is not VerifyMode.COMPACT:
+        host = torch.from_numpy(boundary.to_host(verify_lens))
+        check_verify_lens(host, width)
+    if mode is VerifyMode.COMPACT:
+        if layout is not None:
+            check_layout_fits(layout, verify_lens.numel(), tiers, slots)
+        else:
+            layout = RaggedVerifyLayout.from_checked(verify_lens, tiers, slots, width, total_rows=int(host.sum()))
+        return layout, verify_lens
+    b = verify_lens.numel()
+    full = torch.full_like(verify_lens, width)
+    layout = RaggedVerifyLayout.from_checked(full, tiers, slots, width, total_rows=b * width)
+    return layout, full if mode is VerifyMode.STATIC else verify_lens
 
 
 class Target:
@@ -103,7 +134,7 @@ class LiveTarget(Target):
 
     def prefill(self, batch: Batch, slots: Tensor) -> None:
         rows = (batch.prompt_lens[slots] - 1).to(torch.int32)
-        layout = RaggedVerifyLayout.from_verify_lens(rows, width=int(rows.max()))
+        layout = RaggedVerifyLayout.from_checked(rows, (), None, int(rows.max()), total_rows=int(rows.sum()))
         dev_slots = slots.to(self.device)
         pos = layout.positions(torch.zeros(slots.numel(), dtype=torch.int64, device=self.device))
         ids = batch.tokens[dev_slots[layout.row_slot[: layout.total_rows].long()], pos[: layout.total_rows]]
@@ -116,9 +147,8 @@ class LiveTarget(Target):
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:
         prefix = batch.lens[slots] - 1
-        vin = build_verify_inputs(mode, verify_lens, batch.roots(slots), drafts.tokens, prefix.to(self.device),
-                                  tiers=self.tiers or None, slots=self._graph_slots,
-                                  layout=layout if mode is VerifyMode.COMPACT else None)
+        layout, _ = mode_layout(mode, verify_lens, drafts.tokens.shape[1] + 1, layout, self.tiers, self._graph_slots)
+        vin = inputs_from_checked(mode, verify_lens, batch.roots(slots), drafts.tokens, prefix.to(self.device), layout)
         logits = self.forward(vin.input_ids, vin.layout, prefix, slots.to(self.device))
         return Verified(vin.layout, vin.caps, logits)
 

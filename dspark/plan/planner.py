@@ -162,7 +162,7 @@ class VerifyPlanner:
         cfg = self.cfg
         small = self.ring is None and self.parallel is None
         host = plan_on_host_checked(survival, calibrated=True, small_batches=small)
-        lagged = None if self.ring is None else self.ring.exchange(slots, generations, survival).to(survival.device)
+        lagged = None if self.ring is None else self.ring.exchange_checked(slots, generations, survival).to(survival.device)
         if host is None:
             decision, live_valid = self._device_decision(survival, lagged)
         else:
@@ -189,7 +189,7 @@ class VerifyPlanner:
 
     def _check_step(self, logits: Tensor, slots: Tensor, generations: Tensor) -> int:
         """The step's inputs: logits [B, gamma] of the config's gamma, and with a ring slots / generations [B]
-        (their values are checked by the ring); the cost model's platform once per device type. Returns B."""
+        (their values by the ring's `check`); the cost model's platform once per device type. Returns B."""
         if _check_matrix("logits", logits).shape[1] != self.cfg.gamma:
             raise ValueError(f"logits must be [B, gamma={self.cfg.gamma}], got shape {tuple(logits.shape)}")
         b = logits.shape[0]
@@ -198,6 +198,7 @@ class VerifyPlanner:
                 if check_tensor(name, v).shape != (b,):
                     raise ValueError(f"{name} must be [B={b}] (one per request of logits {tuple(logits.shape)}), "
                                      f"got shape {tuple(v.shape)}")
+            self.ring.check(slots, generations)
         if logits.device.type != self._platform_checked:  # the run's platform: where its logits live
             check_cost_model(self.cost_model, platform=logits.device.type)
             self._platform_checked = logits.device.type
@@ -242,7 +243,7 @@ class VerifyPlanner:
     def _plan_sync_free(self, survival: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
         """lag >= 1 without a device read: the budget from the host copy of the ring row this step reads."""
         lagged = self._next_row.read(slots, generations)
-        self.ring.write(slots, generations, survival)
+        self.ring.write_checked(slots, generations, survival)
         self._next_row = self.ring.next_row_to_host()
         b, cfg = survival.shape[0], self.cfg
         decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self._host_seconds(b))

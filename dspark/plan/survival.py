@@ -207,7 +207,9 @@ class SurvivalLagRing:
         self._cursor = 0
         self._host_row: tuple[Tensor, Tensor, np.ndarray, np.ndarray] | None = None
 
-    def _check(self, slots: Tensor, generations: Tensor, survival: Tensor | None) -> None:
+    def check(self, slots: Tensor, generations: Tensor, survival: Tensor | None = None) -> None:
+        """Validate one step's inputs: slots / generations [B] integer (slots distinct, in [0, num_slots);
+        generations >= 0), survival [B, gamma] when given."""
         check_tensor("slots", slots)
         check_tensor("generations", generations)
         if survival is not None:
@@ -238,17 +240,25 @@ class SurvivalLagRing:
 
     def read(self, slots: Tensor, generations: Tensor) -> Tensor:
         """Lagged survival [B, gamma] for these slots (all-ones where stale or reused)."""
-        self._check(slots, generations, None)
+        self.check(slots, generations)
         return self._read(slots, generations)
 
     def write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
         """Store live survival for these slots, stamped with their generation, and advance one step."""
-        self._check(slots, generations, survival)
+        self.check(slots, generations, survival)
+        self.write_checked(slots, generations, survival)
+
+    def write_checked(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
+        """`write` without its checks, for a planner that validated the step's inputs once."""
         self._write(slots, generations, survival)
 
     def exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
         """read() then write() with one validation: the lagged survival for this step, the live one stored."""
-        self._check(slots, generations, survival)
+        self.check(slots, generations, survival)
+        return self.exchange_checked(slots, generations, survival)
+
+    def exchange_checked(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
+        """`exchange` without its checks, for a planner that validated the step's inputs once."""
         lagged = self._read(slots, generations)
         self._write(slots, generations, survival)
         return lagged

@@ -16,7 +16,7 @@ from dspark.cost.serving import ServingCost
 from dspark.engine.batch import Batch
 from dspark.engine.drafter import Drafter, Drafts, Source
 from dspark.engine.sampling import Sampling
-from dspark.engine.target import Target, Verified
+from dspark.engine.target import Target, Verified, mode_layout
 from dspark.replay.trace import Trace
 from dspark.verify.accept import AcceptResult
 from dspark.verify.layout import RaggedVerifyLayout
@@ -71,15 +71,10 @@ class SimTarget(Target):
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:
-        b, w = slots.numel(), drafts.tokens.shape[1] + 1
-        if mode is VerifyMode.COMPACT:
-            if layout is None:
-                layout = RaggedVerifyLayout.from_verify_lens(verify_lens, self.tiers or None, width=w)
-            caps, rows = verify_lens, layout.total_rows
-        else:
-            full = torch.full((b,), w, dtype=torch.int32)
-            layout = RaggedVerifyLayout.from_verify_lens(full, width=w)
-            caps, rows = (full if mode is VerifyMode.STATIC else verify_lens), b * w
+        b = slots.numel()
+        layout, caps = mode_layout(mode, verify_lens, drafts.tokens.shape[1] + 1, layout,
+                                   self.tiers if mode is VerifyMode.COMPACT else (), None)
+        rows = layout.total_rows
         self.clock.advance(float(self.cost.speculative.step_seconds(num_requests=b, rows=rows)))
         return Verified(layout, caps, positions(batch, slots, self.ids))
 

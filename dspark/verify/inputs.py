@@ -140,6 +140,13 @@ def _check_layout(layout: RaggedVerifyLayout | None, compact: bool, b: int, tier
         raise TypeError(f"layout must be a RaggedVerifyLayout, got {type(layout).__name__}")
     if not compact:
         raise ValueError("a prebuilt layout is only used in compact mode (static / cap-accept verify W rows each)")
+    check_layout_fits(layout, b, tiers, slots)
+    return layout.verify_lens
+
+
+def check_layout_fits(layout: RaggedVerifyLayout, b: int, tiers: Sequence[int] | None, slots: int | None) -> None:
+    """A prebuilt compact layout must hold `b` requests and have been built with these graph `tiers` and
+    `slots` (no host read)."""
     if layout.num_requests != b:
         raise ValueError(f"layout holds {layout.num_requests} requests, the batch has {b}")
     tier_ok = layout.tier in tiers if layout.tier is not None and tiers else (
@@ -147,7 +154,6 @@ def _check_layout(layout: RaggedVerifyLayout | None, compact: bool, b: int, tier
     if not tier_ok or (slots is not None and layout.num_slots != slots):
         raise ValueError(f"layout (tier {layout.tier}, {layout.num_slots} slots) was not built with "
                          f"tiers={list(tiers or [])} and slots={slots}")
-    return layout.verify_lens
 
 
 def _check_lens(name: str, values: Tensor, b: int, device: torch.device) -> Tensor:
