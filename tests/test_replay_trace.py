@@ -288,11 +288,8 @@ def trace_draft() -> str:
 
 @pytest.mark.cpu_only(reason=HOST)
 def test_the_shipped_trace_loads_with_the_shipped_draft() -> None:
-    """The trace was recorded with draft 5683338a; the shipped 9e536c3c keeps that body (same drafts and
-    accepted lengths) with a refitted head, so the trace's confidence logits are the previous head's until it
-    is re-recorded (docs/replay.md). A trace of any other draft is refused."""
-    recorded = "5683338a75bae6dab4b6d877c740cfddf046897f3e9e5da83c9a800eacd007bf"
-    assert trace_draft() in (file_sha256(DEFAULT_WEIGHTS), recorded)
+    """The trace was recorded with the shipped draft; a trace of any other draft is refused."""
+    assert trace_draft() == file_sha256(DEFAULT_WEIGHTS)
     trace = load_trace(DEFAULT_TRACE, draft_sha256=trace_draft())
     with pytest.raises(ValueError, match="recorded with the draft of sha256"):
         load_trace(DEFAULT_TRACE, draft_sha256="0" * 64)
