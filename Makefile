@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 DEVICE ?= cpu
+WORKERS ?= 2   # pytest-xdist processes (one per core of the CI machine); WORKERS=0 runs in this process
 OUT    ?= demo_out
 
 .PHONY: demo test venv clean
@@ -19,8 +20,11 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m dspark.cli demo --device $(DEVICE) --out $(OUT)
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q --device $(DEVICE) $(PYTEST_ARGS)  # --device cpu sets TRITON_INTERPRET=1 (tests/conftest.py)
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory $(VENV)/.installed && \
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --device $(DEVICE) $(PYTEST_ARGS); rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s (install included)"; exit $$rc
+# --device cpu sets TRITON_INTERPRET=1 (tests/conftest.py); --dist loadfile keeps each module's models in one worker
 
 clean:
 	rm -rf $(VENV) $(OUT)

@@ -59,20 +59,23 @@ def pytest_configure(config: pytest.Config) -> None:
         derandomize=True, print_blob=True,
     )
     settings.load_profile("dspark")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one intra-op thread each
+        import torch
+
+        torch.set_num_threads(1)
 
 
-_KIND = pytest.StashKey[dict]()
+_KIND_PROPERTY = "dspark_kind"  # the test's kind in its reports' user_properties
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     dev = config.getoption("--device")
-    kinds = config.stash.setdefault(_KIND, {})
     for item in items:
         reason = CPU_ONLY_MODULES.get(item.path.name)
         if reason and not takes_device(item):
             item.add_marker(pytest.mark.cpu_only(reason=reason))
-        kinds[item.nodeid] = "device" if takes_device(item) else "cpu_only" if item.get_closest_marker("cpu_only") \
-            else "unmarked"
+        kind = "device" if takes_device(item) else "cpu_only" if item.get_closest_marker("cpu_only") else "unmarked"
+        item.user_properties.append((_KIND_PROPERTY, kind))  # reports carry it to the xdist controller
         for mark in ("cuda", "npu"):
             if mark in item.keywords and dev != mark:
                 item.add_marker(pytest.mark.skip(reason=f"needs --device {mark}"))
@@ -85,9 +88,9 @@ def takes_device(item: pytest.Item) -> bool:
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """One line: how many tests ran (passed or failed) on the device, how many cpu_only ones on the CPU."""
-    kinds = config.stash.get(_KIND, {})
-    ran = {r.nodeid for key in ("passed", "failed") for r in terminalreporter.stats.get(key, []) if r.when == "call"}
-    count = {k: sum(1 for n in ran if kinds.get(n) == k) for k in ("device", "cpu_only", "unmarked")}
+    ran = {r.nodeid: dict(r.user_properties).get(_KIND_PROPERTY) for key in ("passed", "failed")
+           for r in terminalreporter.stats.get(key, []) if r.when == "call"}
+    count = {k: sum(1 for v in ran.values() if v == k) for k in ("device", "cpu_only", "unmarked")}
     terminalreporter.write_line(
         f"dspark: {count['device']} tests ran on --device {config.getoption('--device')}, "
         f"{count['cpu_only']} cpu_only tests on the CPU, {count['unmarked']} unmarked")
