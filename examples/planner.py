@@ -1,4 +1,4 @@
-"""The planner API end to end on synthetic logits (README "Planner API"; run by tests/test_packaging.py).
+"""The planner API end to end on synthetic logits (README "Planner API"; run by tests/package/test_packaging.py).
 
     python examples/planner.py
 """

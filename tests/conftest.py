@@ -3,7 +3,7 @@
 On the CPU, Triton kernels run through the interpreter (TRITON_INTERPRET=1, set before triton loads).
 Every test either takes the `device` fixture (its subject runs on the device under test) or is marked
 `cpu_only(reason=...)` (host-only by nature: config, cost fits, file io, gloo, static source checks);
-`tests/test_device_suite.py` enforces it and the terminal summary counts the tests that ran on the device.
+`tests/package/test_device_suite.py` enforces it and the terminal summary counts the tests that ran on the device.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
-files=(tests/test_*.py)
+files=(tests/*/test_*.py)
 failed=()
 for f in "${files[@]}"; do
     echo "== $f"

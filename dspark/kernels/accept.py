@@ -12,7 +12,7 @@ zero), after the last verified row from `p_{verify_len-1}`; the draw is the inve
 `u[r, W-1] * total`. The uniforms come from the caller, so every rank with the same generator agrees.
 The kernel accumulates its CDF in fp32 blocks and the reference with torch.cumsum: they pick the same
 token except when `u * total` falls within rounding of a CDF step (probability ~V * 1e-7 per draw);
-the tests accept exactly that difference on a device (tests/test_accept_kernels.py::_draw_candidates).
+the tests accept exactly that difference on a device (tests/kernels/test_accept_kernels.py::_draw_candidates).
 """
 from __future__ import annotations
 

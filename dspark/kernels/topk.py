@@ -44,7 +44,7 @@ def verify_lens_ref(survival: Tensor, budget: int | Tensor, floor: int, cap: int
 
     `budget` may be a host int or a 0-d integer tensor on the survival's device (a budget chosen on the
     device: no host read). No data-dependent branch, so it compiles with `fullgraph=True, dynamic=True`
-    (tests/test_compile_verify_path.py)."""
+    (tests/kernels/test_compile_verify_path.py)."""
     b = survival.shape[0]
     cand = survival[:, floor - 1: cap - 1]
     n = cand.numel()

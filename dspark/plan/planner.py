@@ -10,7 +10,7 @@ Each `plan` call:
 5. with `parallel=ParallelConfig(...)`: TP ranks agree on `verify_lens` (hash check or broadcast) and
    DP ranks on the global tier, idle ranks included (`dspark.parallel`).
 
-Host reads per step (all through `dspark.verify.boundary.to_host`, tests/test_host_boundary.py):
+Host reads per step (all through `dspark.verify.boundary.to_host`, tests/plan/test_host_boundary.py):
 - planned on the host (CPU tensors; lag-0 small accelerator batches): the survival's host copy, one read
   (none on the CPU, where it is a view);
 - planned on the device: the budget's argmax, tau / theta curves and the live candidate count are
@@ -19,7 +19,7 @@ Host reads per step (all through `dspark.verify.boundary.to_host`, tests/test_ho
 - `sync_free=True` (lag >= 1): none. The budget is chosen on the host from the lag-ring row that the
   previous step copied asynchronously (`SurvivalLagRing.next_row_to_host`), so the tier is known before
   the step starts; the layout is padded to it and built on the device (`graph_rows`), its real total
-  left there. It equals the synchronous planner's verify_lens bit for bit (tests/test_sync_free.py).
+  left there. It equals the synchronous planner's verify_lens bit for bit (tests/plan/test_sync_free.py).
 The lag ring's slot checks read `slots` / `generations`, host-side scheduling data (no device read when
 they live on the CPU, as they should).
 

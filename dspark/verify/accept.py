@@ -53,7 +53,7 @@ def accept_greedy(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tens
     check=False skips the data checks (lengths in range, draft ids in the vocabulary: one host read) for a
     step whose lengths and drafts the engine made itself; shapes are still checked. Inside `torch.compile`
     the data checks are skipped whatever `check` says, and the call runs the torch reference
-    (tests/test_compile_public.py).
+    (tests/package/test_compile_public.py).
     Returns the AcceptResult (same fields eager and traced).
     """
     vl, row_start = _check_common(draft_tokens, target_logits, verify_lens, layout, "target_logits", check)

@@ -9,9 +9,9 @@ A verify step needs at most two things on the host, and reads each in one call o
 2. after accept, the commit lengths (the next step's positions and the stop test).
 
 Everything between (survival, curves, allocation, layout maps, pack / scatter, accept) stays on the
-device and compiles under `torch.compile(fullgraph=True)`. tests/test_host_boundary.py counts every host
+device and compiles under `torch.compile(fullgraph=True)`. tests/plan/test_host_boundary.py counts every host
 read of a step on the CPU and proves none happens outside this function; the cuda-marked sync test in
-tests/test_planner.py asserts the same on a GPU.
+tests/plan/test_planner.py asserts the same on a GPU.
 """
 from __future__ import annotations
 

@@ -286,7 +286,7 @@ def slot_maps_torch(verify_lens: Tensor, rows: int, num_slots: int, ghost_cap: i
     lengths' device, for `rows` >= sum(verify_lens) rows in `num_slots` slots: the padding rows
     `rows - sum(verify_lens)` spread over the ghost slots, first ghost first, at most `ghost_cap` each
     (the caller sizes the ghosts to hold them). Shapes depend only on the int arguments, so it compiles
-    with `fullgraph=True, dynamic=True` (tests/test_compile_verify_path.py); the maps are the layout kernels'."""
+    with `fullgraph=True, dynamic=True` (tests/kernels/test_compile_verify_path.py); the maps are the layout kernels'."""
     b = verify_lens.numel()
     leftover = rows - verify_lens.to(torch.int64).sum()
     ghost_index = torch.arange(num_slots - b, dtype=torch.int64, device=verify_lens.device)

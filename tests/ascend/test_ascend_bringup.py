@@ -10,7 +10,7 @@ import pytest
 
 from dspark.ascend import RaggedGraphCapability
 
-SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "ascend_bringup.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "perf" / "ascend_bringup.py"
 
 
 @pytest.fixture(scope="module")

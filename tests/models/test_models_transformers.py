@@ -28,7 +28,7 @@ from dspark.models import (
     smollm2,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 4
 MAX_ROWS = 64
 TOL = dict(rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 WITHOUT_TRITON = r'''
 import importlib.abc, sys

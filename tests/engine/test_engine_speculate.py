@@ -11,7 +11,7 @@ from dspark.engine.policies import Adaptive, FixedK
 from dspark.engine.profile import PlainStepCost
 from dspark.plan.planner import VerifyPlanner
 from tests.engine_models import tiny_models
-from tests.test_engine import _prompts
+from tests.engine.test_engine import _prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -113,7 +113,7 @@ def test_fit_cost_models_side_by_side_and_regret_of_an_exact_model_is_zero():
 
 
 def _load_perf(name: str):
-    path = Path(__file__).resolve().parents[1] / "perf" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "perf" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"perf_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_allocate import cases
+from tests.plan.test_allocate import cases
 
 from dspark.ascend.launch import integer_compares
 from dspark.kernels import accept, dispatch, kv_write, layout, topk

@@ -27,7 +27,7 @@ from dspark.engine.policies import Adaptive, FixedK, Policy, PolicyPlan
 from dspark.models import paged_attend
 from dspark.plan.planner import VerifyPlanner
 from dspark.verify.attention import RaggedVerifyAttention
-from tests.test_engine import _prompts
+from tests.engine.test_engine import _prompts
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only(
     reason="counts Python-level validator calls; the device only changes where tensors live")]

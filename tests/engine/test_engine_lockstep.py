@@ -10,8 +10,8 @@ from dspark.engine.decode import SpecDecoder
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import Adaptive, FixedK, Oracle
 from dspark.engine.results import finish
-from tests.test_engine import _prompts
-from tests.test_engine_speculate import GAMMA, _planner
+from tests.engine.test_engine import _prompts
+from tests.engine.test_engine_speculate import GAMMA, _planner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import Adaptive, FixedK
 from dspark.plan.planner import VerifyPlanner
 from tests.engine_models import tiny_models
-from tests.test_engine import _prompts
+from tests.engine.test_engine import _prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,7 +12,7 @@ import torch
 from dspark.calibration.recorder import SHARD_FORMAT, StsRecorder, load_shard, load_sts
 
 NAN = float("nan")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_record_labels_censoring_and_roundtrip(device, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-PERF = Path(__file__).resolve().parents[1] / "perf"
+PERF = Path(__file__).resolve().parents[2] / "perf"
 
 pytestmark = pytest.mark.cpu_only(reason="a perf script's CPU smoke run at tiny scale")
 

@@ -328,7 +328,7 @@ def test_every_kernel_module_has_cross_policy_cases() -> None:
     with_kernels = {p.stem for p in root.glob("*.py") if "\n@dispatch.kernel_kind(" in p.read_text()}
     assert {"accept", "layout", "topk", "kv_write", "ragged_attention"} <= with_kernels
     missing = sorted(with_kernels - set(KERNEL_CASES))
-    assert not missing, f"add cross-policy cases for {missing} to KERNEL_CASES in tests/test_ascend_launch.py"
+    assert not missing, f"add cross-policy cases for {missing} to KERNEL_CASES in tests/ascend/test_ascend_launch.py"
 
 
 @pytest.mark.parametrize("module", sorted(KERNEL_CASES))

@@ -28,7 +28,7 @@ from dspark.kernels import ragged_attention as RA
 from dspark.kernels import topk as T
 
 I32, I64 = "i32", "i64"
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "dspark" / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "dspark" / "kernels"
 SM90_MAX_SHARED = 232448  # bytes of shared memory one CTA may opt into on sm_90
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
@@ -160,7 +160,7 @@ def test_every_kernel_has_a_compile_case():
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -23,7 +23,7 @@ def one_thread():
 
 
 def test_tiny_run_writes_every_section(tmp_path: Path, one_thread: None) -> None:
-    path = Path(__file__).resolve().parents[1] / "perf" / "ngram_speedup.py"
+    path = Path(__file__).resolve().parents[2] / "perf" / "ngram_speedup.py"
     spec = importlib.util.spec_from_file_location("perf_ngram_speedup", path)
     script = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = script

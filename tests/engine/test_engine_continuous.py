@@ -8,8 +8,8 @@ from dspark.config import VerifyMode
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.policies import Adaptive, FixedK, Oracle
 from dspark.models.streams import features
-from tests.test_engine import _prompts
-from tests.test_engine_speculate import GAMMA, _planner
+from tests.engine.test_engine import _prompts
+from tests.engine.test_engine_speculate import GAMMA, _planner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -135,7 +135,7 @@ def test_the_drafters_example_runs(capsys) -> None:
     import runpy
     from pathlib import Path
 
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "drafters.py"), run_name="__main__")
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "drafters.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert out.count("equal to transformers' generate") == 2
 

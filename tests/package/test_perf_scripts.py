@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-PERF = Path(__file__).resolve().parents[1] / "perf"
+PERF = Path(__file__).resolve().parents[2] / "perf"
 
 
 def _script(name: str) -> ModuleType:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_attention import build_case
+from tests.kernels.test_attention import build_case
 
 from dspark.kernels import accept as ka
 from dspark.kernels import layout as kl

@@ -1,4 +1,4 @@
-"""Per-rank scenario code for tests/test_distributed.py (run in spawned gloo processes).
+"""Per-rank scenario code for tests/parallel/test_distributed.py (run in spawned gloo processes).
 
 Kept out of the test module so the workers import only torch and dspark. Each scenario runs many steps
 per launch and returns plain data; the test process makes the cross-rank assertions.

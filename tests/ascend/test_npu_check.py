@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["env", "ladder_single_rank", "ladder_tp_dp", "suite", "metadata_bench", "graph_kernel_bench"]
 
 
