@@ -91,7 +91,7 @@ def eager_case_checks(name: str, lens: list[int], live: list[int]) -> list[Check
         diff = ragged.diff(static)
         checks.append(Check(f"{name}: identical to static field for field", not diff, f"differs: {diff}"))
     graph = AscendVerifyMetadata.from_layout(
-        RaggedVerifyLayout.from_verify_lens(lens, tiers=TIERS, slots=SLOTS[0], width=N), live, RATIOS)
+        RaggedVerifyLayout.from_verify_lens(lens, tiers=TIERS, graph_slots=SLOTS[0], width=N), live, RATIOS)
     locs = torch.arange(1, graph.num_tokens + 1)
     pad = graph.write_locs(locs)[graph.total_rows:]
     checks.append(Check(f"{name}: padding rows write only the dummy slot 0",
@@ -119,7 +119,7 @@ def step1(device: str) -> StepResult:
 
 def _graph_meta(lens: list[int], live: list[int], device: torch.device) -> AscendVerifyMetadata:
     lay = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32, device=device),
-                                              tiers=TIERS, slots=SLOTS[0], width=N)
+                                              tiers=TIERS, graph_slots=SLOTS[0], width=N)
     return AscendVerifyMetadata.from_layout(lay, torch.tensor(live, device=device), RATIOS)
 
 
@@ -200,7 +200,7 @@ def step4_5_cpu() -> tuple[StepResult, StepResult]:
     metas = {}
     for name, (lens, live) in ranks.items():
         lay = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32), tiers=[global_tier],
-                                                  slots=SLOTS[-1], width=N)
+                                                  graph_slots=SLOTS[-1], width=N)
         metas[name] = AscendVerifyMetadata.from_layout(lay, live, RATIOS)
     shapes = {n: (m.num_tokens, m.num_slots, tuple(g.padding_size for g in m.compressed.values()))
               for n, m in metas.items()}

@@ -44,7 +44,7 @@ def run(device: torch.device, batches: list[int], repeats: int) -> list[dict]:
         tiers = [((int(lens.sum()) + 63) // 64) * 64]
         build = lambda: RaggedVerifyLayout.from_verify_lens(lens, width=WIDTH)
         eager_layout = build()
-        graph_layout = RaggedVerifyLayout.from_verify_lens(lens, tiers=tiers, slots=b + 64 // WIDTH, width=WIDTH)
+        graph_layout = RaggedVerifyLayout.from_verify_lens(lens, tiers=tiers, graph_slots=b + 64 // WIDTH, width=WIDTH)
         r = {"batch": b, "rows": int(lens.sum()), "tier": tiers[0],
              "static_us": _median_us(lambda: AscendVerifyMetadata.from_static(live, WIDTH), repeats, sync),
              "ragged_eager_us": _median_us(lambda: AscendVerifyMetadata.from_layout(eager_layout, live), repeats, sync),

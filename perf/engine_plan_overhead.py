@@ -79,10 +79,10 @@ def main() -> None:
                     f"fixed-{args.gamma}": FixedK(args.gamma)}
 
         for name, policy in policies().items():  # warm-up at this B
-            decoders[name].generate(queue[:b], 4, policy, slots=b)
+            decoders[name].generate(queue[:b], 4, policy, max_batch=b)
         steps: dict[str, list] = {name: [] for name in decoders}
         for _ in range(args.rounds):
-            runs = lockstep({n: decoders[n].start(queue, counts, p, slots=b) for n, p in policies().items()})
+            runs = lockstep({n: decoders[n].start(queue, counts, p, max_batch=b) for n, p in policies().items()})
             for name, res in runs.items():
                 steps[name] += [s for s in res.steps if s.confidence_logits.shape[1]]
         row = {"batch": b, "in_loop_ms": {}}

@@ -51,11 +51,11 @@ def main() -> None:
     queue = prompt_windows("heldout", encode, 3 * b, 32, 0)
     counts = request_lengths(3 * b, 32, 0.5, 0)
     for dec in (base, *twins):  # warm-up
-        dec.generate(queue, counts, FixedK(args.k), slots=b)
-    sequential = [_steady(base.generate(queue, counts, FixedK(args.k), slots=b)) for _ in range(args.repeats)]
+        dec.generate(queue, counts, FixedK(args.k), max_batch=b)
+    sequential = [_steady(base.generate(queue, counts, FixedK(args.k), max_batch=b)) for _ in range(args.repeats)]
     ratios = []
     for _ in range(args.repeats):
-        res = lockstep({i: d.start(queue, counts, FixedK(args.k), slots=b) for i, d in enumerate(twins)})
+        res = lockstep({i: d.start(queue, counts, FixedK(args.k), max_batch=b) for i, d in enumerate(twins)})
         ratios.append(_steady(res[0]) / _steady(res[1]))
     seq, aa = _spread(sequential), _spread(ratios)
     print(f"B={b} fixed-{args.k}, {args.repeats} repeats, thread CPU time")

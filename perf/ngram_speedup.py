@@ -162,7 +162,7 @@ def engine_speedups(decoder: SpecDecoder, prompts: list[list[int]], new_tokens: 
     per speculative step; lossless."""
     decoders = {name: decoder.fork() for name in policies}
     for name, make in policies.items():  # warm-up at this shape
-        decoders[name].generate(prompts[:slots], 4, make(), slots=slots, stop_token_ids=[eos])
+        decoders[name].generate(prompts[:slots], 4, make(), max_batch=slots, stop_token_ids=[eos])
     tps: dict[str, list[float]] = {n: [] for n in policies}
     commit: dict[str, list[float]] = {n: [] for n in policies}
     step: dict[str, list[float]] = {n: [] for n in policies}  # median seconds of a full-batch step
@@ -171,7 +171,7 @@ def engine_speedups(decoder: SpecDecoder, prompts: list[list[int]], new_tokens: 
     for r in range(rounds):
         progress(f"dspark B = {slots}: round {r + 1}/{rounds}")
         order = names[r % len(names):] + names[: r % len(names)]
-        results = lockstep({n: decoders[n].start(prompts, new_tokens, policies[n](), slots=slots,
+        results = lockstep({n: decoders[n].start(prompts, new_tokens, policies[n](), max_batch=slots,
                                                  stop_token_ids=[eos]) for n in order})
         for name in names:
             res = results[name]

@@ -90,10 +90,10 @@ def _rank_checks(rank: int, world: int, device_name: str) -> dict:
         checks["tp: a diverged rank raises on every rank"] = exc.ranks == (world - 1,)
     # DP: ranks with different batches and one idle rank agree on the global tier and its shapes
     lens = {0: [4, 3], 1: [1, 2, 1]}.get(rank, [])
-    dp = DpTierAgreement(dist.group.WORLD, tiers=TIERS, slots=SLOTS, width=WIDTH)
+    dp = DpTierAgreement(dist.group.WORLD, tiers=TIERS, graph_slots=SLOTS, width=WIDTH)
     decision = dp.agree(torch.tensor(lens, dtype=torch.int32))
     layout = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32, device=dev),
-                                                 tiers=[decision.tier], slots=SLOTS, width=WIDTH)
+                                                 tiers=[decision.tier], graph_slots=SLOTS, width=WIDTH)
     meta = AscendVerifyMetadata.from_layout(layout, torch.arange(len(lens), device=dev) * 7 + 5, RATIOS)
     shape = torch.tensor([meta.num_tokens, meta.num_slots, *(g.padding_size for g in meta.compressed.values())])
     shapes = [torch.empty_like(shape) for _ in range(world)]
@@ -141,7 +141,7 @@ def _kernel_cases(dev: torch.device) -> dict[str, Callable[[], object]]:
     logits = torch.randn(b, w, vocab, generator=gen).to(dev)
     draft = logits[:, : w - 1].argmax(-1)
     row_slot, row_within = layout.row_maps_ref(lens, int(lens.sum()))
-    lay = RaggedVerifyLayout.from_verify_lens(lens, tiers=[b * w], slots=b + 8, width=w)
+    lay = RaggedVerifyLayout.from_verify_lens(lens, tiers=[b * w], graph_slots=b + 8, width=w)
     attn = RaggedVerifyAttention(b * w, b + 8, 4, hq, hkv, d, 16, dev, dtype, num_pages=pages)
     kc, vc = (torch.randn(pages, 16, hkv, d, generator=gen).to(dev, dtype) for _ in range(2))
     attn.plan(lay, torch.full((b,), 40, dtype=torch.int32, device=dev),
@@ -177,7 +177,7 @@ def bench(device_name: str, repeats: int) -> dict:
 
     def meta(lens: list[int]) -> AscendVerifyMetadata:
         lay = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32, device=dev), tiers=TIERS,
-                                                  slots=SLOTS, width=WIDTH)
+                                                  graph_slots=SLOTS, width=WIDTH)
         return AscendVerifyMetadata.from_layout(lay, torch.arange(len(lens), device=dev) * 9 + 3, RATIOS)
 
     table = torch.arange(4096, dtype=torch.float32, device=dev)

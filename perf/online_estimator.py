@@ -171,11 +171,11 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
     for b in args.batch_sizes:
         queue, counts = prompts[: args.requests_per_slot * b], lengths[: args.requests_per_slot * b]
         for n in names:  # untimed warm-up at this B
-            decoders[n].generate(queue[:b], max(2, args.max_new_tokens // 4), make(n, b), slots=b)
+            decoders[n].generate(queue[:b], max(2, args.max_new_tokens // 4), make(n, b), max_batch=b)
         tps: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]
-            res = lockstep({n: decoders[n].start(queue, counts, make(n, b), mode=VerifyMode.COMPACT, slots=b,
+            res = lockstep({n: decoders[n].start(queue, counts, make(n, b), mode=VerifyMode.COMPACT, max_batch=b,
                                                  seed=args.seed + rep) for n in order})
             for n in names:
                 if not torch.equal(res[n].tokens, res["fixed-0"].tokens):

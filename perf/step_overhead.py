@@ -13,6 +13,7 @@ dspark (put it on PYTHONPATH), so two commits can be compared side by side:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -66,7 +67,8 @@ def measure(decoder: SpecDecoder, policy, b: int, new_tokens: int, timers: list[
     """Median step / forward / overhead milliseconds over the speculative steps of one queue of 2B requests."""
     prompts = torch.randint(3, VOCAB, (2 * b, 16), generator=torch.Generator().manual_seed(b))
     steps, forwards = [], []
-    run = decoder.start(prompts, new_tokens, policy, mode="compact", slots=b)
+    batch_kw = "max_batch" if "max_batch" in inspect.signature(decoder.start).parameters else "slots"  # before 2026-12
+    run = decoder.start(prompts, new_tokens, policy, mode="compact", **{batch_kw: b})
     while True:
         before = sum(t.seconds for t in timers)
         try:

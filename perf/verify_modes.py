@@ -107,7 +107,7 @@ class VerifyBench:
     def forward(self, mode: VerifyMode, verify_lens: Tensor) -> tuple[Tensor, RaggedVerifyLayout]:
         """(logits [rows, V], layout) of one verify forward in `mode`, as the engine's verify phase runs it."""
         vin = build_verify_inputs(mode, verify_lens, self.root, self.drafts, self.prefix, tiers=self.tiers or None,
-                                  slots=self.slots)
+                                  graph_slots=self.slots)
         return self._run(vin.input_ids, vin.layout, self.prefix), vin.layout
 
 

@@ -35,7 +35,7 @@ from dspark.engine.sampling import Sampling
 from dspark.engine.step import Engine, serve
 from dspark.engine.sweep import CLOCKS
 from dspark.engine.target import LiveTarget
-from dspark.engine.verify_step import VerifySteps, graph_slots
+from dspark.engine.verify_step import VerifySteps, graph_slot_count
 from dspark.models.draft import DraftModel
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.util.validate import check_type
@@ -102,13 +102,13 @@ class SpecDecoder:
 
     def graph_slots(self, b: int, width: int) -> int | None:
         """Slot count of a tier-padded compact step (`verify_step.graph_slots`); None without tiers."""
-        return graph_slots(b, self.tiers, width) if self.tiers else None
+        return graph_slot_count(b, self.tiers, width) if self.tiers else None
 
     # -- decoding --------------------------------------------------------------------------------------
     def generate(self, prompts: Prompts, max_new_tokens: int | Tensor, policy: Policy, *,
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                 reserve_new_tokens: int | None = None, slots: int | None = None,
+                 reserve_new_tokens: int | None = None, max_batch: int | None = None,
                  stop_token_ids: Sequence[int] = ()) -> GenerateResult:
         """Decode up to `max_new_tokens` after each prompt with one policy.
 
@@ -121,21 +121,21 @@ class SpecDecoder:
         tokens and the `top_p` nucleus when given (transformers' warps, in its order), from a generator seeded
         with `seed`; the drafter's proposals are warped the same way and rejection sampling keeps the
         committed tokens distributed as the warped target's. Greedy (the default) ignores all four.
-        slots: continuous batching. At most `slots` requests (default: all N) decode at once; a finished
-        request's slot is refilled at once with the next queued prompt (prefilled, timed, with a new
+        max_batch: continuous batching. At most `max_batch` requests (default: all N) decode at once; a
+        finished request's slot is refilled at once with the next queued prompt (prefilled, timed, with a new
         generation number). Request i always gets prompt i, so result.tokens[i] is comparable across policies
-        and slot counts.
+        and batch sizes.
         reserve_new_tokens: size the KV pages for this many new tokens when larger (profiling times short
         runs with the geometry of the timed ones).
         """
         return finish(self.start(prompts, max_new_tokens, policy, mode=mode, sampling=sampling,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                 reserve_new_tokens=reserve_new_tokens, slots=slots, stop_token_ids=stop_token_ids))
+                                 reserve_new_tokens=reserve_new_tokens, max_batch=max_batch, stop_token_ids=stop_token_ids))
 
     def start(self, prompts: Prompts, max_new_tokens: int | Tensor, policy: Policy, *,
               mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-              reserve_new_tokens: int | None = None, slots: int | None = None,
+              reserve_new_tokens: int | None = None, max_batch: int | None = None,
               stop_token_ids: Sequence[int] = ()) -> DecodeRun:
         """`generate` one step at a time: checks the arguments now and returns the run, a generator that
         yields each StepOutcome and returns the GenerateResult (`finish` drains it). Runs on different
@@ -146,7 +146,7 @@ class SpecDecoder:
         n, p = len(seqs), max(q.numel() for q in seqs)
         new_tokens = check_new_tokens(max_new_tokens, n)
         stop = check_stop_ids(stop_token_ids, vocab)
-        check_positive_or_none("slots", slots)
+        check_positive_or_none("max_batch", max_batch)
         check_type("policy", policy, Policy)
         k, most = policy.num_drafts, self.drafter.max_drafts
         if most is not None and k > most:
@@ -164,7 +164,7 @@ class SpecDecoder:
         self._check_idle()
         scheduler = Scheduler(seqs, new_tokens, None if stop is None else stop.to(self.device), self._generations,
                               self.device)
-        return self._run(scheduler, policy, mode, draws, min(n, slots or n), max_len, w, p + w + policy.catch_up)
+        return self._run(scheduler, policy, mode, draws, min(n, max_batch or n), max_len, w, p + w + policy.catch_up)
 
     @torch.no_grad()
     def _run(self, scheduler: Scheduler, policy: Policy, mode: VerifyMode, sampling: Sampling, b: int,

@@ -252,14 +252,14 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         warm = (queue, counts) if device.type != "cpu" else (queue[:b], max(2, cfg.max_new_tokens // 4))
         for name in names:
             decoders[name].generate(*warm, make(name), mode=mode, sampling=cfg.sampling,
-                                    temperature=cfg.temperature, seed=cfg.seed, slots=b)
+                                    temperature=cfg.temperature, seed=cfg.seed, max_batch=b)
             bar(f"B={b} warm-up {name}")
         for rep in range(cfg.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
             policies = {name: make(name) for name in order}
             results = lockstep({name: decoders[name].start(queue, counts, policies[name], mode=mode,
                                                            sampling=cfg.sampling, temperature=cfg.temperature,
-                                                           seed=cfg.seed + rep, slots=b) for name in order})
+                                                           seed=cfg.seed + rep, max_batch=b) for name in order})
             bar(f"B={b} round {rep + 1}/{cfg.repeats}")
             for name in names:
                 res = results[name]
@@ -281,7 +281,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         short = torch.full((small.shape[0],), max(1, cfg.max_new_tokens // 2), dtype=torch.int64)
         for m in (m for m in VerifyMode if m is not mode):  # `mode` itself: every run above
             for name in names:
-                res = served_by(name).generate(small, short, make_for(name, 2), mode=m, slots=2)
+                res = served_by(name).generate(small, short, make_for(name, 2), mode=m, max_batch=2)
                 _assert_matches_reference(reference, res, short, f"{name} ({m.value}, 2 reused slots)")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")

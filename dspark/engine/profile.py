@@ -72,7 +72,7 @@ def profile_points(batch_sizes: Sequence[int], gamma: int, tiers: Sequence[int] 
 def _median_step(res: GenerateResult) -> float:
     """Median seconds of one run's steps that still had every request in the batch."""
     secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
-                         for s in res.steps if s.requests.numel() == res.slots], dtype=torch.float64)
+                         for s in res.steps if s.requests.numel() == res.max_batch], dtype=torch.float64)
     return float(secs.median())
 
 

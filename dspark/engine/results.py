@@ -56,13 +56,13 @@ class GenerateResult:
     seconds: float = 0.0           # charged time: the first admission's prefill + every step's
                                    # draft+plan+verify+accept+refill prefill (no oracle prepass)
     startup_seconds: float = 0.0   # prefill of the first admission (all slots at once)
-    slots: int = 0                 # B: requests decoding at once
+    max_batch: int = 0             # B: requests decoding at once (request-pool slots)
     num_tokens: Tensor | None = None  # [N] int64 tokens produced per request (a stop token included)
     finish_reasons: list[str] = field(default_factory=list)  # per request: "length" or "stop"
 
     def steady(self) -> tuple[int, float]:
         """(tokens, seconds) of the steady-state window: steps with every slot busy, refills included."""
-        busy = [s for s in self.steps if s.requests.numel() == self.slots]
+        busy = [s for s in self.steps if s.requests.numel() == self.max_batch]
         return sum(s.useful for s in busy), sum(s.times.total for s in busy)
 
 

@@ -152,7 +152,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
     finally:
         drafter.finish()
         target.finish()
-    result.slots = batch.num_slots
+    result.max_batch = batch.num_slots
     result.num_tokens, result.finish_reasons = scheduler.result.num_tokens, scheduler.result.finish_reasons
     result.startup_seconds = result.steps[0].times.prefill
     result.steps[0].times.prefill = 0.0

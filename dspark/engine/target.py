@@ -20,7 +20,7 @@ from dspark.engine.drafter import Drafts
 from dspark.engine.kv_cache import PagedKVCache
 from dspark.engine.sampling import Sampling
 from dspark.engine.step_attention import batch_attention
-from dspark.engine.verify_step import VerifySteps, graph_slots
+from dspark.engine.verify_step import VerifySteps, graph_slot_count
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.util.validate import check_verify_lens
@@ -41,15 +41,15 @@ class Verified:
 
 
 def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: RaggedVerifyLayout | None,
-                tiers: tuple[int, ...], slots: int | None) -> tuple[RaggedVerifyLayout, Tensor]:
+                tiers: tuple[int, ...], graph_slots: int | None) -> tuple[RaggedVerifyLayout, Tensor]:
     """(the forward's layout, the caps accept honours) of one verify step in `mode`.
 
     Args:
         verify_lens: [B] int32, the policy's lengths (root included); width: W = drafts + 1.
         layout: the planner's compact layout of these lengths (reused; its tier and slots are checked
-            against `tiers` / `slots`), or None: the lengths come from a policy without a planner and are
+            against `tiers` / `graph_slots`), or None: the lengths come from a policy without a planner and are
             checked here, once per step (one host read).
-        tiers / slots: the captured graph tiers (empty: eager) and graph slot count.
+        tiers / graph_slots: the captured graph tiers (empty: eager) and graph slot count.
     Returns:
         compact: the ragged layout of `verify_lens` and caps `verify_lens`; static / cap-accept: W rows per
         request and caps W (static) or `verify_lens` (cap-accept).
@@ -59,13 +59,13 @@ def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: Ragge
         check_verify_lens(host, width)
     if mode is VerifyMode.COMPACT:
         if layout is not None:
-            check_layout_fits(layout, verify_lens.numel(), tiers, slots)
+            check_layout_fits(layout, verify_lens.numel(), tiers, graph_slots)
         else:
-            layout = RaggedVerifyLayout.from_checked(verify_lens, tiers, slots, width, total_rows=int(host.sum()))
+            layout = RaggedVerifyLayout.from_checked(verify_lens, tiers, graph_slots, width, total_rows=int(host.sum()))
         return layout, verify_lens
     b = verify_lens.numel()
     full = torch.full_like(verify_lens, width)
-    layout = RaggedVerifyLayout.from_checked(full, tiers, slots, width, total_rows=b * width)
+    layout = RaggedVerifyLayout.from_checked(full, tiers, graph_slots, width, total_rows=b * width)
     return layout, full if mode is VerifyMode.STATIC else verify_lens
 
 
@@ -110,7 +110,7 @@ class LiveTarget(Target):
     def start(self, batch: Batch, width: int, max_rows: int) -> None:
         s, cols = batch.num_slots, batch.tokens.shape[1]
         self.cache.admit(s, cols - 1)
-        self._graph_slots = graph_slots(s, self.tiers, width) if self.tiers else None
+        self._graph_slots = graph_slot_count(s, self.tiers, width) if self.tiers else None
         self._step = self.verify_steps.get(s, width)
         self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1)
         self.hidden = torch.zeros(s, cols, self.model.geometry.hidden_size, device=self.device)

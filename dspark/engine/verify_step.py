@@ -30,7 +30,7 @@ from dspark.verify.layout import RaggedVerifyLayout, check_tiers
 ROW_INPUTS: dict[str, RowSpec] = {"tokens": ((), torch.int64), "positions": ((), torch.int64)}
 
 
-def graph_slots(max_requests: int, tiers: Sequence[int], width: int) -> int:
+def graph_slot_count(max_requests: int, tiers: Sequence[int], width: int) -> int:
     """Slots of a tier-padded step: the real requests plus enough ghost slots (<= W rows each) for the
     largest possible padding, so every tier holds any batch of up to `max_requests` requests."""
     return max_requests + -(-check_tiers(tiers)[-1] // width)
@@ -61,7 +61,8 @@ class VerifyStep:
     captured once per tier of `tiers` (the runner is `self.runner`; its replay / eager counts are the
     telemetry of which tier each step replayed).
 
-    slots: the runner's slot count (one, or one per tier); default `graph_slots(max_requests, tiers, width)`.
+    graph_slots: the runner's slot count (one, or one per tier); default
+    `graph_slot_count(max_requests, tiers, width)`.
     `cache.block_table` must be admitted (its page count per request sizes the attention's block table).
     compile_model: run the model's dense layers (everything but the attention, which stays the planned
     kernel) through `torch.compile(dynamic=False)`, one graph set per tier, compiled during the capture
@@ -70,7 +71,7 @@ class VerifyStep:
     """
 
     def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, *, tiers: Sequence[int], width: int,
-                 max_requests: int, slots: int | Sequence[int] | None = None, backend: GraphBackend | None = None,
+                 max_requests: int, graph_slots: int | Sequence[int] | None = None, backend: GraphBackend | None = None,
                  model_id: str = "", compile_model: bool | None = None) -> None:
         check_int("width", width, 1)
         if compile_model is not None and not isinstance(compile_model, bool):
@@ -85,8 +86,8 @@ class VerifyStep:
         g, device = target.geometry, cache.k.device
         _, num_pages, page_size, kv_heads, head_dim = cache.k.shape
         pages_per_request = int(cache.block_table.shape[1])
-        slots = graph_slots(max_requests, tiers, width) if slots is None else slots
-        max_slots = max(max_requests, slots if isinstance(slots, int) else max(slots))
+        graph_slots = graph_slot_count(max_requests, tiers, width) if graph_slots is None else graph_slots
+        max_slots = max(max_requests, graph_slots if isinstance(graph_slots, int) else max(graph_slots))
         self.target, self.device = target, device
         self.attn = RaggedVerifyAttention(max(tiers[-1], max_requests * width), max_slots, pages_per_request,
                                           g.num_q_heads, kv_heads, head_dim, page_size, device, cache.k.dtype,
@@ -98,13 +99,13 @@ class VerifyStep:
         # what `_plan` plans with: no request for the idle layouts of the captures, then each step's own
         self._context = (torch.zeros(0, dtype=torch.int64),
                          torch.zeros(0, pages_per_request, dtype=torch.int32, device=device))
-        self.runner = TierGraphRunner(self._forward, tiers, slots, device, backend, width=width,
+        self.runner = TierGraphRunner(self._forward, tiers, graph_slots, device, backend, width=width,
                                       row_inputs=ROW_INPUTS, model_id=model_id, prepare=self._plan).capture()
 
     def __call__(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix_lens: Tensor,
                  block_table: Tensor) -> VerifyOutput:
         """Verify the packed rows `tokens [>= total_rows]` of `layout` (built with the runner's tiers and slots:
-        `self.runner.layout`, or `RaggedVerifyLayout.from_verify_lens(lens, tiers, slots, width=W)`);
+        `self.runner.layout`, or `RaggedVerifyLayout.from_verify_lens(lens, tiers, graph_slots, width=W)`);
         prefix_lens [B]: tokens already cached per request; block_table [B, P]: their pages. On a replay the
         outputs are views of the tier's static buffers, valid until that tier's next step."""
         positions = layout.positions(prefix_lens.to(device=self.device, dtype=torch.int64))
@@ -151,13 +152,13 @@ class VerifyStepAdapter:
     """`dspark.engine.sweep.StepAdapter` for a target's `VerifyStep`: the engine's verify forward of B requests
     over `context` cached tokens each (random token ids, random cached K/V), padded to its tier.
 
-    slots: as for `VerifyStep`; name: what the sweep's files are called after (default
+    graph_slots: as for `VerifyStep`; name: what the sweep's files are called after (default
     `<model_type>-L<layers>-d<hidden>-ctx<context>`).
     """
 
     def __init__(self, target: TransformersCausalLM, *, tiers: Sequence[int], width: int, max_requests: int,
                  device: torch.device | str = "cpu", backend: GraphBackend | None = None, context: int = 32,
-                 page_size: int = 16, slots: int | Sequence[int] | None = None, seed: int = 0,
+                 page_size: int = 16, graph_slots: int | Sequence[int] | None = None, seed: int = 0,
                  name: str | None = None, compile_model: bool | None = None) -> None:
         check_int("context", context, 0)
         g, self.device = target.geometry, torch.device(device)
@@ -175,7 +176,7 @@ class VerifyStepAdapter:
         for buf in (self.cache.k, self.cache.v):
             buf.copy_(torch.randn(buf.shape, generator=self._gen))
         self.verify = VerifyStep(target, self.cache, tiers=tiers, width=width, max_requests=max_requests,
-                                 slots=slots, backend=backend, model_id=self.name, compile_model=compile_model)
+                                 graph_slots=graph_slots, backend=backend, model_id=self.name, compile_model=compile_model)
         self.runner = self.verify.runner
         self.context, self.width, self.max_requests = context, width, max_requests
         self._step: tuple | None = None

@@ -34,7 +34,7 @@ class DpTier:
 class DpTierAgreement:
     """DP-global graph tier: every DP rank replays the tier of the largest row count across ranks.
 
-    cpu_group: a gloo (CPU) group; tiers: captured token tiers; slots: captured slot count S (idle
+    cpu_group: a gloo (CPU) group; tiers: captured token tiers; graph_slots: captured slot count S (idle
     ranks fill ghost slots); width: W = gamma + 1.
     """
 
@@ -42,19 +42,19 @@ class DpTierAgreement:
         self,
         cpu_group: dist.ProcessGroup | None = None,
         tiers: Sequence[int] | None = None,
-        slots: int | None = None,
+        graph_slots: int | None = None,
         width: int | None = None,
     ):
         self.ranks = group_ranks(cpu_group, "cpu_group")
         backend = str(dist.get_backend(cpu_group)).lower()
         if not any(name in backend for name in ("gloo", "mpi", "ucc")):
             raise ValueError(f"the DP tier group must be a CPU (gloo) group, got backend {backend!r}")
-        for name, v in (("slots", slots), ("width", width)):
+        for name, v in (("graph_slots", graph_slots), ("width", width)):
             if v is not None:
                 check_int(name, v, 1)
         self.group = cpu_group
         self.tiers = check_tiers(tiers)
-        self.slots = slots
+        self.graph_slots = graph_slots
         self.width = width
 
     def agree(self, verify_lens: Tensor) -> DpTier:
@@ -81,8 +81,8 @@ class DpTierAgreement:
                 f"need one (requests, rows) per DP rank ({len(self.ranks)}), got {len(requests)} and {len(rows)}"
             )
         for rank, b in zip(self.ranks, requests):
-            if self.slots is not None and b > self.slots:
-                raise ValueError(f"DP rank {rank} has {b} requests, more than the {self.slots} captured slots")
+            if self.graph_slots is not None and b > self.graph_slots:
+                raise ValueError(f"DP rank {rank} has {b} requests, more than the {self.graph_slots} captured slots")
         if not self.tiers:
             return DpTier(None, requests, rows, None)
         top = max(range(len(rows)), key=rows.__getitem__)
@@ -105,7 +105,7 @@ class DpTierAgreement:
 
     def _ghost_capacity(self, num_requests: int) -> float:
         """Padding rows a rank's ghost slots can hold (the layout's rule: at most W rows per ghost)."""
-        ghosts = self.slots - num_requests if self.slots is not None else 1
+        ghosts = self.graph_slots - num_requests if self.graph_slots is not None else 1
         return ghosts * self.width if self.width is not None else (float("inf") if ghosts else 0)
 
     def layout(self, verify_lens: Tensor, decision: DpTier) -> RaggedVerifyLayout:
@@ -113,17 +113,17 @@ class DpTierAgreement:
         lens = verify_lens.to(torch.int32)
         if decision.tier is not None:
             return RaggedVerifyLayout.from_verify_lens(
-                lens, (decision.tier,), self.slots, width=self.width, on_overflow="error"
+                lens, (decision.tier,), self.graph_slots, width=self.width, on_overflow="error"
             )
         if lens.shape[0]:
-            out = RaggedVerifyLayout.from_verify_lens(lens, None, self.slots, width=self.width)
+            out = RaggedVerifyLayout.from_verify_lens(lens, None, self.graph_slots, width=self.width)
         else:
             out = self._idle_eager_layout(lens)
         return dataclasses.replace(out, eager_reason=decision.eager_reason)
 
     def _idle_eager_layout(self, lens: Tensor) -> RaggedVerifyLayout:
         """Eager idle step: one ghost row per slot, the smallest forward that still joins the collective."""
-        n = self.slots or 1
+        n = self.graph_slots or 1
         out = RaggedVerifyLayout.from_verify_lens(lens, (n,), n, width=1)
         return dataclasses.replace(out, width=self.width, tier=None)
 

@@ -24,7 +24,7 @@ from dspark.engine.policies import Policy, make_policy
 from dspark.engine.results import GenerateResult, finish
 from dspark.engine.sampling import Sampling
 from dspark.engine.step import Engine, serve
-from dspark.engine.verify_step import graph_slots
+from dspark.engine.verify_step import graph_slot_count
 from dspark.plan.planner import VerifyPlanner
 from dspark.replay.sim import SimClock, SimTarget, TraceDrafter
 from dspark.replay.trace import Trace
@@ -86,7 +86,7 @@ class Lab:
         temps = None if self.temperatures is None or not sts else list(self.temperatures)[: self.gamma]
         return VerifyPlanner(ScheduleConfig(gamma=self.gamma), self.cost.speculative, lag=self.lag, num_slots=b,
                              temperatures=temps, tiers=tiers or None,
-                             graph_slots=graph_slots(b, tiers, w) if tiers else None)
+                             graph_slots=graph_slot_count(b, tiers, w) if tiers else None)
 
     def policy(self, name: str, b: int) -> Policy:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over

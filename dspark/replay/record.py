@@ -1,7 +1,7 @@
 """Record a policy-lab trace (`dspark.replay.trace`) teacher-forced: about twice the cost of generating the text.
 
 1. Greedy continuations, N_i + gamma tokens per request, by the engine itself: `SpecDecoder` with FixedK(0)
-   (target-only greedy steps), continuous batching over `slots`. With `eos_token_id`, N_i is cut after the
+   (target-only greedy steps), continuous batching over `max_batch` requests. With `eos_token_id`, N_i is cut after the
    first eos among the first N_i tokens (where a server stops; the continuation still holds gamma more).
 2. One target forward per request (transformers' own sdpa attention) over the prompt and the continuation
    but its last token: the final-normed hidden states and the logits at every continuation position. The
@@ -16,7 +16,7 @@ rounding (the live loop runs the paged ragged attention; tests compare them step
 
 `python -m dspark.replay.record --out PATH --requests 512 --seed 0` records the default workload with
 SmolLM2-135M-Instruct and the shipped draft; the shipped trace's manifest names its command and time. The
-same command, slots and thread count on the same machine and torch build write the same file bit for bit.
+same command, max_batch and thread count on the same machine and torch build write the same file bit for bit.
 """
 from __future__ import annotations
 
@@ -62,14 +62,14 @@ def _check_requests(requests: Sequence[Request], gamma: int, max_seq_len: int) -
 
 
 @torch.no_grad()
-def greedy_continuations(decoder: SpecDecoder, requests: Sequence[Request], width: int, slots: int,
+def greedy_continuations(decoder: SpecDecoder, requests: Sequence[Request], width: int, max_batch: int,
                          progress: Progress | None = None) -> list[Tensor]:
     """Each request's first max_new_tokens + width greedy tokens ([N_i + width] int64, CPU) by target-only
     decoding: one continuously batched run over every request, the longest admitted first (a short drain
     tail). progress("greedy", tokens done, tokens) after each step."""
     order = sorted(range(len(requests)), key=lambda i: -requests[i].max_new_tokens)
     counts = torch.tensor([requests[i].max_new_tokens + width for i in order], dtype=torch.int64)
-    run = decoder.start([requests[i].prompt for i in order], counts, FixedK(0), slots=min(slots, len(order)))
+    run = decoder.start([requests[i].prompt for i in order], counts, FixedK(0), max_batch=min(max_batch, len(order)))
     done, total = 0, int(counts.sum())
     while True:
         try:
@@ -115,14 +115,14 @@ def teacher_forced(target: TransformersCausalLM, draft: DraftModel, prompt: Tens
 
 
 def record_trace(target: TransformersCausalLM, draft: DraftModel, requests: Sequence[Request], *,
-                 draft_sha256: str, gamma: int | None = None, eos_token_id: int | None = None, slots: int = 32,
+                 draft_sha256: str, gamma: int | None = None, eos_token_id: int | None = None, max_batch: int = 32,
                  device: str | torch.device = "cpu", meta: dict | None = None,
                  progress: Progress | None = None) -> Trace:
     """The trace of `requests` (kinds, prompts, max_new_tokens) under `target` and `draft`.
 
     draft_sha256: the sha256 of the draft's weights file (what `load_trace` matches). gamma: drafts per
-    block (default: the draft's full block). eos_token_id: cut each N_i after its first eos. slots: requests
-    decoded at once. meta: entries added to the trace's meta (workload, seed, command). progress: called
+    block (default: the draft's full block). eos_token_id: cut each N_i after its first eos. max_batch:
+    requests decoded at once. meta: entries added to the trace's meta (workload, seed, command). progress: called
     (stage, done, total) as the stages "greedy" (tokens) and "teacher" (requests) advance."""
     check_type("target", target, TransformersCausalLM)
     check_type("draft", draft, DraftModel)
@@ -131,15 +131,15 @@ def record_trace(target: TransformersCausalLM, draft: DraftModel, requests: Sequ
     gamma = draft.gamma if gamma is None else check_int("gamma", gamma, 1)
     if gamma > draft.gamma:
         raise ValueError(f"gamma={gamma} exceeds the draft's block of {draft.gamma}")
-    check_int("slots", slots, 1)
+    check_int("max_batch", max_batch, 1)
     check_type("eos_token_id", eos_token_id, int, optional=True)
     requests = list(requests)
     _check_requests(requests, gamma, min(target.geometry.max_seq_len, draft.cfg.max_seq_len))
     kinds = tuple(sorted({r.kind for r in requests}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k)))
     t0 = time.perf_counter()
     longest = max(r.prompt.numel() for r in requests) + max(r.max_new_tokens for r in requests) + gamma + 1
-    decoder = SpecDecoder(target, draft, cache_tokens=min(slots, len(requests)) * (longest + 16), device=device)
-    generated = greedy_continuations(decoder, requests, gamma, slots, progress)
+    decoder = SpecDecoder(target, draft, cache_tokens=min(max_batch, len(requests)) * (longest + 16), device=device)
+    generated = greedy_continuations(decoder, requests, gamma, max_batch, progress)
     t1 = time.perf_counter()
     parts: dict[str, list[Tensor]] = {}
     mismatches: list[list[int]] = []
@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(its .json manifest is written beside it)")
     parser.add_argument("--requests", type=at_least(len(KINDS)), default=512)
     parser.add_argument("--seed", type=at_least(0), default=0, help="seeds the workload (prompts, kinds, lengths)")
-    parser.add_argument("--slots", type=at_least(1), default=64, help="requests decoded at once")
+    parser.add_argument("--max-batch", type=at_least(1), default=64, help="requests decoded at once")
     parser.add_argument("--threads", type=at_least(1), default=1, help="torch intra-op threads")
     parser.add_argument("--device", type=usable_device, default="cpu")
     args = parser.parse_args(argv)
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = build_workload(tokenizer, spec)
     command = f"{RECORD} --out {args.out} --requests {args.requests} --seed {args.seed}"
     trace = record_trace(target, draft, requests, draft_sha256=file_sha256(DEFAULT_WEIGHTS),
-                         eos_token_id=tokenizer.eos_token_id, slots=args.slots, device=args.device,
+                         eos_token_id=tokenizer.eos_token_id, max_batch=args.max_batch, device=args.device,
                          meta={"workload": spec.to_dict(), "seed": args.seed, "command": command},
                          progress=StageProgress(lines=20))
     manifest = save_trace(trace, args.out)

@@ -230,7 +230,7 @@ class TierGraphRunner:
                                seqused=meta["seqused"][:s], slot_qo_indptr=meta["slot_qo_indptr"][: s + 1],
                                row_slot=meta["row_slot"][:tier], row_within=meta["row_within"][:tier])
             idle = RaggedVerifyLayout.from_verify_lens(
-                torch.zeros(0, dtype=torch.int32, device=self.device), tiers=[tier], slots=s, width=self.width)
+                torch.zeros(0, dtype=torch.int32, device=self.device), tiers=[tier], graph_slots=s, width=self.width)
             _load_layout(bufs, idle)
             self._prepare(idle)
             self._buffers[tier] = bufs
@@ -263,7 +263,7 @@ class TierGraphRunner:
                               f"the {s} slots captured for tier {tier}")
                     lay = RaggedVerifyLayout.from_verify_lens(lens, width=self.width)
                     return dataclasses.replace(lay, eager_reason=reason)
-                return RaggedVerifyLayout.from_verify_lens(lens, self.tiers, slots=s, width=self.width)
+                return RaggedVerifyLayout.from_verify_lens(lens, self.tiers, graph_slots=s, width=self.width)
         return RaggedVerifyLayout.from_verify_lens(lens, self.tiers, width=self.width)
 
     def run(self, layout: RaggedVerifyLayout, **rows: Tensor) -> StepOutput:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dspark.config import VerifyMode
 from dspark.util.validate import (
+    renamed,
     check_int,
     check_kv_fits,
     check_nonnegative,
@@ -55,20 +56,23 @@ def build_verify_inputs(
     prefix_lens: Tensor,
     *,
     tiers: Sequence[int] | None = None,
-    slots: int | None = None,
+    graph_slots: int | None = None,
     block_table: Tensor | None = None,
     page_size: int | None = None,
     layout: RaggedVerifyLayout | None = None,
+    slots: int | None = None,
 ) -> VerifyInputs:
     """Verify inputs for `mode`: ids, positions, KV write slots, the layout and the accept caps.
 
     verify_lens [B] int in [1, W]; root_tokens [B]; draft_tokens [B, gamma]; prefix_lens [B] (tokens
-    already in the KV cache, so the root sits at position prefix_len); tiers / slots: captured graph
+    already in the KV cache, so the root sits at position prefix_len); tiers / graph_slots: captured graph
     tiers and slot count (padding to the smallest tier >= rows); block_table [B, pages] and page_size:
     KV slot of (r, pos) = `block_table[r, pos // page_size] * page_size + pos % page_size`.
     layout (compact only): the layout the planner already built from these verify_lens with the same tiers
-    and slots (`VerifyPlan.layout`), reused instead of built a second time; its lengths are checked.
+    and graph slots (`VerifyPlan.layout`), reused instead of built a second time; its lengths are checked.
+    slots: the former name of `graph_slots` (deprecated: a FutureWarning).
     """
+    graph_slots = renamed("slots", slots, "graph_slots", graph_slots)
     mode = VerifyMode.parse(mode)
     b, gamma = _check_tokens(root_tokens, draft_tokens)
     w = gamma + 1
@@ -76,7 +80,7 @@ def build_verify_inputs(
     vl = _check_lens("verify_lens", verify_lens, b, device)
     prefix = _check_lens("prefix_lens", prefix_lens, b, device).to(torch.int64)
     compact = mode is VerifyMode.COMPACT
-    reused = _check_layout(layout, compact, b, tiers, slots)
+    reused = _check_layout(layout, compact, b, tiers, graph_slots)
     # one device read for the checks (and the reused layout's lengths)
     rows = [vl.to(torch.int64), prefix] + ([reused.to(device, torch.int64)] if reused is not None else [])
     host = torch.stack(rows).cpu()
@@ -87,7 +91,7 @@ def build_verify_inputs(
         raise ValueError(f"layout was built for verify_lens {host[2].tolist()}, not {host_vl.tolist()}")
     if layout is None:
         total = int(host_vl.sum()) if compact else b * w
-        layout = RaggedVerifyLayout.from_checked(vl if compact else torch.full_like(vl, w), check_tiers(tiers), slots,
+        layout = RaggedVerifyLayout.from_checked(vl if compact else torch.full_like(vl, w), check_tiers(tiers), graph_slots,
                                                  w, total_rows=total)
     if block_table is not None or page_size is not None:
         _check_block_table(block_table, page_size, b, host_prefix + (host_vl if compact else w))
@@ -132,7 +136,7 @@ def _check_tokens(root_tokens: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
 
 
 def _check_layout(layout: RaggedVerifyLayout | None, compact: bool, b: int, tiers: Sequence[int] | None,
-                  slots: int | None) -> Tensor | None:
+                  graph_slots: int | None) -> Tensor | None:
     """The reused layout's verify_lens (None without a layout) after the host-side checks."""
     if layout is None:
         return None
@@ -140,20 +144,21 @@ def _check_layout(layout: RaggedVerifyLayout | None, compact: bool, b: int, tier
         raise TypeError(f"layout must be a RaggedVerifyLayout, got {type(layout).__name__}")
     if not compact:
         raise ValueError("a prebuilt layout is only used in compact mode (static / cap-accept verify W rows each)")
-    check_layout_fits(layout, b, tiers, slots)
+    check_layout_fits(layout, b, tiers, graph_slots)
     return layout.verify_lens
 
 
-def check_layout_fits(layout: RaggedVerifyLayout, b: int, tiers: Sequence[int] | None, slots: int | None) -> None:
+def check_layout_fits(layout: RaggedVerifyLayout, b: int, tiers: Sequence[int] | None,
+                      graph_slots: int | None) -> None:
     """A prebuilt compact layout must hold `b` requests and have been built with these graph `tiers` and
-    `slots` (no host read)."""
+    `graph_slots` (no host read)."""
     if layout.num_requests != b:
         raise ValueError(f"layout holds {layout.num_requests} requests, the batch has {b}")
     tier_ok = layout.tier in tiers if layout.tier is not None and tiers else (
         layout.tier is None and (not tiers or layout.eager_reason is not None))
-    if not tier_ok or (slots is not None and layout.num_slots != slots):
+    if not tier_ok or (graph_slots is not None and layout.num_slots != graph_slots):
         raise ValueError(f"layout (tier {layout.tier}, {layout.num_slots} slots) was not built with "
-                         f"tiers={list(tiers or [])} and slots={slots}")
+                         f"tiers={list(tiers or [])} and graph_slots={graph_slots}")
 
 
 def _check_lens(name: str, values: Tensor, b: int, device: torch.device) -> Tensor:

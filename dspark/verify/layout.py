@@ -18,7 +18,7 @@ from torch import Tensor
 
 from dspark.kernels import dispatch
 from dspark.kernels import layout as _k
-from dspark.util.validate import check_int, check_tensor, check_verify_lens, int_tensor
+from dspark.util.validate import check_int, check_tensor, check_verify_lens, int_tensor, renamed
 from dspark.verify import boundary
 
 log = logging.getLogger(__name__)
@@ -102,20 +102,21 @@ class RaggedVerifyLayout:
         cls,
         verify_lens: Tensor | Sequence[int],
         tiers: Sequence[int] | None = None,
-        slots: int | None = None,
+        graph_slots: int | None = None,
         *,
         width: int | None = None,
         on_overflow: str = "eager",
         total_rows: int | None = None,
         graph_rows: int | None = None,
+        slots: int | None = None,
     ) -> "RaggedVerifyLayout":
         """Build the layout; pad to the smallest tier >= total rows when tiers are given.
 
         Args:
             verify_lens: [B] integer lengths in [1, W] (a tensor: the layout lives on its device).
             tiers: captured graph token tiers, strictly increasing (None: eager, no padding).
-            slots: captured slot count S >= B; padding rows need a ghost slot (S > B); default
-                B + ceil(padding / W), just enough ghost slots.
+            graph_slots: the graph's captured slot count S >= B; padding rows need a ghost slot (S > B);
+                default B + ceil(padding / W), just enough ghost slots.
             width: W = gamma + 1 when known (ghost slots hold at most W rows each).
             on_overflow: `eager` (run unpadded past the largest tier, the reason recorded) or `error`.
             total_rows: sum(verify_lens) when the caller knows it (the planner derives it from its
@@ -123,12 +124,14 @@ class RaggedVerifyLayout:
             graph_rows: the rows the step runs, fixed before the lengths exist (sync-free planning): the
                 layout is built on the device with no host read, `total_rows` None (`real_rows` holds
                 it) and the default slot count assumes the most padding, `graph_rows - B`.
+            slots: the former name of `graph_slots` (deprecated: a FutureWarning).
         Returns:
             The layout. Without `total_rows` / `graph_rows` the lengths are read to the host once
             (`dspark.verify.boundary.to_host`: the total and the range check). Inside `torch.compile` the
             row count is a shape, so one of the two must be given (ValueError otherwise); the layout then
             equals the eager one, built on the lengths' device.
         """
+        graph_slots = renamed("slots", slots, "graph_slots", graph_slots)
         vl = _as_lens(verify_lens)
         b = vl.numel()
         if width is not None:
@@ -150,18 +153,18 @@ class RaggedVerifyLayout:
             if b and (lens_np.min() < 1 or (width is not None and lens_np.max() > width)):
                 check_verify_lens(vl.cpu(), width if width is not None else int(lens_np.max()))  # names the value
             total_rows = int(lens_np.sum())
-        return cls.from_checked(vl, tiers_t, slots, width, total_rows=total_rows, graph_rows=graph_rows,
+        return cls.from_checked(vl, tiers_t, graph_slots, width, total_rows=total_rows, graph_rows=graph_rows,
                                 on_overflow=on_overflow)
 
     @classmethod
-    def from_checked(cls, verify_lens: Tensor, tiers: tuple[int, ...], slots: int | None, width: int | None, *,
+    def from_checked(cls, verify_lens: Tensor, tiers: tuple[int, ...], graph_slots: int | None, width: int | None, *,
                      total_rows: int | None = None, graph_rows: int | None = None,
                      on_overflow: str = "eager") -> "RaggedVerifyLayout":
         """`from_verify_lens` without its argument checks, for callers that validated once.
 
         Args:
             verify_lens: [B] int32 lengths in [1, W], trusted.
-            tiers: `check_tiers`' tuple (empty: eager); slots, width, on_overflow as `from_verify_lens`.
+            tiers: `check_tiers`' tuple (empty: eager); graph_slots, width, on_overflow as `from_verify_lens`.
             total_rows: sum(verify_lens), or None to read it (one `boundary.to_host`; not inside
                 `torch.compile`).
             graph_rows: as `from_verify_lens` (then `total_rows` is ignored).
@@ -171,7 +174,7 @@ class RaggedVerifyLayout:
         b = verify_lens.numel()
         if graph_rows is not None:
             tier = graph_rows if graph_rows in tiers else None
-            num_slots = _slot_count(b, slots, graph_rows - b, width)
+            num_slots = _slot_count(b, graph_slots, graph_rows - b, width)
             cap = width if width is not None else max(graph_rows - b, 1)
             return cls._on_device(verify_lens, graph_rows, num_slots, cap, width, None, tier, None)
         total = int(boundary.to_host(verify_lens).sum()) if total_rows is None else total_rows
@@ -185,12 +188,12 @@ class RaggedVerifyLayout:
                 log.info("eager verify step: %s", reason)
         rows = tier if tier is not None else total
         leftover = rows - total
-        num_slots = _slot_count(b, slots, leftover, width)
+        num_slots = _slot_count(b, graph_slots, leftover, width)
         ghost_cap = width if width is not None else max(leftover, 1)
         if leftover > (num_slots - b) * ghost_cap:
             raise ValueError(
                 f"{leftover} padding rows do not fit {num_slots - b} ghost slots of width {ghost_cap} "
-                f"(batch {b}, slots {num_slots}); capture more slots for this tier"
+                f"(batch {b}, graph_slots {num_slots}); capture more slots for this tier"
             )
         if not dispatch.use_host(verify_lens):
             return cls._on_device(verify_lens, rows, num_slots, ghost_cap, width, total, tier, reason)
@@ -304,16 +307,16 @@ def _as_lens(verify_lens: Tensor | Sequence[int]) -> Tensor:
     return vl
 
 
-def _slot_count(b: int, slots: int | None, leftover: int, width: int | None) -> int:
+def _slot_count(b: int, graph_slots: int | None, leftover: int, width: int | None) -> int:
     """The captured slot count; by default just enough ghost slots (W rows each) for the padding."""
-    if slots is None:
+    if graph_slots is None:
         per_ghost = width if width is not None else max(leftover, 1)
         return b + -(-leftover // per_ghost)
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < b:
-        raise ValueError(f"slots must be an int >= the batch size {b}, got {slots!r}")
-    if leftover > 0 and slots == b:
+    if isinstance(graph_slots, bool) or not isinstance(graph_slots, int) or graph_slots < b:
+        raise ValueError(f"graph_slots must be an int >= the batch size {b}, got {graph_slots!r}")
+    if leftover > 0 and graph_slots == b:
         raise ValueError(
-            f"{leftover} padding rows need a ghost slot but slots == batch size == {b}; "
+            f"{leftover} padding rows need a ghost slot but graph_slots == batch size == {b}; "
             "capture the graph with at least one spare slot"
         )
-    return slots
+    return graph_slots

@@ -233,7 +233,7 @@ def _attention_cases(device: torch.device) -> list[Case]:
     def case(splits: int, seed: int) -> Case:
         gen = torch.Generator().manual_seed(seed)
         layout = RaggedVerifyLayout.from_verify_lens(torch.tensor([2, 3, 1], dtype=torch.int32, device=device),
-                                                     tiers=[8], slots=4, width=3)
+                                                     tiers=[8], graph_slots=4, width=3)
         prefix, page_size, hkv, hq, d = torch.tensor([5, 0, 9]), 4, 2, 4, 8
         table = torch.randperm(12, generator=gen, dtype=torch.int32)[:12].reshape(3, 4).to(device)
         kc, vc = (torch.randn(12, page_size, hkv, d, generator=gen).to(device) for _ in range(2))

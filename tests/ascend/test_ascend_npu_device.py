@@ -39,7 +39,7 @@ def test_metadata_on_the_npu_equals_the_cpu(device) -> None:
 def test_graph_replay_sees_each_layout(device) -> None:
     def meta(lens, live):
         lay = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32, device=device),
-                                                  tiers=[8], slots=4, width=4)
+                                                  tiers=[8], graph_slots=4, width=4)
         return AscendVerifyMetadata.from_layout(lay, torch.tensor(live, device=device))
 
     table = torch.arange(512, dtype=torch.float32, device=device) + 0.5

@@ -190,7 +190,7 @@ def test_replay_without_task_groups(fake_npu: list) -> None:
 
 
 def _graph_meta(lens: list[int], live: list[int]) -> AscendVerifyMetadata:
-    layout = RaggedVerifyLayout.from_verify_lens(lens, tiers=[8], slots=4, width=4)
+    layout = RaggedVerifyLayout.from_verify_lens(lens, tiers=[8], graph_slots=4, width=4)
     return AscendVerifyMetadata.from_layout(layout, live)
 
 
@@ -274,7 +274,7 @@ def test_tier_graph_runner_drives_the_npu_backend(fake_npu: list) -> None:
     assert isinstance(backend, NpuGraphBackend)
     host_bufs = {t: VerifyMetadataBuffers(_graph_meta([1], [0]) if t == 8 else
                                           AscendVerifyMetadata.from_layout(
-                                              RaggedVerifyLayout.from_verify_lens([1], tiers=[4], slots=4, width=4), [0]))
+                                              RaggedVerifyLayout.from_verify_lens([1], tiers=[4], graph_slots=4, width=4), [0]))
                  for t in (4, 8)}
     seen: list = []
 

@@ -141,17 +141,17 @@ def cases(device) -> dict:
     return out
 
 
-@pytest.mark.parametrize("slots", sorted(QUEUE))
+@pytest.mark.parametrize("max_batch", sorted(QUEUE))
 @pytest.mark.parametrize("name", ["block", "ngram", "causal-lm"])
-def test_every_policy_and_mode_equals_transformers_generate(cases, name: str, slots: int, device) -> None:
+def test_every_policy_and_mode_equals_transformers_generate(cases, name: str, max_batch: int, device) -> None:
     dec, prompts, counts, stop, ref = cases[name]
-    n = QUEUE[slots]
+    n = QUEUE[max_batch]
     reasons = {"stop" if r[-1] in stop else "length" for r in ref[:n]}
     assert reasons == {"stop", "length"}, "the queue must hold requests ending both ways"
     accepted = rejected = 0
     for mode in VerifyMode:
         for pname, policy in _policies(device).items():
-            out = dec.generate(prompts[:n], counts[:n], policy, mode=mode, slots=slots, stop_token_ids=stop)
+            out = dec.generate(prompts[:n], counts[:n], policy, mode=mode, max_batch=max_batch, stop_token_ids=stop)
             for i in range(n):
                 got = out.tokens[i, : int(out.num_tokens[i])].tolist()
                 assert got == ref[i], (name, mode.value, pname, i)
@@ -182,7 +182,7 @@ def test_a_causal_lm_drafter_that_is_the_target_is_always_accepted(device) -> No
     prompts, _ = _queue(seed=4)
     ref = dec.generate(prompts[:8], 12, FixedK(0))
     for policy in (FixedK(GAMMA), Alternate(GAMMA)):
-        out = dec.generate(prompts[:8], 12, policy, slots=3)  # 8 requests on 3 slots: refills
+        out = dec.generate(prompts[:8], 12, policy, max_batch=3)  # 8 requests on 3 slots: refills
         assert torch.equal(out.tokens, ref.tokens)
         spec = [s for s in out.steps if s.speculated]
         assert len(spec) >= 6 and all(bool((s.correct_len == GAMMA).all()) for s in spec)

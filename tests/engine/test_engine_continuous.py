@@ -57,7 +57,7 @@ class Recording(Adaptive):
 def test_lossless_with_slot_reuse(decoder: SpecDecoder, reference: torch.Tensor, mode: str) -> None:
     prompts = _prompts(N, 6, seed=5)
     for policy in (FixedK(GAMMA), Oracle(GAMMA), Adaptive(_planner(device=decoder.device), lambda b: 0.004 * b, probe_every=2)):
-        out = decoder.generate(prompts, NEW, policy, mode=mode, slots=SLOTS)
+        out = decoder.generate(prompts, NEW, policy, mode=mode, max_batch=SLOTS)
         assert torch.equal(out.tokens, reference), (mode, policy.name)
         assert max(s.requests.numel() for s in out.steps) == SLOTS
 
@@ -66,7 +66,7 @@ def test_per_request_lengths(decoder: SpecDecoder, reference: torch.Tensor) -> N
     """Varied output lengths: each request stops at its own count (zeros after), tokens as in the fixed run."""
     counts = torch.tensor([12, 3, 7, 1, 12, 5, 9])
     for policy in (FixedK(0), FixedK(GAMMA), Oracle(GAMMA)):
-        out = decoder.generate(_prompts(N, 6, seed=5), counts, policy, mode="compact", slots=SLOTS)
+        out = decoder.generate(_prompts(N, 6, seed=5), counts, policy, mode="compact", max_batch=SLOTS)
         assert out.tokens.shape == (N, 12) and sum(s.useful for s in out.steps) == int(counts.sum())
         for i, c in enumerate(counts.tolist()):
             assert torch.equal(out.tokens[i, :c], reference[i, :c]) and not out.tokens[i, c:].any()
@@ -78,7 +78,7 @@ def test_per_request_lengths(decoder: SpecDecoder, reference: torch.Tensor) -> N
 
 def test_queue_drained_exactly(decoder: SpecDecoder, reference: torch.Tensor) -> None:
     policy = Recording(_planner(device=decoder.device), None)
-    out = decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", slots=SLOTS)
+    out = decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", max_batch=SLOTS)
     assert torch.equal(out.tokens, reference)
     admitted = [s for batch in policy.admitted for s in batch]
     assert policy.admitted[0] == list(range(SLOTS)) and len(admitted) == N  # each request admitted once
@@ -94,7 +94,7 @@ def test_queue_drained_exactly(decoder: SpecDecoder, reference: torch.Tensor) ->
 
 def test_refilled_slot_gets_fresh_generation_and_all_ones(decoder: SpecDecoder) -> None:
     policy = Recording(_planner(device=decoder.device), None)
-    decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", slots=SLOTS)
+    decoder.generate(_prompts(N, 6, seed=5), NEW, policy, mode="compact", max_batch=SLOTS)
     last_gen: dict[int, int] = {}
     refills = 0
     for slots, gens, guarded, stored in policy.plans:
@@ -132,7 +132,7 @@ def test_refilled_request_is_drafted_from_its_whole_prompt(decoder: SpecDecoder)
     proposal must equal the draft run densely over its prompt, for every request, refilled or not."""
     prompts = _prompts(N, 6, seed=5)
     policy = FirstDrafts(GAMMA)
-    decoder.generate(prompts, NEW, policy, mode="compact", slots=SLOTS)
+    decoder.generate(prompts, NEW, policy, mode="compact", max_batch=SLOTS)
     draft = decoder.draft
     with torch.no_grad(), decoder.target.own_attention() as model:
         target_hidden = model.base_model(prompts.to(decoder.device)).last_hidden_state[:, :-1]
@@ -158,7 +158,7 @@ def test_new_request_borrows_the_batchs_survival_in_the_decision(device) -> None
     assert not decide(admit=True)  # new request: the others' mean survival (0): tau = 3 per 10 ms < 400 tok/s
 
 
-def test_bad_slots(decoder: SpecDecoder) -> None:
+def test_bad_max_batch(decoder: SpecDecoder) -> None:
     for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="slots"):
-            decoder.generate(_prompts(2, 6), 4, FixedK(1), slots=bad)
+        with pytest.raises(ValueError, match="max_batch"):
+            decoder.generate(_prompts(2, 6), 4, FixedK(1), max_batch=bad)

@@ -26,9 +26,9 @@ def test_compact_steps_replay_their_tier_and_commit_the_same_tokens(policy, devi
     plain = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device)
     tiered = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=TIERS)
     prompts = _prompts(4, 6)
-    want = plain.generate(prompts, 10, policy, mode="compact", slots=3)
+    want = plain.generate(prompts, 10, policy, mode="compact", max_batch=3)
     caplog.set_level(logging.INFO, logger="dspark.verify.graphs")
-    got = tiered.generate(prompts, 10, policy, mode="compact", slots=3)  # continuous batching: 3 slots, 4 prompts
+    got = tiered.generate(prompts, 10, policy, mode="compact", max_batch=3)  # continuous batching: 3 slots, 4 prompts
     assert torch.equal(got.tokens, want.tokens)
     # the draft reads the target's hidden states: the graph step stores the same ones, so drafts agree too
     assert [s.commit_lens.tolist() for s in got.steps] == [s.commit_lens.tolist() for s in want.steps]

@@ -31,16 +31,16 @@ def _policies(device: torch.device):
 
 def test_interleaved_runs_equal_one_at_a_time(decoder: SpecDecoder) -> None:
     prompts, counts = _prompts(7, 6, seed=3), torch.tensor([5, 9, 12, 3, 7, 11, 6])
-    alone = {k: decoder.generate(prompts, counts, p, slots=3) for k, p in _policies(decoder.device).items()}
+    alone = {k: decoder.generate(prompts, counts, p, max_batch=3) for k, p in _policies(decoder.device).items()}
     forks = {k: decoder.fork() for k in alone}
-    together = lockstep({k: forks[k].start(prompts, counts, p, slots=3) for k, p in _policies(decoder.device).items()})
+    together = lockstep({k: forks[k].start(prompts, counts, p, max_batch=3) for k, p in _policies(decoder.device).items()})
     assert list(together) == list(alone)
     for k in alone:
         assert torch.equal(together[k].tokens, alone[k].tokens), k
         if k != "adaptive":  # (adaptive's speculate-or-not reads measured step times: its steps may differ)
             steps = [s.commit_lens.tolist() for s in together[k].steps]
             assert steps == [s.commit_lens.tolist() for s in alone[k].steps], k
-        assert together[k].slots == 3
+        assert together[k].max_batch == 3
         assert together[k].seconds == pytest.approx(together[k].startup_seconds
                                                     + sum(s.times.total for s in together[k].steps))
 

@@ -21,7 +21,7 @@ def _case(b, gamma, vocab, seed, packed, device, extra_rows=3):
     layout = None
     if packed:
         total = int(vl.sum())
-        layout = RaggedVerifyLayout.from_verify_lens(vl, tiers=[total + extra_rows], slots=b + extra_rows, width=w)
+        layout = RaggedVerifyLayout.from_verify_lens(vl, tiers=[total + extra_rows], graph_slots=b + extra_rows, width=w)
     return gen, draft.to(device), vl.to(device), layout
 
 

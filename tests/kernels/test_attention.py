@@ -59,7 +59,7 @@ def build_case(seed, vlens, prefixes, *, hkv, group, d, page_size, dtype, device
     ghosts = -(-padding // width) + 1 if padding else 0  # padding spread over ghost slots, plus an empty one
     layout = RaggedVerifyLayout.from_verify_lens(
         torch.tensor(vlens, dtype=torch.int32, device=device), tiers=[total + padding] if padding else None,
-        slots=b + ghosts, width=width)
+        graph_slots=b + ghosts, width=width)
     kv = [p + v for p, v in zip(prefixes, vlens)]
     need = [math.ceil(k / page_size) for k in kv]
     cols = max(need + [1]) + 1

@@ -60,7 +60,7 @@ def test_layout_host_path_equals_torch_path(lens, tier_extra, slots_extra, devic
     """The CPU layout (numpy host path under `auto`) equals the torch path on the device field by field."""
     vl = torch.tensor(lens, dtype=torch.int32)
     tiers = [sum(lens) + tier_extra] if lens else None
-    kw = dict(tiers=tiers, slots=len(lens) + slots_extra + tier_extra, width=7)
+    kw = dict(tiers=tiers, graph_slots=len(lens) + slots_extra + tier_extra, width=7)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(dispatch.BACKEND_ENV, "torch")
         assert not dispatch.use_host(vl)
@@ -101,7 +101,7 @@ def test_pack_and_scatter(policy, b, w, extra, seed, tail, dtype, device):
     gen = torch.Generator().manual_seed(seed)
     vl = _lens(b, w, seed, device)
     total = int(vl.sum())
-    lay = RaggedVerifyLayout.from_verify_lens(vl, tiers=[max(total + extra, 1)], slots=b + 1 + extra, width=w)
+    lay = RaggedVerifyLayout.from_verify_lens(vl, tiers=[max(total + extra, 1)], graph_slots=b + 1 + extra, width=w)
     strided = _values((b, w, *tail), dtype, gen).to(device)
     fill = 1 if dtype == torch.bool else -5
     poison_value = 0 if dtype == torch.bool else 77

@@ -26,7 +26,7 @@ def _setup():
     g = torch.Generator().manual_seed(7)
     requests = [Request("code" if i % 2 else "chat", torch.randint(3, VOCAB, (int(p),), generator=g), int(n))
                 for i, (p, n) in enumerate(zip(torch.randint(4, 9, (N,), generator=g), torch.randint(3, 12, (N,), generator=g)))]
-    trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=GAMMA, slots=4)
+    trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=GAMMA, max_batch=4)
     decoder = SpecDecoder(target, draft, cache_tokens=4096)
     cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8, context=16)
     return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False)
@@ -39,7 +39,7 @@ def test_replay_takes_the_live_engines_decisions_step_by_step(policy: str, b: in
     ids = torch.arange(N)
     live_lab, replay_lab = (dataclasses.replace(lab, estimators={}) for _ in range(2))  # one estimator each
     live = decoder.generate([trace.prompt(i) for i in range(N)], trace.new_tokens.clone(), live_lab.policy(policy, b),
-                            mode=VerifyMode.COMPACT, slots=b)
+                            mode=VerifyMode.COMPACT, max_batch=b)
     sim = replay_lab.run(policy, b, ids)
     assert torch.equal(live.tokens, sim.tokens)
     assert len(live.steps) == len(sim.steps)

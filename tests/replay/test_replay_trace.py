@@ -39,7 +39,7 @@ def _requests(seed: int, n: int = 10) -> list[Request]:
 
 @functools.lru_cache(maxsize=None)
 def _recorded(seed: int = 0) -> Trace:
-    return record_trace(*tiny_models(gamma=GAMMA), _requests(seed), draft_sha256=SHA, slots=4,
+    return record_trace(*tiny_models(gamma=GAMMA), _requests(seed), draft_sha256=SHA, max_batch=4,
                         meta={"command": f"{RECORD} --tiny"})
 
 
@@ -50,14 +50,14 @@ def _saved(tmp_path: Path) -> Path:
 
 
 # -- the recorder against the live engine ---------------------------------------------------------------
-@pytest.mark.parametrize("slots", [None, 3])
-def test_the_live_engine_computes_the_trace_at_every_step(device, slots) -> None:
+@pytest.mark.parametrize("max_batch", [None, 3])
+def test_the_live_engine_computes_the_trace_at_every_step(device, max_batch) -> None:
     target, draft = tiny_models(gamma=GAMMA)
     requests = _requests(0)
-    trace = record_trace(target, draft, requests, draft_sha256=SHA, slots=4, device=device)
+    trace = record_trace(target, draft, requests, draft_sha256=SHA, max_batch=4, device=device)
     assert trace.meta["argmax_mismatches"]["count"] == 0  # teacher-forced argmax = the decoded continuation
     live = SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device).generate(
-        [r.prompt for r in requests], trace.new_tokens.clone(), FixedK(GAMMA), mode="compact", slots=slots)
+        [r.prompt for r in requests], trace.new_tokens.clone(), FixedK(GAMMA), mode="compact", max_batch=max_batch)
     t = torch.zeros(trace.num_requests, dtype=torch.int64)
     differ = near_ties = 0
     for step in live.steps:
@@ -99,7 +99,7 @@ def test_record_is_deterministic_per_seed(tmp_path: Path) -> None:
     shas = []
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         path = tmp_path / f"{name}.safetensors"
-        save_trace(record_trace(target, draft, _requests(seed), draft_sha256=SHA, slots=4), path)
+        save_trace(record_trace(target, draft, _requests(seed), draft_sha256=SHA, max_batch=4), path)
         shas.append(file_sha256(path))
     assert shas[0] == shas[1] != shas[2]
 
@@ -274,7 +274,7 @@ def test_the_workload_spec_names_a_bad_value(field: str, value: int) -> None:
 
 @pytest.mark.cpu_only(reason="command-line parsing before any model loads")
 @pytest.mark.parametrize("args, option", [(["--requests", "2"], "--requests"), (["--seed", "-1"], "--seed"),
-                                          (["--out", "trace.txt"], "--out"), (["--slots", "0"], "--slots")])
+                                          (["--out", "trace.txt"], "--out"), (["--max-batch", "0"], "--max-batch")])
 def test_the_record_command_checks_its_options_first(args: list[str], option: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         record.main(args)

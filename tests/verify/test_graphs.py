@@ -37,7 +37,7 @@ def tiny_target(device: torch.device) -> TransformersCausalLM:
 def make_runner(device, tiers=TIERS, slots=SLOTS, backend=None):
     """(the verify step's adapter: its cache, step and runner; the captured runner)."""
     step = VerifyStepAdapter(tiny_target(device), tiers=tiers, width=W, max_requests=MAX_REQUESTS, device=device,
-                             backend=backend, context=CONTEXT, page_size=PAGE, slots=slots, seed=3, name="toy")
+                             backend=backend, context=CONTEXT, page_size=PAGE, graph_slots=slots, seed=3, name="toy")
     return step, step.runner
 
 
@@ -164,9 +164,9 @@ def test_run_rejects_foreign_layouts(device):
     with pytest.raises(ValueError, match="built without tiers"):
         runner.run(RaggedVerifyLayout.from_verify_lens([2, 2], width=W), **rows)
     with pytest.raises(ValueError, match="tier 12 is not a captured tier"):
-        runner.run(RaggedVerifyLayout.from_verify_lens([2, 2], tiers=[12], slots=SLOTS, width=W), **rows)
+        runner.run(RaggedVerifyLayout.from_verify_lens([2, 2], tiers=[12], graph_slots=SLOTS, width=W), **rows)
     with pytest.raises(ValueError, match="captured with 8"):
-        runner.run(RaggedVerifyLayout.from_verify_lens([2, 2], tiers=TIERS, slots=3, width=W), **rows)
+        runner.run(RaggedVerifyLayout.from_verify_lens([2, 2], tiers=TIERS, graph_slots=3, width=W), **rows)
     with pytest.raises(ValueError, match="row inputs must be exactly"):
         runner.run(lay, tokens=tokens)
     with pytest.raises(ValueError, match="row input 'tokens'"):

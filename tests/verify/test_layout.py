@@ -9,7 +9,7 @@ from dspark.verify.layout import PAD_SLOT
 
 def test_worked_example_padded_to_tier(device):
     vl = torch.tensor([2, 1, 4], dtype=torch.int32, device=device)
-    lay = RaggedVerifyLayout.from_verify_lens(vl, tiers=[4, 8, 16], slots=8, width=4)
+    lay = RaggedVerifyLayout.from_verify_lens(vl, tiers=[4, 8, 16], graph_slots=8, width=4)
     assert lay.qo_indptr.device == vl.device and lay.row_slot.device == vl.device
     assert lay.qo_indptr.tolist() == [0, 2, 3, 7]
     assert (lay.total_rows, lay.graph_num_tokens, lay.tier) == (7, 8, 8)
@@ -29,15 +29,26 @@ def test_eager_past_largest_tier_and_error_option(device):
         RaggedVerifyLayout.from_verify_lens(vl, tiers=[4, 8], width=4, on_overflow="error")
 
 
+def test_former_slots_keyword_warns_and_builds_the_same_layout(device):
+    vl = torch.tensor([3, 1, 2], dtype=torch.int32, device=device)
+    new = RaggedVerifyLayout.from_verify_lens(vl, tiers=[8], graph_slots=6, width=4)
+    with pytest.warns(FutureWarning, match="graph_slots=6"):
+        old = RaggedVerifyLayout.from_verify_lens(vl, tiers=[8], slots=6, width=4)
+    assert old.num_slots == new.num_slots == 6
+    assert old.row_slot.tolist() == new.row_slot.tolist() and old.seqused.tolist() == new.seqused.tolist()
+    with pytest.raises(TypeError, match="give graph_slots= only"):
+        RaggedVerifyLayout.from_verify_lens(vl, tiers=[8], graph_slots=6, slots=6, width=4)
+
+
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
         (dict(verify_lens=[2, 0, 1], width=4), "verify_lens[1] = 0"),
         (dict(verify_lens=[2, 5], width=4), "verify_lens[1] = 5"),
         (dict(verify_lens=[2, 2], tiers=[8, 4]), "strictly increasing"),
-        (dict(verify_lens=[2, 2], tiers=[8], slots=2), "ghost slot"),
-        (dict(verify_lens=[2, 2], tiers=[64], slots=3, width=4), "do not fit"),
-        (dict(verify_lens=[2, 2], slots=1), "slots must be"),
+        (dict(verify_lens=[2, 2], tiers=[8], graph_slots=2), "ghost slot"),
+        (dict(verify_lens=[2, 2], tiers=[64], graph_slots=3, width=4), "do not fit"),
+        (dict(verify_lens=[2, 2], graph_slots=1), "graph_slots must be"),
     ],
 )
 def test_bad_layouts(kwargs, needle, device):
@@ -53,7 +64,7 @@ def test_pack_scatter_roundtrip(b, w, extra, seed, device):
     vl = torch.randint(1, w + 1, (b,), generator=gen, dtype=torch.int32)
     total = int(vl.sum())
     tier = total + extra
-    lay = RaggedVerifyLayout.from_verify_lens(vl.to(device), tiers=[max(tier, 1)], slots=b + 1 + extra, width=w)
+    lay = RaggedVerifyLayout.from_verify_lens(vl.to(device), tiers=[max(tier, 1)], graph_slots=b + 1 + extra, width=w)
     strided = torch.randn(b, w, 3, generator=gen).to(device)
     packed = lay.pack(strided, fill=float("nan"))
     assert packed.shape == (lay.graph_num_tokens, 3)
@@ -87,7 +98,7 @@ def test_kv_slots_match_the_block_table_formula(b, w, extra, page_size, seed, de
 def test_to_moves_every_tensor_and_keeps_the_geometry(device):
     """A host-built layout handed to the device under test (the planner's accelerator path): every tensor
     moves with its values, the ints and the tier stay."""
-    lay = RaggedVerifyLayout.from_verify_lens(torch.tensor([3, 1, 4], dtype=torch.int32), tiers=[10], slots=5,
+    lay = RaggedVerifyLayout.from_verify_lens(torch.tensor([3, 1, 4], dtype=torch.int32), tiers=[10], graph_slots=5,
                                               width=4)
     tensors = ("verify_lens", "qo_indptr", "slot_lens", "slot_qo_indptr", "seqused", "row_slot", "row_within")
     for target in ("meta", device):
@@ -117,7 +128,7 @@ def test_inputs_from_checked_equal_the_checked_build(b, gamma, seed, pad, mode, 
     table = torch.randperm(b * 4, generator=g).view(b, 4).to(device)
     rows = int(vl.sum()) if mode == "compact" else b * w
     tiers, slots = [rows + pad], b + 1 + pad
-    want = build_verify_inputs(mode, vl, root, drafts, prefix, tiers=tiers, slots=slots, block_table=table,
+    want = build_verify_inputs(mode, vl, root, drafts, prefix, tiers=tiers, graph_slots=slots, block_table=table,
                                page_size=4)
     lens = vl if mode == "compact" else torch.full_like(vl, w)
     layout = RaggedVerifyLayout.from_checked(lens, tuple(tiers), slots, w, total_rows=rows)

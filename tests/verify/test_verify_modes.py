@@ -58,7 +58,7 @@ def test_compact_scatter_back_equals_static(b, gamma, vocab, seed, extra, device
     w = gamma + 1
     static = build_verify_inputs("static", **args)
     total = int(args["verify_lens"].sum())
-    compact = build_verify_inputs("compact", **args, tiers=[total + extra], slots=b + 1 + extra)
+    compact = build_verify_inputs("compact", **args, tiers=[total + extra], graph_slots=b + 1 + extra)
     lay = compact.layout
     assert lay.graph_num_tokens == total + extra and static.layout.total_rows == b * w
     real = torch.arange(w, device=device)[None, :] < args["verify_lens"][:, None]
@@ -83,7 +83,7 @@ def test_greedy_identical_in_all_modes(b, gamma, vocab, seed, device):
     vl = args["verify_lens"]
     results = {}
     for mode in MODES:
-        inp = build_verify_inputs(mode, **args, tiers=[int(vl.sum()) + 3], slots=b + 4)
+        inp = build_verify_inputs(mode, **args, tiers=[int(vl.sum()) + 3], graph_slots=b + 4)
         logits = forward(inp.input_ids, inp.positions, inp.kv_slots)
         caps = vl if mode is VerifyMode.STATIC else inp.caps  # static run, then capped at accept time
         results[mode] = accept_greedy(args["draft_tokens"], logits, verify_lens=caps, layout=inp.layout)
@@ -111,6 +111,16 @@ def test_caps_per_mode(device):
     assert no_kv.kv_slots is None
 
 
+def test_former_slots_keyword_warns_and_builds_the_same_inputs(device):
+    args, _, _ = _step(4, 3, 11, 2, device)
+    total = int(args["verify_lens"].sum())
+    new = build_verify_inputs("compact", **args, tiers=[total + 3], graph_slots=6)
+    with pytest.warns(FutureWarning, match="renamed graph_slots"):
+        old = build_verify_inputs("compact", **args, tiers=[total + 3], slots=6)
+    assert old.layout.num_slots == new.layout.num_slots == 6
+    assert torch.equal(old.input_ids, new.input_ids) and torch.equal(old.kv_slots, new.kv_slots)
+
+
 def test_worked_example(device):
     """verify_lens [2, 1, 4] (design note): 7 compact rows padded to tier 8, cap-accept keeps 12."""
     args = dict(verify_lens=torch.tensor([2, 1, 4]), root_tokens=torch.tensor([5, 6, 7]),
@@ -118,7 +128,7 @@ def test_worked_example(device):
                 prefix_lens=torch.tensor([10, 127, 255]))
     args = {k: v.to(device) for k, v in args.items()}
     table = torch.arange(3 * 80, device=device).view(3, 80)
-    inp = build_verify_inputs("compact", **args, tiers=[4, 8, 16], slots=8, block_table=table, page_size=4)
+    inp = build_verify_inputs("compact", **args, tiers=[4, 8, 16], graph_slots=8, block_table=table, page_size=4)
     assert inp.input_ids.tolist() == [5, 11, 6, 7, 31, 32, 33, 0]
     assert inp.positions.tolist() == [10, 11, 127, 255, 256, 257, 258, 0]
     page = lambda r, pos: int(table[r, pos // 4]) * 4 + pos % 4  # noqa: E731
@@ -161,9 +171,9 @@ def test_reused_planner_layout(device):
 
     args, _, _ = _step(9, 4, 13, 3, device)
     tiers, slots = [8, 16, 32, 48], 9 + 10
-    fresh = build_verify_inputs("compact", **args, tiers=tiers, slots=slots)
+    fresh = build_verify_inputs("compact", **args, tiers=tiers, graph_slots=slots)
     layout = RaggedVerifyLayout.from_verify_lens(args["verify_lens"], tiers, slots, width=5)
-    reused = build_verify_inputs("compact", **args, tiers=tiers, slots=slots, layout=layout)
+    reused = build_verify_inputs("compact", **args, tiers=tiers, graph_slots=slots, layout=layout)
     assert reused.layout is layout
     for name in ("input_ids", "positions", "kv_slots", "caps"):
         assert torch.equal(getattr(reused, name), getattr(fresh, name)), name
@@ -171,7 +181,7 @@ def test_reused_planner_layout(device):
     changed[0] = 2 if int(changed[0]) == 1 else 1
     other = RaggedVerifyLayout.from_verify_lens(changed, tiers, slots, width=5)
     with pytest.raises(ValueError, match="layout was built for verify_lens"):
-        build_verify_inputs("compact", **args, tiers=tiers, slots=slots, layout=other)
+        build_verify_inputs("compact", **args, tiers=tiers, graph_slots=slots, layout=other)
     with pytest.raises(ValueError, match="only used in compact mode"):
         build_verify_inputs("cap-accept", **args, layout=layout)
     with pytest.raises(ValueError, match="was not built with tiers=\\[\\]"):
