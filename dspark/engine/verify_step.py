@@ -44,18 +44,6 @@ class VerifyOutput(NamedTuple):
     positions: Tensor  # [total_rows] int64 absolute positions
 
 
-class EagerAttend:
-    """A planned attention kept out of compiled graphs (`torch.compiler.disable`): its kernel already is the
-    fast path, and its launch code is not for Dynamo to trace."""
-
-    def __init__(self, attend: PlannedAttend) -> None:
-        self.attend, self.sm_scale = attend, attend.sm_scale
-
-    @torch.compiler.disable
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return self.attend(layer, q, k, v)
-
-
 class VerifyStep:
     """The target's verify forward over `cache` for up to `max_requests` requests of <= `width` rows each,
     captured once per tier of `tiers` (the runner is `self.runner`; its replay / eager counts are the
@@ -93,7 +81,6 @@ class VerifyStep:
                                           g.num_q_heads, kv_heads, head_dim, page_size, device, cache.k.dtype,
                                           sm_scale=g.sm_scale, max_verify_len=width, num_pages=num_pages)
         self._attend = PlannedAttend(self.attn, cache.k, cache.v)
-        self._eager_attend = EagerAttend(self._attend)
         self.compile_model = device.type == "cuda" if compile_model is None else compile_model
         self._model = torch.compile(self._model_rows, dynamic=False) if self.compile_model else self._model_rows
         # what `_plan` plans with: no request for the idle layouts of the captures, then each step's own
@@ -123,7 +110,7 @@ class VerifyStep:
 
     def _model_rows(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Final hidden states and logits of the tier's rows (what `compile_model` compiles)."""
-        hidden = self.target(tokens, positions, self._eager_attend)
+        hidden = self.target(tokens, positions, self._attend)
         return hidden, self.target.logits(hidden)
 
 

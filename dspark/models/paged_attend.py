@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch import Tensor
 
 from dspark.kernels import kv_write as _kv
@@ -21,7 +22,8 @@ class PlannedAttend:
     """`(layer, q [N, Hq, D], k, v [N, Hkv, D]) -> out [N, Hq, D]` with `attn` as last planned: no host work.
 
     k_cache / v_cache: `[num_layers, num_pages, page_size, Hkv, D]`, checked here once against the plan's
-    geometry; the per-layer calls check nothing (the model hands in its own layer's rows).
+    geometry; the per-layer calls check nothing (the model hands in its own layer's rows) and stay out of
+    compiled graphs (`torch.compiler.disable`: the kernel is the fast path, its launch code not for Dynamo).
     """
 
     def __init__(self, attn: RaggedVerifyAttention, k_cache: Tensor, v_cache: Tensor):
@@ -32,6 +34,7 @@ class PlannedAttend:
         self.attn, self.k_cache, self.v_cache = attn, k_cache, v_cache
         self.sm_scale = attn.sm_scale
 
+    @torch.compiler.disable
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         _kv.write_kv(k, v, kc, vc, self.attn.kv_slots)
