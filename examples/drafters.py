@@ -43,7 +43,7 @@ def main() -> None:
         got = [out.tokens[i, : int(n)].tolist() for i, n in enumerate(out.num_tokens)]
         assert got == want, (type(drafter).__name__, got, want)
         spec = [s for s in out.steps if s.speculated]
-        accepted = sum(int(s.correct_len.sum()) for s in spec) / sum(4 * s.requests.numel() for s in spec)
+        accepted = sum(int(s.correct_lens.sum()) for s in spec) / sum(4 * s.requests.numel() for s in spec)
         print(f"{type(drafter).__name__}: {int(out.num_tokens.sum())} tokens in {out.seconds:.2f} s "
               f"({int(out.num_tokens.sum()) / out.seconds:.0f} tok/s), {100 * accepted:.0f} % of the drafts accepted, "
               f"finish reasons {out.finish_reasons}; equal to transformers' generate")

@@ -30,7 +30,7 @@ def synthetic_steps(rows: int, temps: torch.Tensor, batch: int, seed: int):
         z = torch.randn(batch, g, generator=gen) * 2.5 + 3.0
         acc = torch.rand(batch, g, generator=gen) < torch.sigmoid(z / temps)
         yield dict(confidence_logits=z, verify_lens=torch.randint(2, g + 2, (batch,), generator=gen),
-                   request_ids=torch.arange(s, s + batch) // 16, correct_len=torch.cumprod(acc.int(), 1).sum(1),
+                   request_ids=torch.arange(s, s + batch) // 16, correct_lens=torch.cumprod(acc.int(), 1).sum(1),
                    draft_logits=torch.randn(batch, g, 32, generator=gen))
 
 

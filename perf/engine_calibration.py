@@ -14,7 +14,7 @@ equal-mass bins) with the noise floor of a perfectly calibrated predictor of the
 AUROC with 95 % request-bootstrap intervals, for the head before / after STS, Platt, the estimator, its prior
 (c = top-1 probability) and the top-2 margin (AUROC only). Then the seed's section VII.A comparison for the
 head after STS against three targets: the soft 1 - TV proxy (on the accepted path), the greedy prefix label at
-every start, and the runtime correct_len at the decode loop's own step boundaries (L = P, then L += accepted + 1).
+every start, and the runtime correct_lens at the decode loop's own step boundaries (L = P, then L += accepted + 1).
 Writes perf/results/engine_calibration.json.
 
     PYTHONPATH=. python perf/engine_calibration.py [--prompts 640] [--prompt-seeds 1,2] [--gamma 4] [--weights F]
@@ -80,7 +80,7 @@ def replay_estimator(feats: torch.Tensor, accepted: torch.Tensor, gamma: int) ->
     est = OnlineAcceptanceEstimator(gamma, refit_every=4)
     full = torch.full((feats.shape[0],), gamma + 1, dtype=torch.int64)
     for i in range(feats.shape[1]):
-        est.observe(verify_lens=full, correct_len=accepted[:, i], features=feats[:, i])
+        est.observe(verify_lens=full, correct_lens=accepted[:, i], features=feats[:, i])
     return est
 
 
@@ -114,7 +114,7 @@ def tables(cond: dict, acc: np.ndarray, margin: np.ndarray, groups: np.ndarray, 
 
 def section_vii_a(c: np.ndarray, soft: np.ndarray, acc: np.ndarray, loop: np.ndarray, groups: np.ndarray,
                   bootstrap: int, seed: int) -> list:
-    """The head after STS against the soft proxy, the greedy prefix label and the runtime correct_len."""
+    """The head after STS against the soft proxy, the greedy prefix label and the runtime correct_lens."""
     rows = []
     for k in range(c.shape[1]):
         surv = np.prod(c[:, : k + 1], 1)

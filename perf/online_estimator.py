@@ -80,7 +80,7 @@ def train_estimator(est: OnlineAcceptanceEstimator, feats: torch.Tensor, accepte
     online = []
     for i in range(feats.shape[1]):
         online.append(torch.sigmoid(est.predict(feats[:, i]).double()))
-        est.observe(verify_lens=full, correct_len=accepted[:, i], features=feats[:, i])
+        est.observe(verify_lens=full, correct_lens=accepted[:, i], features=feats[:, i])
     return torch.stack(online, 1).numpy()
 
 
@@ -207,7 +207,7 @@ def overhead(gamma: int, vocab: int, batch_sizes: list[int], window: int, steps:
             t0 = time.perf_counter()
             est.confidence_logits(x)
             t1 = time.perf_counter()
-            est.observe(verify_lens=torch.full((b,), gamma + 1), correct_len=torch.randint(0, gamma + 1, (b,),
+            est.observe(verify_lens=torch.full((b,), gamma + 1), correct_lens=torch.randint(0, gamma + 1, (b,),
                                                                                           generator=gen))
             t2 = time.perf_counter()
             if step < steps:

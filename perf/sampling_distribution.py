@@ -135,7 +135,7 @@ def choose_prompts(decoder: SpecDecoder, candidates: Tensor, count: int, tempera
     that agreement come last (used only when too few agree)."""
     top = next_token_probs(decoder.target, candidates, temperature, top_k=top_k, top_p=top_p).max(-1).values
     res = decoder.generate(candidates, 1, FixedK(1), mode="compact")
-    agree = (res.steps[0].correct_len >= 1).cpu()
+    agree = (res.steps[0].correct_lens >= 1).cpu()
     return candidates[((top - 0.5).abs() + (~agree).double()).argsort()[:count]]
 
 
@@ -163,7 +163,7 @@ def sample_runs(decoder: SpecDecoder, prompt: Tensor, k: int, samples: int, chun
                                sampling=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i)
         tokens.append(res.tokens[:, :new_tokens].cpu())
         if k:
-            accepted.append((res.steps[0].correct_len >= 1).float().cpu())
+            accepted.append((res.steps[0].correct_lens >= 1).float().cpu())
         seconds += res.seconds
     stats = {"decode_seconds": seconds}
     if accepted:

@@ -8,7 +8,7 @@ P(draft k accepted | the prefix reached k) is `sigmoid(z_k)`, and the survival i
 `calibrated_survival(z)`: the same contract, float32 values and planner input as a confidence head's
 logits (build the planner with `temperatures=None`, the estimator is its own calibration).
 
-Labels come from the accept results the engine already has (greedy or sampling `correct_len` and the
+Labels come from the accept results the engine already has (greedy or sampling `correct_lens` and the
 verify lengths) with the STS censoring of `dspark.calibration.recorder.censored_labels`: a position is a
 label only when the target verified it (k < verify_len - 1) and the accepted prefix reached it (no earlier
 rejection). Every `refit_every` observed steps each position with at least `min_labels` labels in its
@@ -42,7 +42,7 @@ from dspark.calibration.recorder import censored_labels
 from dspark.parallel.agreement import EstimatorAgreement
 from dspark.parallel.tp import ParallelConfig
 from dspark.plan.survival import survival_from_checked
-from dspark.util.validate import check_int, check_tensor, check_type
+from dspark.util.validate import check_int, check_tensor, check_type, renamed
 
 FEATURES = ("top1_log_odds", "top2_margin", "entropy")
 FEATURE_CAP = 30.0  # log-odds and margin of a single finite logit are +inf; both are capped here
@@ -116,7 +116,7 @@ class OnlineAcceptanceEstimator:
     """Per-position logistic acceptance model on draft features, refitted online from accept outcomes.
 
     Per step: `confidence_logits(draft_logits)` (or `survival`) for the planner, then, after the accept,
-    `observe(verify_lens=..., correct_len=...)` for the same B requests; it pairs with the latest call and
+    `observe(verify_lens=..., correct_lens=...)` for the same B requests; it pairs with the latest call and
     refits every `refit_every` observed steps. `parameters` [gamma, 4] float64 is the model in use.
     """
 
@@ -176,11 +176,13 @@ class OnlineAcceptanceEstimator:
         """Estimated survival [B, gamma] float32: `calibrated_survival(confidence_logits(draft_logits))`."""
         return survival_from_checked(self.confidence_logits(draft_logits), None)
 
-    def observe(self, *, verify_lens: Tensor, correct_len: Tensor | None = None, labels: Tensor | None = None,
-                features: Tensor | None = None) -> None:
+    def observe(self, *, verify_lens: Tensor, correct_lens: Tensor | None = None, labels: Tensor | None = None,
+                features: Tensor | None = None, correct_len: Tensor | None = None) -> None:
         """The accept outcome of the latest `confidence_logits` call (or, replaying recorded steps, of the
         given `features` [B, gamma, 3]): verify_lens [B] (rows verified, root included) and exactly one of
-        correct_len [B] (capped or not) or labels [B, gamma] (0/1 prefix mask)."""
+        correct_lens [B] (capped or not) or labels [B, gamma] (0/1 prefix mask); correct_len: the former name
+        of correct_lens (deprecated: a FutureWarning)."""
+        correct_lens = renamed("correct_len", correct_len, "correct_lens", correct_lens)
         if features is not None:
             self.predict(features)  # validates the shape
             feats = features
@@ -192,7 +194,7 @@ class OnlineAcceptanceEstimator:
         if not isinstance(verify_lens, Tensor) or tuple(verify_lens.shape) != (b,):
             raise ValueError(f"verify_lens must be a tensor [B={b}] for the latest confidence_logits call, got "
                              f"{getattr(verify_lens, 'shape', verify_lens)!r}")
-        y = censored_labels(verify_lens, self.gamma, correct_len=correct_len, labels=labels).double().numpy()
+        y = censored_labels(verify_lens, self.gamma, correct_lens=correct_lens, labels=labels).double().numpy()
         x = feats.cpu().double().numpy()
         reached = np.isfinite(y) & np.concatenate([np.ones((b, 1), bool), y[:, :-1] == 1], axis=1)
         usable = reached & np.isfinite(x).all(-1)

@@ -25,7 +25,7 @@ from torch import Tensor
 from dspark.calibration.confidence import check_prefix_mask
 from dspark.calibration.metrics import top2_margin
 from dspark.util.fileio import atomic_write
-from dspark.util.validate import check_directory, check_int, check_path, check_type
+from dspark.util.validate import check_directory, check_int, check_path, check_type, renamed
 
 SHARD_FORMAT = "dspark.sts/1"
 _DTYPES = {"logits": torch.float32, "labels": torch.float32, "soft": torch.float32, "margin": torch.float32,
@@ -121,16 +121,16 @@ def _as_rows(name: str, x: Tensor | None, shape: tuple[int, ...], dtype: torch.d
     return x.detach().to("cpu", dtype)
 
 
-def censored_labels(verify_lens: Tensor, gamma: int, *, correct_len: Tensor | None = None,
+def censored_labels(verify_lens: Tensor, gamma: int, *, correct_lens: Tensor | None = None,
                     labels: Tensor | None = None) -> Tensor:
-    """STS labels [B, gamma] float32 on the CPU: the accepted-prefix mask, from exactly one of correct_len [B]
+    """STS labels [B, gamma] float32 on the CPU: the accepted-prefix mask, from exactly one of correct_lens [B]
     (drafts accepted, capped or not) or labels [B, gamma] (0/1 prefix mask), at the positions the target
     verified (k < verify_len - 1), NaN (censored, never a rejection) beyond. verify_lens [B] in [1, gamma + 1]."""
     if not isinstance(verify_lens, Tensor) or verify_lens.dim() != 1:
         raise ValueError(f"verify_lens must be a 1-D tensor [B], got {getattr(verify_lens, 'shape', verify_lens)!r}")
     b, g = verify_lens.shape[0], gamma
-    if (correct_len is None) == (labels is None):
-        raise ValueError("give exactly one of correct_len [B] or labels [B, gamma]")
+    if (correct_lens is None) == (labels is None):
+        raise ValueError("give exactly one of correct_lens [B] or labels [B, gamma]")
     vl = _as_rows("verify_lens", verify_lens, (b,), torch.int64)
     if b and (int(vl.min()) < 1 or int(vl.max()) > g + 1):
         raise ValueError(f"verify_lens must lie in [1, {g + 1}], got {vl.tolist()}")
@@ -138,9 +138,9 @@ def censored_labels(verify_lens: Tensor, gamma: int, *, correct_len: Tensor | No
     if labels is not None:
         mask = check_prefix_mask(_as_rows("labels", labels, (b, g), torch.float32), "labels")
     else:
-        cl = _as_rows("correct_len", correct_len, (b,), torch.int64)
+        cl = _as_rows("correct_lens", correct_lens, (b,), torch.int64)
         if b and (int(cl.min()) < 0 or int(cl.max()) > g):
-            raise ValueError(f"correct_len must lie in [0, {g}], got {cl.tolist()}")
+            raise ValueError(f"correct_lens must lie in [0, {g}], got {cl.tolist()}")
         mask = positions < cl.unsqueeze(1)
     observed = positions < (vl - 1).unsqueeze(1)
     return torch.where(observed, mask.to(torch.float32), torch.tensor(float("nan")))
@@ -172,15 +172,17 @@ class StsRecorder:
         atexit.register(self.close)
 
     def record(self, confidence_logits: Tensor, *, verify_lens: Tensor, request_ids: Tensor,
-               correct_len: Tensor | None = None, labels: Tensor | None = None, policy: str = "greedy",
+               correct_lens: Tensor | None = None, labels: Tensor | None = None, policy: str = "greedy",
                soft_accept: Tensor | None = None, draft_logits: Tensor | None = None,
-               step: int | None = None) -> None:
+               step: int | None = None, correct_len: Tensor | None = None) -> None:
         """Record one decode step for B requests.
 
         confidence_logits [B, gamma]; verify_lens [B] (rows verified, root included); request_ids [B] ints;
-        exactly one of correct_len [B] (drafts accepted, capped or not) or labels [B, gamma] (0/1 prefix mask);
-        soft_accept [B, gamma] optional 1 - TV; draft_logits [B, gamma, V] optional (for the margin baseline).
+        exactly one of correct_lens [B] (drafts accepted, capped or not) or labels [B, gamma] (0/1 prefix mask);
+        soft_accept [B, gamma] optional 1 - TV; draft_logits [B, gamma, V] optional (for the margin baseline);
+        correct_len: the former name of correct_lens (deprecated: a FutureWarning).
         """
+        correct_lens = renamed("correct_len", correct_len, "correct_lens", correct_lens)
         if self.closed:
             raise RuntimeError("StsRecorder.record called after close()")
         if policy not in POLICIES:
@@ -191,7 +193,7 @@ class StsRecorder:
             raise ValueError(f"confidence_logits must be [B, {self.gamma}], got {got}")
         b, g = z.shape
         vl = _as_rows("verify_lens", verify_lens, (b,), torch.int64)
-        censored = censored_labels(vl, g, correct_len=correct_len, labels=labels)
+        censored = censored_labels(vl, g, correct_lens=correct_lens, labels=labels)
         observed = torch.isfinite(censored)
         nan = torch.tensor(float("nan"))
         soft = _as_rows("soft_accept", soft_accept, (b, g), torch.float32)

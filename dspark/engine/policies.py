@@ -243,7 +243,7 @@ class Adaptive(Policy):
         """After a step: host commit lengths [B] of its requests; a speculative `outcome` also labels the
         estimator's features."""
         if self.estimator is not None and outcome is not None and outcome.speculated:
-            self.estimator.observe(verify_lens=outcome.caps, correct_len=outcome.correct_len, features=self._features)
+            self.estimator.observe(verify_lens=outcome.caps, correct_lens=outcome.correct_lens, features=self._features)
         if outcome is not None and not outcome.speculated and self.realised is not None:
             # a plain step observes nothing: its B outcomes count as the long-run mean (the recent average
             # describes text that has moved on), so one bad streak cannot keep a small batch plain

@@ -35,7 +35,7 @@ class StepOutcome:
     caps: Tensor                   # [B] verify lengths the accept honoured (static: W)
     confidence_logits: Tensor      # [B, k] the draft's raw confidence logits
     commit_lens: Tensor
-    correct_len: Tensor
+    correct_lens: Tensor
     times: StepTimes
     host_syncs: int
     useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)

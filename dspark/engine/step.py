@@ -57,7 +57,7 @@ def plain_step(engine: Engine, batch: Batch, slots: Tensor, sampling: Sampling, 
     engine.sync()
     times = StepTimes(plan=plan_seconds, verify=t1 - t0, accept=now() - t1)
     out = StepOutcome(requests=slots, plan=PolicyPlan(ones), layout=layout, caps=ones,
-                      confidence_logits=torch.zeros(b, 0, device=dev), commit_lens=ones, correct_len=ones - 1,
+                      confidence_logits=torch.zeros(b, 0, device=dev), commit_lens=ones, correct_lens=ones - 1,
                       times=times, host_syncs=0)
     return out, commit
 
@@ -100,7 +100,7 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     engine.sync()
     times.accept += now() - t4
     out = StepOutcome(requests=slots, plan=plan, layout=checked.layout, caps=checked.caps, confidence_logits=conf,
-                      commit_lens=acc.commit_lens, correct_len=acc.correct_len, times=times, host_syncs=1,
+                      commit_lens=acc.commit_lens, correct_lens=acc.correct_lens, times=times, host_syncs=1,
                       draft_logits=drafts.logits)
     return out, commit
 

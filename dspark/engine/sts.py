@@ -46,7 +46,7 @@ def record_sts(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens
     with StsRecorder(shard_dir, gamma=gamma) as rec:
         for step, s in enumerate(res.steps):
             rec.record(s.confidence_logits.cpu(), verify_lens=s.caps.cpu(), request_ids=s.requests,
-                       correct_len=s.correct_len.cpu(), draft_logits=s.draft_logits.cpu(), policy=policy,
+                       correct_lens=s.correct_lens.cpu(), draft_logits=s.draft_logits.cpu(), policy=policy,
                        step=step)
     return load_sts([shard_dir])
 
@@ -116,7 +116,7 @@ def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int,
                     for i in range(max_new_tokens)]
                 for step, (reqs, off) in enumerate(steps):
                     rec.record(conf[reqs, off].cpu(), verify_lens=full.expand(reqs.numel()),
-                               request_ids=reqs.cpu() + first + sub, correct_len=accepted[reqs, off].cpu(),
+                               request_ids=reqs.cpu() + first + sub, correct_lens=accepted[reqs, off].cpu(),
                                draft_logits=logits[reqs, off].cpu(), step=step)
     return load_sts([shard_dir])
 

@@ -1,7 +1,7 @@
 """Accept kernels (greedy and rejection sampling), one persistent Triton program per request, with the
 torch references beside them.
 
-Both return `(correct_len int32 [B], bonus int64 [B])` and read only rows `i < verify_len[r]` of
+Both return `(correct_lens int32 [B], bonus int64 [B])` and read only rows `i < verify_len[r]` of
 request r. Target rows come either strided `[B, W, V]` (`row_start=None`) or packed `[rows, V]` with
 `row_start[r]` = the packed row of request r's root (`qo_indptr[:-1]`); nothing is expanded to
 `[B*W, V]`: the references use O(B*W + B*4096) extra memory, the kernels O(1) per request.

@@ -88,6 +88,6 @@ class SimTarget(Target):
         cols = torch.arange(k + 1)
         tokens = torch.where(cols[None, :] < commit[:, None], self.trace.greedy_block(requests, t, k + 1, check=False), -1)
         proposed = cols[None, :k] < (caps - 1)[:, None]
-        return AcceptResult(correct_len=correct.to(torch.int32), commit_lens=commit.to(torch.int32),
+        return AcceptResult(correct_lens=correct.to(torch.int32), commit_lens=commit.to(torch.int32),
                             bonus=tokens.gather(1, correct[:, None]).squeeze(1), tokens=tokens, proposed=proposed,
                             accepted=cols[None, :k] < correct[:, None])

@@ -5,7 +5,7 @@ step sees at a request's position t (t = tokens committed after the prompt; the 
 token) depends on the prefix alone: the draft's block `drafts[t]` (proposals for continuation positions
 t..t+gamma-1), `confidence_logits[t]` (the head's raw logits: what the live engine hands the planner),
 `features[t]` (`dspark.draft_features` of the draft-vocabulary logits: what the online estimator reads) and
-`accepted[t]` = a(t), the leading matches of drafts[t] against the continuation (the live `correct_len` of a
+`accepted[t]` = a(t), the leading matches of drafts[t] against the continuation (the live `correct_lens` of a
 step at t; a policy that verifies fewer rows caps it at verify_len - 1). `soft[t, j]` is the training-style
 proxy sum_v min(p_target, q_draft) of draft j on the greedy path (the seed note's 1 - TV, VII.A) and
 `target_margin[c]` the target's top-1 minus top-2 logit at continuation position c: near 0 is a near-tie,

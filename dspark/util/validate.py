@@ -53,15 +53,13 @@ def check_directory(name: str, value: object) -> Path:
 
 
 def renamed(old: str, old_value: T | None, new: str, new_value: T | None) -> T | None:
-    """The value of a renamed keyword: `new_value`, or `old_value` (with a FutureWarning) when only the old
-    name was given; TypeError when both were."""
+    """The value of a renamed keyword or field: `new_value`, or `old_value` (with a FutureWarning naming the
+    new name) when only the old name was given; TypeError when both were."""
     if old_value is None:
         return new_value
     if new_value is not None:
-        raise TypeError(f"give {new}= only ({old}= is its former name), got both {new}={new_value!r} and "
-                        f"{old}={old_value!r}")
-    warnings.warn(f"{old}= is renamed {new}= and will be removed; pass {new}={old_value!r}", FutureWarning,
-                  stacklevel=3)
+        raise TypeError(f"give {new} only ({old} is its former name), got both")
+    warnings.warn(f"{old} is renamed {new} and will be removed: use {new}", FutureWarning, stacklevel=3)
     return old_value
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dspark.kernels import accept as _k
-from dspark.util.validate import check_tensor, check_type, check_verify_lens
+from dspark.util.validate import check_tensor, check_type, check_verify_lens, renamed
 from dspark.verify.layout import RaggedVerifyLayout
 
 PROB_SUM_TOL = 1e-2  # |sum(p) - 1| allowed for a probability row (bf16 rows round a little)
@@ -24,24 +24,29 @@ PROB_SUM_TOL = 1e-2  # |sum(p) - 1| allowed for a probability row (bf16 rows rou
 class AcceptResult:
     """What one verify step commits, per request (B requests, W = gamma + 1).
 
-    correct_len [B] int32: drafts accepted by the target among the verified ones (leading greedy matches,
+    correct_lens [B] int32: drafts accepted by the target among the verified ones (leading greedy matches,
         or leading rejection-sampling accepts); at most verify_len - 1 because later rows are never read.
-    commit_lens [B] int32: `min(correct_len, verify_len - 1) + 1`, the accepted drafts plus the token
+    commit_lens [B] int32: `min(correct_lens, verify_len - 1) + 1`, the accepted drafts plus the token
         the target supplies (the bonus).
-    bonus [B] int64: the target's token after the accepted drafts: greedy argmax at row correct_len;
+    bonus [B] int64: the target's token after the accepted drafts: greedy argmax at row correct_lens;
         sampling: drawn from (p - q)+ at the first rejection, else from p at the last verified row.
     tokens [B, W] int64: the committed tokens, accepted drafts then the bonus, padded with -1.
     proposed [B, gamma] bool: draft i was verified (i < verify_len - 1).
-    accepted [B, gamma] bool: draft i was accepted (i < correct_len); together with `proposed`, the
+    accepted [B, gamma] bool: draft i was accepted (i < correct_lens); together with `proposed`, the
         per-position acceptance labels (positions not proposed are unobserved, not rejected).
     """
 
-    correct_len: Tensor
+    correct_lens: Tensor
     commit_lens: Tensor
     bonus: Tensor
     tokens: Tensor
     proposed: Tensor
     accepted: Tensor
+
+    @property
+    def correct_len(self) -> Tensor:
+        """The former name of `correct_lens` (deprecated: a FutureWarning)."""
+        return renamed("correct_len", self.correct_lens, "correct_lens", None)
 
 
 def accept_greedy(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tensor,
@@ -103,7 +108,7 @@ def _result(draft: Tensor, correct: Tensor, bonus: Tensor, verify_lens: Tensor) 
     tokens = torch.where(pos < c, padded, torch.where(pos == c, bonus[:, None], torch.full_like(padded, -1)))
     commit = (torch.minimum(correct, verify_lens - 1) + 1).to(torch.int32)
     return AcceptResult(
-        correct_len=correct,
+        correct_lens=correct,
         commit_lens=commit,
         bonus=bonus,
         tokens=tokens,

@@ -21,7 +21,7 @@ def test_record_labels_censoring_and_roundtrip(device, tmp_path):
     with StsRecorder(tmp_path, gamma=g, rank=3) as rec:
         rec.record(z, verify_lens=torch.tensor([5, 3, 1], device=device),
                    request_ids=torch.tensor([10, 11, 12], device=device),
-                   correct_len=torch.tensor([2, 4, 0], device=device),
+                   correct_lens=torch.tensor([2, 4, 0], device=device),
                    soft_accept=torch.full((3, g), 0.5, device=device),
                    draft_logits=torch.arange(3 * g * 3, dtype=torch.float32, device=device).reshape(3, g, 3))
         rec.record(z[:1], verify_lens=torch.tensor([3], device=device), request_ids=torch.tensor([10], device=device),
@@ -41,7 +41,7 @@ def test_record_labels_censoring_and_roundtrip(device, tmp_path):
 
 def test_shards_split_per_rank_and_numbering_continues(tmp_path):
     z = torch.zeros(3, 2)
-    kw = dict(verify_lens=torch.full((3,), 3), request_ids=torch.arange(3), correct_len=torch.ones(3, dtype=torch.long))
+    kw = dict(verify_lens=torch.full((3,), 3), request_ids=torch.arange(3), correct_lens=torch.ones(3, dtype=torch.long))
     for rank in (0, 1):
         rec = StsRecorder(tmp_path, gamma=2, rank=rank, shard_rows=5)
         for _ in range(4):
@@ -67,18 +67,18 @@ def test_record_bad_input(tmp_path):
         rec.record(z, labels=torch.tensor([[1, 0, 0], [0, 1, 1]]), **ok)
     with pytest.raises(ValueError, match="exactly one"):
         rec.record(z, **ok)
-    with pytest.raises(ValueError, match=r"correct_len must lie in \[0, 3\], got \[1, 4\]"):
-        rec.record(z, correct_len=torch.tensor([1, 4]), **ok)
+    with pytest.raises(ValueError, match=r"correct_lens must lie in \[0, 3\], got \[1, 4\]"):
+        rec.record(z, correct_lens=torch.tensor([1, 4]), **ok)
     with pytest.raises(ValueError, match=r"verify_lens must lie in \[1, 4\], got \[0, 4\]"):
-        rec.record(z, correct_len=torch.tensor([1, 1]), verify_lens=torch.tensor([0, 4]), request_ids=ok["request_ids"])
+        rec.record(z, correct_lens=torch.tensor([1, 1]), verify_lens=torch.tensor([0, 4]), request_ids=ok["request_ids"])
     with pytest.raises(ValueError, match="policy.*'topk'"):
-        rec.record(z, correct_len=torch.tensor([1, 1]), policy="topk", **ok)
+        rec.record(z, correct_lens=torch.tensor([1, 1]), policy="topk", **ok)
     with pytest.raises(ValueError, match=r"\[B, 3\], got \(2, 2\)"):
-        rec.record(torch.zeros(2, 2), correct_len=torch.tensor([1, 1]), **ok)
+        rec.record(torch.zeros(2, 2), correct_lens=torch.tensor([1, 1]), **ok)
     with pytest.raises(TypeError, match="request_ids must be an integer or bool tensor, got torch.float32"):
-        rec.record(z, correct_len=torch.tensor([1, 1]), verify_lens=ok["verify_lens"], request_ids=torch.zeros(2))
+        rec.record(z, correct_lens=torch.tensor([1, 1]), verify_lens=ok["verify_lens"], request_ids=torch.zeros(2))
     with pytest.raises(ValueError, match=r"soft_accept\[1, 2\] = 1.5"):
-        rec.record(z, correct_len=torch.tensor([1, 1]), soft_accept=torch.tensor([[0.5] * 3, [0.5, 0.5, 1.5]]), **ok)
+        rec.record(z, correct_lens=torch.tensor([1, 1]), soft_accept=torch.tensor([[0.5] * 3, [0.5, 0.5, 1.5]]), **ok)
     with pytest.raises(ValueError, match="gamma must be an int >= 1, got 0"):
         StsRecorder(tmp_path, gamma=0)
     rec.close()
@@ -138,10 +138,10 @@ _CHILD = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     for step in range(3 if mode == "kill" else 1):
         rec.record(torch.randn(50, 3, generator=g), verify_lens=torch.full((50,), 4),
-                   request_ids=torch.arange(50), correct_len=torch.randint(0, 4, (50,), generator=g))
+                   request_ids=torch.arange(50), correct_lens=torch.randint(0, 4, (50,), generator=g))
     if mode == "exit":
         rec.record(torch.randn(7, 3, generator=g), verify_lens=torch.full((7,), 2),
-                   request_ids=torch.arange(7), correct_len=torch.zeros(7, dtype=torch.long))
+                   request_ids=torch.arange(7), correct_lens=torch.zeros(7, dtype=torch.long))
     print("done", flush=True)  # "exit": leaves without close(); atexit must flush the 7 pending rows
 """)
 

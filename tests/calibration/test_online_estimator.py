@@ -72,7 +72,7 @@ def test_survival_contract_and_nan_logits_give_zero(device):
     assert bool((s[:, 1:] <= s[:, :-1]).all()) and bool(((s >= 0) & (s <= 1)).all())
     assert s[1, 2:].abs().sum() == 0 and s[3].abs().sum() == 0 and bool((s[0] > 0).all())
     seen = est.labels_seen.copy()
-    est.observe(verify_lens=torch.full((6,), 5), correct_len=torch.full((6,), 4))
+    est.observe(verify_lens=torch.full((6,), 5), correct_lens=torch.full((6,), 4))
     assert (est.labels_seen - seen).tolist() == [5, 6, 5, 6]  # a position with NaN features is not a label
 
 
@@ -80,7 +80,7 @@ def test_empty_batch_is_empty(device):
     est = OnlineAcceptanceEstimator(3)
     x = torch.zeros(0, 3, 10, device=device)
     assert est.survival(x).shape == (0, 3) and est.confidence_logits(x).shape == (0, 3)
-    est.observe(verify_lens=torch.zeros(0, dtype=torch.int64), correct_len=torch.zeros(0, dtype=torch.int64))
+    est.observe(verify_lens=torch.zeros(0, dtype=torch.int64), correct_lens=torch.zeros(0, dtype=torch.int64))
     assert est.steps_observed == 1 and est.labels_seen.sum() == 0
 
 
@@ -89,22 +89,22 @@ def test_warm_up_prior_is_the_drafts_top1_probability(device):
     x = _logits(4, 3, 40, 5).to(device)
     p1 = torch.softmax(x.cpu().double(), -1).amax(-1).float()
     torch.testing.assert_close(est.survival(x).cpu(), torch.cumprod(p1, 1), rtol=1e-5, atol=1e-6)
-    est.observe(verify_lens=torch.full((4,), 4), correct_len=torch.tensor([3, 0, 1, 2]))
+    est.observe(verify_lens=torch.full((4,), 4), correct_lens=torch.tensor([3, 0, 1, 2]))
     assert torch.equal(est.parameters, prior_parameters(3)) and est.refits == 1  # 4 labels < 50: still the prior
 
 
 @settings(max_examples=25)
 @given(data=st.data())
 def test_labels_are_censored_like_sts(data, device):
-    """Position k is a label iff k < verify_len - 1 (verified) and k <= correct_len (no earlier rejection);
-    its value is k < correct_len. verify_lens and correct_len come from the generated case itself."""
+    """Position k is a label iff k < verify_len - 1 (verified) and k <= correct_lens (no earlier rejection);
+    its value is k < correct_lens. verify_lens and correct_lens come from the generated case itself."""
     g = data.draw(st.integers(1, 6))
     b = data.draw(st.integers(1, 8))
     vl = data.draw(st.lists(st.integers(1, g + 1), min_size=b, max_size=b))
     cl = [data.draw(st.integers(0, g)) for _ in range(b)]
     est = OnlineAcceptanceEstimator(g, window=64, min_labels=1, refit_every=10**6)
     est.confidence_logits(_logits(b, g, 20, data.draw(st.integers(0, 999))).to(device))
-    est.observe(verify_lens=torch.tensor(vl), correct_len=torch.tensor(cl))
+    est.observe(verify_lens=torch.tensor(vl), correct_lens=torch.tensor(cl))
     for k in range(g):
         want = [float(k < c) for v, c in zip(vl, cl) if k < v - 1 and k <= c]
         assert est.labels_seen[k] == len(want)
@@ -115,10 +115,24 @@ def test_labels_or_correct_len_give_the_same_model():
     a, b = OnlineAcceptanceEstimator(4, min_labels=1), OnlineAcceptanceEstimator(4, min_labels=1)
     x = _logits(5, 4, 30, 3)
     cl = torch.tensor([0, 4, 2, 1, 3])
-    for est, kw in ((a, {"correct_len": cl}), (b, {"labels": (torch.arange(4) < cl[:, None]).int()})):
+    for est, kw in ((a, {"correct_lens": cl}), (b, {"labels": (torch.arange(4) < cl[:, None]).int()})):
         est.confidence_logits(x)
         est.observe(verify_lens=torch.tensor([5, 5, 3, 2, 1]), **kw)
     assert torch.equal(a.refit(), b.refit())
+
+
+def test_former_correct_len_keyword_warns_and_gives_the_same_model():
+    a, b = OnlineAcceptanceEstimator(4, min_labels=1), OnlineAcceptanceEstimator(4, min_labels=1)
+    x, cl, vl = _logits(5, 4, 31, 3), torch.tensor([0, 4, 2, 1, 3]), torch.tensor([5, 5, 3, 2, 1])
+    a.confidence_logits(x)
+    a.observe(verify_lens=vl, correct_lens=cl)
+    b.confidence_logits(x)
+    with pytest.warns(FutureWarning, match="use correct_lens"):
+        b.observe(verify_lens=vl, correct_len=cl)
+    assert torch.equal(a.refit(), b.refit())
+    b.confidence_logits(x)
+    with pytest.raises(TypeError, match="give correct_lens only"):
+        b.observe(verify_lens=vl, correct_lens=cl, correct_len=cl)
 
 
 @settings(max_examples=20)
@@ -144,7 +158,7 @@ def _stream(est: OnlineAcceptanceEstimator, steps: int, seed: int, b: int = 16, 
         c = torch.sigmoid(1.5 * f[..., 0] - 1 + 0.4 * torch.arange(est.gamma))
         acc = (torch.rand(b, est.gamma, generator=gen) < c).to(torch.int64)
         est.observe(verify_lens=torch.randint(1, est.gamma + 2, (b,), generator=gen),
-                    correct_len=torch.cumprod(acc, 1).sum(1))
+                    correct_lens=torch.cumprod(acc, 1).sum(1))
 
 
 def _trained_estimator(g: int, seed: int) -> OnlineAcceptanceEstimator:
@@ -198,7 +212,7 @@ def test_window_keeps_the_latest_labels():
     est = OnlineAcceptanceEstimator(1, window=8, min_labels=1, refit_every=10**6)
     for step in range(5):
         est.confidence_logits(_logits(3, 1, 10, step))
-        est.observe(verify_lens=torch.full((3,), 2), correct_len=torch.tensor([step % 2] * 3))
+        est.observe(verify_lens=torch.full((3,), 2), correct_lens=torch.tensor([step % 2] * 3))
     assert est.labels_seen[0] == 15
     assert sorted(est._y[0].tolist()) == sorted([0.0] * 3 + [1.0] * 3 + [0.0] * 2)  # steps 4, 3 and 2 of step 2
 
@@ -230,20 +244,20 @@ def test_bad_inputs_name_the_value(device):
     with pytest.raises(TypeError, match="draft_logits must be a torch.Tensor, got list"):
         est.confidence_logits([[1.0, 2.0]])
     with pytest.raises(RuntimeError, match="needs a confidence_logits"):
-        est.observe(verify_lens=torch.ones(2, dtype=torch.int64), correct_len=torch.zeros(2, dtype=torch.int64))
+        est.observe(verify_lens=torch.ones(2, dtype=torch.int64), correct_lens=torch.zeros(2, dtype=torch.int64))
     x = _logits(2, 3, 9, 0).to(device)
     for kw, err, needle in [
-        ({"verify_lens": torch.ones(3, dtype=torch.int64), "correct_len": torch.zeros(3)}, ValueError,
+        ({"verify_lens": torch.ones(3, dtype=torch.int64), "correct_lens": torch.zeros(3)}, ValueError,
          r"verify_lens must be a tensor \[B=2\]"),
-        ({"verify_lens": torch.tensor([1, 5]), "correct_len": torch.tensor([0, 0])}, ValueError,
+        ({"verify_lens": torch.tensor([1, 5]), "correct_lens": torch.tensor([0, 0])}, ValueError,
          r"verify_lens must lie in \[1, 4\], got \[1, 5\]"),
-        ({"verify_lens": torch.tensor([2, 4]), "correct_len": torch.tensor([0, 4])}, ValueError,
-         r"correct_len must lie in \[0, 3\], got \[0, 4\]"),
-        ({"verify_lens": torch.tensor([2, 4])}, ValueError, "exactly one of correct_len"),
+        ({"verify_lens": torch.tensor([2, 4]), "correct_lens": torch.tensor([0, 4])}, ValueError,
+         r"correct_lens must lie in \[0, 3\], got \[0, 4\]"),
+        ({"verify_lens": torch.tensor([2, 4])}, ValueError, "exactly one of correct_lens"),
         ({"verify_lens": torch.tensor([2, 4]), "labels": torch.tensor([[0, 1, 0], [1, 0, 0]])}, ValueError,
          "contiguous prefix"),
-        ({"verify_lens": torch.tensor([2, 4]), "correct_len": torch.tensor([0.5, 1.0])}, TypeError,
-         "correct_len must be an integer or bool tensor"),
+        ({"verify_lens": torch.tensor([2, 4]), "correct_lens": torch.tensor([0.5, 1.0])}, TypeError,
+         "correct_lens must be an integer or bool tensor"),
     ]:
         est.confidence_logits(x)
         with pytest.raises(err, match=needle):
@@ -259,13 +273,13 @@ def test_replaying_features_equals_the_live_path(device):
         vl, cl = torch.randint(1, 5, (7,), generator=gen), torch.randint(0, 4, (7,), generator=gen)
         z = live.confidence_logits(x)
         assert torch.equal(replay.predict(draft_features(x)), z)
-        live.observe(verify_lens=vl, correct_len=cl)
-        replay.observe(verify_lens=vl, correct_len=cl, features=draft_features(x))
+        live.observe(verify_lens=vl, correct_lens=cl)
+        replay.observe(verify_lens=vl, correct_lens=cl, features=draft_features(x))
     assert torch.equal(live.parameters, replay.parameters) and live.refits == 3
     with pytest.raises(ValueError, match=r"features must be \[B, 3, 3\] \(draft_features\), got \(7, 3\)"):
         replay.predict(torch.zeros(7, 3))
     with pytest.raises(ValueError, match=r"features must be \[B, 3, 3\].*got \(7, 2, 3\)"):
-        replay.observe(verify_lens=vl, correct_len=cl, features=torch.zeros(7, 2, 3))
+        replay.observe(verify_lens=vl, correct_lens=cl, features=torch.zeros(7, 2, 3))
 
 
 def test_features_of_scattered_logits_equal_the_draft_vocabulary_ones(device):

@@ -158,8 +158,8 @@ def test_every_policy_and_mode_equals_transformers_generate(cases, name: str, ma
                 assert not out.tokens[i, int(out.num_tokens[i]):].any()  # nothing past the end or the stop
                 assert out.finish_reasons[i] == ("stop" if ref[i][-1] in stop else "length")
             spec = [s for s in out.steps if s.speculated]
-            accepted += sum(int((s.correct_len > 0).sum()) for s in spec)
-            rejected += sum(int((s.correct_len < s.caps - 1).sum()) for s in spec)
+            accepted += sum(int((s.correct_lens > 0).sum()) for s in spec)
+            rejected += sum(int((s.correct_lens < s.caps - 1).sum()) for s in spec)
     assert accepted and (rejected or name == "block"), "drafts both accepted and rejected"  # block: a looping target
 
 
@@ -185,7 +185,7 @@ def test_a_causal_lm_drafter_that_is_the_target_is_always_accepted(device) -> No
         out = dec.generate(prompts[:8], 12, policy, max_batch=3)  # 8 requests on 3 slots: refills
         assert torch.equal(out.tokens, ref.tokens)
         spec = [s for s in out.steps if s.speculated]
-        assert len(spec) >= 6 and all(bool((s.correct_len == GAMMA).all()) for s in spec)
+        assert len(spec) >= 6 and all(bool((s.correct_lens == GAMMA).all()) for s in spec)
 
 
 def test_a_stop_inside_a_multi_token_commit_drops_the_rest(device) -> None:

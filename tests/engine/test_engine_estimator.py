@@ -50,7 +50,7 @@ def test_estimator_in_place_of_the_head_is_lossless_and_learns(decoder: SpecDeco
     assert not torch.equal(est.parameters, est.prior)  # the refits moved it off the warm-up prior
     want = torch.zeros(GAMMA, dtype=torch.int64)
     for s in spec:
-        y = censored_labels(s.caps.cpu(), GAMMA, correct_len=s.correct_len.cpu())
+        y = censored_labels(s.caps.cpu(), GAMMA, correct_lens=s.correct_lens.cpu())
         reached = torch.isfinite(y) & torch.cat([torch.ones(y.shape[0], 1, dtype=torch.bool), y[:, :-1] == 1], 1)
         want += (reached & torch.isfinite(draft_features(s.draft_logits.cpu())).all(-1)).sum(0)
     assert est.labels_seen.tolist() == want.tolist()
@@ -68,7 +68,7 @@ def test_planner_sees_the_estimators_logits(decoder: SpecDecoder, monkeypatch):
         if s.draft_logits is None:
             continue
         assert torch.equal(replay.confidence_logits(s.draft_logits).cpu(), s.confidence_logits.cpu())
-        replay.observe(verify_lens=s.caps, correct_len=s.correct_len)
+        replay.observe(verify_lens=s.caps, correct_lens=s.correct_lens)
     assert torch.equal(replay.parameters, est.parameters)
 
 

@@ -64,7 +64,7 @@ def test_greedy_kernel_matches_reference(policy, b, gamma, vocab, seed, packed, 
        seed=st.integers(0, 10**6), packed=st.booleans())
 @settings(max_examples=6)
 def test_greedy_kernel_long_matches(policy, b, gamma, vocab, seed, packed, device):
-    """Drafts equal to the target argmax at random prefixes: correct_len spans 0..verify_len-1."""
+    """Drafts equal to the target argmax at random prefixes: correct_lens spans 0..verify_len-1."""
     gen, _, vl, layout = _case(b, gamma, vocab, seed, packed, device)
     w = gamma + 1
     strided = torch.randn(b, w, vocab, generator=gen)

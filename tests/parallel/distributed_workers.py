@@ -203,7 +203,7 @@ def estimator_inputs(step: int) -> tuple[torch.Tensor, ...]:
 
 
 def accepted_drafts(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """correct_len [B] of the synthetic target: draft k accepted with probability sigmoid(1.2 x - 0.5)."""
+    """correct_lens [B] of the synthetic target: draft k accepted with probability sigmoid(1.2 x - 0.5)."""
     c = torch.sigmoid(1.2 * draft_features(logits)[..., 0] - 0.5)
     return torch.cumprod((uniforms < c).to(torch.int64), dim=1).sum(1)
 
@@ -230,7 +230,7 @@ def estimator_steps(rank: int, world: int, group: dist.ProcessGroup | None, step
             est._y[0, 0] = 1.0 - est._y[0, 0]
         error = None
         try:
-            est.observe(verify_lens=plan.verify_lens, correct_len=accepted_drafts(logits, uniforms))
+            est.observe(verify_lens=plan.verify_lens, correct_lens=accepted_drafts(logits, uniforms))
         except TpDisagreementError as e:
             error = (str(e), list(e.ranks))
         out.append({"survival": _digest(plan.survival), "parameters": _digest(est.parameters),

@@ -180,7 +180,7 @@ def test_tau_equals_expected_commit_by_enumeration(device):
     cfg = ScheduleConfig(gamma=3)
     s = torch.cumprod(torch.tensor(cond, dtype=torch.float64), 1).float().to(device)
 
-    def dist(c):  # P(correct_len = k), k = 0..gamma
+    def dist(c):  # P(correct_lens = k), k = 0..gamma
         probs, alive = [], 1.0
         for ci in c:
             probs.append(alive * (1 - ci))

@@ -65,8 +65,8 @@ def test_the_live_engine_computes_the_trace_at_every_step(device, max_batch) -> 
         block = trace.block(ids, t[ids])
         torch.testing.assert_close(step.confidence_logits.cpu(), block.confidence_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(draft_features(step.draft_logits).cpu(), block.features, atol=1e-4, rtol=1e-4)
-        assert bool((step.caps == GAMMA + 1).all())  # every draft verified: correct_len is a(t) itself
-        bad = step.correct_len.cpu().to(torch.int64) != block.accepted
+        assert bool((step.caps == GAMMA + 1).all())  # every draft verified: correct_lens is a(t) itself
+        bad = step.correct_lens.cpu().to(torch.int64) != block.accepted
         differ += int(bad.sum())
         near_ties += int((trace.margin_block(ids, t[ids], GAMMA + 1) < NEAR_TIE).any(1)[bad].sum())
         t[ids] += step.commit_lens.cpu().to(torch.int64)

@@ -32,7 +32,7 @@ def _poison_past(x, vl, start, value):
 
 
 def _fields(res):
-    return [getattr(res, n) for n in ("correct_len", "commit_lens", "bonus", "tokens", "proposed", "accepted")]
+    return [getattr(res, n) for n in ("correct_lens", "commit_lens", "bonus", "tokens", "proposed", "accepted")]
 
 
 def _equal(a, b):
@@ -69,19 +69,19 @@ def test_result_fields(b, gamma, vocab, seed, device):
     draft, q, p, vl = _sampling_case(b, gamma, vocab, seed, device)
     res = accept_sampling(draft, q, p, vl, generator=torch.Generator(device=device).manual_seed(seed))
     w = gamma + 1
-    assert res.commit_lens.dtype == torch.int32 and res.correct_len.dtype == torch.int32
-    assert torch.equal(res.commit_lens, torch.minimum(res.correct_len, vl - 1) + 1)
-    assert bool((res.correct_len <= vl - 1).all())
+    assert res.commit_lens.dtype == torch.int32 and res.correct_lens.dtype == torch.int32
+    assert torch.equal(res.commit_lens, torch.minimum(res.correct_lens, vl - 1) + 1)
+    assert bool((res.correct_lens <= vl - 1).all())
     pos = torch.arange(w, device=device)[None, :]
-    c = res.correct_len[:, None].long()
+    c = res.correct_lens[:, None].long()
     assert torch.equal(res.tokens[:, :gamma][pos[:, :gamma] < c], draft[pos[:, :gamma] < c].long())
     assert torch.equal(res.tokens.gather(1, c)[:, 0], res.bonus)
     assert bool((res.tokens[pos > c] == -1).all())
     assert torch.equal(res.proposed.sum(1), (vl - 1).long())
-    assert torch.equal(res.accepted.sum(1), res.correct_len.long())
+    assert torch.equal(res.accepted.sum(1), res.correct_lens.long())
     assert bool((res.accepted <= res.proposed).all())
     # the bonus has positive target probability at its row
-    rows = p[torch.arange(b, device=device), res.correct_len.long()]
+    rows = p[torch.arange(b, device=device), res.correct_lens.long()]
     assert bool((rows.gather(1, res.bonus[:, None]) > 0).all())
 
 
@@ -108,11 +108,13 @@ def test_greedy_worked_example(device):
         logits[:, i, t] = 1.0
     draft = torch.tensor([[7, 8, 9], [7, 8, 9]], device=device)
     res = accept_greedy(draft, logits, torch.tensor([4, 2], device=device))
-    assert res.correct_len.tolist() == [2, 1] and res.commit_lens.tolist() == [3, 2]
+    assert res.correct_lens.tolist() == [2, 1] and res.commit_lens.tolist() == [3, 2]
     assert res.bonus.tolist() == [5, 8]
     assert res.tokens.tolist() == [[7, 8, 5, -1], [7, 8, -1, -1]]
     assert res.proposed.tolist() == [[True, True, True], [True, False, False]]
     assert res.accepted.tolist() == [[True, True, False], [True, False, False]]
+    with pytest.warns(FutureWarning, match="use correct_lens"):
+        assert res.correct_len.tolist() == [2, 1]  # the former name still reads
 
 
 def _bad(**change):

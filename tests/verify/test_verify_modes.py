@@ -90,14 +90,14 @@ def test_greedy_identical_in_all_modes(b, gamma, vocab, seed, device):
         if mode is VerifyMode.STATIC:  # the strided view of the same logits gives the same answer
             strided = logits[: b * (gamma + 1)].view(b, gamma + 1, vocab)
             assert_same(results[mode], accept_greedy(args["draft_tokens"], strided, verify_lens=caps))
-    assert torch.equal(results[VerifyMode.CAP_ACCEPT].correct_len.cpu(),
+    assert torch.equal(results[VerifyMode.CAP_ACCEPT].correct_lens.cpu(),
                        torch.minimum(cut, vl.cpu().long() - 1).int())
     for mode in MODES[1:]:
         assert_same(results[MODES[0]], results[mode])
 
 
 def assert_same(a, b):
-    for name in ("correct_len", "commit_lens", "bonus", "tokens", "proposed", "accepted"):
+    for name in ("correct_lens", "commit_lens", "bonus", "tokens", "proposed", "accepted"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
