@@ -25,7 +25,7 @@ from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.util.validate import check_verify_lens
 from dspark.verify import boundary
-from dspark.verify.accept import AcceptResult, accept_greedy, accept_sampling
+from dspark.verify.accept import AcceptResult, greedy_from_checked, sampling_from_checked
 from dspark.verify.inputs import check_layout_fits, inputs_from_checked
 from dspark.verify.layout import RaggedVerifyLayout
 
@@ -154,6 +154,6 @@ class LiveTarget(Target):
 
     def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:
         if sampling.enabled:
-            return accept_sampling(drafts.tokens, drafts.probs, sampling.probs(verified.rows), verified.caps,
-                                   generator=sampling.generator, layout=verified.layout, check=False)
-        return accept_greedy(drafts.tokens, verified.rows, verified.caps, layout=verified.layout, check=False)
+            return sampling_from_checked(drafts.tokens, drafts.probs, sampling.probs(verified.rows), verified.caps,
+                                         generator=sampling.generator, layout=verified.layout)
+        return greedy_from_checked(drafts.tokens, verified.rows, verified.caps, layout=verified.layout)

@@ -50,34 +50,40 @@ class AcceptResult:
 
 
 def accept_greedy(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tensor,
-                  layout: RaggedVerifyLayout | None = None, check: bool = True) -> AcceptResult:
+                  layout: RaggedVerifyLayout | None = None) -> AcceptResult:
     """Greedy accept: drafts match the target argmax until the first miss; capped to verify_len - 1.
 
     draft_tokens [B, gamma] int; target_logits strided [B, gamma + 1, V], or packed [rows, V] with the
     layout of the forward that produced them; verify_lens [B] int in [1, gamma + 1] (<= the layout's).
-    check=False skips the data checks (lengths in range, draft ids in the vocabulary: one host read) for a
-    step whose lengths and drafts the engine made itself; shapes are still checked. Inside `torch.compile`
-    the data checks are skipped whatever `check` says, and the call runs the torch reference
-    (tests/package/test_compile_public.py).
+    The data checks (lengths in range, draft ids in the vocabulary) cost one host read; inside
+    `torch.compile` they are skipped and the call runs the torch reference (tests/package/test_compile_public.py).
     Returns the AcceptResult (same fields eager and traced).
     """
-    vl, row_start = _check_common(draft_tokens, target_logits, verify_lens, layout, "target_logits", check)
+    _check_common(draft_tokens, target_logits, verify_lens, layout, "target_logits")
+    return greedy_from_checked(draft_tokens, target_logits, verify_lens, layout)
+
+
+def greedy_from_checked(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tensor,
+                        layout: RaggedVerifyLayout | None = None) -> AcceptResult:
+    """`accept_greedy` without its checks (no host read), for a step whose lengths and drafts were validated
+    or made by the caller; arguments as `accept_greedy`."""
+    vl, row_start = _lens_and_starts(draft_tokens, verify_lens, layout)
     correct, bonus = _k.greedy(draft_tokens, target_logits, vl, row_start)
     return _result(draft_tokens, correct, bonus, vl)
 
 
 def accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, verify_lens: Tensor,
                     generator: torch.Generator | None = None,
-                    layout: RaggedVerifyLayout | None = None, check: bool = True) -> AcceptResult:
+                    layout: RaggedVerifyLayout | None = None) -> AcceptResult:
     """Rejection-sampling accept (lossless: committed tokens follow the target), capped to verify_len - 1.
 
     draft_probs [B, gamma, V]: the distributions the drafts were sampled from; target_probs strided
     [B, gamma + 1, V] or packed [rows, V] with its layout. The uniforms ([B, W]: one accept test per
     draft, one for the final draw) are drawn here from `generator`, so equal generators give equal
-    results on every rank and on every backend. check=False skips the data checks of `accept_greedy` and
-    the probability-row checks (their host reads).
+    results on every rank and on every backend. The data checks are `accept_greedy`'s and the probability
+    rows' (host reads; skipped inside `torch.compile`).
     """
-    vl, row_start = _check_common(draft_tokens, target_probs, verify_lens, layout, "target_probs", check)
+    vl, row_start = _check_common(draft_tokens, target_probs, verify_lens, layout, "target_probs")
     check_type("generator", generator, torch.Generator, optional=True)
     b, gamma = draft_tokens.shape
     if check_tensor("draft_probs", draft_probs).shape != (b, gamma, target_probs.shape[-1]):
@@ -85,13 +91,28 @@ def accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Ten
             f"draft_probs must be [B={b}, gamma={gamma}, V={target_probs.shape[-1]}], "
             f"got {tuple(draft_probs.shape)}"
         )
-    if check and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         verified = torch.arange(gamma + 1, device=vl.device)[None, :] < vl[:, None]
         _check_probs("target_probs", _row_stats(target_probs, row_start, gamma + 1), verified)
         _check_probs("draft_probs", _row_stats(draft_probs, None, gamma), verified[:, 1:])
-    uniforms = _uniforms(b, gamma + 1, generator, draft_tokens.device)
+    return sampling_from_checked(draft_tokens, draft_probs, target_probs, verify_lens, generator, layout)
+
+
+def sampling_from_checked(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, verify_lens: Tensor,
+                          generator: torch.Generator | None = None,
+                          layout: RaggedVerifyLayout | None = None) -> AcceptResult:
+    """`accept_sampling` without its checks (no host read); arguments as `accept_sampling`."""
+    vl, row_start = _lens_and_starts(draft_tokens, verify_lens, layout)
+    uniforms = _uniforms(draft_tokens.shape[0], draft_tokens.shape[1] + 1, generator, draft_tokens.device)
     correct, bonus = _k.sampling(draft_tokens, draft_probs, target_probs, vl, row_start, uniforms)
     return _result(draft_tokens, correct, bonus, vl)
+
+
+def _lens_and_starts(draft: Tensor, verify_lens: Tensor, layout: RaggedVerifyLayout | None
+                     ) -> tuple[Tensor, Tensor | None]:
+    """int32 verify_lens on the drafts' device and the packed rows' starts (None for strided rows)."""
+    row_start = layout.qo_indptr[:-1].to(draft.device) if layout is not None else None
+    return verify_lens.to(device=draft.device, dtype=torch.int32), row_start
 
 
 def _uniforms(b: int, w: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
@@ -120,9 +141,9 @@ def _result(draft: Tensor, correct: Tensor, bonus: Tensor, verify_lens: Tensor) 
 # ---------------------------------------------------------------- validation (API boundary; syncs)
 
 def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: RaggedVerifyLayout | None,
-                  name: str, data: bool) -> tuple[Tensor, Tensor | None]:
-    """Validate shapes, and with `data` lengths and draft ids; return int32 verify_lens and the packed row
-    starts."""
+                  name: str) -> tuple[Tensor, Tensor | None]:
+    """Validate shapes, lengths and draft ids (not inside `torch.compile`: they read the device); return int32
+    verify_lens and the packed row starts."""
     if not isinstance(draft, Tensor) or draft.dim() != 2 or draft.dtype.is_floating_point:
         raise TypeError(f"draft_tokens must be an integer [B, gamma] tensor, got {_desc(draft)}")
     b, gamma = draft.shape
@@ -149,8 +170,7 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
     vocab = target.shape[-1]
     if vocab < 1:
         raise ValueError(f"{name} has an empty vocabulary: shape {tuple(target.shape)}")
-    check_type("check", data, bool)
-    if not data or torch.compiler.is_compiling():  # the data checks read the device: not in a traced step
+    if torch.compiler.is_compiling():  # the data checks read the device: not in a traced step
         return vl, row_start
     # every data check below in one host read; the first failing one is then named in order
     bad_len = (vl < 1) | (vl > w)

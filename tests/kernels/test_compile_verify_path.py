@@ -191,7 +191,7 @@ def test_accept_compiles(seed, b, gamma, vocab, packed, backend, device):
     draft, target, vl, layout = _accept_case(seed, b, gamma, vocab, packed, device)
 
     def greedy(d, t, v):
-        return _fields(va.accept_greedy(d, t, v, layout=layout, check=False))
+        return _fields(va.greedy_from_checked(d, t, v, layout=layout))
 
     assert_same(compiled(greedy, backend)(draft, target, vl), _fields(va.accept_greedy(draft, target, vl, layout)))
     row_start = None if layout is None else layout.qo_indptr[:-1]

@@ -20,9 +20,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner, accept_greedy
+from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
 from dspark.kernels import dispatch
 from dspark.verify import boundary
+from dspark.verify.accept import greedy_from_checked
 
 GAMMA, SLOTS = 5, 16
 TIERS = (8, 16, 32, 64, 96)
@@ -115,7 +116,7 @@ def one_step(planner, z, slots, gens, draft, target, reads):
     layout = plan.layout
     packed = target.reshape(-1, target.shape[-1]).index_select(
         0, (layout.row_slot.clamp(max=z.shape[0] - 1) * (GAMMA + 1) + layout.row_within).to(torch.int64))
-    result = accept_greedy(draft, packed, plan.verify_lens, layout=layout, check=False)
+    result = greedy_from_checked(draft, packed, plan.verify_lens, layout=layout)
     return boundary.to_host(result.commit_lens)
 
 
