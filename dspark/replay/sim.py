@@ -50,7 +50,7 @@ class TraceDrafter(Drafter):
         self.max_drafts = trace.gamma
 
     def propose(self, batch: Batch, slots: Tensor, k: int, source: Source, sampling: Sampling) -> Drafts:
-        block = self.trace.block(*positions(batch, slots, self.ids), check=False)
+        block = self.trace.block_from_checked(*positions(batch, slots, self.ids))
         tokens = block.drafts[:, :k].to(torch.int64)
         if source == "features":
             return Drafts(tokens, features=block.features[:, :k])
@@ -67,7 +67,7 @@ class SimTarget(Target):
 
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
         self.clock.advance(float(self.cost.plain_seconds(slots.numel())))
-        return self.trace.greedy_block(*positions(batch, slots, self.ids), 1, check=False)
+        return self.trace.greedy_from_checked(*positions(batch, slots, self.ids), 1)
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:
@@ -81,12 +81,12 @@ class SimTarget(Target):
     def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:
         requests, t = verified.rows
         b, k = drafts.tokens.shape
-        accepted = self.trace.block(requests, t, check=False).accepted.clamp(max=k)
+        accepted = self.trace.block_from_checked(requests, t).accepted.clamp(max=k)
         caps = verified.caps.to(torch.int64)
         correct = torch.minimum(accepted, caps - 1)
         commit = correct + 1
         cols = torch.arange(k + 1)
-        tokens = torch.where(cols[None, :] < commit[:, None], self.trace.greedy_block(requests, t, k + 1, check=False), -1)
+        tokens = torch.where(cols[None, :] < commit[:, None], self.trace.greedy_from_checked(requests, t, k + 1), -1)
         proposed = cols[None, :k] < (caps - 1)[:, None]
         return AcceptResult(correct_lens=correct.to(torch.int32), commit_lens=commit.to(torch.int32),
                             bonus=tokens.gather(1, correct[:, None]).squeeze(1), tokens=tokens, proposed=proposed,

@@ -146,9 +146,14 @@ class Trace:
         return self.target_margin[start: start + int(self.new_tokens[i]) + self.gamma]
 
     # -- vectorised lookups (the replay reads B blocks per step) ---------------------------------------
-    def block(self, requests: Tensor, t: Tensor, *, check: bool = True) -> TraceBlock:
+    def block(self, requests: Tensor, t: Tensor) -> TraceBlock:
         """The recorded values of requests [B] (int64) at positions t [B] (each in [0, N_i)), each [B, ...]."""
-        rows = self.position_offsets[requests] + t if not check else self._rows(requests, t, 0)
+        self._rows(requests, t, 0)
+        return self.block_from_checked(requests, t)
+
+    def block_from_checked(self, requests: Tensor, t: Tensor) -> TraceBlock:
+        """`block` without its checks (the replay's own positions)."""
+        rows = self.position_offsets[requests] + t
         return TraceBlock(self.drafts[rows], self.confidence_logits[rows], self.features[rows], self.accepted[rows],
                           self.soft[rows])
 
@@ -158,19 +163,26 @@ class Trace:
         out = self.block(torch.tensor([self._request(request)]), torch.tensor([t]))
         return TraceBlock(*(v[0] for v in out))
 
-    def greedy_block(self, requests: Tensor, t: Tensor, width: int, *, check: bool = True) -> Tensor:
+    def greedy_block(self, requests: Tensor, t: Tensor, width: int) -> Tensor:
         """Greedy continuation tokens [B, width] int64 of requests [B] at positions t..t+width-1 (t + width <=
         N_i + gamma): the tokens a verify of `width` rows from position t commits at most."""
-        return self.continuation[self._cont_index(requests, t, width, check)]
+        self._check_window(requests, t, width)
+        return self.greedy_from_checked(requests, t, width)
 
-    def margin_block(self, requests: Tensor, t: Tensor, width: int, *, check: bool = True) -> Tensor:
+    def greedy_from_checked(self, requests: Tensor, t: Tensor, width: int) -> Tensor:
+        """`greedy_block` without its checks (the replay's own positions)."""
+        return self.continuation[self._cont_index(requests, t, width)]
+
+    def margin_block(self, requests: Tensor, t: Tensor, width: int) -> Tensor:
         """`target_margin` [B, width] float32 at the positions `greedy_block` reads."""
-        return self.target_margin[self._cont_index(requests, t, width, check)]
+        self._check_window(requests, t, width)
+        return self.target_margin[self._cont_index(requests, t, width)]
 
-    def _cont_index(self, requests: Tensor, t: Tensor, width: int, check: bool) -> Tensor:
-        if check:
-            check_int("width", width, 0)
-            self._rows(requests, t, width)
+    def _check_window(self, requests: Tensor, t: Tensor, width: int) -> None:
+        check_int("width", width, 0)
+        self._rows(requests, t, width)
+
+    def _cont_index(self, requests: Tensor, t: Tensor, width: int) -> Tensor:
         start = self._cont_start[requests] + t
         return start[:, None] + torch.arange(width)
 
