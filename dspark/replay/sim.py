@@ -35,6 +35,14 @@ class SimClock:
         self.seconds += seconds
 
 
+def step_price(cost: ServingCost, num_requests: int, rows: int, speculated: bool) -> float:
+    """The cost model's seconds for one step of `num_requests` requests: `T(B, rows)` of a speculative step
+    (rows: its layout's, before tier padding), `T_plain(B)` of a target-only one."""
+    if speculated:
+        return float(cost.speculative.step_seconds(num_requests=num_requests, rows=rows))
+    return float(cost.plain_seconds(num_requests))
+
+
 def positions(batch: Batch, slots: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     """(trace request ids [B], tokens past the prompt t [B]) of `slots` (host ids); ids [N]: the trace
     request of each queued request."""
@@ -66,7 +74,7 @@ class SimTarget(Target):
         self.trace, self.ids, self.cost, self.clock, self.tiers = trace, ids, cost, clock, tiers
 
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
-        self.clock.advance(float(self.cost.plain_seconds(slots.numel())))
+        self.clock.advance(step_price(self.cost, slots.numel(), slots.numel(), False))
         return self.trace.greedy_from_checked(*positions(batch, slots, self.ids), 1)
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
@@ -74,8 +82,7 @@ class SimTarget(Target):
         b = slots.numel()
         layout, caps = mode_layout(mode, verify_lens, drafts.tokens.shape[1] + 1, layout,
                                    self.tiers if mode is VerifyMode.COMPACT else (), None)
-        rows = layout.total_rows
-        self.clock.advance(float(self.cost.speculative.step_seconds(num_requests=b, rows=rows)))
+        self.clock.advance(step_price(self.cost, b, layout.total_rows, True))
         return Verified(layout, caps, positions(batch, slots, self.ids))
 
     def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:
