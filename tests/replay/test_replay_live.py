@@ -1,5 +1,6 @@
 """Replay reproduces live runs: the live engine and the trace replay, given the same policy factory, take
-the same decisions step by step (verify lengths, commit lengths, speculate or not) on the tiny models."""
+the same decisions step by step (verify lengths, commit lengths, speculate or not) on the tiny models; and
+`dspark.replay.live` shows what differs and prices the live steps with the replay's cost model."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
 from dspark.engine.decode import SpecDecoder
 from dspark.replay.lab import Lab
+from dspark.replay.live import priced_steady, step_agreement
 from dspark.replay.record import record_trace
 from dspark.replay.workload import Request
 from engine_models import VOCAB, tiny_models
@@ -50,3 +52,44 @@ def test_replay_takes_the_live_engines_decisions_step_by_step(policy: str, b: in
         assert torch.equal(x.commit_lens.cpu(), y.commit_lens), i
         if x.speculated:
             torch.testing.assert_close(x.confidence_logits.cpu(), y.confidence_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_agreement_and_prices_of_a_live_run_beside_its_replay() -> None:
+    trace, decoder, lab = _setup()
+    ids = torch.arange(N)
+    live_lab, replay_lab = (dataclasses.replace(lab, estimators={}) for _ in range(2))
+    live = decoder.generate([trace.prompt(i) for i in range(N)], trace.new_tokens.clone(),
+                            live_lab.policy("adaptive", 4), mode=VerifyMode.COMPACT, max_batch=4)
+    sim = replay_lab.run("adaptive", 4, ids)
+    agree = step_agreement(live, sim, trace, ids)
+    assert agree["identical"] == agree["compared"] == len(sim.steps) and agree["differing_steps"] == 0
+    assert agree["diverging_requests"] == 0
+    priced = priced_steady(live, lab.cost)
+    tokens, seconds = sim.steady()
+    # the steps agree, so the replay's steady tok/s is the live tokens over the cost model's price of them
+    assert priced["tokens"] == tokens and priced["priced_tok_s"] == pytest.approx(tokens / seconds, rel=1e-12)
+    assert priced["all"]["steps"] == priced["speculative"]["steps"] + priced["plain"]["steps"] > 0
+    measured = sum(s.times.total - s.times.prefill for s in live.steps if s.requests.numel() == live.max_batch)
+    assert priced["all"]["measured_s"] == pytest.approx(measured)
+    assert priced["all"]["cost_error"] == pytest.approx(priced["all"]["priced_s"] / measured - 1)
+
+
+def test_agreement_shows_the_steps_and_tokens_that_differ() -> None:
+    trace, decoder, lab = _setup()
+    ids = torch.arange(N)
+    live = decoder.generate([trace.prompt(i) for i in range(N)], trace.new_tokens.clone(), lab.policy("fixed-2", 1),
+                            mode=VerifyMode.COMPACT, max_batch=1)
+    agree = step_agreement(live, lab.run(f"fixed-{GAMMA}", 1, ids), trace, ids)
+    assert 0 < agree["differing_steps"] and agree["identical"] < agree["compared"]
+    first = agree["first_differing"][0]
+    assert first["live"]["caps"] == [3] and first["replay"]["caps"] == [GAMMA + 1]
+    tampered = dataclasses.replace(trace)  # the same trace with request 3's fifth token changed
+    tampered.continuation = trace.continuation.clone()
+    start = int(trace.position_offsets[3]) + 3 * trace.gamma
+    tampered.continuation[start + 4] = (tampered.continuation[start + 4] + 1) % VOCAB
+    same = lab.run("fixed-2", 1, ids)
+    out = step_agreement(live, same, tampered, ids)
+    assert out["identical"] == out["compared"]
+    assert out["diverging_requests"] == 1 and out["divergences"][0]["request"] == 3
+    assert out["divergences"][0]["position"] == 4
+    assert out["divergences"][0]["target_top2_gap"] == pytest.approx(float(trace.margins(3)[4]))

@@ -1,0 +1,59 @@
+"""perf/replay_live.py at tiny scale (`--model tiny`: the tests' models through the same code): every
+(policy, B) cell is served live and replayed, the steps agree, the replay's tok/s equals the live tokens over
+the cost model's price of the live steps, and the JSON and the PNG hold what perf/README.md quotes."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cpu_only(reason="a perf script at tiny scale on the CPU")
+PATH = Path(__file__).resolve().parents[2] / "perf" / "replay_live.py"
+
+
+@pytest.fixture
+def script():
+    threads = torch.get_num_threads()
+    spec = importlib.util.spec_from_file_location("perf_replay_live", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    torch.set_num_threads(threads)
+
+
+def test_tiny_run_compares_every_cell(tmp_path: Path, script) -> None:
+    out = tmp_path / "rl.json"
+    script.main(["--model", "tiny", "--batch-sizes", "1,3", "--min-requests", "6", "--repeats", "2", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert data["cost_model"] == "cpu-measured" and set(data["cells"]) == {"1", "3"}
+    assert [len(q) for q in data["queues"].values()] == [6, 6]
+    for row in data["cells"].values():
+        assert set(row) == set(script.POLICIES)
+        for c in row.values():
+            a = c["agreement"]
+            assert a["identical"] == a["compared"] and a["differing_steps"] == 0 and a["diverging_requests"] == 0
+            assert len(c["live_tok_s_runs"]) == 2 and c["live_tok_s"] == statistics.median(c["live_tok_s_runs"])
+            assert c["replay_vs_priced_live"] == pytest.approx(0.0, abs=1e-9)  # the same steps, the same prices
+            assert c["gap"] == pytest.approx(c["replay_tok_s"] / c["live_tok_s"] - 1)
+            assert c["live_tok_s_no_prefill"] >= c["live_tok_s"] > 0
+    assert data["cells_total"] == 12 and data["within_goal"] == sum(
+        abs(c["gap"]) <= data["goal"] for row in data["cells"].values() for c in row.values())
+
+
+@pytest.mark.parametrize("argv, error, match", [
+    (["--min-requests", "0"], SystemExit, None),
+    (["--cost", "nosuch"], ValueError, "unknown serving cost 'nosuch'"),
+    (["--batch-sizes", "64"], ValueError, "B = 64 slots need 128 requests"),
+])
+def test_bad_input_is_refused_with_its_name(script, capsys, argv, error, match) -> None:
+    with pytest.raises(error, match=match):
+        script.main(["--model", "tiny", *argv])
+    if error is SystemExit:
+        assert "argument --min-requests: value must be an int >= 1, got 0" in capsys.readouterr().err
