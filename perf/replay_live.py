@@ -25,10 +25,11 @@ from torch import Tensor
 
 from dspark.cli.options import at_least, int_list, output_path
 from dspark.config import VerifyMode
-from dspark.cost.serving import load_serving_cost
+from dspark.cost.serving import ServingCost, load_serving_cost
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.lockstep import lockstep
 from dspark.engine.progress import Progress
+from dspark.engine.results import GenerateResult
 from dspark.replay.lab import Lab, queue_ids
 from dspark.replay.live import priced_steady, step_agreement
 from dspark.replay.trace import Trace
@@ -88,7 +89,7 @@ def setup(args: argparse.Namespace, tiers: tuple[int, ...]) -> tuple[SpecDecoder
     return decoder, trace, queues(trace), what
 
 
-def cell(live: list, sim, trace: Trace, ids, cost) -> dict:
+def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, ids: Tensor, cost: ServingCost) -> dict:
     """One (policy, B): agreement of the first live round with the replay, live and replayed tok/s, the cost
     model's error on the live steps (medians over rounds)."""
     priced = [priced_steady(r, cost) for r in live]

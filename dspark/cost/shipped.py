@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -207,6 +208,7 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
                      gamma=check_int("gamma", gamma, 1), profile_repeats=check_int("repeats", repeats, 1),
                      seed=check_int("seed", seed, 0))
     torch.set_num_threads(cfg.threads)
+    load = os.getloadavg()[0]
     target, draft, encode = load_models(torch.device("cpu"))
     longest, width, tiers = length_range(cfg.max_new_tokens, cfg.length_spread)[1], gamma + 1, demo_tiers(cfg)
     prompts = prompt_windows("heldout", encode, sizes[-1], cfg.prompt_len, cfg.seed)
@@ -224,7 +226,7 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
                                                             if s.requests.numel() == b) for r in runs))
     parameters = {"gamma": gamma, "batch_sizes": list(sizes), "repeats": repeats, "seed": seed,
                   "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
-                  "clock": demo_clock(cfg), "tier_ladder": list(tiers)}
+                  "clock": demo_clock(cfg), "tier_ladder": list(tiers), "load_average_1min": [load, os.getloadavg()[0]]}
     return profiled_cost(samples, BatchCurve(sizes, plain), BatchCurve(sizes, drafting), gamma=gamma, tiers=tiers,
                          max_requests=max_requests, parameters=parameters)
 
@@ -239,13 +241,14 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, draft: Ba
     from dspark.engine.profile import fit_cost_model
 
     machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
+    load = " / ".join(f"{v:.2f}" for v in parameters.get("load_average_1min", ())) or "not recorded"
     fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
     model, (plain, draft) = scale_batches(fill_monotone(fitted, samples), (plain, draft), tiers, max_requests)
     return ServingCost(
         "cpu-measured", machine,
         "SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's tiers and thread "
-        f"clock), profiled by the demo's own code at B <= {top} while other jobs shared the 2-core machine; larger B "
-        "scaled in proportion.",
+        f"clock), profiled by the demo's own code at B <= {top} (1-minute load average at start / end: {load}); "
+        "larger B scaled in proportion.",
         ("measured: dspark.engine.profile.profile_step_costs per batch size + fit_cost_model over the demo's tiers "
          "(TieredCostModel table over its serving tiers; plain step per B)",
          "unmeasured table cells made monotone in the tier (fill_monotone)",

@@ -81,8 +81,8 @@ def test_fill_monotone_keeps_measured_cells_and_makes_every_b_non_decreasing_in_
     filled = fill_monotone(model, samples)
     for s in samples:
         assert filled.table[probes.index(s.num_requests)][tiers.index(s.rows)] == s.seconds
-    for b in range(probes[0], probes[-1] + 1):
-        assert (np.diff(filled.seconds_curve(b, b, b * (w - 1) + 1)) >= 0).all()
+    for b in range(probes[0], probes[-1] + 1):  # up to float rounding of the interpolation (one ulp of 1 s)
+        assert (np.diff(filled.seconds_curve(b, b, b * (w - 1) + 1)) >= -1e-12).all()
 
 
 def test_the_cpu_file_is_the_demo_profile_of_the_shipped_models() -> None:
