@@ -44,7 +44,7 @@ def generate(prompts: str | Sequence[str], *, target: Any, tokenizer: Any, draft
     """Continue each prompt with speculative decoding, losslessly: greedy output equals the target's own greedy
     decoding, sampled output follows the target's (warped) distribution.
 
-    prompts: one text or N texts (each non-empty, at least 3 tokens once tokenized). target: a transformers
+    prompts: one text or N texts (each non-empty: at least one token once tokenized). target: a transformers
     causal LM of the Llama family (wrapped in `TransformersCausalLM`, which routes its attention through dspark)
     or an already wrapped one; tokenizer: its tokenizer (encodes the prompts, decodes the outputs, and is
     compared with a drafter's own). drafter: an `NgramDrafter` (the default: prompt lookup, no model), a

@@ -23,7 +23,7 @@ def check_device(device: str | torch.device) -> torch.device:
 
 
 def check_prompts(prompts: Prompts, vocab_size: int) -> list[Tensor]:
-    """N >= 1 prompts as host int64 tensors [P_i], each of >= 3 token ids in [0, vocab_size): from an int64
+    """N >= 1 prompts as host int64 tensors [P_i], each of >= 1 token ids in [0, vocab_size): from an int64
     tensor [N, P] or a sequence of token-id sequences (lengths may differ)."""
     if isinstance(prompts, Tensor):
         if prompts.dim() != 2 or prompts.dtype != torch.long:
@@ -37,7 +37,7 @@ def check_prompts(prompts: Prompts, vocab_size: int) -> list[Tensor]:
             except (TypeError, ValueError, RuntimeError):
                 raise ValueError(f"prompts[{i}] must be a sequence of token ids, got {q!r}") from None
             if t.dim() == 1 and t.numel() == 0:
-                raise ValueError(f"prompts[{i}] is empty; each prompt needs at least 3 tokens")
+                raise ValueError(f"prompts[{i}] is empty; each prompt needs at least one token")
             if t.dim() != 1 or not t.dtype in (torch.int64, torch.int32):
                 raise ValueError(f"prompts[{i}] must be a 1-D sequence of int token ids, got {t.dtype} {list(t.shape)}")
             seqs.append(t.cpu().to(torch.int64))
@@ -47,8 +47,6 @@ def check_prompts(prompts: Prompts, vocab_size: int) -> list[Tensor]:
     if not seqs:
         raise ValueError("prompts is empty: give at least one prompt")
     for i, q in enumerate(seqs):
-        if q.numel() < 3:
-            raise ValueError(f"prompts[{i}] has {q.numel()} tokens; each prompt needs at least 3")
         bad = (q < 0) | (q >= vocab_size)
         if bool(bad.any()):
             j = int(bad.nonzero()[0])

@@ -112,7 +112,7 @@ class SpecDecoder:
                  stop_token_ids: Sequence[int] = ()) -> GenerateResult:
         """Decode up to `max_new_tokens` after each prompt with one policy.
 
-        prompts: an int64 tensor [N, P], or N token-id sequences of any lengths (each >= 3 tokens).
+        prompts: an int64 tensor [N, P], or N token-id sequences of any lengths (each >= 1 token).
         max_new_tokens: one count for every request, or an int64 tensor [N] of per-request counts;
         result.tokens is [N, max] with zeros past each request's end (result.num_tokens, finish_reasons).
         stop_token_ids: a committed one ends its request (kept in the output; later tokens of the same

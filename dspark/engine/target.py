@@ -134,6 +134,10 @@ class LiveTarget(Target):
 
     def prefill(self, batch: Batch, slots: Tensor) -> None:
         rows = (batch.prompt_lens[slots] - 1).to(torch.int32)
+        if not bool((rows > 0).all()):  # a one-token prompt is its root alone: nothing to prefill
+            slots, rows = slots[rows > 0], rows[rows > 0]
+            if not slots.numel():
+                return
         layout = RaggedVerifyLayout.from_checked(rows, (), None, int(rows.max()), total_rows=int(rows.sum()))
         dev_slots = slots.to(self.device)
         pos = layout.positions(torch.zeros(slots.numel(), dtype=torch.int64, device=self.device))

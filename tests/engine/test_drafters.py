@@ -188,6 +188,22 @@ def test_a_causal_lm_drafter_that_is_the_target_is_always_accepted(device) -> No
         assert len(spec) >= 6 and all(bool((s.correct_lens == GAMMA).all()) for s in spec)
 
 
+@pytest.mark.parametrize("name", ["block", "ngram", "causal-lm"])
+def test_one_and_two_token_prompts_equal_transformers_generate(cases, name: str, device) -> None:
+    """The shortest prompts: a one-token prompt is its root alone (nothing to prefill), alone in the batch, beside
+    a longer one, and refilled into a running batch."""
+    dec = cases[name][0]
+    g = torch.Generator().manual_seed(11)
+    short = [torch.randint(0, VOCAB, (n,), generator=g) for n in (1, 2, 1, 5, 1, 2)]
+    counts = torch.tensor([6, 9, 7, 8, 5, 6])
+    ref = _generate_reference(dec.target, short, counts, [])
+    for prompts, n, max_batch in ((short[:1], counts[:1], 1), (short, counts, 2), (short, counts, 6)):
+        for policy in _policies(device).values():
+            out = dec.generate(prompts, n, policy, max_batch=max_batch)
+            assert [out.tokens[i, : int(n[i])].tolist() for i in range(len(prompts))] == ref[: len(prompts)], \
+                (name, policy.name, max_batch)
+
+
 def test_a_stop_inside_a_multi_token_commit_drops_the_rest(device) -> None:
     target, _ = target_and_draft_lm()
     dec = SpecDecoder(target, CausalLMDrafter(TransformersCausalLM(copy.deepcopy(target.hf_model))),

@@ -151,7 +151,7 @@ def test_bad_input_is_named(device) -> None:
         dec.generate(prompts, 4, FixedK(2), sampling=True, top_k=0)
     with pytest.raises(ValueError, match=r"temperature must be a number in \(0, inf\), got 0"):
         dec.generate(prompts, 4, FixedK(2), sampling=True, temperature=0)
-    with pytest.raises(ValueError, match="prompts\\[1\\] is empty; each prompt needs at least 3 tokens"):
+    with pytest.raises(ValueError, match="prompts\\[1\\] is empty; each prompt needs at least one token"):
         dec.generate([[5, 9, 12], []], 4, FixedK(2))
     with pytest.raises(ValueError, match=r"stop_token_ids\[1\] = 64 is not an int in the vocabulary \[0, 64\)"):
         dec.generate(prompts, 4, FixedK(2), stop_token_ids=[2, 64])
