@@ -109,7 +109,7 @@ class SpecDecoder:
                  mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  reserve_new_tokens: int | None = None, max_batch: int | None = None,
-                 stop_token_ids: Sequence[int] = ()) -> GenerateResult:
+                 stop_token_ids: Sequence[int] = (), keep_draft_logits: bool = False) -> GenerateResult:
         """Decode up to `max_new_tokens` after each prompt with one policy.
 
         prompts: an int64 tensor [N, P], or N token-id sequences of any lengths (each >= 1 token).
@@ -127,16 +127,20 @@ class SpecDecoder:
         and batch sizes.
         reserve_new_tokens: size the KV pages for this many new tokens when larger (profiling times short
         runs with the geometry of the timed ones).
+        keep_draft_logits: keep each speculative step's drafter token logits [B, k, V] in its StepOutcome
+        (`draft_logits`: the top-2 margin baseline, the estimator's features); off by default, as they take
+        B x k x V floats per step.
         """
         return finish(self.start(prompts, max_new_tokens, policy, mode=mode, sampling=sampling,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                 reserve_new_tokens=reserve_new_tokens, max_batch=max_batch, stop_token_ids=stop_token_ids))
+                                 reserve_new_tokens=reserve_new_tokens, max_batch=max_batch, stop_token_ids=stop_token_ids,
+                                 keep_draft_logits=keep_draft_logits))
 
     def start(self, prompts: Prompts, max_new_tokens: int | Tensor, policy: Policy, *,
               mode: VerifyMode | str = VerifyMode.COMPACT, sampling: bool = False, temperature: float = 1.0,
               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
               reserve_new_tokens: int | None = None, max_batch: int | None = None,
-              stop_token_ids: Sequence[int] = ()) -> DecodeRun:
+              stop_token_ids: Sequence[int] = (), keep_draft_logits: bool = False) -> DecodeRun:
         """`generate` one step at a time: checks the arguments now and returns the run, a generator that
         yields each StepOutcome and returns the GenerateResult (`finish` drains it). Runs on different
         decoders (`fork`) can be interleaved step by step (`dspark.engine.lockstep`)."""
@@ -148,6 +152,7 @@ class SpecDecoder:
         stop = check_stop_ids(stop_token_ids, vocab)
         check_positive_or_none("max_batch", max_batch)
         check_type("policy", policy, Policy)
+        check_type("keep_draft_logits", keep_draft_logits, bool)
         k, most = policy.num_drafts, self.drafter.max_drafts
         if most is not None and k > most:
             raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the drafter proposes at most {most} "
@@ -164,16 +169,17 @@ class SpecDecoder:
         self._check_idle()
         scheduler = Scheduler(seqs, new_tokens, None if stop is None else stop.to(self.device), self._generations,
                               self.device)
-        return self._run(scheduler, policy, mode, draws, min(n, max_batch or n), max_len, w, p + w + policy.catch_up)
+        return self._run(scheduler, policy, mode, draws, min(n, max_batch or n), max_len, w, p + w + policy.catch_up,
+                         keep_draft_logits)
 
     @torch.no_grad()
     def _run(self, scheduler: Scheduler, policy: Policy, mode: VerifyMode, sampling: Sampling, b: int,
-             max_len: int, w: int, max_rows: int) -> DecodeRun:
+             max_len: int, w: int, max_rows: int, keep_draft_logits: bool) -> DecodeRun:
         self._check_idle()  # (a second run started on this decoder before this one began)
         self._running = True
         try:
             batch = Batch.empty(b, max_len, self.device)
-            engine = Engine(self._drafter, self._target, self._now, self._sync)
+            engine = Engine(self._drafter, self._target, self._now, self._sync, keep_draft_logits)
             return (yield from serve(engine, scheduler, batch, policy, mode=mode, sampling=sampling, width=w,
                                      max_rows=max_rows))
         finally:

@@ -40,6 +40,7 @@ class Engine:
     target: Target
     clock: Callable[[], float]
     sync: Callable[[], None]  # wait for the device at the end of a timed phase
+    keep_draft_logits: bool = False  # each speculative StepOutcome keeps the drafter's [B, k, V] token logits
 
 
 def plain_step(engine: Engine, batch: Batch, slots: Tensor, sampling: Sampling, stop_ids: Tensor | None,
@@ -101,7 +102,7 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     times.accept += now() - t4
     out = StepOutcome(requests=slots, plan=plan, layout=checked.layout, caps=checked.caps, confidence_logits=conf,
                       commit_lens=acc.commit_lens, correct_lens=acc.correct_lens, times=times, host_syncs=1,
-                      draft_logits=drafts.logits)
+                      draft_logits=drafts.logits if engine.keep_draft_logits else None)
     return out, commit
 
 

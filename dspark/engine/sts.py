@@ -42,7 +42,7 @@ def record_sts(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens
     top-2 margin baseline) as STS shards under `shard_dir`; returns the loaded rows."""
     policy = "sampling" if sampling else "greedy"
     res = decoder.generate(prompts, max_new_tokens, FixedK(gamma), mode=VerifyMode.STATIC, sampling=sampling,
-                           temperature=temperature, seed=seed)
+                           temperature=temperature, seed=seed, keep_draft_logits=True)
     with StsRecorder(shard_dir, gamma=gamma) as rec:
         for step, s in enumerate(res.steps):
             rec.record(s.confidence_logits.cpu(), verify_lens=s.caps.cpu(), request_ids=s.requests,

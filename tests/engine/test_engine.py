@@ -139,12 +139,24 @@ def test_reserve_new_tokens_sizes_the_cache_not_the_output(decoder: SpecDecoder)
         decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=100)
 
 
+def test_draft_logits_are_kept_only_when_asked(decoder: SpecDecoder) -> None:
+    """A run keeps no [B, k, V] tensor per step unless asked: at V = 49152 that is 9 MB a step at B = 16."""
+    prompts = _prompts(3, 6, seed=4)
+    plain = decoder.generate(prompts, 8, FixedK(4))
+    kept = decoder.generate(prompts, 8, FixedK(4), keep_draft_logits=True)
+    assert torch.equal(plain.tokens, kept.tokens)
+    assert plain.steps and all(s.draft_logits is None for s in plain.steps)
+    assert all(s.draft_logits.shape == (s.requests.numel(), 4, VOCAB) for s in kept.steps)
+    with pytest.raises(TypeError, match="keep_draft_logits must be a bool, got int: 1"):
+        decoder.generate(prompts, 8, FixedK(4), keep_draft_logits=1)
+
+
 def test_sts_recording_carries_the_margin_baseline(decoder: SpecDecoder, tmp_path) -> None:
     from dspark.calibration.metrics import top2_margin
     from dspark.engine.sts import record_and_fit, record_sts
 
     prompts = _prompts(6, 6, seed=3)
-    res = decoder.generate(prompts, 12, FixedK(4), mode="static")
+    res = decoder.generate(prompts, 12, FixedK(4), mode="static", keep_draft_logits=True)
     assert all(s.draft_logits.shape == (s.requests.numel(), 4, VOCAB) for s in res.steps)
     data = record_sts(decoder, prompts, 4, 12, tmp_path / "a")
     assert data.num_rows == sum(s.requests.numel() for s in res.steps)

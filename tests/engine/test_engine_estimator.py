@@ -43,9 +43,10 @@ def test_estimator_in_place_of_the_head_is_lossless_and_learns(decoder: SpecDeco
     ref = decoder.generate(prompts, 20, FixedK(0), mode="static")
     est = OnlineAcceptanceEstimator(GAMMA, refit_every=2, min_labels=4)
     monkeypatch.setattr(decoder.draft, "confidence_logits", _no_head)
-    out = decoder.generate(prompts, 20, Adaptive(_planner(decoder.device), estimator=est), mode=mode)
+    out = decoder.generate(prompts, 20, Adaptive(_planner(decoder.device), estimator=est), mode=mode,
+                           keep_draft_logits=True)
     assert torch.equal(out.tokens, ref.tokens)
-    spec = [s for s in out.steps if s.draft_logits is not None]
+    spec = [s for s in out.steps if s.speculated]
     assert spec and est.steps_observed == len(spec) and est.refits == len(spec) // 2
     assert not torch.equal(est.parameters, est.prior)  # the refits moved it off the warm-up prior
     want = torch.zeros(GAMMA, dtype=torch.int64)
@@ -62,10 +63,11 @@ def test_planner_sees_the_estimators_logits(decoder: SpecDecoder, monkeypatch):
     the planner received at every step (the same parameters at every refit)."""
     est = OnlineAcceptanceEstimator(GAMMA, refit_every=3, min_labels=4)
     monkeypatch.setattr(decoder.draft, "confidence_logits", _no_head)
-    out = decoder.generate(_prompts(3, 6, seed=8), 16, Adaptive(_planner(decoder.device), estimator=est))
+    out = decoder.generate(_prompts(3, 6, seed=8), 16, Adaptive(_planner(decoder.device), estimator=est),
+                           keep_draft_logits=True)
     replay = OnlineAcceptanceEstimator(GAMMA, refit_every=3, min_labels=4)
     for s in out.steps:
-        if s.draft_logits is None:
+        if not s.speculated:
             continue
         assert torch.equal(replay.confidence_logits(s.draft_logits).cpu(), s.confidence_logits.cpu())
         replay.observe(verify_lens=s.caps, correct_lens=s.correct_lens)

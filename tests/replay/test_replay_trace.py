@@ -57,7 +57,8 @@ def test_the_live_engine_computes_the_trace_at_every_step(device, max_batch) -> 
     trace = record_trace(target, draft, requests, draft_sha256=SHA, max_batch=4, device=device)
     assert trace.meta["argmax_mismatches"]["count"] == 0  # teacher-forced argmax = the decoded continuation
     live = SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device).generate(
-        [r.prompt for r in requests], trace.new_tokens.clone(), FixedK(GAMMA), mode="compact", max_batch=max_batch)
+        [r.prompt for r in requests], trace.new_tokens.clone(), FixedK(GAMMA), mode="compact", max_batch=max_batch,
+        keep_draft_logits=True)
     t = torch.zeros(trace.num_requests, dtype=torch.int64)
     differ = near_ties = 0
     for step in live.steps:
