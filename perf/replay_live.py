@@ -150,10 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
     decoder, trace, queues, what = setup(args, tuple(cost.tiers))
     temps, _ = fit_trace_temperatures(trace, args.gamma)
     lab = Lab(trace, cost, args.gamma, temperatures=temps)
-    decoders = {name: decoder.fork() for name in POLICIES}
     bar = Progress(len(args.batch_sizes) * (2 * len(POLICIES) + args.repeats), print)
     cells: dict = {}
     for b, ids in queues.items():
+        # forks per B, released after: a decoder keeps a captured step, with buffers for every tier, per B it ran
+        decoders = {name: decoder.fork() for name in POLICIES}
         prompts = [trace.prompt(int(i)) for i in ids]
         counts = trace.new_tokens[ids].clone()
         for name in POLICIES:  # untimed warm-up: the first steps at new shapes are slow
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             sim = dataclasses.replace(lab, estimators={}).run(name, b, ids)
             cells[b][name] = cell(rounds[name], sim, trace, ids, cost)
             bar(f"B={b} replay {name}")
+        del decoders, rounds
     out = {"command": "PYTHONPATH=. python perf/replay_live.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "model": what, "cost_model": cost.name, "gamma": args.gamma, "temperatures": temps,
            "queues": {str(b): ids.tolist() for b, ids in queues.items()}, "repeats": args.repeats,
