@@ -104,10 +104,11 @@ class Adaptive(Policy):
     target-only step, profiled like the planner's cost model; with it each step first decides whether to
     speculate at all, probing after `probe_every` plain steps in a row (the interval doubles up to
     `max_probe_every` while probes confirm plain). feedback_decay: per-request-outcome decay of the realised
-    acceptance averages the decision reads once they exist (None: lagged survival only), started from the
-    first plan's prediction worth `prior_weight` outcomes. cost_window: steps per median of measured /
-    predicted seconds that rescales each side (None: off). estimator: an OnlineAcceptanceEstimator in
-    place of the draft's head (the planner then needs temperatures=None and its gamma).
+    acceptance averages the decision reads once they exist (None: lagged survival only), shrunk toward the
+    mean of every plan's calibrated prediction so far, worth `prior_weight` outcomes. cost_window: steps
+    per median of measured / predicted seconds that rescales each side (None: off). estimator: an
+    OnlineAcceptanceEstimator in place of the draft's head (the planner then needs temperatures=None and
+    its gamma).
     One policy object serves one run. How each piece decides, and why: docs/policies.md.
     """
 
@@ -152,9 +153,10 @@ class Adaptive(Policy):
         self._catch_up = False  # the next speculative step's draft catches up on plain steps' tokens
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
-        self._prior: tuple[float, float] | None = None  # the first planned step's predicted (accepted, verified)
+        self._prior: tuple[float, float] | None = None  # mean predicted (accepted, verified) of the plans so far
         self._observed = 0  # request outcomes of speculative steps seen
         self._totals = (0.0, 0.0)  # accepted, verified drafts summed over those outcomes
+        self._predicted = (0.0, 0.0)  # the plans' predicted accepted, verified drafts summed over the same
         self._pending: VerifyPlan | None = None  # the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
@@ -256,12 +258,13 @@ class Adaptive(Policy):
             return
         plan, self._pending = self._pending, None
         vl = plan.verify_lens.cpu().numpy().astype(np.int64)
-        if self._prior is None and self.prior_weight:
+        n = vl.size
+        if self.prior_weight:  # calibrated predictions: the prior a short unlucky streak cannot outweigh
             expected = expected_commit(plan.survival, plan.verify_lens, self.planner.cfg)
-            self._prior = (expected / vl.size - 1, float(vl.sum()) / vl.size - 1)
+            self._predicted = (self._predicted[0] + expected - n, self._predicted[1] + float(vl.sum()) - n)
+            self._prior = (self._predicted[0] / (self._observed + n), self._predicted[1] / (self._observed + n))
         accepted = float((np.minimum(commit_lens.numpy(), vl) - 1).mean())  # within the verified rows
         verified = float((vl - 1).mean())
-        n = vl.size
         self._observed += n
         self._totals = (self._totals[0] + n * accepted, self._totals[1] + n * verified)
         # the mean of the prior and the first outcomes, then the moving average

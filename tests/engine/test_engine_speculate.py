@@ -270,3 +270,26 @@ def test_plain_step_cost_interpolates() -> None:
         PlainStepCost((4, 1), (0.1, 0.2))
     with pytest.raises(ValueError, match="positive"):
         PlainStepCost((1, 4), (0.1, 0.0))
+
+
+def test_prior_is_the_mean_of_every_plans_prediction(device) -> None:
+    """The long-run mean plain steps pull toward shrinks the outcomes to the mean calibrated prediction of
+    all plans so far, not of the first alone: a cautious first plan does not anchor the decision for good
+    (the replay found B = 4 on the CPU model kept plain behind one such plan)."""
+    from types import SimpleNamespace
+
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
+    policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, prior_weight=8)
+    predicted = []
+    for logit, commit in ((0.0, [1, 1]), (8.0, [GAMMA + 1, GAMMA + 1])):  # predicts 0.875 then ~3 accepted
+        plan = policy.plan(torch.full((2, GAMMA), logit, device=device), slots, gens)
+        assert torch.equal(plan.verify_lens.cpu(), torch.full((2,), GAMMA + 1, dtype=torch.int32))
+        predicted.append(float((torch.sigmoid(torch.tensor(logit)).double() ** torch.arange(1, GAMMA + 1)).sum()))
+        policy.observe(torch.tensor(commit, device=device))
+    plain = SimpleNamespace(speculated=False, requests=slots)
+    for _ in range(2000):
+        policy.observe(torch.ones(2, dtype=torch.int64), plain)
+    observed = (0 + 0 + GAMMA + GAMMA) / 4  # four request outcomes
+    long_run = (4 * observed + 8 * sum(predicted) / 2) / (4 + 8)
+    assert policy.realised[0] == pytest.approx(long_run, rel=1e-6)
+    assert policy.realised[1] == pytest.approx(GAMMA, rel=1e-6)
