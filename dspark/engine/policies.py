@@ -23,7 +23,7 @@ from torch import Tensor
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.engine.drafter import Drafts, Source
-from dspark.plan.budget import choose_budget, expected_commit
+from dspark.plan.budget import choose_budget, expected_commit_torch
 from dspark.plan.planner import VerifyPlan, VerifyPlanner
 from dspark.util.validate import check_type
 from dspark.verify.accept import AcceptResult
@@ -257,10 +257,12 @@ class Adaptive(Policy):
         if self._pending is None:
             return
         plan, self._pending = self._pending, None
-        vl = plan.verify_lens.cpu().numpy().astype(np.int64)
+        # one host read of the planner's own (already checked) lengths and survival
+        host = torch.cat([plan.verify_lens[:, None].to(torch.float64), plan.survival.to(torch.float64)], 1).cpu()
+        vl = host[:, 0].numpy().astype(np.int64)
         n = vl.size
         if self.prior_weight:  # calibrated predictions: the prior a short unlucky streak cannot outweigh
-            expected = expected_commit(plan.survival, plan.verify_lens, self.planner.cfg)
+            expected = float(expected_commit_torch(host[:, 1:], host[:, 0].to(torch.int64)))
             self._predicted = (self._predicted[0] + expected - n, self._predicted[1] + float(vl.sum()) - n)
             self._prior = (self._predicted[0] / (self._observed + n), self._predicted[1] / (self._observed + n))
         accepted = float((np.minimum(commit_lens.numpy(), vl) - 1).mean())  # within the verified rows
