@@ -47,6 +47,7 @@ class NpuGraphBackend:
     """`GraphBackend` on torch_npu: NPUGraph capture into a shared pool; replay refreshes host params."""
 
     name = "npu"
+    static_outputs = True
 
     def __init__(self, device: object = None, warmup: int = 1,
                  capability: RaggedGraphCapability | None = None) -> None:

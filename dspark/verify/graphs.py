@@ -33,9 +33,14 @@ RowSpec = tuple[tuple[int, ...], torch.dtype]
 
 
 class GraphBackend(Protocol):
-    """What the runner needs from a graph platform (CUDA graphs, NPU graphs, or eager)."""
+    """What the runner needs from a graph platform (CUDA graphs, NPU graphs, or eager).
+
+    static_outputs: True when a replay writes the step's outputs into the tensors its capture returned (graphs:
+    the runner keeps every tier's outputs), False when each replay returns fresh tensors (eager: the runner
+    keeps none once a step has returned, so idle tiers hold no memory)."""
 
     name: str
+    static_outputs: bool
 
     def new_pool(self) -> object:
         """A memory pool handle shared by every tier's graph (may be None)."""
@@ -58,6 +63,7 @@ class EagerBackend:
     """CPU (or any device) backend: 'replay' runs the step eagerly at the padded tier shape."""
 
     name = "eager"
+    static_outputs = False
 
     def new_pool(self) -> object:
         return None
@@ -79,6 +85,7 @@ class CudaGraphBackend:
     """`torch.cuda.CUDAGraph` capture with warm-up on a side stream and one shared pool."""
 
     name = "cuda"
+    static_outputs = True
 
     def __init__(self, device: torch.device, warmup: int = 2) -> None:
         if device.type != "cuda":
@@ -235,6 +242,8 @@ class TierGraphRunner:
             self._prepare(idle)
             self._buffers[tier] = bufs
             self._graphs[tier] = self.backend.capture(self._body(tier), pool)
+            if not self.backend.static_outputs:
+                self._outputs.clear()
         self.backend.synchronize()
         return self
 
@@ -269,7 +278,8 @@ class TierGraphRunner:
     def run(self, layout: RaggedVerifyLayout, **rows: Tensor) -> StepOutput:
         """Run one step: replay the layout's tier (rows copied into its static buffers, padding zeroed)
         or run eager with a logged reason. Returns outputs for the real rows `[total_rows, ...]`; on a
-        replay they are views of the tier's static outputs, valid until the next step of that tier."""
+        graph replay (`backend.static_outputs`) they are views of the tier's static outputs, valid until the
+        next step of that tier."""
         self._check_rows(layout, rows)
         if layout.tier is None:
             if layout.eager_reason is None:
@@ -307,7 +317,8 @@ class TierGraphRunner:
 
         self.backend.replay(self._graphs[layout.tier], update)
         self.replays[layout.tier] += 1
-        return _slice_rows(self._outputs[layout.tier], layout.total_rows)
+        out = self._outputs[layout.tier] if self.backend.static_outputs else self._outputs.pop(layout.tier)
+        return _slice_rows(out, layout.total_rows)
 
     def _prepare(self, layout: RaggedVerifyLayout) -> None:
         if self.prepare is not None:

@@ -298,3 +298,34 @@ def test_backend_protocol_contract(device):
     big = runner.layout([4, 4, 4, 4, 1])  # eager past the largest tier: prepared too
     runner.run(big, x=torch.ones(17, 1, device=device))
     assert events[-2:] == [("prepare", None, 5), "step"]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_runner_keeps_outputs_only_for_static_backends(device, static):
+    """An eager backend's outputs are fresh tensors per step: once the caller drops them (and after the
+    capture) the runner holds none, so idle tiers keep no memory. A static-output backend (graphs) writes every
+    replay of a tier into the tensors its capture returned, so the runner keeps them and two replays alias."""
+    import gc
+    import weakref
+
+    class Backend(EagerBackend):
+        static_outputs = static
+
+    def step(bufs):
+        return bufs.rows["x"] * 2 if not static else kept.setdefault(bufs.num_tokens, bufs.rows["x"] * 2).copy_(
+            bufs.rows["x"] * 2)
+
+    kept: dict[int, torch.Tensor] = {}
+    runner = TierGraphRunner(step, TIERS, SLOTS, device, Backend(), width=W, row_inputs={"x": ((1,), torch.float32)})
+    runner.capture()
+    gc.collect()
+    x = torch.tensor([[1.5], [-2.0], [3.0]], device=device)
+    out = runner.run(runner.layout([2, 1]), x=x)
+    again = runner.run(runner.layout([1, 2]), x=-x)
+    assert out.tolist() == ([[-3.0], [4.0], [-6.0]] if static else [[3.0], [-4.0], [6.0]])
+    assert again.tolist() == [[-3.0], [4.0], [-6.0]]
+    assert (out.data_ptr() == again.data_ptr()) == static
+    base = weakref.ref(again._base if again._base is not None else again)
+    del out, again
+    gc.collect()
+    assert (base() is not None) == static
