@@ -312,8 +312,8 @@ def test_runner_keeps_outputs_only_for_static_backends(device, static):
         static_outputs = static
 
     def step(bufs):
-        return bufs.rows["x"] * 2 if not static else kept.setdefault(bufs.num_tokens, bufs.rows["x"] * 2).copy_(
-            bufs.rows["x"] * 2)
+        out = bufs.rows["x"] * 2
+        return kept.setdefault(bufs.num_tokens, out).copy_(out) if static else out
 
     kept: dict[int, torch.Tensor] = {}
     runner = TierGraphRunner(step, TIERS, SLOTS, device, Backend(), width=W, row_inputs={"x": ((1,), torch.float32)})
