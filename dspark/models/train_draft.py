@@ -209,14 +209,16 @@ def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, c
 
 def warm_start(draft: DraftModel, start: DraftModel, path: Path) -> dict:
     """Copy `start`'s body (every parameter but the confidence head's) into `draft`; returns what the manifest
-    records of it (file, sha256, its own total training seconds). ValueError when the shapes differ."""
+    records of it (file, sha256, its total training seconds, its own init chain included). ValueError when the
+    shapes differ."""
     if {k: v for k, v in start.cfg.to_dict().items() if k != "confidence_features"} != {
             k: v for k, v in draft.cfg.to_dict().items() if k != "confidence_features"}:
         raise ValueError(f"init {path} has draft config {start.cfg.to_dict()}, this run builds {draft.cfg.to_dict()}")
     body = {k: v for k, v in start.state_dict().items() if not k.startswith("confidence.")}
     draft.load_state_dict(body, strict=False)
     man = json.loads(manifest_path(path).read_text())
-    return {"file": path.name, "sha256": man["sha256"], "wall_s": float(man["wall_s"]["total"])}
+    own = man["wall_s"]
+    return {"file": path.name, "sha256": man["sha256"], "wall_s": float(own.get("total_with_init", own["total"]))}
 
 
 def refit_head(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, cache: Path | None,

@@ -3,24 +3,28 @@
 `fit_trace_temperatures` fits STS temperatures on a seeded half of the trace's requests at the positions a
 decode loop steps at (labels: the greedy prefix reaches draft k), as the demo's teacher-forced recorder does. `variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`:
 survival from the head after STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform
-survival per position for every request, the online estimator, the oracle's exact acceptance; the planner's
-lag 1 / 2 (default 0); eager steps (no graph tiers).
+survival per position for every request, the online estimator, the oracle's exact acceptance, the adaptive
+policy given the oracle's knowledge as its survival (the planner's own loss, with nothing left to estimate);
+the planner's lag 1 / 2 (default 0); eager steps (no graph tiers).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from dspark.calibration.fit import fit_temperatures
 from dspark.engine.drafter import Drafts
-from dspark.engine.policies import Adaptive, Policy
+from dspark.engine.policies import Adaptive, Policy, PolicyPlan
+from dspark.verify.accept import AcceptResult
 from dspark.replay.lab import Lab
 from dspark.replay.trace import Trace
 
-VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "lag 1", "lag 2",
-            "no tiers")
+VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
+            "lag 1", "lag 2", "no tiers")
+SURE = 30.0  # |logit| of a known outcome: sigmoid(30) rounds to 1 in float32, sigmoid(-30) is 9e-14
 
 
 def step_rows(trace: Trace, gamma: int, requests: Tensor) -> Tensor:
@@ -73,6 +77,21 @@ class UniformConfidence(Adaptive):
         return self.logits[:k].expand(b, k).clone()
 
 
+class OracleSurvival(Adaptive):
+    """The adaptive policy whose survival is the step's own outcome: 1 for the drafts the target accepts, 0
+    after (read from the untimed full-verify prepass the oracle plans from). Needs a planner without
+    temperatures."""
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
+        if prepass is None:
+            raise ValueError("oracle survival reads a full verify of the step's drafts: pass `prepass`")
+        accepted = prepass().commit_lens.to(torch.int64) - 1
+        k = torch.arange(confidence_logits.shape[1], device=confidence_logits.device)
+        logits = torch.where(k[None, :] < accepted[:, None], SURE, -SURE).to(confidence_logits.dtype)
+        return super().plan(logits, slots, generations, prepass)
+
+
 def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
     """The lab and the policy (a name or an object) of variant `name` at B = b."""
     replace = dataclasses.replace
@@ -88,9 +107,12 @@ def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
             raise ValueError(f"variant {name!r} scales the lab's temperatures, but it has none")
         scale = 0.5 if name == "temps x0.5" else 2.0
         return replace(base, temperatures=[t * scale for t in temps]), "adaptive"
-    if name == "uniform":
+    if name in ("uniform", "oracle survival"):
         lab = replace(base, temperatures=None)
         every, most, feedback = lab.probe
-        return lab, UniformConfidence(mean_conditional_logits(base.trace, base.gamma), lab.planner(b, False),
-                                      lab.cost.plain_seconds, every, most, cost_window=9 if feedback else None)
+        args = (lab.planner(b, False), lab.cost.plain_seconds, every, most)
+        window = 9 if feedback else None
+        if name == "uniform":
+            return lab, UniformConfidence(mean_conditional_logits(base.trace, base.gamma), *args, cost_window=window)
+        return lab, OracleSurvival(*args, cost_window=window)
     raise ValueError(f"unknown variant {name!r}; choose one of {VARIANTS}")

@@ -1,0 +1,59 @@
+"""Every variant of the policy lab replays losslessly, and the oracle-survival variant plans from the truth.
+
+`OracleSurvival` is the adaptive policy given the step's own outcome as survival: each speculative step's
+survival must be 1 on the drafts the target accepts and 0 after them, and the planner then never needs
+more rows than the oracle to commit the same tokens.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.replay.lab import queue_ids
+from dspark.replay.variants import VARIANTS, OracleSurvival, variant_lab
+from tests.replay.test_replay_lab import GAMMA, _lab, synthetic_trace
+
+pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_every_variant_commits_the_continuation(name: str) -> None:
+    trace = synthetic_trace(30, seed=11)
+    ids = queue_ids(trace, 4, min_requests=12)
+    lab, policy = variant_lab(_lab(trace), name, 4)
+    res = lab.run(policy, 4, ids)
+    for q, i in enumerate(ids.tolist()):
+        n = int(trace.new_tokens[i])
+        assert torch.equal(res.tokens[q, :n], trace.greedy(i, 0, n)), (name, q)
+
+
+@pytest.mark.parametrize("seed", [2, 7, 19])
+def test_oracle_survival_is_the_accepted_prefix(seed: int) -> None:
+    trace = synthetic_trace(30, seed=seed)
+    ids = queue_ids(trace, 6, min_requests=12)
+    lab, policy = variant_lab(_lab(trace), "oracle survival", 6)
+    assert isinstance(policy, OracleSurvival) and lab.temperatures is None
+    res = lab.run(policy, 6, ids)
+    pos = {q: 0 for q in range(len(ids))}
+    speculative = 0
+    for step in res.steps:
+        a = torch.tensor([int(trace.position(int(ids[q]), pos[q]).accepted) for q in step.owners.tolist()])
+        if step.speculated:
+            speculative += 1
+            truth = (torch.arange(GAMMA)[None, :] < a[:, None]).to(step.plan.survival.dtype)
+            assert torch.equal(step.plan.survival.round(), truth), step.plan.survival
+        for j, q in enumerate(step.owners.tolist()):
+            pos[q] += int(step.commit_lens[j])
+    assert speculative > 0
+
+
+def test_oracle_survival_needs_the_prepass() -> None:
+    trace = synthetic_trace(10, seed=1)
+    _, policy = variant_lab(_lab(trace), "oracle survival", 2)
+    with pytest.raises(ValueError, match="oracle survival reads a full verify .* pass `prepass`"):
+        policy.plan(torch.zeros(2, GAMMA), torch.arange(2), torch.ones(2, dtype=torch.int64))
+
+
+def test_an_unknown_variant_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown variant 'lag 3'"):
+        variant_lab(_lab(synthetic_trace(10, seed=1)), "lag 3", 2)
