@@ -183,6 +183,9 @@ def test_a_run_from_an_init_file_keeps_its_body_with_steps_0(tiny_run, target, t
     assert torch.equal(load_draft(target, tmp_path / "tuned.safetensors").vocab_ids, load_draft(target, out).vocab_ids)
     assert not torch.equal(load_file(str(tmp_path / "tuned.safetensors"))["fuse.weight"], old["fuse.weight"])
     assert tuned["wall_s"]["total_with_init"] > tuned["wall_s"]["total"]
+    chained = main(["--tiny", "--out", str(tmp_path / "chained.safetensors"), "--init",
+                    str(tmp_path / "tuned.safetensors"), "--steps", "0"])
+    assert chained["init"]["wall_s"] == tuned["wall_s"]["total_with_init"]  # the whole chain's training time
     with pytest.raises(SystemExit):
         main(["--tiny", "--out", str(tmp_path / "none.safetensors"), "--steps", "0"])
 
