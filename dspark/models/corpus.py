@@ -1,8 +1,10 @@
 """Text that ships with Python: the standard library's `.py` files, split into train, calibration and held-out.
 
 Nothing is downloaded, and every machine with the same Python version holds the same files, so a seeded
-draw of prompt windows is the same everywhere. Sorted by name, file i is in
-  - `train` when i % 10 != 0 (9 of 10): the draft distils on these;
+draw of prompt windows is the same everywhere. Sorted by name, top-level file i is in
+  - `train` when i % 10 != 0 (9 of 10): the draft distils on these, and on every `.py` file of the
+    `TRAIN_PACKAGES` (stdlib packages that every CPython build ships; their test folders left out), so the
+    draft sees more than twice the files and generalises across files rather than memorising few;
   - `calibration` when i % 20 == 10 (every twentieth): only the confidence head is fitted on these. The
     draft never trains on them, so their acceptance is that of unseen text; a head fitted on train files
     learns the higher acceptance of text the draft has partly memorised;
@@ -23,11 +25,16 @@ from torch import Tensor
 from dspark.util.validate import check_int
 
 SPLITS = ("train", "calibration", "heldout")
+TRAIN_PACKAGES = ("asyncio", "collections", "concurrent", "ctypes", "curses", "dbm", "email", "html", "http",
+                  "importlib", "json", "logging", "multiprocessing", "re", "sqlite3", "tomllib", "unittest", "urllib",
+                  "venv", "wsgiref", "xml", "xmlrpc", "zoneinfo")
+_SKIP_PARTS = {"test", "tests", "__pycache__"}
 Encode = Callable[[str], list]  # text -> token ids
 
 
 def stdlib_files(split: str) -> list[Path]:
-    """Top-level stdlib `.py` files of `split` (sorted by name; see the module docstring for which)."""
+    """Stdlib `.py` files of `split`: its top-level files sorted by name, then (train only) the
+    `TRAIN_PACKAGES`' files; see the module docstring for which."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -36,7 +43,11 @@ def stdlib_files(split: str) -> list[Path]:
         raise RuntimeError(f"no .py files found under {root}: this Python has no standard library sources")
     keep = {"train": lambda i: i % 10 != 0, "calibration": lambda i: i % 20 == 10,
             "heldout": lambda i: i % 20 == 0}[split]
-    return [f for i, f in enumerate(files) if keep(i)]
+    top = [f for i, f in enumerate(files) if keep(i)]
+    if split != "train":
+        return top
+    return top + [f for pkg in TRAIN_PACKAGES for f in sorted((root / pkg).rglob("*.py"))
+                  if not _SKIP_PARTS & set(f.relative_to(root).parts)]
 
 
 def prompt_windows(split: str, encode: Encode, count: int, length: int, seed: int,

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from dspark.engine.kv_cache import PagedKVCache  # noqa: E402
-from dspark.models.corpus import SPLITS, stdlib_files  # noqa: E402
+from dspark.models.corpus import SPLITS, TRAIN_PACKAGES, stdlib_files  # noqa: E402
 from dspark.models.draft import (  # noqa: E402
     DEFAULT_WEIGHTS,
     DraftConfig,
@@ -192,11 +192,17 @@ def test_a_run_from_an_init_file_keeps_its_body_with_steps_0(tiny_run, target, t
 
 @pytest.mark.cpu_only(reason="file lists: no tensors")
 def test_corpus_splits_partition_the_stdlib_files():
-    """train, calibration and heldout are disjoint and cover every file; calibration and heldout alternate
-    over the every-tenth files the draft never trains on."""
+    """train, calibration and heldout are disjoint and cover every top-level file; calibration and heldout
+    alternate over the every-tenth top-level files the draft never trains on; train adds the package files."""
     files = {s: stdlib_files(s) for s in SPLITS}
+    root = files["heldout"][0].parent
     names = [f for s in SPLITS for f in files[s]]
-    assert len(names) == len(set(names)) and sorted(names) == sorted(files["train"][0].parent.glob("*.py"))
+    assert len(names) == len(set(names))
+    assert sorted(f for f in names if f.parent == root) == sorted(root.glob("*.py"))
+    package_files = [f for f in files["train"] if f.parent != root]
+    assert {f.relative_to(root).parts[0] for f in package_files} == set(TRAIN_PACKAGES)
+    assert not any(part in ("test", "tests") for f in package_files for part in f.relative_to(root).parts)
+    assert all(f.parent == root for s in ("calibration", "heldout") for f in files[s])
     assert files["calibration"] and files["heldout"]
     assert abs(len(files["calibration"]) - len(files["heldout"])) <= 1
     with pytest.raises(ValueError, match="split must be one of .* got 'test'"):
