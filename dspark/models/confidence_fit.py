@@ -30,12 +30,14 @@ def stream_rows(draft: DraftModel, tokens: Tensor, hidden: Tensor, prompt_len: i
     (`DraftModel.head_inputs`: the greedy chain's states and their distributions' features), the token before
     each draft [R, g], and greedy conditional labels / masks [R, g].
 
-    tokens [N, T] and hidden [N, T - 1, d] (any float dtype) are greedy streams of prompt_len-token prompts."""
-    g, p, t = draft.gamma, prompt_len, tokens.shape[1]
+    tokens [N, T] and hidden [N, T - 1, d] (any float dtype, any device) are greedy streams of prompt_len-token
+    prompts; the rows are on the draft's device."""
+    g, p, t, device = draft.gamma, prompt_len, tokens.shape[1], draft.vocab_ids.device
     out: list[list[Tensor]] = [[], [], [], []]
-    to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.int64)
-    to_draft[draft.vocab_ids] = torch.arange(draft.vocab_ids.numel())
+    to_draft = torch.full((draft.cfg.vocab_size,), -1, dtype=torch.int64, device=device)
+    to_draft[draft.vocab_ids] = torch.arange(draft.vocab_ids.numel(), device=device)
     for tok, hid in zip(tokens.split(chunk), hidden.split(chunk)):
+        tok, hid = tok.to(device), hid.to(device)
         x = draft.forward_dense(tok, features(hid.float()))[:, p - 1: t - g]
         hk, reduced = draft.chain(x, g)
         inputs = draft.head_inputs(hk, reduced)

@@ -9,7 +9,7 @@ draft vocabulary; a top-1 outside it is no label), cross-entropy on the target's
 vocabulary (`soft_weight`) and, EAGLE-style, the relative squared error between the step's state and the
 target's final-normed hidden state at t + j (`feature_weight`): the draft's logits are that state times the
 target's own output rows, so matching the state matches the whole distribution. AdamW with warm-up and
-cosine decay, bf16 autocast on the CPU; each step draws its streams from one kind, kinds in proportion to
+cosine decay, bf16 autocast on the draft's device (streams stay on the host, each step's rows are copied over); each step draws its streams from one kind, kinds in proportion to
 their rows.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ Log = Callable[[str], None]
 
 def _windows(x: Tensor, start: int, g: int, fill: float) -> Tensor:
     """[n, T, ...] -> [n, T - start, g, ...]: element t + j of x at row t (from `start`), `fill` past the end."""
-    pad = torch.full((x.shape[0], g - 1, *x.shape[2:]), fill, dtype=x.dtype)
+    pad = torch.full((x.shape[0], g - 1, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
     w = torch.cat([x, pad], 1)[:, start:].unfold(1, g, 1)
     return w.movedim(-1, 2) if x.dim() > 2 else w
 
@@ -51,8 +51,8 @@ def step_loss(draft: DraftModel, tokens: Tensor, hidden: Tensor, labels: Tensor,
     """(mean loss over the labelled (row, step) pairs, top-1 hits per step [g]) of one batch.
 
     tokens [b, T]; hidden [b, T - 1, d] (float); labels [b, T - 2, g]; teacher [b, T - 2, g - 1]."""
-    g, t = draft.gamma, tokens.shape[1]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    g, t, device = draft.gamma, tokens.shape[1], tokens.device.type
+    with torch.autocast(device, dtype=torch.bfloat16):
         x = draft.forward_dense(tokens, features(hidden))[:, 1: t - 1]
         hk, reduced = draft.chain(x, g, teacher)
     valid = labels >= 0
@@ -60,7 +60,7 @@ def step_loss(draft: DraftModel, tokens: Tensor, hidden: Tensor, labels: Tensor,
     per = -(1 - soft_weight) * logq.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
     target_h = _windows(hidden[:, 1:], 0, g, 0.0)                      # [b, T - 2, g, d]: h at t + j
     if soft_weight:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
             soft = torch.softmax((hidden[:, 1:] @ draft.out_rows.t()).float(), -1)
         per = per - soft_weight * (_windows(soft, 0, g, 0.0) * logq).sum(-1)
     if feature_weight:
@@ -86,7 +86,7 @@ def distil(draft: DraftModel, sets: dict[str, Streams], *, steps: int, rows: int
         seed: the draw of kinds and streams.
         log: progress lines (40 over the run).
     """
-    kinds = sorted(sets)
+    kinds, device = sorted(sets), draft.vocab_ids.device
     data = {k: (sets[k], *row_labels(draft, sets[k])) for k in kinds}
     weight = torch.tensor([float((data[k][1] >= 0).sum()) for k in kinds])
     params = [q for q in draft.parameters() if q.requires_grad]
@@ -100,8 +100,9 @@ def distil(draft: DraftModel, sets: dict[str, Streams], *, steps: int, rows: int
         s, labels, teacher = data[kinds[int(torch.multinomial(weight, 1, generator=gen))]]
         b = max(1, rows // (s.tokens.shape[1] - 2))
         idx = torch.randint(0, s.tokens.shape[0], (b,), generator=gen)
-        loss, hits = step_loss(draft, s.tokens[idx], s.hidden[idx].float(), labels[idx], teacher[idx],
-                               soft_weight, feature_weight)
+        batch = [x[idx].to(device) for x in (s.tokens, s.hidden, labels, teacher)]
+        batch[1] = batch[1].float()
+        loss, hits = step_loss(draft, *batch, soft_weight, feature_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -298,7 +298,8 @@ def _check_target(path: Path, stored: dict, actual: dict) -> None:
 
 
 def load_draft(target: nn.Module, path: Path | str = DEFAULT_WEIGHTS) -> DraftModel:
-    """The draft stored at `path` for `target` (a transformers model or a `TransformersCausalLM`), in eval mode.
+    """The draft stored at `path` for `target` (a transformers model or a `TransformersCausalLM`), in eval mode,
+    on the device and in the dtype of the target's embedding.
 
     Raises FileNotFoundError when the file or its manifest is missing, ValueError when the file's sha256
     differs from the manifest's (both named) or the file was trained for another target."""
@@ -322,8 +323,7 @@ def load_draft(target: nn.Module, path: Path | str = DEFAULT_WEIGHTS) -> DraftMo
     _check_target(path, meta["target"], target_identity(target))
     hf = getattr(target, "hf_model", target)
     cfg = DraftConfig(**{"confidence_features": 0, **meta["config"]})  # files from before the features: 0
-    dtype = hf.get_input_embeddings().weight.dtype
-    model = DraftModel(cfg, hf.get_input_embeddings().weight, hf.get_output_embeddings().weight,
-                       state["vocab_ids"])
-    model.load_state_dict({k: v.to(torch.int64 if k == "vocab_ids" else dtype) for k, v in state.items()})
-    return model.to(dtype).eval()
+    embed = hf.get_input_embeddings().weight
+    model = DraftModel(cfg, embed, hf.get_output_embeddings().weight, state["vocab_ids"])
+    model.load_state_dict({k: v.to(torch.int64 if k == "vocab_ids" else embed.dtype) for k, v in state.items()})
+    return model.to(device=embed.device, dtype=embed.dtype).eval()

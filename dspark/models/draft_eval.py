@@ -35,7 +35,7 @@ def block_rows(draft: DraftModel, s: Streams, gamma: int, starts: int, *, lm_hea
         chunk: streams per draft pass.
     Returns:
         {"conf": [N, n, g] confidence logits, "features": [N, n, g, 3] draft features, "accepted": [N, n]
-        int64 greedy accepted drafts, "soft": [N, n, g] 1 - TV (only with lm_head)}.
+        int64 greedy accepted drafts, "soft": [N, n, g] 1 - TV (only with lm_head)}, on the draft's device.
     """
     check_int("gamma", gamma, 1)
     check_int("starts", starts, 1)
@@ -48,7 +48,8 @@ def block_rows(draft: DraftModel, s: Streams, gamma: int, starts: int, *, lm_hea
     out: dict[str, list[Tensor]] = {"conf": [], "features": [], "accepted": [], "soft": []}
     vocab = draft.vocab_ids
     for lo in range(0, s.tokens.shape[0], chunk):
-        tok, hid = s.tokens[lo: lo + chunk], s.hidden[lo: lo + chunk].float()
+        tok, hid = (x[lo: lo + chunk].to(vocab.device) for x in (s.tokens, s.hidden))
+        hid = hid.float()
         b = tok.shape[0]
         roots = draft.forward_dense(tok[:, : p + starts - 1], features(hid[:, : p + starts - 2]))[:, p - 1:]
         hk, reduced = draft.chain(roots, g)                                      # [b, n, g, d], [b, n, g, Vd]

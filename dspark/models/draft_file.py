@@ -31,7 +31,7 @@ def save_draft(draft: DraftModel, target: nn.Module, out: Path, manifest: dict) 
     """
     from safetensors.torch import save_file
 
-    state = {k: (v.to(torch.int32) if k == "vocab_ids" else v.detach().to(torch.float16)).contiguous()
+    state = {k: (v.to(torch.int32) if k == "vocab_ids" else v.detach().to(torch.float16)).cpu().contiguous()
              for k, v in draft.state_dict().items()}
     # one metadata key: safetensors writes several in hash order, which would change the file's bytes
     meta = {METADATA_KEY: json.dumps({"format": FORMAT, "config": draft.cfg.to_dict(),

@@ -126,10 +126,11 @@ def tiny_target(seed: int = 0) -> nn.Module:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def load_target(tiny: bool, seed: int) -> tuple[nn.Module, Encode]:
-    """(transformers model with its own sdpa attention, text -> token ids): SmolLM2, or the tiny byte Llama."""
+def load_target(tiny: bool, seed: int, device: str = "cpu") -> tuple[nn.Module, Encode]:
+    """(transformers model with its own sdpa attention on `device`, text -> token ids): SmolLM2, or the tiny
+    byte Llama."""
     if tiny:
-        return tiny_target(seed), lambda text: list(text.encode("utf-8"))
+        return tiny_target(seed).to(device), lambda text: list(text.encode("utf-8"))
     from transformers.utils import logging
 
     from dspark.models import load_smollm2
@@ -138,7 +139,7 @@ def load_target(tiny: bool, seed: int) -> tuple[nn.Module, Encode]:
     lm, tok = load_smollm2()
     hf = lm.hf_model
     hf.set_attn_implementation("sdpa")  # this script runs plain transformers forwards with its own cache
-    return hf.eval(), lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    return hf.to(device).eval(), lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 
 def choose_vocab(sets: Sequence[Streams], size: int, vocab_size: int) -> Tensor:
@@ -149,7 +150,7 @@ def choose_vocab(sets: Sequence[Streams], size: int, vocab_size: int) -> Tensor:
 
 
 def _coverage(s: Streams, vocab: Tensor) -> float:
-    return round(float(torch.isin(s.argmax, vocab).float().mean()), 4)
+    return round(float(torch.isin(s.argmax, vocab.to(s.argmax.device)).float().mean()), 4)
 
 
 def eval_sets(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, cache: Path | None, log: Log
@@ -188,7 +189,7 @@ def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, c
                 "heldout": {k: _coverage(s, vocab) for k, s in held.items()}}
     log(f"draft vocabulary {cfg.draft_vocab}: covers {coverage} of the target's top-1 labels")
     torch.manual_seed(cfg.seed + 1)
-    draft = DraftModel(_draft_config(cfg, target), emb.detach(), lm_head.detach(), vocab)
+    draft = DraftModel(_draft_config(cfg, target), emb.detach(), lm_head.detach(), vocab).to(emb.device)
     init = {} if start is None else warm_start(draft, start, Path(cfg.init))
     t1 = time.perf_counter()
     if cfg.steps:
@@ -203,8 +204,14 @@ def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, c
     if init:
         wall["total_with_init"] = wall["total"] + init["wall_s"]
     return save_draft(draft, target, out, {
-        "training": asdict(cfg), "threads": torch.get_num_threads(), "init": init or None, "vocab_coverage": coverage,
+        "training": asdict(cfg), "threads": torch.get_num_threads(), "device": _device_name(emb.device),
+        "init": init or None, "vocab_coverage": coverage,
         **entries, "wall_s": {k: round(v, 1) for k, v in wall.items()}})
+
+
+def _device_name(device: torch.device) -> str:
+    """What the manifest records of where a run computed: "cpu", or the accelerator's name."""
+    return "cpu" if device.type == "cpu" else f"{device.type}: {torch.cuda.get_device_name(device)}"
 
 
 def warm_start(draft: DraftModel, start: DraftModel, path: Path) -> dict:
@@ -240,8 +247,10 @@ def refit_head(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Pa
     wall = {**old["wall_s"], **{k: round(v, 1) for k, v in head_wall.items()}}
     coverage = {**old["vocab_coverage"], "heldout": {k: _coverage(s, draft.vocab_ids) for k, s in held.items()}}
     return save_draft(draft, target, out, {
-        "training": asdict(cfg), "threads": old["threads"], "vocab_coverage": coverage, **entries, "wall_s": wall,
+        "training": asdict(cfg), "threads": old["threads"], "device": old.get("device", "cpu"),
+        "vocab_coverage": coverage, **entries, "wall_s": wall,
         "head_refit": {"from_sha256": old["sha256"], "threads": torch.get_num_threads(),
+                       "device": _device_name(draft.vocab_ids.device),
                        "wall_s": round(streams_s + sum(head_wall.values()), 1)}})
 
 
@@ -261,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--cache", type=Path, default=None,
                     help="folder of cached target streams (stage 1), read and written; default: none")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the target and the draft compute (cpu, cuda, cuda:1)")
     ap.add_argument("--refit-head", action="store_true",
                     help=f"only refit the confidence head of the draft at --out (options: {', '.join(HEAD_FIELDS)})")
     defaults = TrainDraftConfig()
@@ -270,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r}: {e}")
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device {args.device!r}: this machine has cpu{' and cuda' if torch.cuda.is_available() else ''}")
     if args.tiny and (args.out is None or args.out.resolve() == DEFAULT_WEIGHTS.resolve()):
         ap.error(f"--tiny needs --out elsewhere than the shipped draft {DEFAULT_WEIGHTS}")
     args.out = args.out or DEFAULT_WEIGHTS
@@ -300,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
     torch.manual_seed(cfg.seed)
-    target, encode = load_target(args.tiny, cfg.seed)
+    target, encode = load_target(args.tiny, cfg.seed, device)
     log(f"target loaded; config {asdict(cfg)}")
     if cfg.draft_vocab > target.config.vocab_size:  # the one option the target itself bounds
         ap.error(f"--draft-vocab {cfg.draft_vocab} exceeds the target's vocabulary of {target.config.vocab_size}")
