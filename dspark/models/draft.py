@@ -55,7 +55,7 @@ class DraftConfig:
 
     hidden_size: int
     vocab_size: int
-    draft_vocab_size: int = 4096
+    draft_vocab_size: int = 8192
     num_q_heads: int = 9
     num_kv_heads: int = 3
     head_dim: int = 64

@@ -15,6 +15,11 @@ time as recorded when its streams were generated, so a cached rerun still report
 
 `--refit-head` runs only stage 3 on an existing weights file (sha256 checked): the same computation as a full
 run's, so a full run's file equals full run + refit byte for byte.
+
+The defaults are the shipped draft's recipe, sized for one GPU (`--device cuda`: the target and the draft
+compute there, the streams stay in host memory); on a CPU the same run takes hours (perf/README.md), `--tiny`
+seconds. The corpus is the running Python's standard library (`dspark.models.corpus`), so the shipped file is
+reproduced on the Python version it was trained on (perf/README.md names it).
 """
 
 from __future__ import annotations
@@ -54,22 +59,22 @@ class TrainDraftConfig:
 
     prompt_len: int = 32          # code-kind prompt tokens of every greedy stream (the demo's prompts)
     new_tokens: int = 40          # greedy tokens after each head / held-out prompt
-    text_windows: int = 320       # teacher-forced train-split code windows
-    prose_windows: int = 64       # teacher-forced train-split language-reference windows
+    text_windows: int = 12288     # teacher-forced train-split code windows
+    prose_windows: int = 1024     # teacher-forced train-split language-reference windows
     window_len: int = 256
-    train_streams: tuple[int, ...] = (128, 64, 64)    # greedy train-split streams per kind (code, chat, edit)
+    train_streams: tuple[int, ...] = (16384, 4096, 4096)  # greedy train-split streams per kind (code, chat, edit)
     train_new_tokens: int = 64
-    head_streams: tuple[int, ...] = (192, 64, 64)     # calibration-split streams the head is fitted on
+    head_streams: tuple[int, ...] = (768, 192, 192)   # calibration-split streams the head is fitted on
     heldout_streams: tuple[int, ...] = (256, 64, 64)  # held-out streams acceptance is measured on
-    gen_batch: int = 64           # prompts per target generation batch (and stream cache file)
+    gen_batch: int = 512          # prompts per target generation batch (and stream cache file)
     draft_vocab: int = DraftConfig.draft_vocab_size  # the draft's shape: DraftConfig's defaults, one source
     intermediate: int = DraftConfig.intermediate_size
     chain: int = DraftConfig.chain_size
     gamma: int = DraftConfig.gamma
     markov_rank: int = DraftConfig.markov_rank
     max_seq_len: int = DraftConfig.max_seq_len
-    steps: int = 600
-    rows: int = 2048              # training rows per optimisation step
+    steps: int = 3000
+    rows: int = 16384             # training rows per optimisation step
     lr: float = 2e-3
     weight_decay: float = 0.1
     soft_weight: float = 0.5      # (1 - w) hard CE on the target's top-1 + w CE on its softmax over the draft vocab
