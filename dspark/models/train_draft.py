@@ -50,6 +50,7 @@ Log = Callable[[str], None]
 HEAD_SPLIT = "calibration"  # the corpus split the confidence head is fitted on
 HEAD_FIELDS = ("head_streams", "heldout_streams", "gen_batch", "head_iters", "head_l2")  # --refit-head may change
 COUNTS = ("train_streams", "head_streams", "heldout_streams")  # per-kind stream counts, in KINDS order
+ACCELERATORS = ("cuda", "npu")  # --device kinds besides cpu
 ZERO_OK = ("markov_rank", "seed", "text_windows", "prose_windows", "steps")  # int fields that may be 0
 
 
@@ -214,9 +215,18 @@ def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, c
         **entries, "wall_s": {k: round(v, 1) for k, v in wall.items()}})
 
 
+def _accelerator(kind: str):
+    """torch's module for an accelerator kind ("cuda", or "npu" once torch_npu is imported) when one is
+    available here, else None."""
+    module = getattr(torch, kind, None)
+    return module if module is not None and module.is_available() else None
+
+
 def _device_name(device: torch.device) -> str:
     """What the manifest records of where a run computed: "cpu", or the accelerator's name."""
-    return "cpu" if device.type == "cpu" else f"{device.type}: {torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        return "cpu"
+    return f"{device.type}: {_accelerator(device.type).get_device_name(device)}"
 
 
 def warm_start(draft: DraftModel, start: DraftModel, path: Path) -> dict:
@@ -275,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--cache", type=Path, default=None,
                     help="folder of cached target streams (stage 1), read and written; default: none")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu", help="where the target and the draft compute (cpu, cuda, cuda:1)")
+    ap.add_argument("--device", default="cpu", help="where the target and the draft compute (cpu, cuda, cuda:1, npu)")
     ap.add_argument("--refit-head", action="store_true",
                     help=f"only refit the confidence head of the draft at --out (options: {', '.join(HEAD_FIELDS)})")
     defaults = TrainDraftConfig()
@@ -289,8 +299,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         device = torch.device(args.device)
     except RuntimeError as e:
         ap.error(f"--device {args.device!r}: {e}")
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-        ap.error(f"--device {args.device!r}: this machine has cpu{' and cuda' if torch.cuda.is_available() else ''}")
+    have = ["cpu"] + [kind for kind in ACCELERATORS if _accelerator(kind) is not None]
+    if device.type not in have:
+        ap.error(f"--device {args.device!r}: this machine has {', '.join(have)}")
     if args.tiny and (args.out is None or args.out.resolve() == DEFAULT_WEIGHTS.resolve()):
         ap.error(f"--tiny needs --out elsewhere than the shipped draft {DEFAULT_WEIGHTS}")
     args.out = args.out or DEFAULT_WEIGHTS

@@ -55,6 +55,21 @@ def tiny_run(tmp_path_factory, target):
     return out, main(["--tiny", "--out", str(out), "--steps", "12"])
 
 
+def test_a_training_run_computes_on_the_device_under_test(tmp_path, device):
+    """`--device`: target, draft and head stage run on the device, the file loads for a host copy of the
+    target, and the manifest names where the run computed."""
+    out = tmp_path / "dev.safetensors"
+    man = main(["--tiny", "--device", str(device), "--out", str(out), "--steps", "3"])
+    assert man["device"] == "cpu" if device.type == "cpu" else man["device"].startswith(f"{device.type}: ")
+    on_device = load_draft(tiny_target().to(device), out)
+    assert {t.device.type for t in (*on_device.parameters(), *on_device.buffers())} == {device.type}
+    host = load_draft(tiny_target(), out)
+    acc = man["heldout_acceptance"]
+    assert acc["starts"] > 0 and 0 <= acc["rate"][0] <= 1
+    for (name, a), b in zip(on_device.state_dict().items(), host.state_dict().values()):
+        assert torch.equal(a.cpu(), b), name
+
+
 def test_packed_forward_over_paged_cache_equals_dense(device_target, device):
     target = device_target
     """Two requests in two forwards (a prefill, then ragged rows) through `PagedAttend` (the engine's

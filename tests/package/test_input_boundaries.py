@@ -189,7 +189,9 @@ def test_every_training_option_rejects_out_of_range_values_by_name(name: str) ->
 def test_the_trainer_reports_a_bad_option_without_a_traceback(tmp_path: Path, capsys) -> None:
     for argv, match in ((["--lr", "-1"], "lr must be a number in (0, inf), got -1.0"),
                         (["--soft-weight", "2"], "soft_weight must be a number in [0, 1], got 2.0"),
-                        (["--out", "/proc/dspark/x.safetensors"], "cannot be written")):
+                        (["--out", "/proc/dspark/x.safetensors"], "cannot be written"),
+                        (["--device", "meta"], "--device 'meta': this machine has cpu"),
+                        (["--device", "nonsense"], "--device 'nonsense': ")):
         with pytest.raises(SystemExit) as e:
             train_draft.main(["--tiny", "--out", str(tmp_path / "d.safetensors"), *argv])
         assert e.value.code == 2 and match in capsys.readouterr().err
