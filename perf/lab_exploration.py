@@ -5,7 +5,7 @@ B on one cost model and, over the steps where every slot is busy, counts the spe
 they took beyond a plain step, the tokens they committed beyond one per request, and the tokens plain
 decoding would have made in those extra seconds (at the plain run's steady tok/s). Prints a table, writes JSON.
 
-    PYTHONPATH=. python perf/lab_exploration.py [--cost cpu-measured] [--batch-sizes 8,16,32] [--gamma 3]
+    PYTHONPATH=. python perf/lab_exploration.py [--cost cpu-measured] [--batch-sizes 8,16,32] [--gamma 3] [--lag 0]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cost", default="cpu-measured", help="a shipped serving cost name or a .json path")
     ap.add_argument("--gamma", type=at_least(1), default=3)
     ap.add_argument("--batch-sizes", type=int_list(1), default=(8, 16, 32))
+    ap.add_argument("--lag", type=at_least(0), default=0, help="the planner's lag (0: the synchronous greedy scan)")
     ap.add_argument("--out", type=output_path(), default="perf/results/lab_exploration.json")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -48,19 +49,24 @@ def main(argv: list[str] | None = None) -> dict:
     for b in args.batch_sizes:
         queue_ids(trace, b)
     temps, _ = fit_trace_temperatures(trace, args.gamma)
-    lab = Lab(trace, cost, args.gamma, temperatures=temps)
+    lab = Lab(trace, cost, args.gamma, temperatures=temps, lag=args.lag)
     rows = []
-    print(f"{'B':>4} {'full steps':>10} {'spec':>5} {'extra s':>8} {'extra tok':>9} {'plain tok in extra s':>20}")
+    print(f"{'B':>4} {'full steps':>10} {'spec':>5} {'extra s':>8} {'extra tok':>9} {'plain tok in extra s':>20} "
+          f"{'adaptive / plain':>16}")
     for b in args.batch_sizes:
         ids = queue_ids(trace, b)
         tok, sec = lab.run("fixed-0", b, ids).steady()
-        w = window(lab.run("adaptive", b, ids), b, cost.plain_seconds(b))
-        w.update(batch=b, plain_tok_s=tok / sec, plain_tokens_in_extra_seconds=w["extra_seconds"] * tok / sec)
+        adaptive = lab.run("adaptive", b, ids)
+        a_tok, a_sec = adaptive.steady()
+        w = window(adaptive, b, cost.plain_seconds(b))
+        w.update(batch=b, plain_tok_s=tok / sec, plain_tokens_in_extra_seconds=w["extra_seconds"] * tok / sec,
+                 adaptive_tok_s=a_tok / a_sec)
         rows.append(w)
         print(f"{b:>4} {w['full_steps']:>10} {w['speculative_steps']:>5} {w['extra_seconds']:>8.2f} "
-              f"{w['extra_tokens']:>9.0f} {w['plain_tokens_in_extra_seconds']:>20.0f}")
+              f"{w['extra_tokens']:>9.0f} {w['plain_tokens_in_extra_seconds']:>20.0f} "
+              f"{w['adaptive_tok_s'] / w['plain_tok_s']:>16.3f}")
     out = {"command": "PYTHONPATH=. python perf/lab_exploration.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "trace_sha256": trace.meta.get("sha256"), "cost": args.cost, "gamma": args.gamma, "rows": rows,
+           "trace_sha256": trace.meta.get("sha256"), "cost": args.cost, "gamma": args.gamma, "lag": args.lag, "rows": rows,
            "seconds": round(time.perf_counter() - t0, 1)}
     atomic_write_text(args.out, json.dumps(out, indent=1))
     print(f"wrote {args.out} in {out['seconds']} s")
