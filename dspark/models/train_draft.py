@@ -132,7 +132,7 @@ def tiny_target(seed: int = 0) -> nn.Module:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def load_target(tiny: bool, seed: int, device: str = "cpu") -> tuple[nn.Module, Encode]:
+def load_target(tiny: bool, seed: int, device: torch.device | str = "cpu") -> tuple[nn.Module, Encode]:
     """(transformers model with its own sdpa attention on `device`, text -> token ids): SmolLM2, or the tiny
     byte Llama."""
     if tiny:
