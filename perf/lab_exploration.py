@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{w['extra_tokens']:>9.0f} {w['plain_tokens_in_extra_seconds']:>20.0f} "
               f"{w['adaptive_tok_s'] / w['plain_tok_s']:>16.3f}")
     out = {"command": "PYTHONPATH=. python perf/lab_exploration.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "trace_sha256": trace.meta.get("sha256"), "cost": args.cost, "gamma": args.gamma, "lag": args.lag, "rows": rows,
+           "trace_sha256": trace.meta.get("sha256"), "cost": args.cost, "gamma": args.gamma, "lag": args.lag,
+           "rows": rows,
            "seconds": round(time.perf_counter() - t0, 1)}
     atomic_write_text(args.out, json.dumps(out, indent=1))
     print(f"wrote {args.out} in {out['seconds']} s")

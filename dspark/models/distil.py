@@ -9,8 +9,8 @@ draft vocabulary; a top-1 outside it is no label), cross-entropy on the target's
 vocabulary (`soft_weight`) and, EAGLE-style, the relative squared error between the step's state and the
 target's final-normed hidden state at t + j (`feature_weight`): the draft's logits are that state times the
 target's own output rows, so matching the state matches the whole distribution. AdamW with warm-up and
-cosine decay, bf16 autocast on the draft's device (streams stay on the host, each step's rows are copied over); each step draws its streams from one kind, kinds in proportion to
-their rows.
+cosine decay, bf16 autocast on the draft's device (streams stay on the host, each step's rows are copied
+over); each step draws its streams from one kind, kinds in proportion to their rows.
 """
 from __future__ import annotations
 
@@ -100,9 +100,8 @@ def distil(draft: DraftModel, sets: dict[str, Streams], *, steps: int, rows: int
         s, labels, teacher = data[kinds[int(torch.multinomial(weight, 1, generator=gen))]]
         b = max(1, rows // (s.tokens.shape[1] - 2))
         idx = torch.randint(0, s.tokens.shape[0], (b,), generator=gen)
-        batch = [x[idx].to(device) for x in (s.tokens, s.hidden, labels, teacher)]
-        batch[1] = batch[1].float()
-        loss, hits = step_loss(draft, *batch, soft_weight, feature_weight)
+        tokens, hidden, rows_labels, rows_teacher = (x[idx].to(device) for x in (s.tokens, s.hidden, labels, teacher))
+        loss, hits = step_loss(draft, tokens, hidden.float(), rows_labels, rows_teacher, soft_weight, feature_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
