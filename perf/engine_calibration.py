@@ -12,7 +12,8 @@ start (`OnlineAcceptanceEstimator`, refit every 4 starts); on the held-out part,
 (cumulative: the survival the planner reads; conditional: P(draft k accepted | reached k)): ECE (15 equal-width /
 equal-mass bins) with the noise floor of a perfectly calibrated predictor of the same probabilities, Brier, and
 AUROC with 95 % request-bootstrap intervals, for the head before / after STS, Platt, the estimator, its prior
-(c = top-1 probability) and the top-2 margin (AUROC only). Then the seed's section VII.A comparison for the
+(c = top-1 probability) and the top-2 margin (AUROC only), and the head's AUROC minus the estimator's and the
+margin's with paired intervals (one bootstrap redraws the same requests for both). Then the seed's section VII.A comparison for the
 head after STS against three targets: the soft 1 - TV proxy (on the accepted path), the greedy prefix label at
 every start, and the runtime correct_lens at the decode loop's own step boundaries (L = P, then L += accepted + 1).
 Writes perf/results/engine_calibration.json.
@@ -30,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.calibration.fit import _json_clean, fit_temperatures, split_by_request
-from dspark.calibration.metrics import Sample, bootstrap_interval, ece_noise_floor, metric_functions
+from dspark.calibration.fit import METHODS, _json_clean, fit_temperatures, split_by_request
+from dspark.calibration.metrics import (Sample, bootstrap_interval, ece_noise_floor, metric_functions,
+                                        paired_difference_interval)
 from dspark.calibration.online import OnlineAcceptanceEstimator, fit_logistic
 from dspark.cli.options import at_least, int_list, output_path, real
 from dspark.engine.demo import load_models
@@ -95,8 +97,14 @@ def loop_starts(accepted: np.ndarray) -> np.ndarray:
     return keep
 
 
+def _event(c: np.ndarray, k: int, event: str) -> np.ndarray:
+    """[R] the predicted probability of the event at draft k from conditional probabilities c [R, g]."""
+    return np.prod(c[:, : k + 1], 1) if event == "cumulative" else c[:, k]
+
+
 def tables(cond: dict, acc: np.ndarray, margin: np.ndarray, groups: np.ndarray, bootstrap: int, seed: int) -> list:
-    """Per position and event: every model's scores ({name: c [R, g]}), the margin's AUROC."""
+    """Per position and event: every model's scores ({name: c [R, g]}), the margin's AUROC, and the head's AUROC
+    (after STS) minus the estimator's and the margin's with paired request-bootstrap intervals."""
     rows = []
     for k in range(acc.shape[1] if acc.ndim > 1 else next(iter(cond.values())).shape[1]):
         for event in ("cumulative", "conditional"):
@@ -104,10 +112,16 @@ def tables(cond: dict, acc: np.ndarray, margin: np.ndarray, groups: np.ndarray, 
             y = (acc[keep] > k).astype(float)
             row = {"position": k, "event": event, "rows": int(keep.sum()), "accept_rate": float(y.mean())}
             for name, c in cond.items():
-                p = np.prod(c[:, : k + 1], 1) if event == "cumulative" else c[:, k]
-                row[name] = score(p[keep], y, groups[keep], bootstrap, seed)
+                row[name] = score(_event(c, k, event)[keep], y, groups[keep], bootstrap, seed)
             m = margin[:, : k + 1].min(1) if event == "cumulative" else margin[:, k]
             row["margin"] = score(m[keep], y, groups[keep], bootstrap, seed, calibrated=False)
+            head = Sample.build(_event(cond["head_sts"], k, event)[keep], y, groups[keep])
+            row["head_auroc_minus"] = {}
+            for name, other in (("estimator", _event(cond["estimator"], k, event)), ("margin", m)):
+                lo, hi = paired_difference_interval(FNS["auroc"], head, Sample.build(other[keep], y, groups[keep]),
+                                                    bootstrap, LEVEL, np.random.default_rng(seed))
+                row["head_auroc_minus"][name] = {
+                    "value": row["head_sts"]["auroc"]["value"] - row[name]["auroc"]["value"], "ci": [lo, hi]}
             rows.append(row)
     return rows
 
@@ -149,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="streams hold new-tokens + stream-gamma - 1 tokens (6: shared with perf/draft_acceptance.py)")
     ap.add_argument("--holdout", type=real(0, 1, low_open=True, high_open=True), default=0.75,
                     help="share of requests held out (STS fits one temperature per position: a quarter is plenty)")
+    ap.add_argument("--sts-method", choices=METHODS, default="nll",
+                    help="STS fit objective (nll: the planner's default, `dspark calibrate --method`)")
     ap.add_argument("--bootstrap", type=at_least(0), default=50)
     ap.add_argument("--seed", type=at_least(0), default=1)
     ap.add_argument("--threads", type=at_least(1), default=1)
@@ -177,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     z, acc = rows["conf"].double().numpy(), rows["accepted"].numpy()
     flat = lambda x, m: x[m].reshape(-1, *x.shape[2:])  # noqa: E731  [requests, n, ...] -> [rows, ...]
     labels = (np.arange(g) < flat(acc, ~held)[:, None]).astype(np.float64)
-    fits = fit_temperatures(torch.from_numpy(flat(z, ~held)), torch.from_numpy(labels))
+    fits = fit_temperatures(torch.from_numpy(flat(z, ~held)), torch.from_numpy(labels), method=args.sts_method)
     temps = np.array([f.temperature for f in fits])
     platt = fit_platt(flat(z, ~held), flat(acc, ~held))
     est = replay_estimator(rows["features"][torch.from_numpy(~held)], rows["accepted"][torch.from_numpy(~held)], g)
@@ -204,8 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
     for r in table:
         eces = "  ".join(f"{r[m]['ece_width']['value']:.4f}({r[m]['ece_mass']['value']:.4f})" for m in models)
         aucs = "  ".join(_cell(r[m], "auroc") for m in models + ["margin"])
+        diffs = "  ".join(f"{name} {d['value']:+.4f} [{d['ci'][0]:+.4f},{d['ci'][1]:+.4f}]"
+                          for name, d in r["head_auroc_minus"].items())
         print(f"{r['event']:<11}{r['position']:>2}{r['rows']:>7}{r['accept_rate']:6.3f} | {eces} | {aucs}  "
-              f"floor {r['head_sts']['ece_floor']:.4f}")
+              f"floor {r['head_sts']['ece_floor']:.4f} | head AUROC minus {diffs}")
     print("section VII.A, head after STS: mean c / mean target, ECE width, Brier (AUROC; Spearman for the soft proxy)")
     for r in vii:
         cells = []
@@ -223,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
                    + " ".join(sys.argv[1:] if argv is None else argv),
         "draft_sha256": file_sha256(args.weights or DEFAULT_WEIGHTS), "platform": platform.machine(),
         "threads": args.threads, "streams": list(streams.tokens.shape), "target_seconds": streams.seconds,
-        "heldout_requests": int(held.sum()), "temperatures": temps.tolist(), "temperature_at_bound": at_bound,
+        "heldout_requests": int(held.sum()), "sts_method": args.sts_method, "temperatures": temps.tolist(),
+        "temperature_at_bound": at_bound,
         "platt": platt.tolist(), "estimator_parameters": est.parameters.tolist(), "table": table,
         "section_vii_a": vii,
         "ece_sts_le_1pct_every_position": all(
@@ -231,11 +250,14 @@ def main(argv: list[str] | None = None) -> dict:
         "sts_never_worse": all(r["head_sts"]["ece_width"]["value"] <= r["head_raw"]["ece_width"]["value"] for r in cum),
         "head_auroc_ge_margin_and_estimator": all(r["head_sts"]["auroc"]["value"] >= max(
             r["margin"]["auroc"]["value"], r["estimator"]["auroc"]["value"]) for r in table),
+        "head_auroc_significantly_below": sorted({f"{name} at {r['event']} {r['position']}" for r in table
+                                                  for name, d in r["head_auroc_minus"].items() if d["ci"][1] < 0}),
         "seconds": round(t3 - t0, 1)}
     write_json_atomic(args.out, _json_clean(summary))
     print(f"ECE after STS <= 1 % at every position: {summary['ece_sts_le_1pct_every_position']}; STS never worse: "
           f"{summary['sts_never_worse']}; head AUROC >= margin and estimator everywhere: "
-          f"{summary['head_auroc_ge_margin_and_estimator']}\nwrote {args.out}")
+          f"{summary['head_auroc_ge_margin_and_estimator']}; significantly below (paired 95 % interval under 0): "
+          f"{summary['head_auroc_significantly_below'] or 'nowhere'}\nwrote {args.out}")
     return summary
 
 

@@ -170,22 +170,41 @@ def auroc(scores: Tensor, labels: Tensor) -> float:
     return _value(_auroc, s, y)
 
 
-def bootstrap_interval(fn: Metric, sample: Sample, num_samples: int, level: float,
-                       rng: np.random.Generator) -> tuple[float, float]:
-    """Percentile interval of `fn` over a cluster bootstrap (whole clusters, e.g. requests, redrawn)."""
-    if num_samples < 1 or sample.num_clusters == 0:
+def _percentile_interval(stat: Callable[[np.ndarray], float], num_clusters: int, num_samples: int, level: float,
+                         rng: np.random.Generator) -> tuple[float, float]:
+    """Percentile interval of stat(cluster counts [num_clusters]) over num_samples cluster resamples."""
+    if num_samples < 1 or num_clusters == 0:
         return float("nan"), float("nan")
     vals = []
     for _ in range(num_samples):
-        draws = np.bincount(rng.integers(0, sample.num_clusters, sample.num_clusters),
-                            minlength=sample.num_clusters)
-        vals.append(fn(sample, draws[sample.cluster].astype(np.float64)))
+        draws = np.bincount(rng.integers(0, num_clusters, num_clusters), minlength=num_clusters)
+        vals.append(stat(draws.astype(np.float64)))
     v = np.asarray(vals)
     v = v[np.isfinite(v)]
     if v.size == 0:
         return float("nan"), float("nan")
     a = (1.0 - level) / 2.0
     return float(np.quantile(v, a)), float(np.quantile(v, 1.0 - a))
+
+
+def bootstrap_interval(fn: Metric, sample: Sample, num_samples: int, level: float,
+                       rng: np.random.Generator) -> tuple[float, float]:
+    """Percentile interval of `fn` over a cluster bootstrap (whole clusters, e.g. requests, redrawn)."""
+    return _percentile_interval(lambda c: fn(sample, c[sample.cluster]), sample.num_clusters, num_samples, level,
+                                rng)
+
+
+def paired_difference_interval(fn: Metric, a: Sample, b: Sample, num_samples: int, level: float,
+                               rng: np.random.Generator) -> tuple[float, float]:
+    """Percentile interval of fn(a) - fn(b) over one cluster bootstrap shared by both.
+
+    a, b: two scorings of the same rows, built with the same `groups` (each replicate redraws the same
+    clusters for both, so what the two have in common cancels).
+    """
+    if a.num_clusters != b.num_clusters:
+        raise ValueError(f"paired samples must share their clusters, got {a.num_clusters} and {b.num_clusters}")
+    return _percentile_interval(lambda c: fn(a, c[a.cluster]) - fn(b, c[b.cluster]), a.num_clusters, num_samples,
+                                level, rng)
 
 
 def ece_noise_floor(probs: np.ndarray, num_bins: int, strategy: str, draws: int,

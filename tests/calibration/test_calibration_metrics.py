@@ -16,6 +16,7 @@ from dspark.calibration.metrics import (
     ece_noise_floor,
     metric_functions,
     nll,
+    paired_difference_interval,
     top2_margin,
 )
 
@@ -72,6 +73,52 @@ def test_bootstrap_interval_clusters():
     one = Sample.build(p, y, np.zeros(400))  # a single cluster: every resample is the full data
     lo1, hi1 = bootstrap_interval(fns["brier"], one, 20, 0.9, np.random.default_rng(1))
     assert lo1 == pytest.approx(fns["brier"](one, ones)) and hi1 == pytest.approx(lo1)
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(2, 30), st.integers(1, 40))
+def test_paired_difference_interval_matches_brute_force(seed, clusters, num_samples):
+    """Each replicate redraws the same clusters for both scorings; the interval is the percentiles of the
+    per-replicate differences, computed here by expanding the drawn clusters' rows."""
+    rng = np.random.default_rng(seed)
+    groups = rng.integers(0, clusters, size=5 * clusters)
+    groups[:clusters] = np.arange(clusters)  # every cluster has a row
+    y = (rng.uniform(size=groups.size) < 0.5).astype(float)
+    y[:2] = [0.0, 1.0]
+    a, b = rng.uniform(size=groups.size), np.round(rng.uniform(size=groups.size), 1)
+    fn = metric_functions(5)["auroc"]
+    got = paired_difference_interval(fn, Sample.build(a, y, groups), Sample.build(b, y, groups), num_samples, 0.8,
+                                      np.random.default_rng(seed))
+    draw_rng, diffs = np.random.default_rng(seed), []
+    _, idx = np.unique(groups, return_inverse=True)
+    for _ in range(num_samples):
+        counts = np.bincount(draw_rng.integers(0, clusters, clusters), minlength=clusters)
+        rep = np.repeat(np.arange(groups.size), counts[idx])
+        one = lambda s: fn(Sample.build(s[rep], y[rep]), np.ones(rep.size))  # noqa: E731
+        diffs.append(one(a) - one(b))
+    diffs = np.asarray(diffs)
+    diffs = diffs[np.isfinite(diffs)]
+    want = (np.quantile(diffs, 0.1), np.quantile(diffs, 0.9)) if diffs.size else (math.nan, math.nan)
+    assert got == pytest.approx(want, abs=1e-12, nan_ok=True)
+
+
+def test_paired_difference_interval_separates_what_single_intervals_cannot():
+    """A small, consistent AUROC edge: the two single intervals overlap, the paired one excludes 0."""
+    rng = np.random.default_rng(4)
+    groups = np.repeat(np.arange(200), 5)
+    base = rng.normal(size=1000)
+    y = (rng.uniform(size=1000) < 1 / (1 + np.exp(-2 * base))).astype(float)
+    noise = rng.normal(size=1000)
+    better, worse = Sample.build(base + 0.3 * noise, y, groups), Sample.build(base + 0.45 * noise, y, groups)
+    fn = metric_functions(10)["auroc"]
+    lo_b, hi_b = bootstrap_interval(fn, better, 200, 0.95, np.random.default_rng(1))
+    lo_w, hi_w = bootstrap_interval(fn, worse, 200, 0.95, np.random.default_rng(1))
+    assert lo_b < hi_w  # the single intervals overlap
+    lo, hi = paired_difference_interval(fn, better, worse, 200, 0.95, np.random.default_rng(1))
+    assert 0 < lo < hi
+    self_lo, self_hi = paired_difference_interval(fn, better, better, 50, 0.95, np.random.default_rng(1))
+    assert self_lo == self_hi == 0.0
+    with pytest.raises(ValueError, match="share their clusters, got 200 and 1"):
+        paired_difference_interval(fn, better, Sample.build(base, y), 5, 0.95, np.random.default_rng(1))
 
 
 def test_weighted_metrics_equal_replicated_rows():
