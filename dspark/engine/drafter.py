@@ -155,5 +155,5 @@ class BlockDrafter(Drafter):
         tokens = sampling.draw(probs).squeeze(-1) if sampling.enabled else logits.argmax(-1)
         if source == "features":  # the estimator reads the draft-vocabulary logits (1/12 of V), warped like q
             return Drafts(tokens, probs, features=draft_features(sampling.warp(reduced)), logits=logits)
-        conf = self.draft.confidence_logits(hk, batch.roots(slots), tokens)
+        conf = self.draft.confidence_logits(hk, batch.roots(slots), tokens, reduced)
         return Drafts(tokens, probs, confidence_logits=conf, logits=logits)

@@ -236,10 +236,11 @@ class DraftModel(nn.Module):
         feats = draft_features(reduced.reshape(lead, k, reduced.shape[-1])).reshape(*hk.shape[:-1], nf)
         return torch.cat([hk, feats.to(hk.dtype)], -1)
 
-    def confidence_logits(self, hk: Tensor, anchor: Tensor, drafts: Tensor) -> Tensor:
+    def confidence_logits(self, hk: Tensor, anchor: Tensor, drafts: Tensor, reduced: Tensor | None = None) -> Tensor:
         """[..., k] confidence logits from hk [..., k, d]; draft j also sees the token before it (anchor [...]
-        = the last committed token for j = 0, then drafts [..., k]), never its own."""
-        return self._confidence(self.head_inputs(hk), anchor, drafts)
+        = the last committed token for j = 0, then drafts [..., k]), never its own. reduced: the chain's
+        draft-vocabulary logits [..., k, draft_vocab_size] (`chain`'s second output; computed from hk if None)."""
+        return self._confidence(self.head_inputs(hk, reduced), anchor, drafts)
 
     def _confidence(self, inputs: Tensor, anchor: Tensor, drafts: Tensor) -> Tensor:
         lead, k = inputs.shape[:-2].numel(), inputs.shape[-2]
@@ -251,7 +252,7 @@ class DraftModel(nn.Module):
         """Greedy block in one pass: draft logits [..., k, V] and confidence logits [..., k] from the last
         row's hidden [..., d] and the last committed token anchor [...]."""
         hk, reduced = self.chain(hidden, k)
-        conf = self._confidence(self.head_inputs(hk, reduced), anchor, self.vocab_ids[reduced.argmax(-1)])
+        conf = self.confidence_logits(hk, anchor, self.vocab_ids[reduced.argmax(-1)], reduced)
         return self.scatter_logits(reduced), conf
 
 

@@ -106,7 +106,7 @@ def teacher_forced(target: TransformersCausalLM, draft: DraftModel, prompt: Tens
     drafts = draft.vocab_ids[reduced.argmax(-1)]
     truth = continuation.to(device).unfold(0, gamma, 1)[:n]  # [N, gamma]: continuation[t + j]
     p_target = torch.softmax(logits, -1)[:, draft.vocab_ids].unfold(0, gamma, 1)[:n].transpose(1, 2)
-    rows = {"drafts": drafts, "confidence_logits": draft.confidence_logits(hk, x[p - 1: p - 1 + n], drafts),
+    rows = {"drafts": drafts, "confidence_logits": draft.confidence_logits(hk, x[p - 1: p - 1 + n], drafts, reduced),
             "features": draft_features(reduced),
             "accepted": torch.cumprod((drafts == truth).to(torch.int64), dim=1).sum(1),
             "soft": torch.minimum(p_target, torch.softmax(reduced.float(), -1)).sum(-1).half().float(),

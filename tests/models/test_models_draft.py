@@ -124,6 +124,8 @@ def test_greedy_chain_feeds_each_step_the_previous_argmax(device_target, device)
     logits, conf = draft.propose(h, 4, anchor)
     torch.testing.assert_close(logits, draft.logits(hk))
     torch.testing.assert_close(conf, draft.confidence_logits(hk, anchor, drafts))
+    _, reduced = draft.chain(h, 4)
+    torch.testing.assert_close(conf, draft.confidence_logits(hk, anchor, drafts, reduced))  # the chain's logits reused
     assert draft.block_hidden(h, 0).shape == (5, 0, 64)
     with pytest.raises(ValueError, match="k=5 exceeds gamma=4"):
         draft.block_hidden(h, 5)
