@@ -130,13 +130,16 @@ class TransformersCausalLM(nn.Module):
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:
-        """[N, d] -> [N, V] through the model's own LM head."""
+        """[N, d] -> [N, V] through the model's own LM head (its weight as one [V, d] x [d, N] product on a CPU)."""
         head = self.hf_model.get_output_embeddings()
         if not isinstance(hidden, Tensor) or hidden.dim() != 2 or hidden.shape[1] != self.geometry.hidden_size:
             got = list(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
             raise ValueError(f"hidden must be [N, {self.geometry.hidden_size}], got {got}")
         if hidden.dtype != head.weight.dtype:
             raise TypeError(f"hidden has dtype {hidden.dtype}, the LM head {head.weight.dtype}")
+        if hidden.device.type == "cpu" and type(head) is nn.Linear:  # docs/architecture.md, "The LM head on a CPU"
+            out = torch.mm(head.weight, hidden.t()).t()
+            return (out if head.bias is None else out + head.bias).contiguous()
         return head(hidden)
 
 

@@ -182,6 +182,24 @@ def test_greedy_decode_equals_generate(device: torch.device) -> None:
 
 
 @pytest.mark.cpu_only(reason="argument checks before any device work")
+@given(rows=st.integers(1, 9), seed=st.integers(0, 2**31 - 1), bias=st.booleans())
+@settings(deadline=None, max_examples=25)
+def test_logits_equal_the_model_head(device: torch.device, rows: int, seed: int, bias: bool) -> None:
+    """`logits` is the model's own LM head (bias included) for any row count, whichever product computes it."""
+    lm = copy.deepcopy(tiny(device=device)[0])
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(rows, 64, generator=gen) * 3).to(device)
+    head = lm.hf_model.get_output_embeddings()
+    if bias:
+        head.bias = torch.nn.Parameter(torch.randn(head.out_features, generator=gen).to(device))
+    got = lm.logits(hidden)
+    want = torch.nn.functional.linear(hidden.double(), head.weight.double(),
+                                      None if head.bias is None else head.bias.double())
+    assert got.shape == (rows, 128) and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, head(hidden), rtol=1e-5, atol=1e-4)
+
+
 def test_forward_rejects_bad_inputs() -> None:
     lm, _ = tiny()
     batch = PagedBatch(lm, 1, 8)
