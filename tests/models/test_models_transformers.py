@@ -181,7 +181,6 @@ def test_greedy_decode_equals_generate(device: torch.device) -> None:
         assert tokens == expect.tolist()
 
 
-@pytest.mark.cpu_only(reason="argument checks before any device work")
 @given(rows=st.integers(1, 9), seed=st.integers(0, 2**31 - 1), bias=st.booleans())
 @settings(deadline=None, max_examples=25)
 def test_logits_equal_the_model_head(device: torch.device, rows: int, seed: int, bias: bool) -> None:
@@ -200,6 +199,7 @@ def test_logits_equal_the_model_head(device: torch.device, rows: int, seed: int,
     torch.testing.assert_close(got, head(hidden), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.cpu_only(reason="argument checks before any device work")
 def test_forward_rejects_bad_inputs() -> None:
     lm, _ = tiny()
     batch = PagedBatch(lm, 1, 8)
