@@ -69,6 +69,9 @@ def paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
 
 
+CPU_MM_MAX_ROWS = 8  # rows up to which `logits` on a CPU multiplies W @ h^T (faster there, slower from 12)
+
+
 class TransformersCausalLM(nn.Module):
     """A transformers causal LM as a dspark target: `forward(tokens, positions, attend) -> hidden`, `logits`.
 
@@ -130,14 +133,15 @@ class TransformersCausalLM(nn.Module):
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:
-        """[N, d] -> [N, V] through the model's own LM head (its weight as one [V, d] x [d, N] product on a CPU)."""
+        """[N, d] -> [N, V] through the model's own LM head (on a CPU, for N <= `CPU_MM_MAX_ROWS`, its weight as
+        one [V, d] x [d, N] product: docs/architecture.md, "The LM head on a CPU")."""
         head = self.hf_model.get_output_embeddings()
         if not isinstance(hidden, Tensor) or hidden.dim() != 2 or hidden.shape[1] != self.geometry.hidden_size:
             got = list(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
             raise ValueError(f"hidden must be [N, {self.geometry.hidden_size}], got {got}")
         if hidden.dtype != head.weight.dtype:
             raise TypeError(f"hidden has dtype {hidden.dtype}, the LM head {head.weight.dtype}")
-        if hidden.device.type == "cpu" and type(head) is nn.Linear:  # docs/architecture.md, "The LM head on a CPU"
+        if hidden.device.type == "cpu" and type(head) is nn.Linear and hidden.shape[0] <= CPU_MM_MAX_ROWS:
             out = torch.mm(head.weight, hidden.t()).t()
             return (out if head.bias is None else out + head.bias).contiguous()
         return head(hidden)
