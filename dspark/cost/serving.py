@@ -1,20 +1,25 @@
-"""Named serving cost models: everything a simulated serving engine charges per step, in one JSON file.
+"""Named serving cost models: what a simulated serving engine charges for each step, from what the step did.
 
 A policy-lab run replays recorded draft traces through the engine's scheduler and policies against a simulated
-target. The policy (the planner's T(B, M), Adaptive's speculate-or-not) and the simulated target read the same
-`ServingCost`; a `perturbed` copy plays reality in robustness runs. A file holds:
+target, which charges every step `ServingCost.price(StepWork)`:
 
-- `speculative`: a dspark `CostModel`, T(B, M) of a whole speculative step (draft + plan + verify + accept) with
-  B requests and M verify rows, for one static verify width W = gamma + 1 (the model's `width`);
-- `plain`: seconds of a target-only step (one row per request) per B, what `Adaptive(plain_seconds=)` reads;
-- `draft`: the draft's own part of a speculative step per B (for reports: it is already inside `speculative`);
-- `tiers`: the graph tiers the modelled engine pads a step's rows to (`VerifyPlanner(tiers=)`), () for none;
-- `name`, `platform` (the modelled hardware), `description`, `sources` (where each parameter comes from) and
-  the generator's `parameters`.
+    speculative step:  verify.T(B, M) + per_kv_token x kv_tokens + drafter(depth k, drafting requests) + prefill
+    plain step:        plain(B)       + per_kv_token x kv_tokens                                        + prefill
 
-T must be finite and > 0 at every B in 1..max_requests and M in B..B*W (checked at construction, so a file
-that loads covers its range). Shipped files are graphs/cost_models/<name>.json, documented in that folder's
-README and written by `python -m dspark.cost.shipped --write <name>`.
+- `verify`: a dspark `CostModel` T(B, M), the target's verify forward over M rows (before tier padding: the
+  model pads itself where the modelled engine has graph tiers) with the step's plan and accept, at zero KV
+  context; it records W = gamma + 1 (`width`), the widest verify it covers;
+- `plain`: seconds of a target-only step (one row per request) per B, at zero KV context;
+- `per_kv_token`: seconds per KV token the step's requests hold before it (prompt + committed), summed;
+- `drafter`: `DraftCost`, the drafter's kind (`chain`, `parallel` or `ngram`) and its seconds for k drafts per
+  request over n requests, k = 1..gamma: a policy that drafts k pays for k;
+- `prefill`: `PrefillCost`, seconds to prefill the prompts admitted before a step (per forward + per token);
+- `tiers`, `name`, `platform` (the modelled hardware), `description`, `sources`, the generator's `parameters`.
+
+What a policy *believes* (its planner's T(B, M), its plain step) is `believed(drafts, context)` /
+`believed_plain(context)`: the same terms at one typical per-request context, as a server profiles them. The
+exact rules, with the lab's queue and measures: docs/replay.md. Shipped files are
+graphs/cost_models/<name>.json, written by `python -m dspark.cost.shipped --write <name>`.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -32,7 +37,7 @@ from dspark.util.fileio import read_json, write_json_atomic
 from dspark.util.validate import check_int, check_real, check_type
 
 SCHEMA = "dspark.serving_cost"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 COST_MODELS_DIR = Path(__file__).resolve().parents[2] / "graphs" / "cost_models"
 
 # per cost-model kind: the JSON fields holding seconds (power 1) or rates (power -1), which `perturbed` scales
@@ -73,23 +78,133 @@ class BatchCurve:
         return cls(d["batch_sizes"], d["seconds"])
 
 
+DRAFTER_KINDS = ("chain", "parallel", "ngram")
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """The drafter's seconds per proposal: `seconds_per_depth[k - 1](n)` for n requests drafting k tokens each.
+
+    kind: `chain` (one forward per drafted position: EAGLE, a small causal LM, the block draft's chain steps;
+    seconds never decrease with k), `parallel` (one forward whatever k: DSpark / DFlash-style block drafters;
+    equal seconds at every k) or `ngram` (a host lookup, next to nothing; any shape).
+    """
+
+    kind: str
+    seconds_per_depth: tuple[BatchCurve, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
+        curves = tuple(check_type("seconds_per_depth", self.seconds_per_depth, (list, tuple)))
+        if not curves:
+            raise ValueError("seconds_per_depth must hold one batch curve per draft depth 1..gamma, got none")
+        for k, c in enumerate(curves, 1):
+            check_type(f"seconds_per_depth[{k - 1}]", c, BatchCurve)
+        object.__setattr__(self, "seconds_per_depth", curves)
+        if self.kind == "ngram":
+            return
+        for k in range(1, len(curves)):
+            shallow, deep = curves[k - 1], curves[k]
+            for b in sorted(set(shallow.batch_sizes) | set(deep.batch_sizes)):
+                if not (_covers(shallow, b) and _covers(deep, b)):
+                    continue
+                lo, hi = shallow(b), deep(b)
+                if self.kind == "chain" and hi < lo:
+                    raise ValueError(f"a chain drafter pays per drafted position, but depth {k + 1} costs {hi!r} s "
+                                     f"at B={b}, less than depth {k} ({lo!r} s)")
+                if self.kind == "parallel" and not math.isclose(hi, lo, rel_tol=1e-9):
+                    raise ValueError(f"a parallel drafter runs one forward whatever k, but depth {k + 1} costs "
+                                     f"{hi!r} s at B={b} against {lo!r} s at depth {k}")
+
+    @property
+    def max_drafts(self) -> int:
+        """The deepest proposal priced (gamma)."""
+        return len(self.seconds_per_depth)
+
+    def seconds(self, drafts: int, requests: int) -> float:
+        """Seconds of `requests` requests drafting `drafts` tokens each (0 when either is 0)."""
+        if drafts == 0 or requests == 0:
+            return 0.0
+        if not 1 <= drafts <= self.max_drafts:
+            raise ValueError(f"drafts must be in [0, {self.max_drafts}] (the depths this drafter is priced for), "
+                             f"got {drafts}")
+        return self.seconds_per_depth[drafts - 1](requests)
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"kind": ..., "seconds_per_depth": [curve, ...]}."""
+        return {"kind": self.kind, "seconds_per_depth": [c.to_dict() for c in self.seconds_per_depth]}
+
+    @classmethod
+    def from_dict(cls, d: object) -> "DraftCost":
+        """Validate and rebuild from `to_dict` output; a missing kind is refused by name."""
+        if not isinstance(d, dict) or "kind" not in d:
+            raise ValueError(f"the drafter must name its kind, one of {DRAFTER_KINDS} (a chain drafter pays per "
+                             f"drafted position, a parallel one one forward whatever k), got {d!r}")
+        if set(d) != {"kind", "seconds_per_depth"}:
+            raise ValueError(f"a drafter must hold exactly kind and seconds_per_depth, got {sorted(d)}")
+        curves = check_type("seconds_per_depth", d["seconds_per_depth"], list)
+        return cls(d["kind"], tuple(BatchCurve.from_dict(c) for c in curves))
+
+
+def _covers(curve: BatchCurve, b: int) -> bool:
+    return curve.batch_sizes[0] <= b <= curve.batch_sizes[-1]
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Seconds to prefill the prompts admitted before a step: `per_forward` once + `per_token` x their tokens."""
+
+    per_forward: float
+    per_token: float
+
+    def __post_init__(self) -> None:
+        for name in ("per_forward", "per_token"):
+            check_real(name, getattr(self, name), 0.0, math.inf, high_open=True)
+
+    def seconds(self, tokens: int) -> float:
+        """Seconds to prefill `tokens` prompt tokens (0 when none)."""
+        return self.per_forward + self.per_token * tokens if tokens else 0.0
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one engine step did, as a serving cost prices it.
+
+    requests: B, the requests decoding in the step; rows: the target's rows (the verify layout's rows before
+    tier padding; B for a plain step); kv_tokens: the tokens those requests hold in the KV cache before the step
+    (prompt + committed), summed; drafts: tokens drafted per drafting request (0: a plain step); drafting:
+    requests that drafted; prefill_tokens: prompt tokens admitted (prefilled) right before the step.
+    """
+
+    requests: int
+    rows: int
+    kv_tokens: int
+    drafts: int = 0
+    drafting: int = 0
+    prefill_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class ServingCost:
-    """Step costs of one modelled serving engine: speculative T(B, M), plain and draft seconds per B.
+    """Step costs of one modelled serving engine, priced from what each step does (`price`).
 
     name: file stem of a shipped model; platform: the modelled hardware ("h100-cuda"); sources: where each
-    parameter comes from; speculative: CostModel with width W = gamma + 1; plain, draft: BatchCurve over at
-    least B = 1..max_requests; tiers: graph tiers the modelled engine replays (() for eager); parameters: the
-    generator's arguments (JSON values).
+    parameter comes from; verify: CostModel T(B, M) of the target's verify step at zero context, width W =
+    gamma + 1; plain: BatchCurve over at least B = 1..max_requests (zero context); per_kv_token: seconds per KV
+    token held; drafter: DraftCost over depths 1..gamma; prefill: PrefillCost; tiers: graph tiers the modelled
+    engine replays (() for eager); parameters: the generator's arguments (JSON values).
     """
 
     name: str
     platform: str
     description: str
     sources: tuple[str, ...]
-    speculative: CostModel
+    verify: CostModel
     plain: BatchCurve
-    draft: BatchCurve
+    per_kv_token: float
+    drafter: DraftCost
+    prefill: PrefillCost
     tiers: tuple[int, ...] = ()
     max_requests: int = 256
     parameters: Mapping[str, Any] = field(default_factory=dict)
@@ -104,12 +219,20 @@ class ServingCost:
         if not sources or not all(isinstance(s, str) and s for s in sources):
             raise ValueError(f"sources must be a non-empty list of non-empty strings, got {self.sources!r}")
         object.__setattr__(self, "sources", sources)
-        check_type("speculative", self.speculative, CostModel)
-        if self.speculative.width is None:
-            raise ValueError("speculative must record its width W = gamma + 1, got a cost model with width None")
+        check_type("verify", self.verify, CostModel)
+        if self.verify.width is None:
+            raise ValueError("verify must record its width W = gamma + 1, got a cost model with width None")
         check_int("max_requests", self.max_requests, 1)
-        for name in ("plain", "draft"):
-            curve = check_type(name, getattr(self, name), BatchCurve)
+        check_real("per_kv_token", self.per_kv_token, 0.0, math.inf, high_open=True)
+        check_type("drafter", self.drafter, DraftCost)
+        check_type("prefill", self.prefill, PrefillCost)
+        if self.drafter.max_drafts < self.verify.width - 1:
+            raise ValueError(f"the drafter is priced for depths 1..{self.drafter.max_drafts} but verify covers W = "
+                             f"{self.verify.width} (gamma = {self.verify.width - 1} drafts)")
+        curves = [("plain", self.plain)] + [(f"drafter depth {k}", c)
+                                            for k, c in enumerate(self.drafter.seconds_per_depth, 1)]
+        for name, curve in curves:
+            check_type(name, curve, BatchCurve)
             if curve.batch_sizes[0] != 1 or curve.batch_sizes[-1] < self.max_requests:
                 raise ValueError(f"{name} must cover B = 1..max_requests = {self.max_requests}, got batch sizes "
                                  f"{curve.batch_sizes[0]}..{curve.batch_sizes[-1]}")
@@ -121,20 +244,44 @@ class ServingCost:
             raise ValueError(f"parameters must hold JSON values (finite numbers, strings, lists), got "
                              f"{parameters!r}: {e}") from None
         object.__setattr__(self, "parameters", parameters)
-        _check_coverage(self.speculative, self.max_requests)
+        _check_coverage(self.verify, self.max_requests)
 
     @property
     def width(self) -> int:
-        """W = gamma + 1 of the speculative model."""
-        return self.speculative.width
+        """W = gamma + 1 of the verify model."""
+        return self.verify.width
 
     def plain_seconds(self, num_requests: int) -> float:
-        """Seconds of a target-only step over B = num_requests requests (in 1..max_requests)."""
+        """Seconds of a target-only step over B = num_requests requests (in 1..max_requests), zero context."""
         return self.plain(self._batch(num_requests))
 
-    def draft_seconds(self, num_requests: int) -> float:
-        """Seconds of the draft's part of a speculative step over B = num_requests requests (in 1..max_requests)."""
-        return self.draft(self._batch(num_requests))
+    def draft_seconds(self, num_requests: int, drafts: int) -> float:
+        """Seconds of B = num_requests requests (in 1..max_requests) drafting `drafts` tokens each."""
+        return self.drafter.seconds(drafts, self._batch(num_requests))
+
+    def price(self, work: StepWork) -> float:
+        """Seconds of one step that did `work` (the rules in this module's docstring and docs/replay.md)."""
+        b = self._batch(work.requests)
+        target = (float(self.verify.step_seconds(num_requests=b, rows=work.rows)) if work.drafts
+                  else self.plain(b))
+        return (target + self.per_kv_token * work.kv_tokens + self.drafter.seconds(work.drafts, work.drafting)
+                + self.prefill.seconds(work.prefill_tokens))
+
+    def believed(self, drafts: int, context: float) -> CostModel:
+        """T(B, M) of a speculative step drafting `drafts` tokens per request, every request holding `context`
+        KV tokens: what a planner profiled at that context believes (a ShiftedCostModel over `verify`)."""
+        from dspark.cost.shifted import ShiftedCostModel
+
+        check_real("context", context, 0.0, math.inf, high_open=True)
+        probes = sorted({1, self.max_requests, *self.drafter.seconds_per_depth[drafts - 1].batch_sizes})
+        probes = [b for b in probes if b <= self.max_requests]
+        shift = [self.per_kv_token * context * b + self.drafter.seconds(drafts, b) for b in probes]
+        return ShiftedCostModel(self.verify, probes, shift, width=drafts + 1)
+
+    def believed_plain(self, context: float) -> Callable[[int], float]:
+        """B -> seconds of a plain step with every request holding `context` KV tokens."""
+        check_real("context", context, 0.0, math.inf, high_open=True)
+        return lambda b: self.plain_seconds(b) + self.per_kv_token * context * b
 
     def _batch(self, num_requests: int) -> int:
         if check_int("num_requests", num_requests, 1) > self.max_requests:
@@ -145,32 +292,40 @@ class ServingCost:
         """The JSON object `save` writes (schema, version, every field; the cost model's own `to_dict`)."""
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "name": self.name, "platform": self.platform,
                 "description": self.description, "sources": list(self.sources), "max_requests": self.max_requests,
-                "tiers": list(self.tiers), "parameters": dict(self.parameters),
-                "speculative": self.speculative.to_dict(), "plain_seconds": self.plain.to_dict(),
-                "draft_seconds": self.draft.to_dict()}
+                "tiers": list(self.tiers), "parameters": dict(self.parameters), "verify": self.verify.to_dict(),
+                "plain_seconds": self.plain.to_dict(), "per_kv_token": self.per_kv_token,
+                "drafter": self.drafter.to_dict(),
+                "prefill": {"per_forward": self.prefill.per_forward, "per_token": self.prefill.per_token}}
 
     @classmethod
     def from_dict(cls, d: object) -> "ServingCost":
         """Validate and rebuild from `to_dict` output."""
         if not isinstance(d, dict):
             raise ValueError(f"a serving cost must be a JSON object, got {type(d).__name__}")
+        if d.get("schema") == SCHEMA and d.get("schema_version") == 1:
+            raise ValueError("schema version 1 charged every policy for gamma drafts at one fixed context; "
+                             "regenerate the file (python -m dspark.cost.shipped --write NAME) for version "
+                             f"{SCHEMA_VERSION}")
         if d.get("schema") != SCHEMA or d.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"schema must be {SCHEMA!r} version {SCHEMA_VERSION}, got {d.get('schema')!r} version "
                              f"{d.get('schema_version')!r} (a single cost model loads with dspark.load_cost_model)")
+        if "drafter" in d and isinstance(d["drafter"], dict) and "kind" not in d["drafter"]:
+            raise ValueError(f"drafter: the serving cost {d.get('name')!r} names no drafter kind; add \"kind\": one "
+                             f"of {DRAFTER_KINDS}")
         missing = sorted({"name", "platform", "description", "sources", "max_requests", "tiers", "parameters",
-                          "speculative", "plain_seconds", "draft_seconds"} - set(d))
+                          "verify", "plain_seconds", "per_kv_token", "drafter", "prefill"} - set(d))
         if missing:
             raise ValueError(f"serving cost is missing {missing}")
         parts = {}
-        for key, load in (("speculative", CostModel.from_dict), ("plain_seconds", BatchCurve.from_dict),
-                          ("draft_seconds", BatchCurve.from_dict)):
+        for key, load in (("verify", CostModel.from_dict), ("plain_seconds", BatchCurve.from_dict),
+                          ("drafter", DraftCost.from_dict), ("prefill", _prefill_from_dict)):
             try:
                 parts[key] = load(d[key])
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{key}: {e}") from None
-        return cls(d["name"], d["platform"], d["description"], d["sources"], parts["speculative"],
-                   parts["plain_seconds"], parts["draft_seconds"], tiers=d["tiers"], max_requests=d["max_requests"],
-                   parameters=d["parameters"])
+        return cls(d["name"], d["platform"], d["description"], d["sources"], parts["verify"], parts["plain_seconds"],
+                   d["per_kv_token"], parts["drafter"], parts["prefill"], tiers=d["tiers"],
+                   max_requests=d["max_requests"], parameters=d["parameters"])
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the JSON atomically (temp file in the same folder, then rename)."""
@@ -186,6 +341,12 @@ class ServingCost:
             raise ValueError(f"{path}: {e}") from None
 
 
+def _prefill_from_dict(d: object) -> PrefillCost:
+    if not isinstance(d, dict) or set(d) != {"per_forward", "per_token"}:
+        raise ValueError(f"prefill must be a JSON object with per_forward and per_token, got {d!r}")
+    return PrefillCost(d["per_forward"], d["per_token"])
+
+
 def _check_coverage(model: CostModel, max_requests: int) -> None:
     """T(B, M) finite and > 0 at every B in 1..max_requests and M in B..B*W; the first bad point is named."""
     w = model.width
@@ -194,7 +355,7 @@ def _check_coverage(model: CostModel, max_requests: int) -> None:
         bad = ~(np.isfinite(seconds) & (seconds > 0))
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(f"speculative predicts {float(seconds[i])!r} s at B={b}, M={b + i}; a serving cost needs "
+            raise ValueError(f"verify predicts {float(seconds[i])!r} s at B={b}, M={b + i}; a serving cost needs "
                              f"finite seconds > 0 at every B in 1..max_requests = {max_requests} and M in B..B*W "
                              f"(W={w})")
 
@@ -219,7 +380,7 @@ def load_serving_cost(name_or_path: str | os.PathLike, *, width: int | None = No
     cost = ServingCost.load(path)
     if width is not None:
         try:
-            check_cost_model(cost.speculative, width=check_int("width", width, 2))
+            check_cost_model(cost.verify, width=check_int("width", width, 2))
         except ValueError as e:
             name = cost.name if cost.name in serving_cost_names() else "NAME"
             raise ValueError(f"{path}: {e}; or write this model for W={width}: python -m dspark.cost.shipped --write "
@@ -232,19 +393,21 @@ def perturbed(cost: ServingCost, *, spread: float, seed: int, plain_skew: float 
 
     spread: half-width in [0, 1) (0.05 = +-5 %); seed: int >= 0, the same seed gives the same copy; plain_skew:
     plain seconds are further scaled by 1 + plain_skew (> -1), so reality can price plain steps differently
-    from speculative ones. When every stored component is >= 0 (tables of seconds) the copy's T(B, M) lies in
-    [1 - spread, 1 + spread] x T(B, M), its plain seconds in that band x (1 + plain_skew).
+    from speculative ones. Scaled, in this order: the verify model's stored values, the plain curve, per_kv_token,
+    each drafter depth's curve, prefill per_forward and per_token. When every stored component is >= 0 the copy's
+    verify T(B, M) lies in [1 - spread, 1 + spread] x T(B, M), its plain seconds in that band x (1 + plain_skew).
+    The copy's drafter keeps its kind only where the draws keep its shape; otherwise it is priced as `ngram`.
     """
     check_type("cost", cost, ServingCost)
     spread = check_real("spread", spread, 0.0, 1.0, high_open=True)
     check_int("seed", seed, 0)
     plain_skew = check_real("plain_skew", plain_skew, -1.0, math.inf, low_open=True, high_open=True)
-    spec = cost.speculative.to_dict()
+    spec = cost.verify.to_dict()
     if spec["kind"] not in _PERTURBED_FIELDS:
         raise ValueError(f"perturbed scales cost model kinds {sorted(_PERTURBED_FIELDS)}, got {spec['kind']!r}")
     rng = np.random.default_rng(seed)
 
-    def scaled(values: Any, power: int) -> Any:
+    def scaled(values: Any, power: int = 1) -> Any:
         if isinstance(values, list):
             return [scaled(v, power) for v in values]
         return values * (1.0 + rng.uniform(-spread, spread)) ** power
@@ -253,13 +416,18 @@ def perturbed(cost: ServingCost, *, spread: float, seed: int, plain_skew: float 
     for key, power in _PERTURBED_FIELDS[spec["kind"]]:
         if key in spec:
             spec[key] = scaled(spec[key], power)
-    plain = BatchCurve(cost.plain.batch_sizes, [s * (1.0 + plain_skew) for s in scaled(list(cost.plain.seconds), 1)])
-    draft = BatchCurve(cost.draft.batch_sizes, scaled(list(cost.draft.seconds), 1))
+    plain = BatchCurve(cost.plain.batch_sizes, [s * (1.0 + plain_skew) for s in scaled(list(cost.plain.seconds))])
+    per_kv = scaled(cost.per_kv_token)
+    curves = tuple(BatchCurve(c.batch_sizes, scaled(list(c.seconds))) for c in cost.drafter.seconds_per_depth)
+    try:
+        drafter = DraftCost(cost.drafter.kind, curves)
+    except ValueError:
+        drafter = DraftCost("ngram", curves)
+    prefill = PrefillCost(scaled(cost.prefill.per_forward), scaled(cost.prefill.per_token))
     how = {"from": cost.name, "spread": spread, "seed": seed, "plain_skew": plain_skew}
     return ServingCost(f"{cost.name}-perturbed", cost.platform,
                        f"{cost.description} Perturbed: every stored seconds value x (1 + U(-{spread:g}, {spread:g})), "
                        f"seed {seed}; plain steps x {1 + plain_skew:g}.",
-                       cost.sources + (f"perturbed({how})",), CostModel.from_dict(spec), plain, draft,
-                       tiers=cost.tiers, max_requests=cost.max_requests,
+                       cost.sources + (f"perturbed({how})",), CostModel.from_dict(spec), plain, per_kv, drafter,
+                       prefill, tiers=cost.tiers, max_requests=cost.max_requests,
                        parameters={**cost.parameters, "perturbed": how})
-

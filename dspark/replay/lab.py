@@ -31,18 +31,51 @@ from dspark.replay.trace import Trace
 from dspark.util.validate import check_int, check_type
 
 
-def queue_ids(trace: Trace, slots: int, *, requests_per_slot: int = 2, min_requests: int = 64, seed: int = 0
-              ) -> Tensor:
-    """The trace requests [N] a run on `slots` slots serves: the first max(min_requests, requests_per_slot x
-    slots) of a seeded permutation (the kinds stay mixed); ValueError when the trace holds fewer."""
+REQUESTS_PER_SLOT = 8  # queue length per slot: every slot serves this many requests on average
+MAX_REPEATS = 8  # the most times one trace request may appear in a recycled queue
+
+
+def queue_ids(trace: Trace, slots: int, *, requests_per_slot: int = REQUESTS_PER_SLOT, min_requests: int = 64,
+              seed: int = 0, max_repeats: int = MAX_REPEATS) -> Tensor:
+    """The trace requests [N] a run on `slots` slots serves, N = max(min_requests, requests_per_slot x slots):
+    seeded permutations of the whole trace one after another (seed, seed + 1, ...), cut at N, so the kinds stay
+    mixed and a request repeats only once every other request has been queued (under greedy decoding a repeat
+    is the same request again). ValueError when N needs a request more than `max_repeats` times."""
     check_int("slots", slots, 1)
+    check_int("requests_per_slot", requests_per_slot, 1)
+    check_int("min_requests", min_requests, 1)
+    check_int("max_repeats", max_repeats, 1)
     n = max(min_requests, requests_per_slot * slots)
-    if n > trace.num_requests:
-        raise ValueError(f"B = {slots} slots need {n} requests (at least {min_requests}, {requests_per_slot} per slot) "
-                         f"to stay busy but the "
-                         f"trace holds {trace.num_requests}: record a larger trace (python -m dspark.replay.record "
-                         f"--requests {n}) or lower B")
-    return torch.randperm(trace.num_requests, generator=torch.Generator().manual_seed(seed))[:n]
+    repeats = -(-n // trace.num_requests)
+    if repeats > max_repeats:
+        raise ValueError(f"B = {slots} slots with {requests_per_slot} requests per slot need a queue of {n} "
+                         f"requests, {repeats} copies of each of the trace's {trace.num_requests}, past max_repeats = "
+                         f"{max_repeats}: record a larger trace (python -m dspark.replay.record --requests "
+                         f"{-(-n // max_repeats)}), lower B or requests_per_slot, or raise max_repeats")
+    perms = [torch.randperm(trace.num_requests, generator=torch.Generator().manual_seed(seed + i))
+             for i in range(repeats)]
+    return torch.cat(perms)[:n]
+
+
+def check_queue(trace: Trace, ids: Tensor) -> Tensor:
+    """`ids` [N] int64 trace requests (a queue handed in): ValueError naming the first one the trace lacks."""
+    check_type("ids", ids, Tensor)
+    if ids.ndim != 1 or ids.numel() == 0 or ids.dtype != torch.int64:
+        raise ValueError(f"ids must be a non-empty 1-D int64 tensor of trace requests, got shape {list(ids.shape)} "
+                         f"dtype {ids.dtype}")
+    bad = ((ids < 0) | (ids >= trace.num_requests)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"ids[{i}] = {int(ids[i])} is not a request of the trace (it holds 0..{trace.num_requests - 1})")
+    return ids
+
+
+def mean_context(trace: Trace) -> float:
+    """Mean KV tokens a request holds at a decode position of the trace: prompt - 1 + t over every recorded
+    position t of every request (what a server profiling at its typical context would assume)."""
+    prompts = trace.prompt_offsets.diff().to(torch.float64)
+    n = trace.new_tokens.to(torch.float64)
+    return float(((prompts - 1) * n + n * (n - 1) / 2).sum() / n.sum())
 
 
 @dataclass
@@ -50,7 +83,8 @@ class Lab:
     """One study's shared setup. gamma: drafts per step of the budget policies (<= trace.gamma);
     temperatures: STS temperatures [gamma] (None: raw head logits); lag: the planner's lag; tiers: use the cost
     model's graph tiers (False: eager, every row priced as is); reality: the cost model the simulated target
-    runs on (default `cost`, what the policies believe)."""
+    runs on (default `cost`, what the policies believe); context: the KV tokens per request the policies'
+    cost beliefs assume (None: the trace's `mean_context`); the simulated target prices each request's own."""
 
     trace: Trace
     cost: ServingCost
@@ -61,6 +95,7 @@ class Lab:
     reality: ServingCost | None = None
     probe: tuple[int, int, bool] = (8, 64, False)
     estimators: dict[int, OnlineAcceptanceEstimator] = field(default_factory=dict)
+    context: float | None = None
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
@@ -75,6 +110,8 @@ class Lab:
             raise ValueError(f"reality's width {self.reality.width} differs from the cost model's {self.cost.width}")
         if self.temperatures is not None and len(self.temperatures) < self.gamma:
             raise ValueError(f"temperatures must hold gamma = {self.gamma} values, got {list(self.temperatures)}")
+        if self.context is None:
+            self.context = mean_context(self.trace)
 
     @property
     def graph_tiers(self) -> tuple[int, ...]:
@@ -84,7 +121,8 @@ class Lab:
         """The VerifyPlanner for B = b requests (STS temperatures when `sts` and the lab has them)."""
         tiers, w = self.graph_tiers, self.gamma + 1
         temps = None if self.temperatures is None or not sts else list(self.temperatures)[: self.gamma]
-        return VerifyPlanner(ScheduleConfig(gamma=self.gamma), self.cost.speculative, lag=self.lag, num_slots=b,
+        return VerifyPlanner(ScheduleConfig(gamma=self.gamma), self.cost.believed(self.gamma, self.context),
+                             lag=self.lag, num_slots=b,
                              temperatures=temps, tiers=tiers or None,
                              graph_slots=graph_slot_count(b, tiers, w) if tiers else None)
 
@@ -92,20 +130,20 @@ class Lab:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over
         that B's run as a server's would)."""
         est = self.estimators.setdefault(b, OnlineAcceptanceEstimator(self.gamma)) if name == "adaptive-est" else None
-        return make_policy(name, self.gamma, b, self.planner, self.cost.plain_seconds, self.probe, est)
+        return make_policy(name, self.gamma, b, self.planner, self.cost.believed_plain(self.context), self.probe, est)
 
     def run(self, policy: str | Policy, b: int, ids: Tensor | None = None,
             mode: VerifyMode = VerifyMode.COMPACT) -> GenerateResult:
         """Serve the trace requests `ids` (default `queue_ids(trace, b)`) on b slots with `policy` (a name, or
         a policy object built for this lab)."""
-        ids = queue_ids(self.trace, b) if ids is None else ids
+        ids = queue_ids(self.trace, b) if ids is None else check_queue(self.trace, ids)
         pol = self.policy(policy, b) if isinstance(policy, str) else policy
         if pol.num_drafts > self.trace.gamma:
             raise ValueError(f"policy {pol.name!r} drafts {pol.num_drafts} tokens but the trace recorded "
                              f"{self.trace.gamma}")
-        clock = SimClock()
-        target = SimTarget(self.trace, ids, self.reality or self.cost, clock, self.graph_tiers)
-        engine = Engine(TraceDrafter(self.trace, ids), target, clock.now, lambda: None)
+        clock, reality = SimClock(), self.reality or self.cost
+        target = SimTarget(self.trace, ids, reality, clock, self.graph_tiers)
+        engine = Engine(TraceDrafter(self.trace, ids, reality, clock), target, clock.now, lambda: None)
         prompts = [self.trace.prompt(int(i)) for i in ids]
         new_tokens = self.trace.new_tokens[ids].to(torch.int64)
         w = pol.num_drafts + 1

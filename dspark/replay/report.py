@@ -1,9 +1,11 @@
 """What a policy-lab study reports per (cost model, B, policy), its table and its plot.
 
-`run_summary` reads one replayed run: steady tok/s in simulated seconds (steps with every slot busy), rows
-per step, the share of speculative steps, the tau bias (committed vs the calibrated prediction), and the
-planner's measured wall time per decision beside the modelled step time. `ratios` puts every budget policy
-against the best fixed k and the oracle at the same B.
+`run_summary` reads one replayed run: throughput over the whole queue in simulated seconds (every request's
+counted tokens over the run's seconds, prefill and the drain included, as vLLM's and SGLang's serving benchmarks
+report it at a fixed concurrency), time per output token per request (p50 / p90), rows per step, the share of
+speculative steps, the tau bias (committed vs the calibrated prediction), and the planner's measured wall time
+per decision beside the modelled step time. `ratios` puts every budget policy against the best fixed policy
+(plain decoding included) and the oracle at the same B.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from dspark.config import ScheduleConfig
@@ -21,10 +24,27 @@ from dspark.plan.survival import calibrated_survival
 BUDGET_POLICIES = ("adaptive", "adaptive-est")
 
 
+def per_request_tpot(res: GenerateResult) -> list[float]:
+    """Seconds per output token of each request: the seconds of every step it decoded in (its own admission's
+    prefill left out, later admissions' included: they stall it) over its counted tokens."""
+    seconds: dict[int, float] = {}
+    tokens: dict[int, int] = {}
+    for s in res.steps:
+        owners = s.owners.tolist()
+        useful = s.useful_per_request.tolist()
+        for owner, n in zip(owners, useful):
+            if owner not in seconds:  # its first step: the prefill that admitted it is its time to first token
+                seconds[owner] = s.times.total - s.times.prefill
+            else:
+                seconds[owner] += s.times.total
+            tokens[owner] = tokens.get(owner, 0) + n
+    return [seconds[r] / tokens[r] for r in sorted(seconds) if tokens[r]]
+
+
 def run_summary(res: GenerateResult, temperatures: Sequence[float] | None) -> dict:
     """One run's numbers; temperatures [k]: how the step's confidence logits turn into the predicted tau
     (None: raw, e.g. the online estimator's own calibration)."""
-    tokens, seconds = res.steady()
+    tokens = sum(s.useful for s in res.steps)
     spec = [s for s in res.steps if s.speculated]
     predicted = committed = 0.0
     for s in spec:
@@ -34,31 +54,38 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None) -> di
         predicted += expected_commit(survival, s.caps.to(torch.int64), ScheduleConfig(gamma=k))
         committed += float(s.commit_lens.sum())
     plan_us = [s.times.host_plan * 1e6 for s in spec]
+    tpot = sorted(per_request_tpot(res))
+    drain = sum(s.times.total for s in res.steps if s.requests.numel() < res.max_batch)
     return {
-        "steady_tok_s": tokens / seconds if seconds > 0 else 0.0,
-        "tokens": int(sum(s.useful for s in res.steps)),
+        "tok_s": tokens / res.seconds if res.seconds > 0 else 0.0,
+        "tokens": tokens,
         "steps": len(res.steps),
         "seconds": res.seconds,
+        "prefill_share": (res.startup_seconds + sum(s.times.prefill for s in res.steps)) / res.seconds,
+        "drain_share": drain / res.seconds,
+        "tpot_ms_p50": 1e3 * float(np.percentile(tpot, 50)),
+        "tpot_ms_p90": 1e3 * float(np.percentile(tpot, 90)),
         "rows_per_step": statistics.fmean(float(s.layout.total_rows) for s in res.steps),
+        "drafts_per_step": statistics.fmean(float(s.confidence_logits.shape[1]) for s in res.steps),
         "speculative_share": len(spec) / len(res.steps),
         "committed_per_request_step": statistics.fmean(float(s.commit_lens.double().mean()) for s in res.steps),
         "tau_bias": committed / predicted - 1.0 if predicted else None,
         "planner_us_median": statistics.median(plan_us) if plan_us else None,
-        "step_ms_mean": statistics.fmean(s.times.verify * 1e3 for s in spec) if spec else None,
+        "step_ms_mean": statistics.fmean((s.times.draft + s.times.verify) * 1e3 for s in spec) if spec else None,
     }
 
 
 def ratios(cells: Mapping[str, dict]) -> dict:
-    """At one B, `cells` policy -> run_summary: the best fixed k and each budget policy's throughput over it
-    and over the oracle."""
-    fixed = {name: c["steady_tok_s"] for name, c in cells.items() if name.startswith("fixed-")}
+    """At one B, `cells` policy -> run_summary: the best fixed policy (`fixed-0`, plain decoding, included) and
+    each budget policy's throughput over it and over the oracle."""
+    fixed = {name: c["tok_s"] for name, c in cells.items() if name.startswith("fixed-")}
     best = max(fixed, key=fixed.__getitem__)
     out: dict = {"best_fixed": best, "best_fixed_tok_s": fixed[best]}
     for name in cells:
         if name in BUDGET_POLICIES or not (name.startswith("fixed-") or name == "oracle"):
-            tok = cells[name]["steady_tok_s"]
-            out[name] = {"vs_best_fixed": tok / fixed[best],
-                         "vs_oracle": tok / cells["oracle"]["steady_tok_s"] if "oracle" in cells else None}
+            tok = cells[name]["tok_s"]
+            out[name] = {"vs_best_fixed": tok / fixed[best], "vs_plain": tok / fixed["fixed-0"] if "fixed-0" in fixed
+                         else None, "vs_oracle": tok / cells["oracle"]["tok_s"] if "oracle" in cells else None}
     return out
 
 
@@ -66,10 +93,10 @@ def format_table(cost: str, rows: Mapping[int, Mapping[str, dict]], policies: Se
     """A text table: per B, steady tok/s of every policy, the best fixed k, adaptive / best fixed and / oracle."""
     budget = [p for p in policies if not p.startswith("fixed-") and p != "oracle"]
     head = ["B"] + list(policies) + ["best fixed"] + [f"{p}/fixed" for p in budget] + [f"{p}/oracle" for p in budget]
-    lines = [f"cost model: {cost} (simulated steady tok/s)", "  ".join(f"{h:>12}" for h in head)]
+    lines = [f"cost model: {cost} (simulated tok/s over the whole queue)", "  ".join(f"{h:>12}" for h in head)]
     for b, cells in rows.items():
         r = ratios(cells)
-        vals = [f"{b:>12}"] + [f"{cells[p]['steady_tok_s']:>12.1f}" for p in policies] + [f"{r['best_fixed']:>12}"]
+        vals = [f"{b:>12}"] + [f"{cells[p]['tok_s']:>12.1f}" for p in policies] + [f"{r['best_fixed']:>12}"]
         vals += [f"{r[p]['vs_best_fixed']:>12.3f}" for p in budget]
         vals += [f"{r[p]['vs_oracle']:>12.3f}" if r[p]["vs_oracle"] else f"{'-':>12}" for p in budget]
         lines.append("  ".join(vals))
@@ -89,10 +116,10 @@ def plot_throughput(cost: str, rows: Mapping[int, Mapping[str, dict]], policies:
     fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.5))
     for p in policies:
         style = "-" if not p.startswith("fixed-") else ":"
-        ax.plot(bs, [rows[b][p]["steady_tok_s"] for b in bs], style, marker="o", ms=3, label=p)
-        best = [rows[b][ratios(rows[b])["best_fixed"]]["steady_tok_s"] for b in bs]
-        rel.plot(bs, [rows[b][p]["steady_tok_s"] / f for b, f in zip(bs, best)], style, marker="o", ms=3, label=p)
-    for a, title in ((ax, "steady tokens / s (simulated)"), (rel, "relative to the best fixed k at each B")):
+        ax.plot(bs, [rows[b][p]["tok_s"] for b in bs], style, marker="o", ms=3, label=p)
+        best = [rows[b][ratios(rows[b])["best_fixed"]]["tok_s"] for b in bs]
+        rel.plot(bs, [rows[b][p]["tok_s"] / f for b, f in zip(bs, best)], style, marker="o", ms=3, label=p)
+    for a, title in ((ax, "tokens / s over the queue (simulated)"), (rel, "relative to the best fixed policy at each B")):
         a.set_xscale("log", base=2)
         a.set_xlabel("B (requests decoding at once)")
         a.set_title(title)

@@ -4,7 +4,9 @@ accepts, and a simulated clock that a cost model advances.
 Under greedy decoding a request's state is its committed length alone: at t tokens past its prompt the draft
 proposed `trace.block(...)` and the target accepted a(t) of those drafts, whatever policy brought it there.
 So a step verifying `verify_len` rows commits `min(a(t), verify_len - 1) + 1` tokens, the next ones of the
-recorded greedy continuation, and takes `T(B, rows)` seconds of the cost model (`T_plain(B)` for a plain step).
+recorded greedy continuation. Time comes from `ServingCost.price` of what the step did (`step_work`): the drafter
+advances the clock by the proposal's seconds (its depth, its requests), the target by the verify or plain step's
+(rows, the requests' own KV tokens), and by the prefill of the prompts admitted before the step.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dspark.config import VerifyMode
-from dspark.cost.serving import ServingCost
+from dspark.cost.serving import ServingCost, StepWork
 from dspark.engine.batch import Batch
 from dspark.engine.drafter import Drafter, Drafts, Source
 from dspark.engine.sampling import Sampling
@@ -35,12 +37,11 @@ class SimClock:
         self.seconds += seconds
 
 
-def step_price(cost: ServingCost, num_requests: int, rows: int, speculated: bool) -> float:
-    """The cost model's seconds for one step of `num_requests` requests: `T(B, rows)` of a speculative step
-    (rows: its layout's, before tier padding), `T_plain(B)` of a target-only one."""
-    if speculated:
-        return float(cost.speculative.step_seconds(num_requests=num_requests, rows=rows))
-    return float(cost.plain_seconds(num_requests))
+def step_work(batch: Batch, slots: Tensor, rows: int, drafts: int) -> StepWork:
+    """The target's share of a step over `slots` (host ids): `rows` rows, `drafts` drafts per request (0: plain),
+    KV tokens = the cached tokens of those requests (their committed length minus the root, which is a row).
+    The drafter's share is priced apart (`ServingCost.draft_seconds`), so `drafting` is 0 here."""
+    return StepWork(requests=slots.numel(), rows=rows, kv_tokens=int((batch.lens[slots] - 1).sum()), drafts=drafts)
 
 
 def positions(batch: Batch, slots: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -51,13 +52,15 @@ def positions(batch: Batch, slots: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]
 
 class TraceDrafter(Drafter):
     """Proposes the recorded block at each request's position: its first k drafts, with the head's
-    confidence logits or the estimator's features (float32, as the live drafter computed them)."""
+    confidence logits or the estimator's features (float32, as the live drafter computed them); each proposal
+    advances `clock` by the cost model's seconds for k drafts over its requests."""
 
-    def __init__(self, trace: Trace, ids: Tensor) -> None:
-        self.trace, self.ids = trace, ids
+    def __init__(self, trace: Trace, ids: Tensor, cost: ServingCost, clock: SimClock) -> None:
+        self.trace, self.ids, self.cost, self.clock = trace, ids, cost, clock
         self.max_drafts = trace.gamma
 
     def propose(self, batch: Batch, slots: Tensor, k: int, source: Source, sampling: Sampling) -> Drafts:
+        self.clock.advance(self.cost.draft_seconds(slots.numel(), k))
         block = self.trace.block_from_checked(*positions(batch, slots, self.ids))
         tokens = block.drafts[:, :k].to(torch.int64)
         if source == "features":
@@ -67,22 +70,24 @@ class TraceDrafter(Drafter):
 
 class SimTarget(Target):
     """Commits the trace's greedy continuation: `min(a(t), cap - 1) + 1` tokens per request (cap: the verify
-    length, or W in static mode); each step advances `clock` by the cost model's seconds."""
+    length, or W in static mode); each step and each prefill advances `clock` by the cost model's seconds."""
 
     def __init__(self, trace: Trace, ids: Tensor, cost: ServingCost, clock: SimClock,
                  tiers: tuple[int, ...] = ()) -> None:
         self.trace, self.ids, self.cost, self.clock, self.tiers = trace, ids, cost, clock, tiers
 
+    def prefill(self, batch: Batch, slots: Tensor) -> None:
+        self.clock.advance(self.cost.prefill.seconds(int((batch.prompt_lens[slots] - 1).sum())))
+
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
-        self.clock.advance(step_price(self.cost, slots.numel(), slots.numel(), False))
+        self.clock.advance(self.cost.price(step_work(batch, slots, slots.numel(), 0)))
         return self.trace.greedy_from_checked(*positions(batch, slots, self.ids), 1)
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:
-        b = slots.numel()
         layout, caps = mode_layout(mode, verify_lens, drafts.tokens.shape[1] + 1, layout,
                                    self.tiers if mode is VerifyMode.COMPACT else (), None)
-        self.clock.advance(step_price(self.cost, b, layout.total_rows, True))
+        self.clock.advance(self.cost.price(step_work(batch, slots, layout.total_rows, drafts.tokens.shape[1])))
         return Verified(layout, caps, positions(batch, slots, self.ids))
 
     def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:

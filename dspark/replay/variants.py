@@ -110,7 +110,7 @@ def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
     if name in ("uniform", "oracle survival"):
         lab = replace(base, temperatures=None)
         every, most, feedback = lab.probe
-        args = (lab.planner(b, False), lab.cost.plain_seconds, every, most)
+        args = (lab.planner(b, False), lab.cost.believed_plain(lab.context), every, most)
         window = 9 if feedback else None
         if name == "uniform":
             return lab, UniformConfidence(mean_conditional_logits(base.trace, base.gamma), *args, cost_window=window)

@@ -84,34 +84,61 @@ def test_replay_commits_the_continuation_and_min_of_accepted_and_cap_per_step(se
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_replay_is_deterministic_and_charges_the_cost_model(policy: str) -> None:
+def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> None:
     trace = synthetic_trace(40, seed=3)
-    runs = [_lab(trace).run(policy, 6, queue_ids(trace, 6, min_requests=12)) for _ in range(2)]
+    ids = queue_ids(trace, 6, min_requests=12)
+    runs = [_lab(trace).run(policy, 6, ids) for _ in range(2)]
     a, b = runs
     assert len(a.steps) == len(b.steps) and a.seconds == b.seconds
     for x, y in zip(a.steps, b.steps):
         assert torch.equal(x.caps, y.caps) and torch.equal(x.commit_lens, y.commit_lens)
         assert x.times.total == y.times.total
     cost = _cost()
+    prompt = trace.prompt_offsets.diff()
+    pos: dict[int, int] = {}  # queued request -> tokens committed so far, walked independently of the engine
+    charged = 0.0
     for s in a.steps:
-        n = s.requests.numel()
-        if s.speculated:
-            rows = int(s.layout.total_rows)
-            assert s.times.verify == pytest.approx(float(cost.speculative.step_seconds(num_requests=n, rows=rows)))
-        else:
-            assert s.times.verify == pytest.approx(cost.plain_seconds(n))
+        owners = s.owners.tolist()
+        new = [q for q in owners if q not in pos]
+        for q in new:
+            pos[q] = 0
+        # the prompts admitted right before this step (the first step admits the first B at start-up)
+        prefill = cost.prefill.seconds(sum(int(prompt[ids[q]]) - 1 for q in new))
+        assert (s.times.prefill if s is not a.steps[0] else a.startup_seconds) == pytest.approx(prefill, abs=1e-15)
+        n, k = len(owners), s.confidence_logits.shape[1]
+        kv = sum(int(prompt[ids[q]]) - 1 + pos[q] for q in owners)  # each request's own cached tokens
+        rows = int(s.layout.total_rows) if s.speculated else n
+        target = float(cost.verify.step_seconds(num_requests=n, rows=rows)) if k else cost.plain_seconds(n)
+        assert s.times.verify == pytest.approx(target + cost.per_kv_token * kv, rel=1e-12)
+        assert s.times.draft == pytest.approx(cost.draft_seconds(n, k) if k else 0.0, rel=1e-12, abs=1e-15)
+        if k:  # a policy drafting k pays for k, not for the trace's gamma
+            assert s.times.draft < cost.draft_seconds(n, GAMMA) or k == GAMMA
+        for q, c in zip(owners, s.commit_lens.tolist()):
+            pos[q] += c
+        charged += target + cost.per_kv_token * kv + (cost.draft_seconds(n, k) if k else 0.0) + prefill
+    assert a.seconds == pytest.approx(charged, rel=1e-9)
+
+
+def test_a_recycled_queue_repeats_every_request_before_any_twice_and_refuses_past_max_repeats() -> None:
+    trace = synthetic_trace(10, seed=1)
+    ids = queue_ids(trace, 8, requests_per_slot=3, min_requests=4)
+    assert ids.numel() == 24
+    assert sorted(ids[:10].tolist()) == list(range(10)) and sorted(ids[10:20].tolist()) == list(range(10))
+    assert torch.equal(ids, queue_ids(trace, 8, requests_per_slot=3, min_requests=4))
+    with pytest.raises(ValueError, match="need a queue of 64 requests, 7 copies .* past max_repeats = 6"):
+        queue_ids(trace, 8, min_requests=4, max_repeats=6)
+
+
+def test_a_queue_naming_a_request_the_trace_lacks_is_refused_naming_it() -> None:
+    trace = synthetic_trace(10, seed=1)
+    with pytest.raises(ValueError, match=r"ids\[2\] = 10 is not a request of the trace \(it holds 0..9\)"):
+        _lab(trace).run("fixed-1", 2, torch.tensor([0, 3, 10, 1]))
 
 
 def test_fixed_k_rows_and_static_mode_price_every_row() -> None:
     trace = synthetic_trace(30, seed=5)
     res = _lab(trace).run("fixed-2", 4, queue_ids(trace, 4, min_requests=8), mode=VerifyMode.STATIC)
     assert all(int(s.layout.total_rows) == s.requests.numel() * 3 for s in res.steps)
-
-
-def test_a_batch_larger_than_the_trace_keeps_busy_is_refused() -> None:
-    trace = synthetic_trace(10, seed=1)
-    with pytest.raises(ValueError, match="B = 8 slots need 16 requests .* trace holds 10"):
-        queue_ids(trace, 8, min_requests=4)
 
 
 def test_lab_refuses_a_cost_model_of_another_width_and_a_gamma_past_the_trace() -> None:
