@@ -26,7 +26,7 @@ import torch
 from dspark.cli.options import at_least, int_list, output_path
 from dspark.cost.serving import load_serving_cost, serving_cost_names
 from dspark.engine.progress import Progress
-from dspark.replay.lab import Lab, queue_ids
+from dspark.replay.lab import Lab, serving_queue
 from dspark.replay.report import format_table, plot_throughput, ratios, run_summary
 from dspark.replay.trace import DEFAULT_TRACE, load_trace
 from dspark.replay.variants import VARIANTS, fit_trace_temperatures, variant_lab
@@ -53,11 +53,11 @@ def study(lab: Lab, batch_sizes, policies, bar) -> dict[int, dict[str, dict]]:
     """Every policy at every B: run_summary cells."""
     rows: dict[int, dict[str, dict]] = {}
     for b in batch_sizes:
-        ids = queue_ids(lab.trace, b)
+        queue = serving_queue(lab.trace, b)
         rows[b] = {}
         for name in policies:
             temps = lab.temperatures if name != "adaptive-est" else None
-            rows[b][name] = run_summary(lab.run(name, b, ids), temps)
+            rows[b][name] = run_summary(lab.run(name, b, queue.ids), temps, queue.measured)
             bar(f"{lab.cost.name} B={b} {name}")
     return rows
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     costs = args.costs.split(",") if args.costs else serving_cost_names()
     models = [load_serving_cost(c, width=args.gamma + 1) for c in costs]  # every error before any work
     for b in args.batch_sizes:
-        queue_ids(trace, b)
+        serving_queue(trace, b)
     temps, fit = fit_trace_temperatures(trace, args.gamma)
     policies = [f"fixed-{k}" for k in range(args.gamma + 1)] + ["adaptive", "adaptive-est", "oracle"]
     units = len(models) * len(args.batch_sizes) * len(policies)
@@ -102,8 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
         for name in VARIANTS:
             for b in VARIANT_BATCHES:
                 lab, policy = variant_lab(base, name, b)
-                cells.setdefault(name, {})[str(b)] = run_summary(lab.run(policy, b, queue_ids(trace, b)),
-                                                                lab.temperatures if name != "estimator" else None)
+                queue = serving_queue(trace, b)
+                cells.setdefault(name, {})[str(b)] = run_summary(lab.run(policy, b, queue.ids),
+                                                                lab.temperatures if name != "estimator" else None,
+                                                                queue.measured)
                 bar(f"variant {name} B={b}")
         out["variants"] = {"cost_model": models[0].name, "cells": cells}
         head = "variant (tok/s over the queue)  " + "  ".join(f"B={b:>6}" for b in VARIANT_BATCHES)

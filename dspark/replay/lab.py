@@ -31,30 +31,50 @@ from dspark.replay.trace import Trace
 from dspark.util.validate import check_int, check_type
 
 
-REQUESTS_PER_SLOT = 8  # queue length per slot: every slot serves this many requests on average
+REQUESTS_PER_SLOT = 8  # measured requests per slot
+FILL_PER_SLOT = 4  # requests per slot queued after the measured ones: every measured request runs at full concurrency
 MAX_REPEATS = 8  # the most times one trace request may appear in a recycled queue
 
 
-def queue_ids(trace: Trace, slots: int, *, requests_per_slot: int = REQUESTS_PER_SLOT, min_requests: int = 64,
-              seed: int = 0, max_repeats: int = MAX_REPEATS) -> Tensor:
-    """The trace requests [N] a run on `slots` slots serves, N = max(min_requests, requests_per_slot x slots):
-    seeded permutations of the whole trace one after another (seed, seed + 1, ...), cut at N, so the kinds stay
-    mixed and a request repeats only once every other request has been queued (under greedy decoding a repeat
-    is the same request again). ValueError when N needs a request more than `max_repeats` times."""
-    check_int("slots", slots, 1)
-    check_int("requests_per_slot", requests_per_slot, 1)
-    check_int("min_requests", min_requests, 1)
+def queue_ids(trace: Trace, n: int, *, seed: int = 0, max_repeats: int = MAX_REPEATS) -> Tensor:
+    """n trace requests [n] in arrival order: seeded permutations of the whole trace one after another (seed,
+    seed + 1, ...), cut at n, so the kinds stay mixed and a request repeats only once every other request has
+    been queued (under greedy decoding a repeat is the same request again). ValueError when n needs a request
+    more than `max_repeats` times."""
+    check_int("n", n, 1)
     check_int("max_repeats", max_repeats, 1)
-    n = max(min_requests, requests_per_slot * slots)
     repeats = -(-n // trace.num_requests)
     if repeats > max_repeats:
-        raise ValueError(f"B = {slots} slots with {requests_per_slot} requests per slot need a queue of {n} "
-                         f"requests, {repeats} copies of each of the trace's {trace.num_requests}, past max_repeats = "
-                         f"{max_repeats}: record a larger trace (python -m dspark.replay.record --requests "
-                         f"{-(-n // max_repeats)}), lower B or requests_per_slot, or raise max_repeats")
+        raise ValueError(f"a queue of {n} requests needs {repeats} copies of each of the trace's {trace.num_requests}, "
+                         f"past max_repeats = {max_repeats}: record a larger trace (python -m dspark.replay.record "
+                         f"--requests {-(-n // max_repeats)}), lower B or the requests per slot, or raise max_repeats")
     perms = [torch.randperm(trace.num_requests, generator=torch.Generator().manual_seed(seed + i))
              for i in range(repeats)]
     return torch.cat(perms)[:n]
+
+
+@dataclass(frozen=True)
+class ServingQueue:
+    """A queue for a fixed-concurrency run: trace requests `ids` [N] in arrival order and the queue positions
+    `measured` whose requests the throughput and the time per output token count."""
+
+    ids: Tensor
+    measured: range
+
+
+def serving_queue(trace: Trace, slots: int, *, requests_per_slot: int = REQUESTS_PER_SLOT,
+                  fill_per_slot: int = FILL_PER_SLOT, min_requests: int = 64, seed: int = 0,
+                  max_repeats: int = MAX_REPEATS) -> ServingQueue:
+    """The queue a run on `slots` slots serves: a first wave of `slots` requests (all admitted at once, not
+    measured), M = max(min_requests, requests_per_slot x slots) measured requests, then fill_per_slot x slots
+    more that keep every slot busy until the measured ones finish (not measured)."""
+    check_int("slots", slots, 1)
+    check_int("requests_per_slot", requests_per_slot, 1)
+    check_int("fill_per_slot", fill_per_slot, 0)
+    check_int("min_requests", min_requests, 1)
+    m = max(min_requests, requests_per_slot * slots)
+    ids = queue_ids(trace, slots + m + fill_per_slot * slots, seed=seed, max_repeats=max_repeats)
+    return ServingQueue(ids, range(slots, slots + m))
 
 
 def check_queue(trace: Trace, ids: Tensor) -> Tensor:
@@ -134,9 +154,9 @@ class Lab:
 
     def run(self, policy: str | Policy, b: int, ids: Tensor | None = None,
             mode: VerifyMode = VerifyMode.COMPACT) -> GenerateResult:
-        """Serve the trace requests `ids` (default `queue_ids(trace, b)`) on b slots with `policy` (a name, or
-        a policy object built for this lab)."""
-        ids = queue_ids(self.trace, b) if ids is None else check_queue(self.trace, ids)
+        """Serve the trace requests `ids` [N] (default `serving_queue(trace, b).ids`) on b slots with `policy`
+        (a name, or a policy object built for this lab)."""
+        ids = serving_queue(self.trace, b).ids if ids is None else check_queue(self.trace, ids)
         pol = self.policy(policy, b) if isinstance(policy, str) else policy
         if pol.num_drafts > self.trace.gamma:
             raise ValueError(f"policy {pol.name!r} drafts {pol.num_drafts} tokens but the trace recorded "

@@ -1,8 +1,9 @@
 """What a policy-lab study reports per (cost model, B, policy), its table and its plot.
 
-`run_summary` reads one replayed run: throughput over the whole queue in simulated seconds (every request's
-counted tokens over the run's seconds, prefill and the drain included, as vLLM's and SGLang's serving benchmarks
-report it at a fixed concurrency), time per output token per request (p50 / p90), rows per step, the share of
+`run_summary` reads one replayed run: throughput at a fixed concurrency over the measured requests of the queue
+in simulated seconds (B x their tokens / their summed latency: Little's law for B requests always in flight,
+prefill included), time per output token per request (p50 / p90), the two numbers vLLM's and SGLang's serving
+benchmarks report, rows and drafts per step, the share of
 speculative steps, the tau bias (committed vs the calibrated prediction), and the planner's measured wall time
 per decision beside the modelled step time. `ratios` puts every budget policy against the best fixed policy
 (plain decoding included) and the oracle at the same B.
@@ -24,27 +25,37 @@ from dspark.plan.survival import calibrated_survival
 BUDGET_POLICIES = ("adaptive", "adaptive-est")
 
 
-def per_request_tpot(res: GenerateResult) -> list[float]:
-    """Seconds per output token of each request: the seconds of every step it decoded in (its own admission's
-    prefill left out, later admissions' included: they stall it) over its counted tokens."""
-    seconds: dict[int, float] = {}
-    tokens: dict[int, int] = {}
-    for s in res.steps:
-        owners = s.owners.tolist()
-        useful = s.useful_per_request.tolist()
-        for owner, n in zip(owners, useful):
-            if owner not in seconds:  # its first step: the prefill that admitted it is its time to first token
-                seconds[owner] = s.times.total - s.times.prefill
-            else:
-                seconds[owner] += s.times.total
-            tokens[owner] = tokens.get(owner, 0) + n
-    return [seconds[r] / tokens[r] for r in sorted(seconds) if tokens[r]]
+def per_request(res: GenerateResult) -> dict[int, tuple[int, float, float, bool]]:
+    """Per queued request: (counted tokens, latency seconds, time to its first decode step, ran at full
+    concurrency). Latency: the seconds of every step it decoded in, its admission's prefill included (later
+    admissions' prefill too: they stall it); steps run one after another, so this is its wall time in flight."""
+    out: dict[int, list] = {}
+    for i, s in enumerate(res.steps):
+        prefill = res.startup_seconds if i == 0 else s.times.prefill
+        full = s.requests.numel() == res.max_batch
+        for owner, n in zip(s.owners.tolist(), s.useful_per_request.tolist()):
+            if owner not in out:
+                out[owner] = [0, 0.0, prefill, True]
+            row = out[owner]
+            row[0] += n
+            row[1] += s.times.total + (prefill if i == 0 else 0.0)
+            row[3] = row[3] and full
+    return {r: tuple(v) for r, v in out.items()}
 
 
-def run_summary(res: GenerateResult, temperatures: Sequence[float] | None) -> dict:
+def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measured: range | None = None) -> dict:
     """One run's numbers; temperatures [k]: how the step's confidence logits turn into the predicted tau
-    (None: raw, e.g. the online estimator's own calibration)."""
-    tokens = sum(s.useful for s in res.steps)
+    (None: raw, e.g. the online estimator's own calibration); measured: the queue positions counted (None:
+    every request).
+
+    tok_s: B x (their tokens) / (their summed latency), Little's law for B requests always in flight (equal to
+    tokens over seconds when every counted request ran at full concurrency, `full_concurrency`); tpot_ms_p50 /
+    p90: per request, (latency - time to its first decode step) / tokens."""
+    reqs = per_request(res)
+    counted = [reqs[r] for r in (measured if measured is not None else sorted(reqs))]
+    tokens = sum(c[0] for c in counted)
+    latency = sum(c[1] for c in counted)
+    tpot = [(c[1] - c[2]) / c[0] for c in counted if c[0]]
     spec = [s for s in res.steps if s.speculated]
     predicted = committed = 0.0
     for s in spec:
@@ -54,17 +65,17 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None) -> di
         predicted += expected_commit(survival, s.caps.to(torch.int64), ScheduleConfig(gamma=k))
         committed += float(s.commit_lens.sum())
     plan_us = [s.times.host_plan * 1e6 for s in spec]
-    tpot = sorted(per_request_tpot(res))
-    drain = sum(s.times.total for s in res.steps if s.requests.numel() < res.max_batch)
     return {
-        "tok_s": tokens / res.seconds if res.seconds > 0 else 0.0,
+        "tok_s": res.max_batch * tokens / latency if latency > 0 else 0.0,
         "tokens": tokens,
+        "requests": len(counted),
+        "full_concurrency": all(c[3] for c in counted),
+        "tpot_ms_p50": 1e3 * float(np.percentile(tpot, 50)),
+        "tpot_ms_p90": 1e3 * float(np.percentile(tpot, 90)),
+        "run_tok_s": sum(s.useful for s in res.steps) / res.seconds if res.seconds > 0 else 0.0,
         "steps": len(res.steps),
         "seconds": res.seconds,
         "prefill_share": (res.startup_seconds + sum(s.times.prefill for s in res.steps)) / res.seconds,
-        "drain_share": drain / res.seconds,
-        "tpot_ms_p50": 1e3 * float(np.percentile(tpot, 50)),
-        "tpot_ms_p90": 1e3 * float(np.percentile(tpot, 90)),
         "rows_per_step": statistics.fmean(float(s.layout.total_rows) for s in res.steps),
         "drafts_per_step": statistics.fmean(float(s.confidence_logits.shape[1]) for s in res.steps),
         "speculative_share": len(spec) / len(res.steps),
@@ -93,7 +104,7 @@ def format_table(cost: str, rows: Mapping[int, Mapping[str, dict]], policies: Se
     """A text table: per B, steady tok/s of every policy, the best fixed k, adaptive / best fixed and / oracle."""
     budget = [p for p in policies if not p.startswith("fixed-") and p != "oracle"]
     head = ["B"] + list(policies) + ["best fixed"] + [f"{p}/fixed" for p in budget] + [f"{p}/oracle" for p in budget]
-    lines = [f"cost model: {cost} (simulated tok/s over the whole queue)", "  ".join(f"{h:>12}" for h in head)]
+    lines = [f"cost model: {cost} (simulated tok/s at fixed concurrency)", "  ".join(f"{h:>12}" for h in head)]
     for b, cells in rows.items():
         r = ratios(cells)
         vals = [f"{b:>12}"] + [f"{cells[p]['tok_s']:>12.1f}" for p in policies] + [f"{r['best_fixed']:>12}"]
@@ -119,7 +130,7 @@ def plot_throughput(cost: str, rows: Mapping[int, Mapping[str, dict]], policies:
         ax.plot(bs, [rows[b][p]["tok_s"] for b in bs], style, marker="o", ms=3, label=p)
         best = [rows[b][ratios(rows[b])["best_fixed"]]["tok_s"] for b in bs]
         rel.plot(bs, [rows[b][p]["tok_s"] / f for b, f in zip(bs, best)], style, marker="o", ms=3, label=p)
-    for a, title in ((ax, "tokens / s over the queue (simulated)"), (rel, "relative to the best fixed policy at each B")):
+    for a, title in ((ax, "tokens / s at fixed concurrency (simulated)"), (rel, "relative to the best fixed policy at each B")):
         a.set_xscale("log", base=2)
         a.set_xlabel("B (requests decoding at once)")
         a.set_title(title)

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
-from dspark.replay.lab import Lab, queue_ids
+from dspark.replay.lab import Lab, queue_ids, serving_queue
 from dspark.replay.trace import Trace
 
 pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
@@ -65,7 +65,7 @@ def _lab(trace: Trace, **kw) -> Lab:
        mode=st.sampled_from(list(VerifyMode)))
 def test_replay_commits_the_continuation_and_min_of_accepted_and_cap_per_step(seed, b, policy, mode) -> None:
     trace = synthetic_trace(24, seed)
-    ids = queue_ids(trace, b, min_requests=12)
+    ids = queue_ids(trace, 12)
     res = _lab(trace).run(policy, b, ids, mode=mode)
     for q, i in enumerate(ids.tolist()):  # lossless: the continuation, whatever the policy
         n = int(trace.new_tokens[i])
@@ -86,7 +86,7 @@ def test_replay_commits_the_continuation_and_min_of_accepted_and_cap_per_step(se
 @pytest.mark.parametrize("policy", POLICIES)
 def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> None:
     trace = synthetic_trace(40, seed=3)
-    ids = queue_ids(trace, 6, min_requests=12)
+    ids = queue_ids(trace, 12)
     runs = [_lab(trace).run(policy, 6, ids) for _ in range(2)]
     a, b = runs
     assert len(a.steps) == len(b.steps) and a.seconds == b.seconds
@@ -121,12 +121,35 @@ def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> 
 
 def test_a_recycled_queue_repeats_every_request_before_any_twice_and_refuses_past_max_repeats() -> None:
     trace = synthetic_trace(10, seed=1)
-    ids = queue_ids(trace, 8, requests_per_slot=3, min_requests=4)
+    ids = queue_ids(trace, 24)
     assert ids.numel() == 24
     assert sorted(ids[:10].tolist()) == list(range(10)) and sorted(ids[10:20].tolist()) == list(range(10))
-    assert torch.equal(ids, queue_ids(trace, 8, requests_per_slot=3, min_requests=4))
-    with pytest.raises(ValueError, match="need a queue of 64 requests, 7 copies .* past max_repeats = 6"):
-        queue_ids(trace, 8, min_requests=4, max_repeats=6)
+    assert torch.equal(ids, queue_ids(trace, 24)) and not torch.equal(ids, queue_ids(trace, 24, seed=1))
+    with pytest.raises(ValueError, match="a queue of 64 requests needs 7 copies .* past max_repeats = 6"):
+        queue_ids(trace, 64, max_repeats=6)
+    q = serving_queue(trace, 3, requests_per_slot=2, fill_per_slot=1, min_requests=4)
+    assert q.ids.numel() == 3 + 6 + 3 and q.measured == range(3, 9)
+    with pytest.raises(ValueError, match="a queue of 1300 requests needs 130 copies .* max_repeats = 8"):
+        serving_queue(trace, 100)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 1000), b=st.sampled_from([2, 3, 5]), policy=st.sampled_from(POLICIES))
+def test_every_measured_request_runs_at_full_concurrency_and_tok_s_is_their_tokens_over_time(seed, b, policy) -> None:
+    from dspark.replay.report import run_summary
+
+    trace = synthetic_trace(30, seed)
+    q = serving_queue(trace, b, requests_per_slot=3, fill_per_slot=4, min_requests=6)
+    res = _lab(trace).run(policy, b, q.ids)
+    out = run_summary(res, None, q.measured)
+    assert out["full_concurrency"] and out["requests"] == len(q.measured)
+    assert out["tokens"] == int(trace.new_tokens[q.ids[q.measured.start:q.measured.stop]].sum())
+    # brute force: each measured request's latency is the seconds of the steps it was in
+    latency = 0.0
+    for i, s in enumerate(res.steps):
+        inside = sum(1 for o in s.owners.tolist() if o in q.measured)
+        latency += inside * s.times.total
+    assert out["tok_s"] == pytest.approx(b * out["tokens"] / latency, rel=1e-9)
 
 
 def test_a_queue_naming_a_request_the_trace_lacks_is_refused_naming_it() -> None:
@@ -137,7 +160,7 @@ def test_a_queue_naming_a_request_the_trace_lacks_is_refused_naming_it() -> None
 
 def test_fixed_k_rows_and_static_mode_price_every_row() -> None:
     trace = synthetic_trace(30, seed=5)
-    res = _lab(trace).run("fixed-2", 4, queue_ids(trace, 4, min_requests=8), mode=VerifyMode.STATIC)
+    res = _lab(trace).run("fixed-2", 4, queue_ids(trace, 8), mode=VerifyMode.STATIC)
     assert all(int(s.layout.total_rows) == s.requests.numel() * 3 for s in res.steps)
 
 

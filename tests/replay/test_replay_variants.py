@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_every_variant_commits_the_continuation(name: str) -> None:
     trace = synthetic_trace(30, seed=11)
-    ids = queue_ids(trace, 4, min_requests=12)
+    ids = queue_ids(trace, 12)
     lab, policy = variant_lab(_lab(trace), name, 4)
     res = lab.run(policy, 4, ids)
     for q, i in enumerate(ids.tolist()):
@@ -30,7 +30,7 @@ def test_every_variant_commits_the_continuation(name: str) -> None:
 @pytest.mark.parametrize("seed", [2, 7, 19])
 def test_oracle_survival_is_the_accepted_prefix(seed: int) -> None:
     trace = synthetic_trace(30, seed=seed)
-    ids = queue_ids(trace, 6, min_requests=12)
+    ids = queue_ids(trace, 12)
     lab, policy = variant_lab(_lab(trace), "oracle survival", 6)
     assert isinstance(policy, OracleSurvival) and lab.temperatures is None
     res = lab.run(policy, 6, ids)
