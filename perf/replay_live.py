@@ -1,14 +1,18 @@
 """Replay vs live: the trace replay's predicted tok/s against the live engine's measured tok/s, cell by cell.
 
-The same queue of trace requests is served live (SmolLM2 + the shipped draft on this CPU, `SpecDecoder`, the
-cost model's graph tiers, one thread, thread clock) and replayed (`dspark.replay.Lab`), every policy built by
-the same factory with planners over the same serving cost model (default `cpu-measured`). Per (policy, B):
-the step-by-step agreement of live and replay (`dspark.replay.live.step_agreement`), the live steady tok/s
-(with and without prefill, medians over lockstep rounds), the replay's, and the cost model's error on the
-live run's own steps (`priced_steady`), which accounts for the gap when the steps agree. JSON and a PNG.
+The same queue of trace requests is served live (SmolLM2 + the shipped draft on this CPU, `SpecDecoder`, one
+thread, thread clock) and replayed (`dspark.replay.Lab`), every policy built by the same factory with planners
+over the same serving cost model: by default one profiled in this run, before the live rounds, by the engine's
+own profiler (`dspark.engine.profile.profile_serving_cost`: whole steps per tier, plain steps, the draft phase
+per depth, the prefill), so the table and the runs it is compared with share the machine and the hour. Per
+(policy, B): the step-by-step agreement of live and replay (`dspark.replay.live.step_agreement`), the live and
+replayed tok/s at fixed concurrency (the lab's measure, `run_summary` over the queue's measured requests;
+medians over lockstep rounds), and the residual phase by phase (`priced_phases`: draft, target, prefill, plan).
+JSON and a PNG.
 
-    PYTHONPATH=. python perf/replay_live.py [--model real|tiny] [--batch-sizes 1,4,16] [--min-requests 8]
-        [--repeats 2] [--cost cpu-measured] [--out perf/results/replay_live.json]
+    PYTHONPATH=. python perf/replay_live.py [--model real|tiny] [--batch-sizes 1,4,16] [--requests-per-slot 2]
+        [--fill-per-slot 1] [--min-requests 8] [--repeats 2] [--cost same-run|NAME|PATH]
+        [--out perf/results/replay_live.json]
 """
 from __future__ import annotations
 
@@ -21,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from dspark.cli.options import at_least, int_list, output_path
 from dspark.config import VerifyMode
@@ -30,87 +33,111 @@ from dspark.engine.decode import SpecDecoder
 from dspark.engine.lockstep import lockstep
 from dspark.engine.progress import Progress
 from dspark.engine.results import GenerateResult
-from dspark.replay.lab import Lab, queue_ids
-from dspark.replay.live import priced_steady, step_agreement
+from dspark.replay.lab import Lab, ServingQueue, serving_queue
+from dspark.replay.live import priced_phases, step_agreement
+from dspark.replay.report import run_summary
 from dspark.replay.trace import Trace
 from dspark.replay.variants import fit_trace_temperatures
 from dspark.util.fileio import write_json_atomic
 
 POLICIES = ("fixed-0", "fixed-1", "fixed-2", "fixed-3", "adaptive", "adaptive-est")  # the oracle cannot run live
+PHASES = ("draft", "target", "prefill", "plan")
 GOAL = 0.05
+PROFILE_TOKENS, PROMPT_LEN = 12, 32  # the demo profile's run length and prompt length
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("real", "tiny"), default="real", help="tiny: the tests' models (a smoke run)")
-    ap.add_argument("--cost", default="cpu-measured", help="a shipped serving cost name or a .json path")
+    ap.add_argument("--cost", default="same-run",
+                    help="same-run (profiled here, before the live rounds), a shipped serving cost name or a .json path")
     ap.add_argument("--gamma", type=at_least(1), default=3)
     ap.add_argument("--batch-sizes", type=int_list(1), default=(1, 4, 16))
-    ap.add_argument("--min-requests", type=at_least(1), default=8, help="queue length at least (2 per slot)")
+    ap.add_argument("--requests-per-slot", type=at_least(1), default=2, help="measured requests per slot")
+    ap.add_argument("--fill-per-slot", type=at_least(0), default=1, help="requests per slot after the measured ones")
+    ap.add_argument("--min-requests", type=at_least(1), default=8, help="measured requests at least")
     ap.add_argument("--repeats", type=at_least(1), default=2, help="timed lockstep rounds per B")
+    ap.add_argument("--profile-repeats", type=at_least(1), default=2, help="lockstep sweeps per profiled point")
     ap.add_argument("--out", type=output_path(), default="perf/results/replay_live.json")
     return ap.parse_args(argv)
 
 
-def setup(args: argparse.Namespace, tiers: tuple[int, ...]) -> tuple[SpecDecoder, Trace, dict[int, Tensor], str]:
-    """(a decoder over the target and draft with the graph tiers `tiers` and a KV cache for the largest B of
-    the trace's longest requests, the trace recorded with them, each B's queue of trace requests, a
-    description). The real trace's queues are checked before the models load."""
-    def queues(trace: Trace) -> dict[int, Tensor]:
-        return {b: queue_ids(trace, b, min_requests=args.min_requests) for b in args.batch_sizes}
-
+def load(args: argparse.Namespace):
+    """(target, draft, profile prompts [max B, P], the trace recorded with the pair, a description)."""
     gamma = args.gamma
     if args.model == "real":
         from dspark.engine.demo import load_models
+        from dspark.models.corpus import prompt_windows
         from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
         from dspark.replay.trace import DEFAULT_TRACE, load_trace
 
         trace = load_trace(DEFAULT_TRACE, draft_sha256=file_sha256(DEFAULT_WEIGHTS))
-        queues(trace)
-        target, draft, _ = load_models(torch.device("cpu"))
-        what = "SmolLM2-135M-Instruct"
-    else:
-        root = str(Path(__file__).resolve().parents[1])
-        if root not in sys.path:
-            sys.path.insert(0, root)
-        from dspark.replay.record import record_trace
-        from dspark.replay.workload import Request
-        from tests.engine_models import VOCAB, tiny_models
+        queues(args, trace)  # a bad B is refused before the models load
+        target, draft, encode = load_models(torch.device("cpu"))
+        prompts = prompt_windows("heldout", encode, max(args.batch_sizes), PROMPT_LEN, 0)
+        return target, draft, prompts, trace, "SmolLM2-135M-Instruct"
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from dspark.replay.record import record_trace
+    from dspark.replay.workload import Request
+    from tests.engine_models import VOCAB, tiny_models
 
-        target, draft = tiny_models(gamma=gamma)
-        g = torch.Generator().manual_seed(7)
-        requests = [Request(("code", "chat", "copy")[i % 3], torch.randint(3, VOCAB, (int(p),), generator=g), int(n))
-                    for i, (p, n) in enumerate(zip(torch.randint(4, 9, (24,), generator=g),
-                                                   torch.randint(3, 12, (24,), generator=g)))]
-        trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=gamma, max_batch=4)
-        what = "the tests' tiny Llama"
-    per_request = int(trace.prompt_lens.max() + trace.new_tokens.max()) + 2 * (gamma + 1) + 64 + 16  # catch-up rows, a page
-    decoder = SpecDecoder(target, draft, cache_tokens=max(args.batch_sizes) * per_request, tiers=tiers, clock="thread")
-    return decoder, trace, queues(trace), what
+    target, draft = tiny_models(gamma=gamma)
+    g = torch.Generator().manual_seed(7)
+    requests = [Request(("code", "chat", "copy")[i % 3], torch.randint(3, VOCAB, (int(p),), generator=g), int(n))
+                for i, (p, n) in enumerate(zip(torch.randint(4, 9, (24,), generator=g),
+                                               torch.randint(3, 12, (24,), generator=g)))]
+    trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=gamma, max_batch=4)
+    prompts = torch.randint(3, VOCAB, (max(args.batch_sizes), 8), generator=g)
+    return target, draft, prompts, trace, "the tests' tiny Llama"
 
 
-def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, ids: Tensor, cost: ServingCost) -> dict:
-    """One (policy, B): agreement of the first live round with the replay, live and replayed tok/s, the cost
-    model's error on the live steps (medians over rounds)."""
-    priced = [priced_steady(r, cost) for r in live]
-    replay_tok, replay_seconds = sim.steady()
-    replay = replay_tok / replay_seconds if replay_seconds > 0 else 0.0
-    med = {k: statistics.median(p[k] for p in priced) for k in ("tok_s", "tok_s_no_prefill", "priced_tok_s")}
-    errors = {part: statistics.median(p[part]["cost_error"] for p in priced) if priced[0][part]["steps"] else None
-              for part in ("all", "speculative", "plain")}
-    return {"agreement": step_agreement(live[0], sim, trace, ids),
-            "live_tok_s_runs": [p["tok_s"] for p in priced], "live_tok_s": med["tok_s"],
-            "live_tok_s_no_prefill": med["tok_s_no_prefill"], "live_priced_tok_s": med["priced_tok_s"],
-            "replay_tok_s": replay, "gap": replay / med["tok_s"] - 1.0,
-            "gap_no_prefill": replay / med["tok_s_no_prefill"] - 1.0,
-            "replay_vs_priced_live": replay / med["priced_tok_s"] - 1.0,
-            "cost_error": errors, "prefill_share": statistics.median(p["prefill_s"] / (p["all"]["measured_s"] +
-                                                                                        p["prefill_s"]) for p in priced),
-            "steady_steps": priced[0]["steps"]}
+def queues(args: argparse.Namespace, trace: Trace) -> dict[int, ServingQueue]:
+    """Each B's fixed-concurrency queue of trace requests."""
+    return {b: serving_queue(trace, b, requests_per_slot=args.requests_per_slot, fill_per_slot=args.fill_per_slot,
+                             min_requests=args.min_requests) for b in args.batch_sizes}
+
+
+def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: torch.Tensor, trace: Trace,
+                 bar: Progress) -> ServingCost:
+    """The named cost, or with `same-run` this machine profiled now on the decoder's tier ladder."""
+    if args.cost != "same-run":
+        return load_serving_cost(args.cost, width=args.gamma + 1)
+    from dspark.engine.profile import profile_serving_cost
+
+    sizes, w, ladder = sorted({1, *args.batch_sizes}), args.gamma + 1, decoder.tiers
+    top = int(trace.new_tokens.max())
+    return profile_serving_cost(
+        lambda b: decoder.fork(tiers=[t for t in ladder if b <= t <= b * w] or None), prompts, args.gamma, sizes,
+        ladder, tokens=PROFILE_TOKENS, repeats=args.profile_repeats, reserve_new_tokens=top,
+        max_requests=max(sizes), name="same-run", description="this CPU, profiled by perf/replay_live.py in the run "
+        "it is compared with", parameters={"gamma": args.gamma, "batch_sizes": sizes, "tier_ladder": list(ladder),
+                                           "draft_sha256": trace.meta.get("draft_sha256")}, progress=bar)
+
+
+def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, queue: ServingQueue, cost: ServingCost,
+         temps) -> dict:
+    """One (policy, B): agreement of the first live round with the replay, live and replayed tok/s at fixed
+    concurrency (medians over rounds), and the residual per phase (priced / measured - 1, medians)."""
+    summaries = [run_summary(r, temps, queue.measured) for r in live]
+    replay = run_summary(sim, temps, queue.measured)
+    phases = [priced_phases(r, cost) for r in live]
+    live_tok = statistics.median(s["tok_s"] for s in summaries)
+    return {"agreement": step_agreement(live[0], sim, trace, queue.ids),
+            "live_tok_s_runs": [s["tok_s"] for s in summaries], "live_tok_s": live_tok,
+            "replay_tok_s": replay["tok_s"], "gap": replay["tok_s"] / live_tok - 1.0,
+            "live_tpot_ms_p50": statistics.median(s["tpot_ms_p50"] for s in summaries),
+            "replay_tpot_ms_p50": replay["tpot_ms_p50"],
+            "full_concurrency": all(s["full_concurrency"] for s in summaries),
+            "replay_vs_priced_live": sim.seconds / phases[0]["all"]["priced_s"] - 1.0,
+            "phases": {p: {"measured_s": statistics.median(x[p]["measured_s"] for x in phases),
+                           "priced_s": statistics.median(x[p]["priced_s"] for x in phases)}
+                       for p in (*PHASES, "all")}}
 
 
 def plot(cells: dict, path: Path) -> bool:
-    """Replayed vs live steady tok/s, one point per (policy, B), the y = x line and the +-5 % band."""
+    """Replayed vs live tok/s, one point per (policy, B), the y = x line and the +-5 % band."""
     try:
         import matplotlib
     except ImportError:
@@ -131,8 +158,8 @@ def plot(cells: dict, path: Path) -> bool:
     ax.plot(line, line, "k-", lw=0.8, label="replay = live")
     ax.fill_between(line, [v * (1 - GOAL) for v in line], [v * (1 + GOAL) for v in line], color="grey", alpha=0.2,
                     label="+-5 %")
-    ax.set_xlabel("live steady tok/s (measured, prefill included)")
-    ax.set_ylabel("replayed steady tok/s (cost model)")
+    ax.set_xlabel("live tok/s at fixed concurrency (measured)")
+    ax.set_ylabel("replayed tok/s (cost model)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
@@ -146,38 +173,50 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     t0 = time.perf_counter()
     torch.set_num_threads(1)
-    cost = load_serving_cost(args.cost, width=args.gamma + 1)
-    decoder, trace, queues, what = setup(args, tuple(cost.tiers))
+    if args.cost != "same-run":
+        load_serving_cost(args.cost, width=args.gamma + 1)  # a bad name is refused before any work
+    target, draft, prompts, trace, what = load(args)
+    qs = queues(args, trace)
+    from dspark.engine.demo_config import tier_ladder
+
+    longest = int(trace.prompt_offsets.diff().max() + trace.new_tokens.max())
+    per_request = longest + 2 * (args.gamma + 1) + 64 + 16  # catch-up rows, a page
+    ladder = tier_ladder(tuple(args.batch_sizes), args.gamma + 1)
+    decoder = SpecDecoder(target, draft, cache_tokens=max(args.batch_sizes) * per_request, tiers=ladder, clock="thread")
+    bar = Progress(len(args.batch_sizes) * (2 * len(POLICIES) + args.repeats)
+                   + (len({1, *args.batch_sizes}) if args.cost == "same-run" else 0), print)
+    cost = serving_cost(args, decoder, prompts, trace, bar)
+    decoder = decoder.fork(tiers=cost.tiers or None)
     temps, _ = fit_trace_temperatures(trace, args.gamma)
     lab = Lab(trace, cost, args.gamma, temperatures=temps)
-    bar = Progress(len(args.batch_sizes) * (2 * len(POLICIES) + args.repeats), print)
     cells: dict = {}
-    for b, ids in queues.items():
+    for b, queue in qs.items():
         # forks per B, released after: a decoder keeps a captured step, with buffers for every tier, per B it ran
         decoders = {name: decoder.fork() for name in POLICIES}
-        prompts = [trace.prompt(int(i)) for i in ids]
-        counts = trace.new_tokens[ids].clone()
+        prompts_b = [trace.prompt(int(i)) for i in queue.ids]
+        counts = trace.new_tokens[queue.ids].clone()
         for name in POLICIES:  # untimed warm-up: the first steps at new shapes are slow
-            decoders[name].generate(prompts[:b], 2, lab.policy(name, b), max_batch=b)
+            decoders[name].generate(prompts_b[:b], 2, lab.policy(name, b), max_batch=b)
             bar(f"B={b} warm-up {name}")
         rounds: dict[str, list] = {name: [] for name in POLICIES}
         for rep in range(args.repeats):
             order = list(POLICIES[rep % len(POLICIES):] + POLICIES[: rep % len(POLICIES)])
             labs = {name: dataclasses.replace(lab, estimators={}) for name in order}  # a fresh estimator per run
-            runs = lockstep({name: decoders[name].start(prompts, counts, labs[name].policy(name, b),
+            runs = lockstep({name: decoders[name].start(prompts_b, counts, labs[name].policy(name, b),
                                                         mode=VerifyMode.COMPACT, max_batch=b) for name in order})
             for name in POLICIES:
                 rounds[name].append(runs[name])
             bar(f"B={b} live round {rep + 1}/{args.repeats}")
         cells[b] = {}
         for name in POLICIES:
-            sim = dataclasses.replace(lab, estimators={}).run(name, b, ids)
-            cells[b][name] = cell(rounds[name], sim, trace, ids, cost)
+            sim = dataclasses.replace(lab, estimators={}).run(name, b, queue.ids)
+            cells[b][name] = cell(rounds[name], sim, trace, queue, cost, temps if name != "adaptive-est" else None)
             bar(f"B={b} replay {name}")
         del decoders, rounds
     out = {"command": "PYTHONPATH=. python perf/replay_live.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "model": what, "cost_model": cost.name, "gamma": args.gamma, "temperatures": temps,
-           "queues": {str(b): ids.tolist() for b, ids in queues.items()}, "repeats": args.repeats,
+           "model": what, "cost_model": cost.name, "cost": cost.to_dict(), "gamma": args.gamma, "temperatures": temps,
+           "queues": {str(b): {"ids": q.ids.tolist(), "measured": [q.measured.start, q.measured.stop]}
+                      for b, q in qs.items()}, "repeats": args.repeats,
            "tiers": list(decoder.tiers), "goal": GOAL,
            "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": 1, "clock": "thread"},
            "cells": {str(b): row for b, row in cells.items()}}
@@ -187,14 +226,15 @@ def main(argv: list[str] | None = None) -> dict:
     path = Path(args.out)
     write_json_atomic(path, out)
     plot(cells, path.with_suffix(".png"))
-    print(f"{'B':>4} {'policy':>13} {'steps same':>11} {'diverged':>9} {'live tok/s':>11} {'no prefill':>11} "
-          f"{'replay':>8} {'gap':>7} {'cost err':>9} {'vs priced':>10}")
+    print(f"{'B':>4} {'policy':>13} {'steps same':>11} {'live tok/s':>11} {'replay':>8} {'gap':>7} "
+          + " ".join(f"{p + ' err':>12}" for p in PHASES))
     for b, row in cells.items():
         for name, c in row.items():
-            a = c["agreement"]
-            print(f"{b:>4} {name:>13} {a['identical']:>5}/{a['compared']:<5} {a['diverging_requests']:>9} "
-                  f"{c['live_tok_s']:>11.2f} {c['live_tok_s_no_prefill']:>11.2f} {c['replay_tok_s']:>8.2f} "
-                  f"{c['gap']:>+7.1%} {c['cost_error']['all']:>+9.1%} {c['replay_vs_priced_live']:>+10.1%}")
+            a, ph = c["agreement"], c["phases"]
+            errs = [f"{ph[p]['priced_s'] / ph[p]['measured_s'] - 1:>+12.1%}" if ph[p]["measured_s"] else f"{'-':>12}"
+                    for p in PHASES]
+            print(f"{b:>4} {name:>13} {a['identical']:>5}/{a['compared']:<5} {c['live_tok_s']:>11.2f} "
+                  f"{c['replay_tok_s']:>8.2f} {c['gap']:>+7.1%} " + " ".join(errs))
     print(f"{out['within_goal']}/{out['cells_total']} cells within {GOAL:.0%}; wrote {path} and "
           f"{path.with_suffix('.png')} in {out['seconds']:.0f} s")
     return out

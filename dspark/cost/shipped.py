@@ -14,9 +14,9 @@ for bit. Every constant and assumption is documented, with its source, in graphs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -203,8 +203,9 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
     from dspark.engine.decode import SpecDecoder
     from dspark.engine.demo import load_models
     from dspark.engine.demo_config import DemoConfig, demo_clock, demo_tiers, length_range
-    from dspark.engine.profile import ForcedRows, profile_points, profile_step_costs
+    from dspark.engine.profile import profile_serving_cost
     from dspark.models.corpus import prompt_windows
+    from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
 
     sizes = check_probes("batch_sizes", sorted(batch_sizes), 1)
     cfg = DemoConfig(batch_sizes=sizes + tuple(doublings(sizes[-1], check_int("max_requests", max_requests, 1))),
@@ -215,27 +216,23 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
     target, draft, encode = load_models(torch.device("cpu"))
     longest, width, tiers = length_range(cfg.max_new_tokens, cfg.length_spread)[1], gamma + 1, demo_tiers(cfg)
     prompts = prompt_windows("heldout", encode, sizes[-1], cfg.prompt_len, cfg.seed)
-    samples, plain, prefills = [], [], []
-    drafting: list[list[float]] = [[] for _ in range(gamma)]
-    for b in sizes:  # one decoder per B holding the tiers its steps replay: memory stays bounded
-        decoder = SpecDecoder(target, draft, cache_tokens=b * (cfg.prompt_len + longest + width + 16),
-                              tiers=[t for t in tiers if b <= t <= b * width], clock=demo_clock(cfg))
-        measured, plain_b = profile_step_costs(decoder, prompts[:b], profile_points([b], gamma, tiers), gamma,
-                                               tokens=cfg.max_new_tokens, repeats=repeats, reserve_new_tokens=longest)
-        samples += measured
-        plain.append(plain_b.seconds[0])
-        for k in range(1, gamma + 1):  # the draft phase of full-batch steps drafting k, verifying the roots only
-            runs = [decoder.generate(prompts[:b], cfg.max_new_tokens, ForcedRows(k, b, b),
-                                     reserve_new_tokens=longest) for _ in range(repeats)]
-            drafting[k - 1].append(statistics.median(statistics.median(s.times.draft for s in r.steps
-                                                                       if s.requests.numel() == b) for r in runs))
-            prefills += [(b * cfg.prompt_len, r.startup_seconds) for r in runs]
+
+    def decoder(b: int) -> SpecDecoder:  # one decoder per B holding the tiers its steps replay: memory stays bounded
+        return SpecDecoder(target, draft, cache_tokens=b * (cfg.prompt_len + longest + width + 16),
+                           tiers=[t for t in tiers if b <= t <= b * width], clock=demo_clock(cfg))
+
     parameters = {"gamma": gamma, "batch_sizes": list(sizes), "repeats": repeats, "seed": seed,
                   "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
-                  "clock": demo_clock(cfg), "tier_ladder": list(tiers), "load_average_1min": [load, os.getloadavg()[0]]}
-    return profiled_cost(samples, BatchCurve(sizes, plain), [BatchCurve(sizes, d) for d in drafting],
-                         fit_prefill(prefills), gamma=gamma, tiers=tiers, max_requests=max_requests,
-                         parameters=parameters)
+                  "clock": demo_clock(cfg), "tier_ladder": list(tiers), "draft_sha256": file_sha256(DEFAULT_WEIGHTS)}
+    cost = profile_serving_cost(decoder, prompts, gamma, sizes, tiers, tokens=cfg.max_new_tokens, repeats=repeats,
+                                reserve_new_tokens=longest, max_requests=max_requests, name="cpu-measured",
+                                description="", parameters=parameters)
+    loads = [load, os.getloadavg()[0]]
+    return dataclasses.replace(
+        cost, description="SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's "
+        f"tiers and thread clock), profiled by the demo's own code at B <= {sizes[-1]} (1-minute load average at "
+        f"start / end: {loads[0]:.2f} / {loads[1]:.2f}); larger B scaled in proportion.",
+        parameters={**parameters, "load_average_1min": loads})
 
 
 def fit_prefill(samples: Sequence[tuple[int, float]]) -> PrefillCost:
@@ -249,43 +246,6 @@ def fit_prefill(samples: Sequence[tuple[int, float]]) -> PrefillCost:
         return PrefillCost(0.0, float(seconds.mean() / tokens[0]))
     fixed, per_token = nonnegative_lstsq(np.stack([np.ones_like(tokens), tokens], 1), seconds)
     return PrefillCost(float(fixed), float(per_token))
-
-
-def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting: Sequence[BatchCurve],
-                  prefill: PrefillCost, *, gamma: int, tiers: Sequence[int], max_requests: int, parameters: dict
-                  ) -> ServingCost:
-    """`cpu-measured` from the demo profile's results: whole-step samples (B, M, seconds) drafting gamma, plain
-    seconds and the draft phase per depth 1..gamma at the profiled B, the prefill fit, the tier ladder up to
-    max_requests x W; the demo's `fit_cost_model` over the profiled tiers, `fill_monotone`, `scale_batches` up
-    to max_requests, then the gamma-deep draft taken out of every cell (`verify` holds the target's part)."""
-    import platform
-
-    from dspark.engine.profile import fit_cost_model
-
-    machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
-    load = " / ".join(f"{v:.2f}" for v in parameters.get("load_average_1min", ())) or "not recorded"
-    fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
-    model, curves = scale_batches(fill_monotone(fitted, samples), (plain, *drafting), tiers, max_requests)
-    plain, drafting = curves[0], curves[1:]
-    verify = shift_batches(model, [-drafting[-1](b) for b in model.batch_probes])
-    drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
-                for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
-    return ServingCost(
-        "cpu-measured", machine,
-        "SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's tiers and thread "
-        f"clock), profiled by the demo's own code at B <= {top} (1-minute load average at start / end: {load}); "
-        "larger B scaled in proportion.",
-        ("measured: dspark.engine.profile.profile_step_costs per batch size + fit_cost_model over the demo's tiers "
-         "(TieredCostModel table over its serving tiers; plain step per B)",
-         "unmeasured table cells made monotone in the tier (fill_monotone)",
-         f"B > {top}: B / {top} steps of {top} requests with the same rows per request (scale_batches)",
-         "drafter: median draft phase of full-batch steps drafting k = 1..gamma, verifying the roots only "
-         "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft",
-         "per KV token: 0 (the profile's steps hold the demo's own contexts); prefill: fit_prefill over the "
-         "profile runs' first admissions",
-         f"machine: {platform.platform()}, torch {torch.__version__}"),
-        verify, plain, 0.0, DraftCost("chain", tuple(drafting)), prefill, tiers=model.tiers, max_requests=max_requests,
-        parameters=parameters)
 
 
 def shift_batches(model: TieredCostModel, shift: Sequence[float]) -> TieredCostModel:

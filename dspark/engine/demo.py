@@ -206,7 +206,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     temps = calib.temperatures
     sched = ScheduleConfig(gamma=gamma)
 
-    def planner(b: int, sts: bool = True) -> VerifyPlanner:
+    def planner(b: int, sts: bool = True, depth: int = gamma) -> VerifyPlanner:
         return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps if sts else None,
                              tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
 

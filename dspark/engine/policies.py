@@ -15,7 +15,7 @@ import collections
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 import torch
@@ -23,7 +23,8 @@ from torch import Tensor
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.engine.drafter import Drafts, Source
-from dspark.plan.budget import choose_budget, expected_commit_torch
+from dspark.engine.feedback import RealisedAcceptance
+from dspark.plan.budget import choose_budget
 from dspark.plan.planner import VerifyPlan, VerifyPlanner
 from dspark.util.validate import check_type
 from dspark.verify.accept import AcceptResult
@@ -108,7 +109,9 @@ class Adaptive(Policy):
     mean of every plan's calibrated prediction so far, worth `prior_weight` outcomes. cost_window: steps
     per median of measured / predicted seconds that rescales each side (None: off). estimator: an
     OnlineAcceptanceEstimator in place of the draft's head (the planner then needs temperatures=None and
-    its gamma).
+    its gamma). depths: planners for shallower drafts {k: planner with gamma k}, lag 0 like `planner`; with
+    them the speculate-or-not decision also picks the depth, from the realised acceptance per position priced
+    by each depth's planner (a probe or a step before any outcome drafts gamma).
     One policy object serves one run. How each piece decides, and why: docs/policies.md.
     """
 
@@ -117,7 +120,8 @@ class Adaptive(Policy):
     def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
                  probe_every: int = 8, max_probe_every: int = 64, feedback_decay: float | None = 0.985,
                  cost_window: int | None = 9, prior_weight: int = 16,
-                 estimator: OnlineAcceptanceEstimator | None = None):
+                 estimator: OnlineAcceptanceEstimator | None = None,
+                 depths: Mapping[int, VerifyPlanner] | None = None):
         for name, v, low in (("probe_every", probe_every, 1), ("max_probe_every", max_probe_every, probe_every),
                              ("cost_window", 1 if cost_window is None else cost_window, 1),
                              ("prior_weight", prior_weight, 0)):
@@ -132,11 +136,21 @@ class Adaptive(Policy):
                 raise ValueError(f"the estimator (gamma={estimator.gamma}) needs a planner with its gamma and "
                                  f"temperatures=None, got gamma={planner.cfg.gamma} and temperatures "
                                  f"{None if planner.temperatures is None else planner.temperatures.tolist()}")
+        depths = dict(depths or {})
+        for k, p in depths.items():
+            check_type(f"depths[{k}]", p, VerifyPlanner)
+            if not 1 <= k < planner.cfg.gamma or p.cfg.gamma != k:
+                raise ValueError(f"depths maps a depth k in [1, {planner.cfg.gamma - 1}] to a planner with gamma k, "
+                                 f"got {k} -> gamma {p.cfg.gamma}")
+            if p.ring is not None or planner.ring is not None:
+                raise ValueError(f"choosing the depth needs lag-0 planners, got lag {planner.lag} / {p.lag}")
         self.estimator = estimator
         self.source = "head" if estimator is None else "features"
         self._features: Tensor | None = None  # the latest step's estimator features
-        self.planner = planner
-        self.num_drafts = planner.cfg.gamma
+        self.gamma = planner.cfg.gamma
+        self._planners = {**depths, self.gamma: planner}  # depth -> its planner
+        self.planner = planner  # the current depth's planner
+        self.num_drafts = self.gamma
         self.plain_seconds = plain_seconds
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.catch_up = max_probe_every  # plain steps in a row before a probe: tokens the draft catches up
@@ -152,61 +166,79 @@ class Adaptive(Policy):
         self._pending_cost: tuple[bool, float] | None = None  # (speculative, predicted seconds) of this step
         self._catch_up = False  # the next speculative step's draft catches up on plain steps' tokens
         slots = planner.ring.num_slots if planner.ring is not None else 0
-        self.realised: tuple[float, float] | None = None  # EMA (accepted, verified) drafts per request per step
-        self._prior: tuple[float, float] | None = None  # mean predicted (accepted, verified) of the plans so far
-        self._observed = 0  # request outcomes of speculative steps seen
-        self._totals = (0.0, 0.0)  # accepted, verified drafts summed over those outcomes
-        self._predicted = (0.0, 0.0)  # the plans' predicted accepted, verified drafts summed over the same
+        self.feedback = RealisedAcceptance(self.gamma, feedback_decay or 0.0, prior_weight)
         self._pending: VerifyPlan | None = None  # the speculative step awaiting its outcome
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
+    @property
+    def realised(self) -> tuple[float, float] | None:
+        """Moving averages of (accepted, verified) drafts per request per step at depth gamma (None before any
+        outcome)."""
+        return self.feedback.predict(self.gamma)
+
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
-        """Before drafting: True to run a speculative step for these requests, False for a plain one."""
+        """Before drafting: True to run a speculative step for these requests (at the depth it sets in
+        `num_drafts`), False for a plain one."""
         if self.plain_seconds is None:
             return True
         if self._probe_left:  # a probe's second step: timed for the realised-cost feedback
             self._probe_left -= 1
             return True
-        if self._plain_run >= self._interval:  # probe
+        if self._plain_run >= self._interval:  # probe, at the full depth: every position is observed again
             self._plain_run = 0
             self._interval = min(2 * self._interval, self.max_probe_every)
             self._probe_left = 0 if self.cost_window is None else 1
+            self._use_depth(self.gamma)
             return True
         b = slots.numel()
         if self._decided is None or self._decided[0] != b:
             # same B since the last decision and no admission (`admit`): same requests, same lagged survival
-            spec_rate = self._speculative_rate(slots, generations) / self.cost_ratio[True]
+            depth, spec_rate = self._speculative_rate(slots, generations)
             plain_rate = b / (self.plain_seconds(b) * self.cost_ratio[False])
-            self._decided = (b, spec_rate > plain_rate)
+            self._decided = (b, spec_rate / self.cost_ratio[True] > plain_rate, depth)
         if self._decided[1]:
             self._plain_run, self._interval = 0, self.probe_every
+            self._use_depth(self._decided[2])
             return True
         self._plain_run += 1
         self._pending_cost = (False, self.plain_seconds(b))
         self._catch_up = True
         return False
 
-    def _speculative_rate(self, slots: Tensor, generations: Tensor) -> float:
-        """Predicted tokens / s of a speculative step for these requests: from the realised acceptance when
-        there is some, else from the lagged survival (planner's best theta)."""
+    def _use_depth(self, depth: int) -> None:
+        self.planner, self.num_drafts = self._planners[depth], depth
+
+    def _speculative_rate(self, slots: Tensor, generations: Tensor) -> tuple[int, float]:
+        """(depth, predicted tokens / s) of the best speculative step for these requests: from the realised
+        acceptance per position when there is some (each depth priced by its planner's cost model), else from
+        the lagged survival (the gamma planner's best theta)."""
         b = slots.numel()
-        if self.realised is not None:
-            accepted, verified = self.realised
-            rows = min(max(b, round(b * (1 + verified))), b * self.planner.cfg.width)
-            return b * (1 + accepted) / float(self.planner.cost_model.seconds_curve(b, rows, 1)[0])
-        if self.planner.ring is None:  # lag 0: no earlier survival to read; speculate until outcomes exist
-            return math.inf
-        lagged = self.planner.ring.read(slots, generations).cpu()
+        if self.feedback.mean is not None:
+            best = (self.gamma, -math.inf)
+            for depth, planner in sorted(self._planners.items()):
+                accepted, verified = self.feedback.predict(depth)
+                rows = min(max(b, round(b * (1 + verified))), b * planner.cfg.width)
+                rate = b * (1 + accepted) / float(planner.cost_model.seconds_curve(b, rows, 1)[0])
+                if rate > best[1]:  # ties to the shallower depth
+                    best = (depth, rate)
+            return best
+        planner = self._planners[self.gamma]
+        if planner.ring is None:  # lag 0: no earlier survival to read; speculate until outcomes exist
+            return self.gamma, math.inf
+        lagged = planner.ring.read(slots, generations).cpu()
         new = self._unseen[slots.cpu()] > 0
         if new.any() and not new.all():
             lagged[new] = lagged[~new].mean(0)
-        return choose_budget(lagged, self.planner.cost_model, self.planner.cfg).theta
+        return self.gamma, choose_budget(lagged, planner.cost_model, planner.cfg).theta
 
     def confidence(self, drafts: Drafts) -> Tensor:
         if self.estimator is None:
             return drafts.confidence_logits
-        self._features = drafts.features  # the inputs of this step's labels (`observe`)
-        return self.estimator.predict(drafts.features)
+        feats, k = drafts.features, drafts.features.shape[1]
+        if k < self.gamma:  # a shallower step: the estimator's columns past k stay unlabelled (censored)
+            feats = torch.cat([feats, feats.new_zeros(feats.shape[0], self.gamma - k, feats.shape[2])], 1)
+        self._features = feats  # the inputs of this step's labels (`observe`)
+        return self.estimator.predict(feats)[:, :k]
 
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
              prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
@@ -246,13 +278,10 @@ class Adaptive(Policy):
         estimator's features."""
         if self.estimator is not None and outcome is not None and outcome.speculated:
             self.estimator.observe(verify_lens=outcome.caps, correct_lens=outcome.correct_lens, features=self._features)
-        if outcome is not None and not outcome.speculated and self.realised is not None:
+        if outcome is not None and not outcome.speculated and self.feedback.mean is not None:
             # a plain step observes nothing: its B outcomes count as the long-run mean (the recent average
             # describes text that has moved on), so one bad streak cannot keep a small batch plain
-            w = 1 - self.feedback_decay ** outcome.requests.numel()
-            prior, weight = (self._prior, self.prior_weight) if self._prior is not None else ((0.0, 0.0), 0)
-            mean = [(t + weight * p) / (self._observed + weight) for t, p in zip(self._totals, prior)]
-            self.realised = ((1 - w) * self.realised[0] + w * mean[0], (1 - w) * self.realised[1] + w * mean[1])
+            self.feedback.observe_plain(outcome.requests.numel())
             self._decided = None
         if self._pending is None:
             return
@@ -260,20 +289,7 @@ class Adaptive(Policy):
         # one host read of the planner's own (already checked) lengths and survival
         host = torch.cat([plan.verify_lens[:, None].to(torch.float64), plan.survival.to(torch.float64)], 1).cpu()
         vl = host[:, 0].numpy().astype(np.int64)
-        n = vl.size
-        if self.prior_weight:  # calibrated predictions: the prior a short unlucky streak cannot outweigh
-            expected = float(expected_commit_torch(host[:, 1:], host[:, 0].to(torch.int64)))
-            self._predicted = (self._predicted[0] + expected - n, self._predicted[1] + float(vl.sum()) - n)
-            self._prior = (self._predicted[0] / (self._observed + n), self._predicted[1] / (self._observed + n))
-        accepted = float((np.minimum(commit_lens.numpy(), vl) - 1).mean())  # within the verified rows
-        verified = float((vl - 1).mean())
-        self._observed += n
-        self._totals = (self._totals[0] + n * accepted, self._totals[1] + n * verified)
-        # the mean of the prior and the first outcomes, then the moving average
-        prior = self.prior_weight if self._prior is not None else 0
-        w = max(1 - self.feedback_decay ** n, n / (self._observed + prior))
-        old = self.realised if self.realised is not None else (self._prior or (accepted, verified))
-        self.realised = ((1 - w) * old[0] + w * accepted, (1 - w) * old[1] + w * verified)
+        self.feedback.observe_plan(vl, host[:, 1:].numpy(), commit_lens.numpy())
         self._decided = None
 
 
@@ -295,19 +311,21 @@ class Oracle(Policy):
 ADAPTIVE = ("adaptive", "adaptive-est")  # the planner with the head + STS / with the online estimator
 
 
-def make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int, bool], VerifyPlanner],
+def make_policy(name: str, gamma: int, b: int, planner_factory: Callable[[int, bool, int], VerifyPlanner],
                 plain_seconds: Callable[[int], float] | None = None, probe: tuple[int, int, bool] = (8, 64, False),
-                estimator: OnlineAcceptanceEstimator | None = None) -> Policy:
+                estimator: OnlineAcceptanceEstimator | None = None, choose_depth: bool = False) -> Policy:
     """The policy named `name` (`fixed-<k>`, `adaptive`, `adaptive-est`, `oracle`) for B = b requests.
 
-    planner_factory(b, sts): a VerifyPlanner for b requests, with STS temperatures when sts; plain_seconds:
-    the profiled plain step (B -> seconds); probe: (probe_every, max_probe_every, cost feedback on);
-    estimator: the online estimator `adaptive-est` reads (one instance may serve many runs)."""
+    planner_factory(b, sts, depth): a VerifyPlanner for b requests drafting `depth` tokens, with STS
+    temperatures when sts; plain_seconds: the profiled plain step (B -> seconds); probe: (probe_every,
+    max_probe_every, cost feedback on); estimator: the online estimator `adaptive-est` reads (one instance may
+    serve many runs); choose_depth: the adaptive policies also choose the draft depth 1..gamma per step."""
     if name in ADAPTIVE:
         every, most, cost_feedback = probe
         est = estimator if name == "adaptive-est" else None
-        return Adaptive(planner_factory(b, est is None), plain_seconds, every, most,
-                        cost_window=9 if cost_feedback else None, estimator=est)
+        depths = {k: planner_factory(b, est is None, k) for k in range(1, gamma)} if choose_depth else None
+        return Adaptive(planner_factory(b, est is None, gamma), plain_seconds, every, most,
+                        cost_window=9 if cost_feedback else None, estimator=est, depths=depths)
     if name == "oracle":
         return Oracle(gamma)
     if not name.startswith("fixed-") or not name[6:].isdigit():

@@ -9,9 +9,11 @@ whether to speculate at all.
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,6 +27,8 @@ from dspark.cost import (
     TieredCostModel,
     serving_tiers,
 )
+from dspark.cost.serving import BatchCurve, DraftCost, PrefillCost, ServingCost
+from dspark.cost.shipped import fill_monotone, fit_prefill, scale_batches, shift_batches
 from dspark.engine.decode import SpecDecoder
 from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import FixedK, Policy, PolicyPlan
@@ -198,3 +202,81 @@ def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, 
                 "; ".join(errors))
     model, report = StepsPerSecondTable.fit(samples, platform=platform, width=gamma + 1)
     return model, report, None
+
+
+def profile_drafting(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, tokens: int, repeats: int,
+                     reserve_new_tokens: int | None = None) -> tuple[list[float], list[tuple[int, float]]]:
+    """The draft phase per depth and the prefill of B = len(prompts) requests.
+
+    Returns ([median draft phase of full-batch steps drafting k, verifying the roots only, for k = 1..gamma],
+    [(prompt tokens, seconds) of each run's first admission]): the median over `repeats` runs per depth."""
+    b, drafting, prefills = prompts.shape[0], [], []
+    for k in range(1, gamma + 1):
+        runs = [decoder.generate(prompts, tokens, ForcedRows(k, b, b), reserve_new_tokens=reserve_new_tokens)
+                for _ in range(repeats)]
+        drafting.append(statistics.median(statistics.median(s.times.draft for s in r.steps
+                                                            if s.requests.numel() == b) for r in runs))
+        prefills += [(int(prompts.shape[1] - 1) * b, r.startup_seconds) for r in runs]
+    return drafting, prefills
+
+
+def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor, gamma: int,
+                         batch_sizes: Sequence[int], tiers: Sequence[int], *, tokens: int, repeats: int,
+                         reserve_new_tokens: int | None, max_requests: int, name: str, description: str,
+                         parameters: dict, progress: Callable[[str], None] | None = None) -> ServingCost:
+    """A ServingCost of this machine, profiled with the engine's own code at each B of `batch_sizes`.
+
+    decoders(b): the SpecDecoder to profile B = b on (one per B keeps memory bounded); prompts [N >= max B, P]:
+    held-out prompts of one length; tiers: the tier ladder (up to max_requests x W). Per B: whole speculative
+    steps at every tier top in [B, B x W] and plain steps (`profile_step_costs`), then the draft phase per
+    depth and the prefill (`profile_drafting`); fitted and extended by `profiled_cost`."""
+    samples, plain, prefills = [], [], []
+    drafting: list[list[float]] = [[] for _ in range(gamma)]
+    for b in batch_sizes:
+        decoder = decoders(b)
+        measured, plain_b = profile_step_costs(decoder, prompts[:b], profile_points([b], gamma, tiers), gamma,
+                                               tokens=tokens, repeats=repeats, reserve_new_tokens=reserve_new_tokens)
+        samples += measured
+        plain.append(plain_b.seconds[0])
+        depths, runs = profile_drafting(decoder, prompts[:b], gamma, tokens=tokens, repeats=repeats,
+                                        reserve_new_tokens=reserve_new_tokens)
+        for k, seconds in enumerate(depths):
+            drafting[k].append(seconds)
+        prefills += runs
+        if progress:
+            progress(f"profiled B={b}")
+    return profiled_cost(samples, BatchCurve(tuple(batch_sizes), plain),
+                         [BatchCurve(tuple(batch_sizes), d) for d in drafting], fit_prefill(prefills), gamma=gamma,
+                         tiers=tiers, max_requests=max_requests, name=name, description=description,
+                         parameters=parameters)
+
+
+def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting: Sequence[BatchCurve],
+                  prefill: PrefillCost, *, gamma: int, tiers: Sequence[int], max_requests: int, name: str,
+                  description: str, parameters: dict) -> ServingCost:
+    """A ServingCost from a profile's results: whole-step samples (B, M, seconds) drafting gamma, plain seconds
+    and the draft phase per depth 1..gamma at the profiled B, the prefill fit, the tier ladder up to
+    max_requests x W. `fit_cost_model` over the profiled tiers, `fill_monotone`, `scale_batches` up to
+    max_requests, then the gamma-deep draft taken out of every cell (`verify` holds the target's part); the draft
+    curves made non-decreasing in the depth; per KV token 0 (the profiled steps hold the profile's contexts)."""
+    import platform
+
+    machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
+    fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
+    model, curves = scale_batches(fill_monotone(fitted, samples), (plain, *drafting), tiers, max_requests)
+    plain, drafting = curves[0], curves[1:]
+    verify = shift_batches(model, [-drafting[-1](b) for b in model.batch_probes])
+    drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
+                for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
+    sources = (
+        "measured: dspark.engine.profile.profile_step_costs per batch size + fit_cost_model over the tier ladder "
+        "(TieredCostModel table over its serving tiers; plain step per B)",
+        "unmeasured table cells made monotone in the tier (fill_monotone)",
+        f"B > {top}: B / {top} steps of {top} requests with the same rows per request (scale_batches)",
+        "drafter: median draft phase of full-batch steps drafting k = 1..gamma, verifying the roots only "
+        "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft",
+        "per KV token: 0 (the profiled steps hold the profile's own contexts); prefill: fit_prefill over the "
+        "drafting runs' first admissions",
+        f"machine: {platform.platform()}, torch {torch.__version__}")
+    return ServingCost(name, machine, description, sources, verify, plain, 0.0, DraftCost("chain", tuple(drafting)),
+                       prefill, tiers=model.tiers, max_requests=max_requests, parameters=parameters)

@@ -40,6 +40,8 @@ class StepOutcome:
     host_syncs: int
     useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)
     useful_per_request: Tensor | None = None  # [B] host int64: each request's share of `useful`
+    kv_tokens: int = 0             # tokens the step's requests held in the KV cache before it (roots excluded)
+    prefill_tokens: int = 0        # prompt tokens prefilled right before this step (its `times.prefill`)
     draft_logits: Tensor | None = None  # [B, k, V] drafter token logits, with generate(keep_draft_logits=True)
     owners: Tensor | None = None   # [B] host: the queue index (request id) decoding in each slot
 

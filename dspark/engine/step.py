@@ -116,7 +116,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
     result = GenerateResult(tokens=scheduler.result.tokens)
     target.start(batch, width, max_rows)
     drafter.start(batch, max_rows)
-    prefill = 0.0
+    prefill, prefill_tokens = 0.0, 0
     try:
         while True:
             scheduler.retire(batch)
@@ -128,6 +128,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
                 policy.admit(admitted)
                 engine.sync()
                 prefill = now() - t0
+                prefill_tokens = int((batch.prompt_lens[admitted] - 1).sum())
             slots = batch.active()
             if not slots.numel():
                 break
@@ -144,6 +145,8 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             out.useful_per_request = torch.minimum(lens + commit, batch.ends[slots]) - lens  # none past the count or a stop
             out.useful = int(out.useful_per_request.sum())
             out.times.prefill, prefill = prefill, 0.0
+            out.prefill_tokens, prefill_tokens = prefill_tokens, 0
+            out.kv_tokens = int((lens - 1).sum())
             t0 = now()
             policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
             out.times.plan += now() - t0

@@ -104,7 +104,8 @@ class Lab:
     temperatures: STS temperatures [gamma] (None: raw head logits); lag: the planner's lag; tiers: use the cost
     model's graph tiers (False: eager, every row priced as is); reality: the cost model the simulated target
     runs on (default `cost`, what the policies believe); context: the KV tokens per request the policies'
-    cost beliefs assume (None: the trace's `mean_context`); the simulated target prices each request's own."""
+    cost beliefs assume (None: the trace's `mean_context`); the simulated target prices each request's own;
+    choose_depth: the adaptive policies choose the draft depth per step (lag 0 only)."""
 
     trace: Trace
     cost: ServingCost
@@ -116,6 +117,7 @@ class Lab:
     probe: tuple[int, int, bool] = (8, 64, False)
     estimators: dict[int, OnlineAcceptanceEstimator] = field(default_factory=dict)
     context: float | None = None
+    choose_depth: bool = True
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
@@ -126,6 +128,12 @@ class Lab:
         if self.cost.width != self.gamma + 1:
             raise ValueError(f"the cost model {self.cost.name!r} prices verify width W = {self.cost.width} but the "
                              f"policies verify W = gamma + 1 = {self.gamma + 1}: load it with width={self.gamma + 1}")
+        for which, cost in (("cost", self.cost), ("reality", self.reality)):
+            measured = None if cost is None else cost.parameters.get("draft_sha256")
+            if measured is not None and measured != self.trace.meta.get("draft_sha256"):
+                raise ValueError(f"{which} {cost.name!r} was profiled with the draft of sha256 {measured}, but the "
+                                 f"trace was recorded with {self.trace.meta.get('draft_sha256')}: profile the pair the "
+                                 "trace was recorded with (or record a trace with this draft)")
         if self.reality is not None and self.reality.width != self.cost.width:
             raise ValueError(f"reality's width {self.reality.width} differs from the cost model's {self.cost.width}")
         if self.temperatures is not None and len(self.temperatures) < self.gamma:
@@ -137,20 +145,23 @@ class Lab:
     def graph_tiers(self) -> tuple[int, ...]:
         return self.cost.tiers if self.tiers else ()
 
-    def planner(self, b: int, sts: bool = True) -> VerifyPlanner:
-        """The VerifyPlanner for B = b requests (STS temperatures when `sts` and the lab has them)."""
-        tiers, w = self.graph_tiers, self.gamma + 1
-        temps = None if self.temperatures is None or not sts else list(self.temperatures)[: self.gamma]
-        return VerifyPlanner(ScheduleConfig(gamma=self.gamma), self.cost.believed(self.gamma, self.context),
-                             lag=self.lag, num_slots=b,
-                             temperatures=temps, tiers=tiers or None,
+    def planner(self, b: int, sts: bool = True, depth: int | None = None) -> VerifyPlanner:
+        """The VerifyPlanner for B = b requests drafting `depth` tokens (default gamma), its cost model the
+        serving cost's belief at that depth and the lab's context (STS temperatures when `sts` and the lab has
+        them)."""
+        depth = self.gamma if depth is None else depth
+        tiers, w = self.graph_tiers, depth + 1
+        temps = None if self.temperatures is None or not sts else list(self.temperatures)[:depth]
+        return VerifyPlanner(ScheduleConfig(gamma=depth), self.cost.believed(depth, self.context), lag=self.lag,
+                             num_slots=b, temperatures=temps, tiers=tiers or None,
                              graph_slots=graph_slot_count(b, tiers, w) if tiers else None)
 
     def policy(self, name: str, b: int) -> Policy:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over
         that B's run as a server's would)."""
         est = self.estimators.setdefault(b, OnlineAcceptanceEstimator(self.gamma)) if name == "adaptive-est" else None
-        return make_policy(name, self.gamma, b, self.planner, self.cost.believed_plain(self.context), self.probe, est)
+        return make_policy(name, self.gamma, b, self.planner, self.cost.believed_plain(self.context), self.probe, est,
+                           choose_depth=self.choose_depth and self.lag == 0)
 
     def run(self, policy: str | Policy, b: int, ids: Tensor | None = None,
             mode: VerifyMode = VerifyMode.COMPACT) -> GenerateResult:

@@ -2,19 +2,19 @@
 
 `step_agreement` compares a live `GenerateResult` with the replay of the same queue step by step (speculate or
 not, the requests in the slots, verify lengths, commit lengths) and the live tokens with the trace's greedy
-continuation; what differs is shown with the logit gap that decided it. `priced_steady` prices the live run's
-steady steps with the serving cost model the replay charges (`dspark.replay.sim.step_price`): when the steps
-agree, the replay's tok/s is exactly the live tokens over those priced seconds, so a gap between live and
-replayed tok/s is the cost model's error on those very steps plus the prefill the replay does not charge.
+continuation; what differs is shown with the logit gap that decided it. `priced_phases` prices every live step
+with the rules the replay charges (`ServingCost.price` of the step's `StepWork`) phase by phase: when the steps
+agree, the replay's seconds are exactly these priced seconds, so the gap between live and replayed tok/s is the
+sum of the per-phase residuals it reports (draft, target, prefill, and the plan and host time the replay does
+not charge).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from dspark.cost.serving import ServingCost
+from dspark.cost.serving import ServingCost, StepWork
 from dspark.engine.results import GenerateResult, StepOutcome
-from dspark.replay.sim import step_price
 from dspark.replay.trace import Trace
 
 SHOWN = 8  # differing steps and diverging requests listed in full
@@ -61,25 +61,30 @@ def step_agreement(live: GenerateResult, replay: GenerateResult, trace: Trace, i
             "diverging_requests": len(diverging), "divergences": diverging[:SHOWN]}
 
 
-def priced_steady(res: GenerateResult, cost: ServingCost) -> dict:
-    """A live run's steady window (every slot busy) measured and priced by `cost`.
+def work_of(step: StepOutcome) -> StepWork:
+    """The StepWork of a live step (what the replay would price for it)."""
+    n, k = step.requests.numel(), step.confidence_logits.shape[-1]
+    return StepWork(requests=n, rows=int(step.layout.total_rows) if k else n, kv_tokens=step.kv_tokens, drafts=k,
+                    drafting=n if k else 0, prefill_tokens=step.prefill_tokens)
 
-    Returns tokens, measured seconds without and with prefill, the priced seconds (`step_price` of each step),
-    the cost model's relative error on them (priced / measured - 1, all steps and speculative / plain apart),
-    and tok/s three ways: measured with prefill (what the demo reports), without, and priced."""
-    busy = [s for s in res.steps if s.requests.numel() == res.max_batch]
-    tokens = sum(s.useful for s in busy)
-    out: dict = {"tokens": tokens, "steps": len(busy)}
-    for part, steps in (("all", busy), ("speculative", [s for s in busy if s.speculated]),
-                        ("plain", [s for s in busy if not s.speculated])):
-        measured = sum(s.times.total - s.times.prefill for s in steps)
-        priced = sum(step_price(cost, s.requests.numel(), s.layout.total_rows, s.speculated) for s in steps)
-        out[part] = {"steps": len(steps), "measured_s": measured, "priced_s": priced,
-                     "cost_error": priced / measured - 1.0 if measured > 0 else None}
-    prefill = sum(s.times.prefill for s in busy)
-    measured, priced = out["all"]["measured_s"], out["all"]["priced_s"]
-    out["prefill_s"] = prefill
-    out["tok_s"] = tokens / (measured + prefill) if measured + prefill > 0 else 0.0
-    out["tok_s_no_prefill"] = tokens / measured if measured > 0 else 0.0
-    out["priced_tok_s"] = tokens / priced if priced > 0 else 0.0
+
+def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
+    """A live run's seconds measured and priced by `cost`, phase by phase, over every step and its prefill.
+
+    Returns per phase (draft, target: verify + accept, prefill, plan: the policy's decision and host work)
+    measured and priced seconds and priced / measured - 1, and the same for the whole run."""
+    parts = {p: [0.0, 0.0] for p in ("draft", "target", "prefill", "plan")}
+    for i, s in enumerate(res.steps):
+        work = work_of(s)
+        prefill = res.startup_seconds if i == 0 else s.times.prefill
+        parts["draft"][0] += s.times.draft
+        parts["draft"][1] += cost.drafter.seconds(work.drafts, work.drafting)
+        parts["target"][0] += s.times.verify + s.times.accept
+        parts["target"][1] += cost.price(StepWork(work.requests, work.rows, work.kv_tokens, work.drafts))
+        parts["prefill"][0] += prefill
+        parts["prefill"][1] += cost.prefill.seconds(work.prefill_tokens)
+        parts["plan"][0] += s.times.plan
+    out = {p: {"measured_s": m, "priced_s": q, "error": q / m - 1.0 if m > 0 else None} for p, (m, q) in parts.items()}
+    measured, priced = sum(m for m, _ in parts.values()), sum(q for _, q in parts.values())
+    out["all"] = {"measured_s": measured, "priced_s": priced, "error": priced / measured - 1.0 if measured else None}
     return out

@@ -177,7 +177,7 @@ def test_cost_feedback_flag_reaches_the_adaptive_policy() -> None:
     from dspark.engine.policies import make_policy
 
     cost = AdditiveCostModel(1e-3, [1], [0.0], [1, 3], [0.0, 1e-4])
-    planner = lambda b, sts=True: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4,  # noqa: E731
+    planner = lambda b, sts=True, depth=2: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4,  # noqa: E731
                                                 temperatures=[1.5, 1.5] if sts else None)
     plain = PlainStepCost((1,), (1e-3,))
     off = make_policy("adaptive", 2, 1, planner, plain.step_seconds, (8, 64, False))

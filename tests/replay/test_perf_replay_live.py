@@ -27,13 +27,16 @@ def script():
     torch.set_num_threads(threads)
 
 
-def test_tiny_run_compares_every_cell(tmp_path: Path, script) -> None:
+def test_tiny_run_compares_every_cell_with_a_table_profiled_in_the_same_run(tmp_path: Path, script) -> None:
     out = tmp_path / "rl.json"
-    script.main(["--model", "tiny", "--batch-sizes", "1,3", "--min-requests", "6", "--repeats", "2", "--out", str(out)])
+    script.main(["--model", "tiny", "--batch-sizes", "1,3", "--min-requests", "6", "--repeats", "2",
+                 "--profile-repeats", "1", "--out", str(out)])
     data = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert data["cost_model"] == "cpu-measured" and set(data["cells"]) == {"1", "3"}
-    assert [len(q) for q in data["queues"].values()] == [6, 6]
+    assert data["cost_model"] == "same-run" and data["cost"]["parameters"]["batch_sizes"] == [1, 3]
+    assert set(data["cells"]) == {"1", "3"}
+    assert [len(q["ids"]) for q in data["queues"].values()] == [1 + 6 + 1, 3 + 6 + 3]
+    assert [q["measured"] for q in data["queues"].values()] == [[1, 7], [3, 9]]
     for row in data["cells"].values():
         assert set(row) == set(script.POLICIES)
         for c in row.values():
@@ -42,7 +45,10 @@ def test_tiny_run_compares_every_cell(tmp_path: Path, script) -> None:
             assert len(c["live_tok_s_runs"]) == 2 and c["live_tok_s"] == statistics.median(c["live_tok_s_runs"])
             assert c["replay_vs_priced_live"] == pytest.approx(0.0, abs=1e-9)  # the same steps, the same prices
             assert c["gap"] == pytest.approx(c["replay_tok_s"] / c["live_tok_s"] - 1)
-            assert c["live_tok_s_no_prefill"] >= c["live_tok_s"] > 0
+            assert c["full_concurrency"] and c["live_tok_s"] > 0
+            ph = c["phases"]
+            assert ph["plan"]["priced_s"] == 0.0 and ph["all"]["measured_s"] == pytest.approx(
+                sum(ph[p]["measured_s"] for p in script.PHASES), rel=0.05)  # medians per phase: close, not equal
     assert data["cells_total"] == 12 and data["within_goal"] == sum(
         abs(c["gap"]) <= data["goal"] for row in data["cells"].values() for c in row.values())
 
@@ -50,7 +56,7 @@ def test_tiny_run_compares_every_cell(tmp_path: Path, script) -> None:
 @pytest.mark.parametrize("argv, error, match", [
     (["--min-requests", "0"], SystemExit, None),
     (["--cost", "nosuch"], ValueError, "unknown serving cost 'nosuch'"),
-    (["--batch-sizes", "64"], ValueError, "B = 64 slots need 128 requests"),
+    (["--batch-sizes", "64"], ValueError, "a queue of 256 requests needs 11 copies of each of the trace's 24"),
 ])
 def test_bad_input_is_refused_with_its_name(script, capsys, argv, error, match) -> None:
     with pytest.raises(error, match=match):

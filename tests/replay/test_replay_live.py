@@ -13,7 +13,7 @@ from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
 from dspark.engine.decode import SpecDecoder
 from dspark.replay.lab import Lab
-from dspark.replay.live import priced_steady, step_agreement
+from dspark.replay.live import priced_phases, step_agreement, work_of
 from dspark.replay.record import record_trace
 from dspark.replay.workload import Request
 from engine_models import VOCAB, tiny_models
@@ -30,7 +30,7 @@ def _setup():
                 for i, (p, n) in enumerate(zip(torch.randint(4, 9, (N,), generator=g), torch.randint(3, 12, (N,), generator=g)))]
     trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=GAMMA, max_batch=4)
     decoder = SpecDecoder(target, draft, cache_tokens=4096)
-    cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8, context=16)
+    cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8)
     return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False)
 
 
@@ -64,14 +64,16 @@ def test_agreement_and_prices_of_a_live_run_beside_its_replay() -> None:
     agree = step_agreement(live, sim, trace, ids)
     assert agree["identical"] == agree["compared"] == len(sim.steps) and agree["differing_steps"] == 0
     assert agree["diverging_requests"] == 0
-    priced = priced_steady(live, lab.cost)
-    tokens, seconds = sim.steady()
-    # the steps agree, so the replay's steady tok/s is the live tokens over the cost model's price of them
-    assert priced["tokens"] == tokens and priced["priced_tok_s"] == pytest.approx(tokens / seconds, rel=1e-12)
-    assert priced["all"]["steps"] == priced["speculative"]["steps"] + priced["plain"]["steps"] > 0
-    measured = sum(s.times.total - s.times.prefill for s in live.steps if s.requests.numel() == live.max_batch)
+    priced = priced_phases(live, lab.cost)
+    # the steps agree, so the replay's seconds are the cost model's price of the live steps, phase by phase
+    assert priced["all"]["priced_s"] == pytest.approx(sim.seconds, rel=1e-12)
+    for x, y in zip(live.steps, sim.steps):
+        assert work_of(x) == work_of(y)  # the same rows, depth, KV tokens and prefill tokens
+        assert y.times.draft == pytest.approx(lab.cost.drafter.seconds(work_of(y).drafts, work_of(y).drafting))
+    measured = live.startup_seconds + sum(s.times.total for s in live.steps)
     assert priced["all"]["measured_s"] == pytest.approx(measured)
-    assert priced["all"]["cost_error"] == pytest.approx(priced["all"]["priced_s"] / measured - 1)
+    assert priced["all"]["error"] == pytest.approx(priced["all"]["priced_s"] / measured - 1)
+    assert priced["plan"]["priced_s"] == 0.0 and priced["draft"]["priced_s"] > 0
 
 
 def test_agreement_shows_the_steps_and_tokens_that_differ() -> None:

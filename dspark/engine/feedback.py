@@ -1,0 +1,67 @@
+"""Realised acceptance per draft position: what the adaptive policy's steps actually delivered lately.
+
+Per draft position j the policy keeps moving averages of accepted and of verified drafts per request per
+speculative step (draft j accepted within the verified rows; draft j verified), counted in request outcomes
+with decay `decay` per outcome, started from and shrunk toward the mean of every plan's calibrated prediction
+(the prior, worth `prior_weight` outcomes). A position a step does not observe (every position of a plain step,
+the positions past a shallower step's depth) reverts toward its long-run mean with the same per-outcome decay.
+Summed over positions 0..k-1 the averages predict a step drafting k: accepted and verified drafts per request.
+Why each rule: docs/policies.md.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class RealisedAcceptance:
+    """Moving averages [2, gamma] of (accepted, verified) drafts per request per step, per draft position."""
+
+    def __init__(self, gamma: int, decay: float, prior_weight: int):
+        self.gamma, self.decay, self.prior_weight = gamma, decay, prior_weight
+        self.mean: np.ndarray | None = None  # [2, gamma] the moving averages, once any outcome was seen
+        self.counts = np.zeros(gamma)  # request outcomes that drafted each position
+        self.totals = np.zeros((2, gamma))  # accepted, verified per position summed over those outcomes
+        self.predicted = np.zeros((2, gamma))  # the plans' calibrated predictions summed over the same
+        self.prior: np.ndarray | None = None  # [2, gamma] mean prediction per outcome (prior_weight > 0)
+
+    def predict(self, depth: int) -> tuple[float, float] | None:
+        """(accepted, verified) drafts per request of a step drafting `depth`; None before any outcome."""
+        if self.mean is None:
+            return None
+        return float(self.mean[0, :depth].sum()), float(self.mean[1, :depth].sum())
+
+    def observe_plan(self, verify_lens: np.ndarray, survival: np.ndarray, commit_lens: np.ndarray) -> None:
+        """A speculative step's outcome: verify_lens [n] (root included), the plan's calibrated survival [n, k]
+        (k: the step's depth; read only with prior_weight > 0), commit_lens [n]."""
+        n, k = verify_lens.size, survival.shape[1]
+        cols = np.arange(k)
+        verified = cols[None, :] < (verify_lens - 1)[:, None]  # [n, k] draft j verified
+        accepted = cols[None, :] < (np.minimum(commit_lens, verify_lens) - 1)[:, None]  # accepted within them
+        if self.prior_weight:
+            self.predicted[:, :k] += np.stack([(survival * verified).sum(0), verified.sum(0)])
+            self.prior = self.predicted / np.maximum(self.counts + n * (np.arange(self.gamma) < k), 1)[None, :]
+        outcome = np.stack([accepted.mean(0), verified.mean(0)])  # [2, k]
+        first = self.counts[:k] == 0
+        self.counts[:k] += n
+        self.totals[:, :k] += n * outcome
+        prior = self.prior_weight if self.prior is not None else 0
+        w = np.maximum(1 - self.decay ** n, n / (self.counts[:k] + prior))
+        if self.mean is None:
+            self.mean = np.zeros((2, self.gamma))
+        start = self.prior[:, :k] if self.prior is not None else outcome
+        old = np.where(first[None, :], start, self.mean[:, :k])
+        self.mean[:, :k] = (1 - w) * old + w * outcome
+        self._revert(np.arange(self.gamma) >= k, n)
+
+    def observe_plain(self, n: int) -> None:
+        """A plain step of n requests: every position reverts toward its long-run mean."""
+        self._revert(np.ones(self.gamma, dtype=bool), n)
+
+    def _revert(self, unobserved: np.ndarray, n: int) -> None:
+        if self.mean is None or not unobserved.any():
+            return
+        seen = unobserved & (self.counts > 0)
+        prior, weight = (self.prior, self.prior_weight) if self.prior is not None else (np.zeros_like(self.totals), 0)
+        mean = (self.totals + weight * prior) / np.maximum(self.counts + weight, 1)[None, :]
+        w = 1 - self.decay ** n
+        self.mean[:, seen] = (1 - w) * self.mean[:, seen] + w * mean[:, seen]
