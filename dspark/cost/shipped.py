@@ -298,12 +298,12 @@ def fill_monotone(model: TieredCostModel, samples: Sequence[ProfileSample]) -> T
     """The model with each batch probe's table row non-decreasing in the tier, its measured cells (the tier tops
     its samples lie on, as `profile_points` puts them) kept: a filled cell below them takes at most the next
     tier's value, one above at least the previous tier's. Every B between two probes then costs no less with
-    more rows."""
+    more rows. A batch probe with no measured cell keeps the fit's row."""
     tiers, table = model.tiers, _table(model, "fill_monotone")
     for b, row in zip(model.batch_probes, table):
         idx = [tiers.index(s.rows) for s in samples if s.num_requests == b and s.rows in tiers]
-        if not idx:
-            raise ValueError(f"no sample replays a tier of the model at batch probe B={b}")
+        if not idx:  # nothing measured at this B (its rows fit no tier): the fit's row is kept as it is
+            continue
         for i in range(min(idx) - 1, -1, -1):
             row[i] = min(row[i], row[i + 1])
         for i in range(max(idx) + 1, len(row)):

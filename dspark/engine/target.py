@@ -110,20 +110,30 @@ class LiveTarget(Target):
     def start(self, batch: Batch, width: int, max_rows: int) -> None:
         s, cols = batch.num_slots, batch.tokens.shape[1]
         self.cache.admit(s, cols - 1)
-        self._graph_slots = graph_slot_count(s, self.tiers, width) if self.tiers else None
-        self._step = self.verify_steps.get(s, width)
+        self._steps: dict[int, tuple[int | None, Any]] = {}  # verify width -> (graph slots, its VerifyStep)
         self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1)
         self.hidden = torch.zeros(s, cols, self.model.geometry.hidden_size, device=self.device)
 
     def finish(self) -> None:
         self.cache.release()
 
-    def forward(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, slots: Tensor) -> Tensor:
+    def _width(self, width: int) -> tuple[int | None, Any]:
+        """(graph slots, VerifyStep or None) of verify width `width` over this run's slots, built on first use:
+        a policy choosing its draft depth verifies at several widths."""
+        if width not in self._steps:
+            s = self.cache.block_table.shape[0]
+            self._steps[width] = (graph_slot_count(s, self.tiers, width) if self.tiers else None,
+                                  self.verify_steps.get(s, width))
+        return self._steps[width]
+
+    def forward(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, slots: Tensor,
+                step: Any = None) -> Tensor:
         """Logits of the packed rows `tokens` of `layout` for `slots` (device ids), the cached prefix [B]
-        (host) before each; the real rows' hidden states are kept in `hidden`."""
+        (host) before each, through `step` (a VerifyStep: tier-padded layouts) or eagerly; the real rows'
+        hidden states are kept in `hidden`."""
         table = self.cache.block_table[slots]
-        if self._step is not None and (layout.tier is not None or layout.eager_reason is not None):
-            hidden, logits, positions = self._step(tokens, layout, prefix, table)
+        if step is not None and (layout.tier is not None or layout.eager_reason is not None):
+            hidden, logits, positions = step(tokens, layout, prefix, table)
         else:
             attend = PagedAttend(self._attn, self.cache.k, self.cache.v, layout, prefix, table)
             hidden = self.model(tokens, attend.positions, attend)
@@ -150,10 +160,11 @@ class LiveTarget(Target):
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:
-        prefix = batch.lens[slots] - 1
-        layout, _ = mode_layout(mode, verify_lens, drafts.tokens.shape[1] + 1, layout, self.tiers, self._graph_slots)
+        prefix, width = batch.lens[slots] - 1, drafts.tokens.shape[1] + 1
+        graph_slots, step = self._width(width)
+        layout, _ = mode_layout(mode, verify_lens, width, layout, self.tiers, graph_slots)
         vin = inputs_from_checked(mode, verify_lens, batch.roots(slots), drafts.tokens, prefix.to(self.device), layout)
-        logits = self.forward(vin.input_ids, vin.layout, prefix, slots.to(self.device))
+        logits = self.forward(vin.input_ids, vin.layout, prefix, slots.to(self.device), step)
         return Verified(vin.layout, vin.caps, logits)
 
     def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:

@@ -5,7 +5,8 @@ decode loop steps at (labels: the greedy prefix reaches draft k), as the demo's 
 survival from the head after STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform
 survival per position for every request, the online estimator, the oracle's exact acceptance, the adaptive
 policy given the oracle's knowledge as its survival (the planner's own loss, with nothing left to estimate);
-the planner's lag 1 / 2 (default 0); eager steps (no graph tiers).
+the policy drafting gamma at every speculative step (no depth choice); the planner's lag 1 / 2 (default 0);
+eager steps (no graph tiers).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dspark.replay.lab import Lab
 from dspark.replay.trace import Trace
 
 VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
-            "lag 1", "lag 2", "no tiers")
+            "fixed depth", "lag 1", "lag 2", "no tiers")
 SURE = 30.0  # |logit| of a known outcome: sigmoid(30) rounds to 1 in float32, sigmoid(-30) is 9e-14
 
 
@@ -98,6 +99,7 @@ def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
     temps = None if base.temperatures is None else list(base.temperatures)
     simple = {"head+STS": (base, "adaptive"), "head raw": (replace(base, temperatures=None), "adaptive"),
               "estimator": (base, "adaptive-est"), "oracle": (base, "oracle"),
+              "fixed depth": (replace(base, choose_depth=False), "adaptive"),
               "lag 1": (replace(base, lag=1), "adaptive"), "lag 2": (replace(base, lag=2), "adaptive"),
               "no tiers": (replace(base, tiers=False), "adaptive")}
     if name in simple:

@@ -1,0 +1,95 @@
+"""docs/replay.md's rules, re-implemented from that page in plain Python (no engine, no dspark cost code): the
+queue, the loop, the price of a step and the measure give the lab's numbers for plain decoding and fixed-k, on
+the shipped trace and every shipped serving cost read as JSON."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.cost.serving import load_serving_cost
+from dspark.replay.lab import Lab, serving_queue
+from dspark.replay.report import run_summary
+from dspark.replay.trace import DEFAULT_TRACE, load_trace
+
+pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
+COSTS = Path(__file__).resolve().parents[2] / "graphs" / "cost_models"
+
+
+def verify_seconds(v: dict, b: int, m: int) -> float:
+    """T(B, M) of a `verify` JSON object, by its kind's formula."""
+    if v["kind"] == "additive":
+        return v["bias"] + np.interp(b, v["batch_probes"], v["alpha"]) + np.interp(m, v["row_probes"], v["theta"])
+    assert v["kind"] == "tiered", v["kind"]
+    above = [i for i, t in enumerate(v["tiers"]) if t >= m]
+    if not above:
+        return math.inf
+    i = above[0]
+    if "table" in v:
+        return float(np.interp(b, v["batch_probes"], [row[i] for row in v["table"]]))
+    return v["bias"] + np.interp(b, v["batch_probes"], v["alpha"]) + v["phi"][i]
+
+
+def curve(c: dict, x: int) -> float:
+    return float(np.interp(x, c["batch_sizes"], c["seconds"]))
+
+
+def by_the_rules(cost: dict, prompts: list[int], new: list[int], accepted: list[list[int]], queue: list[int],
+                 measured: range, slots: int, k: int) -> float:
+    """tok_s of fixed-k (k = 0: plain) over `queue` on `slots` slots, by docs/replay.md alone."""
+    active: dict[int, int] = {}  # queue position -> committed tokens
+    nxt, latency = 0, {}
+    while True:
+        for q in [q for q, t in active.items() if t >= new[queue[q]]]:
+            del active[q]
+        admitted = []
+        while len(active) < slots and nxt < len(queue):
+            active[nxt] = 0
+            admitted.append(nxt)
+            nxt += 1
+        if not active:
+            break
+        prefill_tokens = sum(prompts[queue[q]] - 1 for q in admitted)
+        prefill = cost["prefill"]["per_forward"] + cost["prefill"]["per_token"] * prefill_tokens if admitted else 0.0
+        b = len(active)
+        kv = sum(prompts[queue[q]] - 1 + t for q, t in active.items())
+        if k:
+            seconds = (verify_seconds(cost["verify"], b, b * (k + 1))
+                       + curve(cost["drafter"]["seconds_per_depth"][k - 1], b))
+        else:
+            seconds = curve(cost["plain_seconds"], b)
+        seconds += cost["per_kv_token"] * kv + prefill
+        for q in active:
+            latency[q] = latency.get(q, 0.0) + seconds
+            r = queue[q]
+            active[q] += min(accepted[r][active[q]], k) + 1 if k else 1
+    tokens = sum(new[queue[q]] for q in measured)
+    return slots * tokens / sum(latency[q] for q in measured)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return load_trace(DEFAULT_TRACE)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in COSTS.glob("*.json")))
+@pytest.mark.parametrize("b", [1, 6])
+def test_the_documented_rules_give_the_labs_numbers(trace, name: str, b: int) -> None:
+    cost = json.loads((COSTS / f"{name}.json").read_text())
+    prompts = trace.prompt_offsets.diff().tolist()
+    new = trace.new_tokens.tolist()
+    offsets = trace.position_offsets.tolist()
+    acc = trace.accepted.tolist()
+    accepted = [acc[offsets[r]: offsets[r + 1]] for r in range(trace.num_requests)]
+    q = serving_queue(trace, b, requests_per_slot=2, fill_per_slot=2, min_requests=8)
+    assert torch.equal(q.ids, torch.cat([torch.randperm(trace.num_requests, generator=torch.Generator().manual_seed(0))
+                                         ])[: q.ids.numel()])  # the documented queue
+    lab = Lab(trace, load_serving_cost(name, width=4), 3)
+    for k in range(4):
+        mine = by_the_rules(cost, prompts, new, accepted, q.ids.tolist(), q.measured, b, k)
+        theirs = run_summary(lab.run(f"fixed-{k}", b, q.ids), None, q.measured)["tok_s"]
+        assert theirs == pytest.approx(mine, rel=1e-9), (name, b, k)
