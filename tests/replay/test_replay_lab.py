@@ -170,3 +170,26 @@ def test_lab_refuses_a_cost_model_of_another_width_and_a_gamma_past_the_trace() 
         Lab(trace, _cost(), 2)
     with pytest.raises(ValueError, match="gamma = 6 exceeds the trace's recorded block of 4"):
         Lab(trace, _cost(), 6)
+
+
+def test_the_adaptive_policy_drafts_shallower_when_deep_drafts_cost_more_than_they_bring() -> None:
+    import dataclasses
+
+    from dspark.cost.serving import BatchCurve, DraftCost
+    from dspark.replay.report import run_summary
+
+    trace = synthetic_trace(40, seed=11)
+    base = _cost()
+    steep = DraftCost("chain", tuple(BatchCurve((1, 16), (s, s)) for s in (1e-4, 3e-2, 6e-2, 9e-2)))
+    cost = dataclasses.replace(base, drafter=steep)
+    q = serving_queue(trace, 4, requests_per_slot=4, fill_per_slot=2, min_requests=8)
+    runs = {depth: Lab(trace, cost, GAMMA, temperatures=[1.0, 1.1, 0.9, 1.2], choose_depth=depth).run(
+        "adaptive", 4, q.ids) for depth in (False, True)}
+    drafted = [s.confidence_logits.shape[1] for s in runs[True].steps if s.speculated]
+    assert all(s.confidence_logits.shape[1] == GAMMA for s in runs[False].steps if s.speculated)
+    assert drafted.count(1) > 0.6 * len(drafted)  # probes and the first steps draft gamma
+    tok = {d: run_summary(r, None, q.measured)["tok_s"] for d, r in runs.items()}
+    assert tok[True] > 1.1 * tok[False]
+    for q_, i in enumerate(q.ids.tolist()):  # still lossless
+        n = int(trace.new_tokens[i])
+        assert torch.equal(runs[True].tokens[q_, :n], trace.greedy(i, 0, n))
