@@ -1,9 +1,11 @@
-"""What the adaptive policy's speculative steps cost where plain decoding wins: the full-batch steady window.
+"""What the adaptive policy's speculative steps cost where plain decoding wins, step by step.
 
-Replays the shipped trace (`dspark.replay.Lab`, as `perf/policy_lab.py`) with `fixed-0` and `adaptive` at each
-B on one cost model and, over the steps where every slot is busy, counts the speculative steps, the seconds
-they took beyond a plain step, the tokens they committed beyond one per request, and the tokens plain
-decoding would have made in those extra seconds (at the plain run's steady tok/s). Prints a table, writes JSON.
+Replays the shipped trace (`dspark.replay.Lab`, as `perf/policy_lab.py`: the same queue and measure) with
+`fixed-0` and `adaptive` at each B on one cost model and, over the steps where every slot is busy, counts the
+speculative steps, the seconds they took beyond a plain step over the same requests (priced by the same rules:
+`ServingCost.price` at the step's own KV tokens), the tokens they committed beyond one per request, and the
+tokens plain decoding would have made in those extra seconds (at the plain run's tok/s). Prints a table,
+writes JSON.
 
     PYTHONPATH=. python perf/lab_exploration.py [--cost cpu-measured] [--batch-sizes 8,16,32] [--gamma 3] [--lag 0]
 """
@@ -18,19 +20,23 @@ import torch
 
 from dspark.cli.options import at_least, int_list, output_path
 from dspark.cost.serving import load_serving_cost
-from dspark.replay.lab import Lab, queue_ids
+from dspark.cost.serving import StepWork
+from dspark.replay.lab import Lab, serving_queue
+from dspark.replay.report import run_summary
 from dspark.replay.trace import DEFAULT_TRACE, load_trace
 from dspark.replay.variants import fit_trace_temperatures
 from dspark.util.fileio import atomic_write_text
 
 
-def window(result, b: int, plain_seconds: float) -> dict:
-    """The full-batch steps of one run: counts, speculative steps and their extra seconds / tokens."""
+def window(result, b: int, cost) -> dict:
+    """The full-batch steps of one run: counts, speculative steps and their extra seconds / tokens over a plain
+    step of the same requests."""
     full = [s for s in result.steps if s.requests.numel() == b]
     spec = [s for s in full if s.speculated]
     return {"full_steps": len(full), "speculative_steps": len(spec),
             "first_speculative_steps": [i for i, s in enumerate(result.steps) if s.speculated][:8],
-            "extra_seconds": sum(s.times.total - plain_seconds for s in spec),
+            "extra_seconds": sum(s.times.total - s.times.prefill - cost.price(StepWork(b, b, s.kv_tokens))
+                                 for s in spec),
             "extra_tokens": sum(float(s.commit_lens.sum()) - b for s in spec)}
 
 
@@ -47,20 +53,19 @@ def main(argv: list[str] | None = None) -> dict:
     trace = load_trace(DEFAULT_TRACE)
     cost = load_serving_cost(args.cost, width=args.gamma + 1)
     for b in args.batch_sizes:
-        queue_ids(trace, b)
+        serving_queue(trace, b)
     temps, _ = fit_trace_temperatures(trace, args.gamma)
     lab = Lab(trace, cost, args.gamma, temperatures=temps, lag=args.lag)
     rows = []
     print(f"{'B':>4} {'full steps':>10} {'spec':>5} {'extra s':>8} {'extra tok':>9} {'plain tok in extra s':>20} "
           f"{'adaptive / plain':>16}")
     for b in args.batch_sizes:
-        ids = queue_ids(trace, b)
-        tok, sec = lab.run("fixed-0", b, ids).steady()
-        adaptive = lab.run("adaptive", b, ids)
-        a_tok, a_sec = adaptive.steady()
-        w = window(adaptive, b, cost.plain_seconds(b))
-        w.update(batch=b, plain_tok_s=tok / sec, plain_tokens_in_extra_seconds=w["extra_seconds"] * tok / sec,
-                 adaptive_tok_s=a_tok / a_sec)
+        q = serving_queue(trace, b)
+        plain = run_summary(lab.run("fixed-0", b, q.ids), None, q.measured)["tok_s"]
+        adaptive = lab.run("adaptive", b, q.ids)
+        w = window(adaptive, b, cost)
+        w.update(batch=b, plain_tok_s=plain, plain_tokens_in_extra_seconds=w["extra_seconds"] * plain,
+                 adaptive_tok_s=run_summary(adaptive, temps, q.measured)["tok_s"])
         rows.append(w)
         print(f"{b:>4} {w['full_steps']:>10} {w['speculative_steps']:>5} {w['extra_seconds']:>8.2f} "
               f"{w['extra_tokens']:>9.0f} {w['plain_tokens_in_extra_seconds']:>20.0f} "
