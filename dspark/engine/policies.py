@@ -111,8 +111,8 @@ class Adaptive(Policy):
     OnlineAcceptanceEstimator in place of the draft's head (the planner then needs temperatures=None and
     its gamma). depths: planners for shallower drafts {k: planner with gamma k}, lag 0 like `planner`; with
     them the speculate-or-not decision also picks the depth, from the realised acceptance per position priced
-    by each depth's planner (a probe drafts gamma, and so does every step until each position has
-    `prior_weight` outcomes of its own).
+    by each depth's planner (a probe drafts gamma; until each position has `prior_weight` outcomes of its own
+    every step speculates at gamma: the warm-up).
     One policy object serves one run. How each piece decides, and why: docs/policies.md.
     """
 
@@ -214,14 +214,14 @@ class Adaptive(Policy):
         acceptance per position when there is some (each depth priced by its planner's cost model), else from
         the lagged survival (the gamma planner's best theta)."""
         b = slots.numel()
+        if self.feedback.mean is not None and len(self._planners) > 1 and (
+                self.feedback.counts.min() < self.prior_weight):
+            # choosing the depth: full-depth warm-up until every position's average rests on prior_weight outcomes
+            # of its own (an early prior must not drop a position that would then never be observed again)
+            return self.gamma, math.inf
         if self.feedback.mean is not None:
             best = (self.gamma, -math.inf)
-            # a shallower depth only once every position's average rests on prior_weight outcomes of its own:
-            # an early prior cannot drop a position that would then never be observed again
-            settled = self.feedback.counts.min() >= max(self.prior_weight, 1)
             for depth, planner in sorted(self._planners.items()):
-                if depth < self.gamma and not settled:
-                    continue
                 accepted, verified = self.feedback.predict(depth)
                 rows = min(max(b, round(b * (1 + verified))), b * planner.cfg.width)
                 rate = b * (1 + accepted) / float(planner.cost_model.seconds_curve(b, rows, 1)[0])
