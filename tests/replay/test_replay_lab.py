@@ -193,3 +193,17 @@ def test_the_adaptive_policy_drafts_shallower_when_deep_drafts_cost_more_than_th
     for q_, i in enumerate(q.ids.tolist()):  # still lossless
         n = int(trace.new_tokens[i])
         assert torch.equal(runs[True].tokens[q_, :n], trace.greedy(i, 0, n))
+
+
+def test_a_lab_refuses_a_table_profiled_with_another_draft_naming_both() -> None:
+    import dataclasses
+
+    trace = synthetic_trace(10, seed=1)
+    trace.meta["draft_sha256"] = "0" * 64
+    other = dataclasses.replace(_cost(), parameters={**_cost().parameters, "draft_sha256": "f" * 64})
+    with pytest.raises(ValueError, match=f"cost .* was profiled with the draft of sha256 {'f' * 64}, but the trace "
+                                         f"was recorded with {'0' * 64}"):
+        Lab(trace, other, GAMMA)
+    with pytest.raises(ValueError, match="reality .* was profiled with the draft of sha256"):
+        Lab(trace, _cost(), GAMMA, reality=other)
+    Lab(trace, dataclasses.replace(other, parameters={**other.parameters, "draft_sha256": "0" * 64}), GAMMA)
