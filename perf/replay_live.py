@@ -4,7 +4,7 @@ The same queue of trace requests is served live (SmolLM2 + the shipped draft on 
 thread, thread clock) and replayed (`dspark.replay.Lab`), every policy built by the same factory with planners
 over the same serving cost model: by default one profiled in this run, before the live rounds, by the engine's
 own profiler (`dspark.engine.profile.profile_serving_cost`: whole steps per tier, plain steps, the draft phase
-per depth, the prefill), so the table and the runs it is compared with share the machine and the hour. Per
+per depth, the prefill, the KV term from plain steps on 32- and 160-token prompts), so the table and the runs it is compared with share the machine and the hour. Per
 (policy, B): the step-by-step agreement of live and replay (`dspark.replay.live.step_agreement`), the live and
 replayed tok/s at fixed concurrency (the lab's measure, `run_summary` over the queue's measured requests;
 medians over lockstep rounds), and the residual phase by phase (`priced_phases`: draft, target, prefill, plan).
@@ -44,6 +44,7 @@ POLICIES = ("fixed-0", "fixed-1", "fixed-2", "fixed-3", "adaptive", "adaptive-es
 PHASES = ("draft", "target", "prefill", "plan")
 GOAL = 0.05
 PROFILE_TOKENS, PROMPT_LEN = 12, 32  # the demo profile's run length and prompt length
+LONG_PROMPT_LEN = 160  # the KV term's second context (the trace's requests hold 122 cached tokens on average)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +64,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load(args: argparse.Namespace):
-    """(target, draft, profile prompts [max B, P], the trace recorded with the pair, a description)."""
+    """(target, draft, profile prompts [[max B, P], [max B, P'] longer], the trace recorded with the pair, a
+    description)."""
     gamma = args.gamma
     if args.model == "real":
         from dspark.engine.demo import load_models
@@ -74,7 +76,7 @@ def load(args: argparse.Namespace):
         trace = load_trace(DEFAULT_TRACE, draft_sha256=file_sha256(DEFAULT_WEIGHTS))
         queues(args, trace)  # a bad B is refused before the models load
         target, draft, encode = load_models(torch.device("cpu"))
-        prompts = prompt_windows("heldout", encode, max(args.batch_sizes), PROMPT_LEN, 0)
+        prompts = [prompt_windows("heldout", encode, max(args.batch_sizes), n, 0) for n in (PROMPT_LEN, LONG_PROMPT_LEN)]
         return target, draft, prompts, trace, "SmolLM2-135M-Instruct"
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
@@ -89,7 +91,7 @@ def load(args: argparse.Namespace):
                 for i, (p, n) in enumerate(zip(torch.randint(4, 9, (24,), generator=g),
                                                torch.randint(3, 12, (24,), generator=g)))]
     trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=gamma, max_batch=4)
-    prompts = torch.randint(3, VOCAB, (max(args.batch_sizes), 8), generator=g)
+    prompts = [torch.randint(3, VOCAB, (max(args.batch_sizes), n), generator=g) for n in (8, 24)]
     return target, draft, prompts, trace, "the tests' tiny Llama"
 
 
@@ -99,7 +101,7 @@ def queues(args: argparse.Namespace, trace: Trace) -> dict[int, ServingQueue]:
                              min_requests=args.min_requests) for b in args.batch_sizes}
 
 
-def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: torch.Tensor, trace: Trace,
+def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: list[torch.Tensor], trace: Trace,
                  bar: Progress) -> ServingCost:
     """The named cost, or with `same-run` this machine profiled now on the decoder's tier ladder."""
     if args.cost != "same-run":
@@ -109,11 +111,12 @@ def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: torch.
     sizes, w, ladder = sorted({1, *args.batch_sizes}), args.gamma + 1, decoder.tiers
     top = int(trace.new_tokens.max())
     return profile_serving_cost(
-        lambda b: decoder.fork(tiers=[t for t in ladder if b <= t <= b * w] or None), prompts, args.gamma, sizes,
+        lambda b: decoder.fork(tiers=[t for t in ladder if b <= t <= b * w] or None), prompts[0], args.gamma, sizes,
         ladder, tokens=PROFILE_TOKENS, repeats=args.profile_repeats, reserve_new_tokens=top,
         max_requests=max(sizes), name="same-run", description="this CPU, profiled by perf/replay_live.py in the run "
         "it is compared with", parameters={"gamma": args.gamma, "batch_sizes": sizes, "tier_ladder": list(ladder),
-                                           "draft_sha256": trace.meta.get("draft_sha256")}, progress=bar)
+                                           "draft_sha256": trace.meta.get("draft_sha256")},
+        long_prompts=prompts[1], progress=bar)
 
 
 def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, queue: ServingQueue, cost: ServingCost,

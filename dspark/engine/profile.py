@@ -220,17 +220,38 @@ def profile_drafting(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, token
     return drafting, prefills
 
 
+def profile_kv(decoder: SpecDecoder, short: Tensor, long: Tensor, *, tokens: int, repeats: int,
+               reserve_new_tokens: int | None = None) -> tuple[float, float]:
+    """Seconds per cached KV token of a plain step, from plain runs of B = len(short) requests on short [B, P]
+    and long [B, P'] prompts in lockstep (the median full-batch step of each, `repeats` times).
+
+    Returns (slope: extra seconds per extra cached token, clipped at 0; the short runs' mean cached tokens per
+    request over their full-batch steps)."""
+    b, slopes, base = short.shape[0], [], []
+    for _ in range(repeats):
+        runs = lockstep({n: decoder.fork().start(p, tokens, FixedK(0), mode=VerifyMode.STATIC,
+                                                 reserve_new_tokens=reserve_new_tokens)
+                         for n, p in (("short", short), ("long", long))})
+        full = {n: [s for s in r.steps if s.requests.numel() == b] for n, r in runs.items()}
+        kv = {n: statistics.fmean(s.kv_tokens for s in steps) / b for n, steps in full.items()}
+        slopes.append((_median_step(runs["long"]) - _median_step(runs["short"])) / (b * (kv["long"] - kv["short"])))
+        base.append(kv["short"])
+    return max(statistics.median(slopes), 0.0), statistics.fmean(base)
+
+
 def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor, gamma: int,
                          batch_sizes: Sequence[int], tiers: Sequence[int], *, tokens: int, repeats: int,
                          reserve_new_tokens: int | None, max_requests: int, name: str, description: str,
-                         parameters: dict, progress: Callable[[str], None] | None = None) -> ServingCost:
+                         parameters: dict, long_prompts: Tensor | None = None,
+                         progress: Callable[[str], None] | None = None) -> ServingCost:
     """A ServingCost of this machine, profiled with the engine's own code at each B of `batch_sizes`.
 
     decoders(b): the SpecDecoder to profile B = b on (one per B keeps memory bounded); prompts [N >= max B, P]:
-    held-out prompts of one length; tiers: the tier ladder (up to max_requests x W). Per B: whole speculative
-    steps at every tier top in [B, B x W] and plain steps (`profile_step_costs`), then the draft phase per
-    depth and the prefill (`profile_drafting`); fitted and extended by `profiled_cost`."""
-    samples, plain, prefills = [], [], []
+    held-out prompts of one length; tiers: the tier ladder (up to max_requests x W); long_prompts [N, P' > P]:
+    with them the KV term is profiled too (`profile_kv` per B, the median slope), else it is 0. Per B: whole
+    speculative steps at every tier top in [B, B x W] and plain steps (`profile_step_costs`), the draft phase
+    per depth and the prefill (`profile_drafting`); fitted and extended by `profiled_cost`."""
+    samples, plain, prefills, slopes, contexts = [], [], [], [], []
     drafting: list[list[float]] = [[] for _ in range(gamma)]
     for b in batch_sizes:
         decoder = decoders(b)
@@ -243,29 +264,39 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
         for k, seconds in enumerate(depths):
             drafting[k].append(seconds)
         prefills += runs
+        if long_prompts is not None:
+            slope, context = profile_kv(decoder, prompts[:b], long_prompts[:b], tokens=tokens, repeats=repeats,
+                                        reserve_new_tokens=reserve_new_tokens)
+            slopes.append(slope)
+            contexts.append(context)
         if progress:
             progress(f"profiled B={b}")
+    kv = (statistics.median(slopes), statistics.fmean(contexts)) if slopes else (0.0, 0.0)
     return profiled_cost(samples, BatchCurve(tuple(batch_sizes), plain),
                          [BatchCurve(tuple(batch_sizes), d) for d in drafting], fit_prefill(prefills), gamma=gamma,
                          tiers=tiers, max_requests=max_requests, name=name, description=description,
-                         parameters=parameters)
+                         parameters=parameters, kv=kv)
 
 
 def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting: Sequence[BatchCurve],
                   prefill: PrefillCost, *, gamma: int, tiers: Sequence[int], max_requests: int, name: str,
-                  description: str, parameters: dict) -> ServingCost:
+                  description: str, parameters: dict, kv: tuple[float, float] = (0.0, 0.0)) -> ServingCost:
     """A ServingCost from a profile's results: whole-step samples (B, M, seconds) drafting gamma, plain seconds
     and the draft phase per depth 1..gamma at the profiled B, the prefill fit, the tier ladder up to
     max_requests x W. `fit_cost_model` over the profiled tiers, `fill_monotone`, `scale_batches` up to
     max_requests, then the gamma-deep draft taken out of every cell (`verify` holds the target's part); the draft
-    curves made non-decreasing in the depth; per KV token 0 (the profiled steps hold the profile's contexts)."""
+    curves made non-decreasing in the depth. kv: (seconds per cached KV token, the cached tokens per request the
+    profiled steps held): per_kv_token, and that context's share taken out of verify and plain (the file then
+    prices each step's own context); (0, 0): per KV token 0, the profile's contexts inside the table."""
     import platform
 
     machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
     fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
     model, curves = scale_batches(fill_monotone(fitted, samples), (plain, *drafting), tiers, max_requests)
     plain, drafting = curves[0], curves[1:]
-    verify = shift_batches(model, [-drafting[-1](b) for b in model.batch_probes])
+    per_kv, context = kv
+    verify = shift_batches(model, [-drafting[-1](b) - per_kv * context * b for b in model.batch_probes])
+    plain = BatchCurve(plain.batch_sizes, [t - per_kv * context * b for b, t in zip(plain.batch_sizes, plain.seconds)])
     drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
                 for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
     sources = (
@@ -275,8 +306,10 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
         f"B > {top}: B / {top} steps of {top} requests with the same rows per request (scale_batches)",
         "drafter: median draft phase of full-batch steps drafting k = 1..gamma, verifying the roots only "
         "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft",
-        "per KV token: 0 (the profiled steps hold the profile's own contexts); prefill: fit_prefill over the "
-        "drafting runs' first admissions",
+        (f"per KV token: profile_kv, plain steps on short and long prompts in lockstep, {per_kv * 1e6:.3f} us; the "
+         f"profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if per_kv else
+         "per KV token: 0 (the profiled steps hold the profile's own contexts)")
+        + "; prefill: fit_prefill over the drafting runs' first admissions",
         f"machine: {platform.platform()}, torch {torch.__version__}")
-    return ServingCost(name, machine, description, sources, verify, plain, 0.0, DraftCost("chain", tuple(drafting)),
+    return ServingCost(name, machine, description, sources, verify, plain, per_kv, DraftCost("chain", tuple(drafting)),
                        prefill, tiers=model.tiers, max_requests=max_requests, parameters=parameters)

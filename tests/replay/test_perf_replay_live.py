@@ -34,6 +34,7 @@ def test_tiny_run_compares_every_cell_with_a_table_profiled_in_the_same_run(tmp_
     data = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert data["cost_model"] == "same-run" and data["cost"]["parameters"]["batch_sizes"] == [1, 3]
+    assert data["cost"]["per_kv_token"] >= 0 and any("profile_kv" in s for s in data["cost"]["sources"])
     assert set(data["cells"]) == {"1", "3"}
     assert [len(q["ids"]) for q in data["queues"].values()] == [1 + 6 + 1, 3 + 6 + 3]
     assert [q["measured"] for q in data["queues"].values()] == [[1, 7], [3, 9]]
