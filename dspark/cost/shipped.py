@@ -58,6 +58,7 @@ class FittedStep:
     draft_per_token: float
 
 
+LONG_PROMPT = 160  # cpu-measured's second context for its KV term (the trace's requests hold 122 on average)
 H100_LLAMA8B = FittedStep(target_fixed=5.89e-3, per_batched_token=21.0e-6, per_kv_token=0.039e-6, per_step=1.2e-3,
                           draft_fixed=2.14e-3, draft_per_token=0.84e-6)  # SpecDecode-Bench, H100 / Llama-3.1-8B
 
@@ -215,10 +216,10 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
     load = os.getloadavg()[0]
     target, draft, encode = load_models(torch.device("cpu"))
     longest, width, tiers = length_range(cfg.max_new_tokens, cfg.length_spread)[1], gamma + 1, demo_tiers(cfg)
-    prompts = prompt_windows("heldout", encode, sizes[-1], cfg.prompt_len, cfg.seed)
+    prompts, long = (prompt_windows("heldout", encode, sizes[-1], n, cfg.seed) for n in (cfg.prompt_len, LONG_PROMPT))
 
     def decoder(b: int) -> SpecDecoder:  # one decoder per B holding the tiers its steps replay: memory stays bounded
-        return SpecDecoder(target, draft, cache_tokens=b * (cfg.prompt_len + longest + width + 16),
+        return SpecDecoder(target, draft, cache_tokens=b * (LONG_PROMPT + longest + width + 16),
                            tiers=[t for t in tiers if b <= t <= b * width], clock=demo_clock(cfg))
 
     parameters = {"gamma": gamma, "batch_sizes": list(sizes), "repeats": repeats, "seed": seed,
@@ -226,13 +227,14 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
                   "clock": demo_clock(cfg), "tier_ladder": list(tiers), "draft_sha256": file_sha256(DEFAULT_WEIGHTS)}
     cost = profile_serving_cost(decoder, prompts, gamma, sizes, tiers, tokens=cfg.max_new_tokens, repeats=repeats,
                                 reserve_new_tokens=longest, max_requests=max_requests, name="cpu-measured",
-                                description="", parameters=parameters)
+                                description="", parameters={**parameters, "long_prompt_len": LONG_PROMPT},
+                                long_prompts=long)
     loads = [load, os.getloadavg()[0]]
     return dataclasses.replace(
         cost, description="SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's "
         f"tiers and thread clock), profiled by the demo's own code at B <= {sizes[-1]} (1-minute load average at "
         f"start / end: {loads[0]:.2f} / {loads[1]:.2f}); larger B scaled in proportion.",
-        parameters={**parameters, "load_average_1min": loads})
+        parameters={**cost.parameters, "load_average_1min": loads})
 
 
 def fit_prefill(samples: Sequence[tuple[int, float]]) -> PrefillCost:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 
 import numpy as np
 import pytest
