@@ -124,9 +124,9 @@ class DraftCost:
 
     def seconds(self, drafts: int, requests: int) -> float:
         """Seconds of `requests` requests drafting `drafts` tokens each (0 when either is 0)."""
-        if drafts == 0 or requests == 0:
+        if check_int("drafts", drafts, 0) == 0 or check_int("requests", requests, 0) == 0:
             return 0.0
-        if not 1 <= drafts <= self.max_drafts:
+        if drafts > self.max_drafts:
             raise ValueError(f"drafts must be in [0, {self.max_drafts}] (the depths this drafter is priced for), "
                              f"got {drafts}")
         return self.seconds_per_depth[drafts - 1](requests)
@@ -183,6 +183,17 @@ class StepWork:
     drafts: int = 0
     drafting: int = 0
     prefill_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name, low in (("requests", 1), ("rows", 1), ("kv_tokens", 0), ("drafts", 0), ("drafting", 0),
+                          ("prefill_tokens", 0)):
+            check_int(name, getattr(self, name), low)
+        if self.drafting > self.requests:
+            raise ValueError(f"drafting must be <= requests = {self.requests}, got {self.drafting}")
+        top = self.requests * (self.drafts + 1)
+        if not self.requests <= self.rows <= top:
+            raise ValueError(f"rows must be in [requests, requests x (drafts + 1)] = [{self.requests}, {top}], got "
+                             f"{self.rows}")
 
 
 @dataclass(frozen=True)
@@ -272,6 +283,9 @@ class ServingCost:
         KV tokens: what a planner profiled at that context believes (a ShiftedCostModel over `verify`)."""
         from dspark.cost.shifted import ShiftedCostModel
 
+        if check_int("drafts", drafts, 1) > self.drafter.max_drafts:
+            raise ValueError(f"drafts must be in [1, {self.drafter.max_drafts}] (the depths this drafter is priced "
+                             f"for), got {drafts}")
         check_real("context", context, 0.0, math.inf, high_open=True)
         probes = sorted({1, self.max_requests, *self.drafter.seconds_per_depth[drafts - 1].batch_sizes})
         probes = [b for b in probes if b <= self.max_requests]

@@ -271,7 +271,7 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
             contexts.append(context)
         if progress:
             progress(f"profiled B={b}")
-    kv = (statistics.median(slopes), statistics.fmean(contexts)) if slopes else (0.0, 0.0)
+    kv = (statistics.median(slopes), statistics.fmean(contexts)) if slopes else None
     return profiled_cost(samples, BatchCurve(tuple(batch_sizes), plain),
                          [BatchCurve(tuple(batch_sizes), d) for d in drafting], fit_prefill(prefills), gamma=gamma,
                          tiers=tiers, max_requests=max_requests, name=name, description=description,
@@ -280,25 +280,27 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
 
 def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting: Sequence[BatchCurve],
                   prefill: PrefillCost, *, gamma: int, tiers: Sequence[int], max_requests: int, name: str,
-                  description: str, parameters: dict, kv: tuple[float, float] = (0.0, 0.0)) -> ServingCost:
+                  description: str, parameters: dict, kv: tuple[float, float] | None = None) -> ServingCost:
     """A ServingCost from a profile's results: whole-step samples (B, M, seconds) drafting gamma, plain seconds
     and the draft phase per depth 1..gamma at the profiled B, the prefill fit, the tier ladder up to
     max_requests x W. `fit_cost_model` over the profiled tiers, `fill_monotone`, `scale_batches` up to
     max_requests, then the gamma-deep draft taken out of every cell (`verify` holds the target's part); the draft
     curves made non-decreasing in the depth. kv: (seconds per cached KV token, the cached tokens per request the
     profiled steps held): per_kv_token, and that context's share taken out of verify and plain (the file then
-    prices each step's own context); (0, 0): per KV token 0, the profile's contexts inside the table."""
+    prices each step's own context); None (not profiled): per KV token 0, the profile's contexts inside the
+    table."""
     import platform
 
     machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
     fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
     model, curves = scale_batches(fill_monotone(fitted, samples), (plain, *drafting), tiers, max_requests)
     plain, drafting = curves[0], curves[1:]
-    per_kv, context = kv
-    verify = shift_batches(model, [-drafting[-1](b) - per_kv * context * b for b in model.batch_probes])
-    plain = BatchCurve(plain.batch_sizes, [t - per_kv * context * b for b, t in zip(plain.batch_sizes, plain.seconds)])
+    per_kv, context = kv or (0.0, 0.0)
     drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
                 for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
+    # the priced gamma-deep draft taken out: a gamma-deep step prices at the measured whole step
+    verify = shift_batches(model, [-drafting[-1](b) - per_kv * context * b for b in model.batch_probes])
+    plain = BatchCurve(plain.batch_sizes, [t - per_kv * context * b for b, t in zip(plain.batch_sizes, plain.seconds)])
     sources = (
         "measured: dspark.engine.profile.profile_step_costs per batch size + fit_cost_model over the tier ladder "
         "(TieredCostModel table over its serving tiers; plain step per B)",
@@ -307,7 +309,7 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
         "drafter: median draft phase of full-batch steps drafting k = 1..gamma, verifying the roots only "
         "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft",
         (f"per KV token: profile_kv, plain steps on short and long prompts in lockstep, {per_kv * 1e6:.3f} us; the "
-         f"profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if per_kv else
+         f"profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if kv else
          "per KV token: 0 (the profiled steps hold the profile's own contexts)")
         + "; prefill: fit_prefill over the drafting runs' first admissions",
         f"machine: {platform.platform()}, torch {torch.__version__}")
