@@ -7,8 +7,8 @@ One model per module (DESIGN.md 4.6); more plug in through `register_cost_model`
 - `tiered.TieredCostModel`: `T = bias + alpha(B) + phi(tier(M))`, keyed on the graph tier the step replays;
   `serving_tiers` leaves out a tier that costs more than a larger one.
 
-Named serving cost models (`serving.ServingCost`: speculative T(B, M), plain and draft seconds per B, one JSON
-per modelled engine, `load_serving_cost` by name from graphs/cost_models/, `perturbed` copies to play reality)
+Named serving cost models (`serving.ServingCost`: the price of a step from what it did, `step.StepWork`: verify
+T(B, M), plain steps, per KV token, the drafter per depth, prefill; one JSON per modelled engine, `load_serving_cost` by name from graphs/cost_models/, `perturbed` copies to play reality)
 are built by `shipped` from the published H100 fit, the H200 roofline of `roofline`, or this CPU's profile.
 
 `base` holds the contract every model meets (`CostModel`, `ProfileSample`, `FitReport`, JSON io with a

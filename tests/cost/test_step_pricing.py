@@ -27,13 +27,14 @@ from dspark.cost.serving import (
     ServingCost,
     StepWork,
     load_serving_cost,
+    serving_cost_names,
 )
 from dspark.cost.shifted import ShiftedCostModel
 from dspark.cost.shipped import h100_llama8b_fitted
 
 pytestmark = pytest.mark.cpu_only(reason="serving cost arithmetic (host numpy)")
 
-SHIPPED = ("cpu-measured", "h100-llama8b-fitted", "h200-roofline-llama8b", "h200-roofline-smollm2")
+SHIPPED = tuple(serving_cost_names())  # every file in graphs/cost_models/
 
 
 def _id(name: str) -> str:
