@@ -3,8 +3,9 @@
 A policy-lab run replays recorded draft traces through the engine's scheduler and policies against a simulated
 target, which charges every step `ServingCost.price(StepWork)`:
 
-    speculative step:  verify.T(B, M) + per_kv_token x kv_tokens + drafter(depth k, drafting requests) + prefill
-    plain step:        plain(B)       + per_kv_token x kv_tokens                                        + prefill
+    speculative step:  verify.T(B, M) + per_kv_token x kv_tokens + drafter(depth k, drafting requests, catch_up)
+                       + prefill
+    plain step:        plain(B)       + per_kv_token x kv_tokens + prefill
 
 - `verify`: a dspark `CostModel` T(B, M), the target's verify forward over M rows (before tier padding: the
   model pads itself where the modelled engine has graph tiers) with the step's plan and accept, at zero KV
@@ -12,7 +13,8 @@ target, which charges every step `ServingCost.price(StepWork)`:
 - `plain`: seconds of a target-only step (one row per request) per B, at zero KV context;
 - `per_kv_token`: seconds per KV token the step's requests hold before it (prompt + committed), summed;
 - `drafter`: `DraftCost`, the drafter's kind (`chain`, `parallel` or `ngram`) and its seconds for k drafts per
-  request over n requests, k = 1..gamma: a policy that drafts k pays for k;
+  request over n requests, k = 1..gamma (a policy that drafts k pays for k), plus seconds per token it catches up
+  beyond the roots (tokens committed since its last proposal, a prompt after admission);
 - `prefill`: `PrefillCost`, seconds to prefill the prompts admitted before a step (per forward + per token);
 - `tiers`, `name`, `platform` (the modelled hardware), `description`, `sources`, the generator's `parameters`.
 
@@ -117,16 +119,17 @@ class ServingCost:
         """Seconds of a target-only step over B = num_requests requests (in 1..max_requests), zero context."""
         return self.plain(self._batch(num_requests))
 
-    def draft_seconds(self, num_requests: int, drafts: int) -> float:
-        """Seconds of B = num_requests requests (in 1..max_requests) drafting `drafts` tokens each."""
-        return self.drafter.seconds(drafts, self._batch(num_requests))
+    def draft_seconds(self, num_requests: int, drafts: int, catch_up: int = 0) -> float:
+        """Seconds of B = num_requests requests (in 1..max_requests) drafting `drafts` tokens each after catching
+        up `catch_up` tokens beyond their roots."""
+        return self.drafter.seconds(drafts, self._batch(num_requests), catch_up)
 
     def price(self, work: StepWork) -> float:
         """Seconds of one step that did `work` (the rules in this module's docstring and docs/replay.md)."""
         b = self._batch(work.requests)
         target = (float(self.verify.step_seconds(num_requests=b, rows=work.rows)) if work.drafts
                   else self.plain(b))
-        return (target + self.per_kv_token * work.kv_tokens + self.drafter.seconds(work.drafts, work.drafting)
+        return (target + self.per_kv_token * work.kv_tokens + self.drafter.seconds(work.drafts, work.drafting, work.catch_up)
                 + self.prefill.seconds(work.prefill_tokens))
 
     def believed(self, drafts: int, context: float) -> CostModel:
@@ -253,7 +256,7 @@ def perturbed(cost: ServingCost, *, spread: float, seed: int, plain_skew: float 
     spread: half-width in [0, 1) (0.05 = +-5 %); seed: int >= 0, the same seed gives the same copy; plain_skew:
     plain seconds are further scaled by 1 + plain_skew (> -1), so reality can price plain steps differently
     from speculative ones. Scaled, in this order: the verify model's stored values, the plain curve, per_kv_token,
-    each drafter depth's curve, prefill per_forward and per_token. When every stored component is >= 0 the copy's
+    each drafter depth's curve, prefill per_forward and per_token, the drafter's per_catch_up_token. When every stored component is >= 0 the copy's
     verify T(B, M) lies in [1 - spread, 1 + spread] x T(B, M), its plain seconds in that band x (1 + plain_skew).
     The copy's drafter keeps its kind only where the draws keep its shape; otherwise it is priced as `ngram`.
     """
@@ -278,11 +281,12 @@ def perturbed(cost: ServingCost, *, spread: float, seed: int, plain_skew: float 
     plain = BatchCurve(cost.plain.batch_sizes, [s * (1.0 + plain_skew) for s in scaled(list(cost.plain.seconds))])
     per_kv = scaled(cost.per_kv_token)
     curves = tuple(BatchCurve(c.batch_sizes, scaled(list(c.seconds))) for c in cost.drafter.seconds_per_depth)
-    try:
-        drafter = DraftCost(cost.drafter.kind, curves)
-    except ValueError:
-        drafter = DraftCost("ngram", curves)
     prefill = PrefillCost(scaled(cost.prefill.per_forward), scaled(cost.prefill.per_token))
+    catch_up = scaled(cost.drafter.per_catch_up_token)
+    try:
+        drafter = DraftCost(cost.drafter.kind, curves, catch_up)
+    except ValueError:
+        drafter = DraftCost("ngram", curves, catch_up)
     how = {"from": cost.name, "spread": spread, "seed": seed, "plain_skew": plain_skew}
     return ServingCost(f"{cost.name}-perturbed", cost.platform,
                        f"{cost.description} Perturbed: every stored seconds value x (1 + U(-{spread:g}, {spread:g})), "

@@ -122,7 +122,8 @@ def h100_llama8b_fitted(*, gamma: int = 3, capture_limit: int = 512, max_request
          "0.84 us / speculative token: SpecDecode-Bench simulator/predictor.py (arXiv 2601.11580)",
          f"tiers: {VLLM_CAPTURE}",
          "KV tokens: each request's own (prompt + committed) + the M rows; a proposal of k drafts for n requests "
-         "pays 2.14 ms + 0.84 us x k x n (the fit's form); prefill: chunked, 21.0 us per prompt token"),
+         "pays 2.14 ms + 0.84 us x k x n (the fit's form; the fitted draft times include the accepted tokens "
+         "its first forward catches up, so catch-up is 0); prefill: chunked, 21.0 us per prompt token"),
         verify, plain, fit.per_kv_token, drafter, PrefillCost(0.0, fit.per_batched_token), tiers=tiers,
         max_requests=max_requests, parameters={"gamma": gamma, "capture_limit": capture_limit, **asdict(fit)})
 
@@ -132,7 +133,9 @@ def roofline_cost(name: str, description: str, sources: Sequence[str], target: F
                   device: Accelerator = H200) -> ServingCost:
     """Serving cost of a target and a drafter on `device`: a verify step is one target forward over M rows at zero
     context, each KV token held reads target.kv_width values once, a proposal of k drafts runs `draft(k)` =
-    (forward, times) over one row per drafting request, a prompt token costs one compute-bound target row."""
+    (forward, times) over one row per drafting request, a token the drafter catches up beyond the roots one
+    compute-bound row of draft(1)'s forward (an upper bound: below the knee extra rows ride on the weight read), a
+    prompt token one compute-bound target row."""
     _check_shape(gamma, max_requests)
 
     def drafting(k: int) -> BatchCurve:
@@ -147,7 +150,7 @@ def roofline_cost(name: str, description: str, sources: Sequence[str], target: F
     plain = _curve(hinge_probes(device.knee_rows(target, 0), max_requests),
                    lambda b: device.forward_seconds(target, rows=b, requests=b, context=0))
     per_kv = device.kv_seconds(target, 1, 1)
-    drafter = DraftCost("chain", tuple(drafting(k) for k in range(1, gamma + 1)))
+    drafter = DraftCost("chain", tuple(drafting(k) for k in range(1, gamma + 1)), device.row_seconds(draft(1)[0], 0))
     parameters = {"gamma": gamma, "device": asdict(device), "target": asdict(target),
                   "draft": [{**asdict(draft(k)[0]), "times": draft(k)[1]} for k in range(1, gamma + 1)]}
     return ServingCost(name, f"{device.name}-cuda", description, tuple(sources), verify, plain, per_kv, drafter,
@@ -161,7 +164,8 @@ _H200_SOURCES = ("H200 4.8 TB/s HBM3e, 989 TFLOPS dense BF16: NVIDIA H200 datash
                  "assumed: 20 us per layer launch floor (about ten kernels of ~2 us under CUDA graphs); BF16 weights "
                  "and KV; no graph tiers, no host overhead; each KV token held is read once per step; attention "
                  "FLOPs over the context and the draft's own KV left out (< 1 % at the trace's contexts); prefill "
-                 "chunked, one compute-bound target row per prompt token")
+                 "chunked, one compute-bound target row per prompt token; a token the draft catches up beyond the "
+                 "roots (accepted since its last proposal, or a prompt token) one compute-bound draft row")
 
 
 def h200_roofline_smollm2(*, gamma: int = 3, max_requests: int = 256) -> ServingCost:

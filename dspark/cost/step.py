@@ -50,15 +50,19 @@ DRAFTER_KINDS = ("chain", "parallel", "ngram")
 
 @dataclass(frozen=True)
 class DraftCost:
-    """The drafter's seconds per proposal: `seconds_per_depth[k - 1](n)` for n requests drafting k tokens each.
+    """The drafter's seconds per proposal: `seconds_per_depth[k - 1](n)` for n requests drafting k tokens each,
+    each catching up one token (its root), plus `per_catch_up_token` x the tokens it catches up beyond the roots.
 
     kind: `chain` (one forward per drafted position: EAGLE, a small causal LM, the block draft's chain steps;
     seconds never decrease with k), `parallel` (one forward whatever k: DSpark / DFlash-style block drafters;
-    equal seconds at every k) or `ngram` (a host lookup, next to nothing; any shape).
+    equal seconds at every k) or `ngram` (a host lookup, next to nothing; any shape). per_catch_up_token: seconds
+    per extra row of the drafter's catch-up forward (a token committed since its last proposal other than the
+    root, or a prompt token after admission).
     """
 
     kind: str
     seconds_per_depth: tuple[BatchCurve, ...]
+    per_catch_up_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:
@@ -69,6 +73,7 @@ class DraftCost:
         for k, c in enumerate(curves, 1):
             check_type(f"seconds_per_depth[{k - 1}]", c, BatchCurve)
         object.__setattr__(self, "seconds_per_depth", curves)
+        check_real("per_catch_up_token", self.per_catch_up_token, 0.0, math.inf, high_open=True)
         if self.kind == "ngram":
             return
         for k in range(1, len(curves)):
@@ -89,29 +94,34 @@ class DraftCost:
         """The deepest proposal priced (gamma)."""
         return len(self.seconds_per_depth)
 
-    def seconds(self, drafts: int, requests: int) -> float:
-        """Seconds of `requests` requests drafting `drafts` tokens each (0 when either is 0)."""
+    def seconds(self, drafts: int, requests: int, catch_up: int = 0) -> float:
+        """Seconds of `requests` requests drafting `drafts` tokens each after catching up `catch_up` tokens beyond
+        their roots (0 when `drafts` or `requests` is 0)."""
+        check_int("catch_up", catch_up, 0)
         if check_int("drafts", drafts, 0) == 0 or check_int("requests", requests, 0) == 0:
             return 0.0
         if drafts > self.max_drafts:
             raise ValueError(f"drafts must be in [0, {self.max_drafts}] (the depths this drafter is priced for), "
                              f"got {drafts}")
-        return self.seconds_per_depth[drafts - 1](requests)
+        return self.seconds_per_depth[drafts - 1](requests) + self.per_catch_up_token * catch_up
 
     def to_dict(self) -> dict[str, Any]:
-        """{"kind": ..., "seconds_per_depth": [curve, ...]}."""
-        return {"kind": self.kind, "seconds_per_depth": [c.to_dict() for c in self.seconds_per_depth]}
+        """{"kind": ..., "seconds_per_depth": [curve, ...], "per_catch_up_token": ...}."""
+        return {"kind": self.kind, "seconds_per_depth": [c.to_dict() for c in self.seconds_per_depth],
+                "per_catch_up_token": self.per_catch_up_token}
 
     @classmethod
     def from_dict(cls, d: object) -> "DraftCost":
-        """Validate and rebuild from `to_dict` output; a missing kind is refused by name."""
+        """Validate and rebuild from `to_dict` output; a missing kind is refused by name, a missing
+        per_catch_up_token reads as 0 (catch-up not profiled)."""
         if not isinstance(d, dict) or "kind" not in d:
             raise ValueError(f"the drafter must name its kind, one of {DRAFTER_KINDS} (a chain drafter pays per "
                              f"drafted position, a parallel one one forward whatever k), got {d!r}")
-        if set(d) != {"kind", "seconds_per_depth"}:
-            raise ValueError(f"a drafter must hold exactly kind and seconds_per_depth, got {sorted(d)}")
+        if not {"kind", "seconds_per_depth"} <= set(d) <= {"kind", "seconds_per_depth", "per_catch_up_token"}:
+            raise ValueError(f"a drafter must hold kind, seconds_per_depth and optionally per_catch_up_token, got "
+                             f"{sorted(d)}")
         curves = check_type("seconds_per_depth", d["seconds_per_depth"], list)
-        return cls(d["kind"], tuple(BatchCurve.from_dict(c) for c in curves))
+        return cls(d["kind"], tuple(BatchCurve.from_dict(c) for c in curves), d.get("per_catch_up_token", 0.0))
 
 
 def _covers(curve: BatchCurve, b: int) -> bool:
@@ -150,13 +160,17 @@ class StepWork:
     drafts: int = 0
     drafting: int = 0
     prefill_tokens: int = 0
+    catch_up: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("requests", 1), ("rows", 1), ("kv_tokens", 0), ("drafts", 0), ("drafting", 0),
-                          ("prefill_tokens", 0)):
+                          ("prefill_tokens", 0), ("catch_up", 0)):
             check_int(name, getattr(self, name), low)
         if self.drafting > self.requests:
             raise ValueError(f"drafting must be <= requests = {self.requests}, got {self.drafting}")
+        if self.catch_up and not (self.drafts and self.drafting):
+            raise ValueError(f"catch_up must be 0 when no request drafts (drafts = {self.drafts}, drafting = "
+                             f"{self.drafting}), got {self.catch_up}")
         top = self.requests * (self.drafts + 1)
         if not self.requests <= self.rows <= top:
             raise ValueError(f"rows must be in [requests, requests x (drafts + 1)] = [{self.requests}, {top}], got "

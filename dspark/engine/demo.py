@@ -178,18 +178,19 @@ def shipped_draft_sha256(models: Models | None) -> str | None:
 
 def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, samples, plain: PlainStepCost,
                       longest: int, draft_sha256: str | None, bar: Callable[[str], None]) -> ServingCost:
-    """The profile as a serving cost: the whole steps and plain steps already measured, the draft phase per depth
-    and the prefill measured here (`profile_drafting`) at 1 and every demo B; covers B = 1..max B.
+    """The profile as a serving cost: the whole steps and plain steps already measured, the draft phase per depth,
+    the prefill and the drafter's catch-up measured here (`profile_drafting`) at 1 and every demo B; covers B = 1..max B.
     draft_sha256: the draft weights' (None for models handed in)."""
     sizes = sorted({1, *cfg.batch_sizes})
     drafting: list[list[float]] = [[] for _ in range(cfg.gamma)]
-    prefills = []
+    prefills, catch_ups = [], []
     for b in sizes:
-        depths, runs = profile_drafting(decoder, prompts[:b], cfg.gamma, tokens=cfg.max_new_tokens,
-                                        repeats=cfg.profile_repeats, reserve_new_tokens=longest)
+        depths, runs, catch_up = profile_drafting(decoder, prompts[:b], cfg.gamma, tokens=cfg.max_new_tokens,
+                                                  repeats=cfg.profile_repeats, reserve_new_tokens=longest)
         for k, seconds in enumerate(depths):
             drafting[k].append(seconds)
         prefills += runs
+        catch_ups.append(catch_up)
         bar(f"profiling the draft per depth, B={b}")
     return profiled_cost(samples, BatchCurve(tuple(sizes), [plain.step_seconds(b) for b in sizes]),
                          [BatchCurve(tuple(sizes), d) for d in drafting], fit_prefill(prefills), gamma=cfg.gamma,
@@ -197,7 +198,8 @@ def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, sa
                          description="the demo's own profile of this machine (the same run as its live rounds)",
                          parameters={"gamma": cfg.gamma, "batch_sizes": sizes, "tier_ladder": list(decoder.tiers),
                                      "draft_sha256": draft_sha256, "prompt_len": cfg.prompt_len,
-                                     "tokens": cfg.max_new_tokens})
+                                     "tokens": cfg.max_new_tokens},
+                         catch_up=statistics.median(catch_ups))
 
 
 def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[str], tmp: Path,

@@ -47,6 +47,7 @@ class Drafts:
     confidence_logits: Tensor | None = None  # [B, k] the drafter's own head (source "head")
     features: Tensor | None = None          # [B, k, F] the online estimator's inputs (source "features")
     logits: Tensor | None = None            # [B, k, V] token logits (telemetry: the top-2 margin baseline)
+    catch_up: int = 0                       # tokens the drafter's forward caught up beyond the B roots
 
 
 class Drafter:
@@ -154,6 +155,7 @@ class BlockDrafter(Drafter):
         probs = sampling.probs(logits) if sampling.enabled else None
         tokens = sampling.draw(probs).squeeze(-1) if sampling.enabled else logits.argmax(-1)
         if source == "features":  # the estimator reads the draft-vocabulary logits (1/12 of V), warped like q
-            return Drafts(tokens, probs, features=draft_features(sampling.warp(reduced)), logits=logits)
+            return Drafts(tokens, probs, features=draft_features(sampling.warp(reduced)), logits=logits,
+                          catch_up=layout.total_rows - slots.numel())
         conf = self.draft.confidence_logits(hk, batch.roots(slots), tokens, reduced)
-        return Drafts(tokens, probs, confidence_logits=conf, logits=logits)
+        return Drafts(tokens, probs, confidence_logits=conf, logits=logits, catch_up=layout.total_rows - slots.numel())

@@ -120,4 +120,5 @@ class CausalLMDrafter(Drafter):
                 logits.append(self._last_logits(tokens[-1], one_row, lens + i, table))
         features = draft_features(torch.stack(warped, 1))
         return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None,
-                      confidence_logits=features[..., 0], features=features, logits=torch.stack(logits, 1))
+                      confidence_logits=features[..., 0], features=features, logits=torch.stack(logits, 1),
+                      catch_up=layout.total_rows - slots.numel())

@@ -205,11 +205,12 @@ def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, 
 
 
 def profile_drafting(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, tokens: int, repeats: int,
-                     reserve_new_tokens: int | None = None) -> tuple[list[float], list[tuple[int, float]]]:
-    """The draft phase per depth and the prefill of B = len(prompts) requests.
+                     reserve_new_tokens: int | None = None) -> tuple[list[float], list[tuple[int, float]], float]:
+    """The draft phase per depth, the prefill and the drafter's catch-up of B = len(prompts) requests.
 
     Returns ([median draft phase of full-batch steps drafting k, verifying the roots only, for k = 1..gamma],
-    [(prompt tokens, seconds) of each run's first admission]): the median over `repeats` runs per depth."""
+    [(prompt tokens, seconds) of each run's first admission], seconds per token caught up beyond the roots
+    (`profile_catch_up`)): the median over `repeats` runs per depth."""
     b, drafting, prefills = prompts.shape[0], [], []
     for k in range(1, gamma + 1):
         runs = [decoder.generate(prompts, tokens, ForcedRows(k, b, b), reserve_new_tokens=reserve_new_tokens)
@@ -217,7 +218,25 @@ def profile_drafting(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, token
         drafting.append(statistics.median(statistics.median(s.times.draft for s in r.steps
                                                             if s.requests.numel() == b) for r in runs))
         prefills += [(int(prompts.shape[1] - 1) * b, r.startup_seconds) for r in runs]
-    return drafting, prefills
+    catch_up = profile_catch_up(decoder, prompts, gamma, tokens=tokens, repeats=repeats,
+                                reserve_new_tokens=reserve_new_tokens)
+    return drafting, prefills, catch_up
+
+
+def profile_catch_up(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, tokens: int, repeats: int,
+                     reserve_new_tokens: int | None = None) -> float:
+    """Seconds per token the drafter catches up beyond the roots, from `repeats` runs of B = len(prompts) requests
+    drafting gamma and verifying every row: their steps catch up 0..gamma tokens per request (what the step
+    committed beyond one) and the first the prompts. The least-squares slope of each step's draft phase over its
+    catch-up tokens, clipped at 0."""
+    b = prompts.shape[0]
+    points = [(s.catch_up, s.times.draft) for _ in range(repeats)
+              for s in decoder.generate(prompts, tokens, ForcedRows(gamma, b * (gamma + 1), b),
+                                        reserve_new_tokens=reserve_new_tokens).steps if s.speculated]
+    x, y = np.array(points, dtype=np.float64).T
+    if np.ptp(x) == 0:
+        return 0.0
+    return max(float(np.polyfit(x, y, 1)[0]), 0.0)
 
 
 def profile_kv(decoder: SpecDecoder, short: Tensor, long: Tensor, *, tokens: int, repeats: int,
@@ -250,8 +269,9 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
     held-out prompts of one length; tiers: the tier ladder (up to max_requests x W); long_prompts [N, P' > P]:
     with them the KV term is profiled too (`profile_kv` per B, the median slope), else it is 0. Per B: whole
     speculative steps at every tier top in [B, B x W] and plain steps (`profile_step_costs`), the draft phase
-    per depth and the prefill (`profile_drafting`); fitted and extended by `profiled_cost`."""
-    samples, plain, prefills, slopes, contexts = [], [], [], [], []
+    per depth, the prefill and the drafter's catch-up per token (`profile_drafting`; the catch-up's median over B);
+    fitted and extended by `profiled_cost`."""
+    samples, plain, prefills, slopes, contexts, catch_ups = [], [], [], [], [], []
     drafting: list[list[float]] = [[] for _ in range(gamma)]
     for b in batch_sizes:
         decoder = decoders(b)
@@ -259,11 +279,12 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
                                                tokens=tokens, repeats=repeats, reserve_new_tokens=reserve_new_tokens)
         samples += measured
         plain.append(plain_b.seconds[0])
-        depths, runs = profile_drafting(decoder, prompts[:b], gamma, tokens=tokens, repeats=repeats,
-                                        reserve_new_tokens=reserve_new_tokens)
+        depths, runs, catch_up = profile_drafting(decoder, prompts[:b], gamma, tokens=tokens, repeats=repeats,
+                                                  reserve_new_tokens=reserve_new_tokens)
         for k, seconds in enumerate(depths):
             drafting[k].append(seconds)
         prefills += runs
+        catch_ups.append(catch_up)
         if long_prompts is not None:
             slope, context = profile_kv(decoder, prompts[:b], long_prompts[:b], tokens=tokens, repeats=repeats,
                                         reserve_new_tokens=reserve_new_tokens)
@@ -275,12 +296,13 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
     return profiled_cost(samples, BatchCurve(tuple(batch_sizes), plain),
                          [BatchCurve(tuple(batch_sizes), d) for d in drafting], fit_prefill(prefills), gamma=gamma,
                          tiers=tiers, max_requests=max_requests, name=name, description=description,
-                         parameters=parameters, kv=kv)
+                         parameters=parameters, kv=kv, catch_up=statistics.median(catch_ups))
 
 
 def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting: Sequence[BatchCurve],
                   prefill: PrefillCost, *, gamma: int, tiers: Sequence[int], max_requests: int, name: str,
-                  description: str, parameters: dict, kv: tuple[float, float] | None = None) -> ServingCost:
+                  description: str, parameters: dict, kv: tuple[float, float] | None = None,
+                  catch_up: float = 0.0) -> ServingCost:
     """A ServingCost from a profile's results: whole-step samples (B, M, seconds) drafting gamma, plain seconds
     and the draft phase per depth 1..gamma at the profiled B, the prefill fit, the tier ladder up to
     max_requests x W. `fit_cost_model` over the profiled tiers, `fill_monotone`, `scale_batches` up to
@@ -288,7 +310,7 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
     curves made non-decreasing in the depth. kv: (seconds per cached KV token, the cached tokens per request the
     profiled steps held): per_kv_token, and that context's share taken out of verify and plain (the file then
     prices each step's own context); None (not profiled): per KV token 0, the profile's contexts inside the
-    table."""
+    table. catch_up: the drafter's seconds per token caught up beyond the roots (0: not profiled)."""
     import platform
 
     machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
@@ -307,11 +329,13 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
         "unmeasured table cells made monotone in the tier (fill_monotone)",
         f"B > {top}: B / {top} steps of {top} requests with the same rows per request (scale_batches)",
         "drafter: median draft phase of full-batch steps drafting k = 1..gamma, verifying the roots only "
-        "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft",
+        "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft; "
+        + (f"catch-up: profile_catch_up, {catch_up * 1e6:.3f} us per token beyond the roots" if catch_up else
+           "catch-up: not profiled (0)"),
         (f"per KV token: profile_kv, plain steps on short and long prompts in lockstep, {per_kv * 1e6:.3f} us; the "
          f"profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if kv else
          "per KV token: 0 (the profiled steps hold the profile's own contexts)")
         + "; prefill: fit_prefill over the drafting runs' first admissions",
         f"machine: {platform.platform()}, torch {torch.__version__}")
-    return ServingCost(name, machine, description, sources, verify, plain, per_kv, DraftCost("chain", tuple(drafting)),
+    return ServingCost(name, machine, description, sources, verify, plain, per_kv, DraftCost("chain", tuple(drafting), catch_up),
                        prefill, tiers=model.tiers, max_requests=max_requests, parameters=parameters)

@@ -102,7 +102,7 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     times.accept += now() - t4
     out = StepOutcome(requests=slots, plan=plan, layout=checked.layout, caps=checked.caps, confidence_logits=conf,
                       commit_lens=acc.commit_lens, correct_lens=acc.correct_lens, times=times, host_syncs=1,
-                      draft_logits=drafts.logits if engine.keep_draft_logits else None)
+                      draft_logits=drafts.logits if engine.keep_draft_logits else None, catch_up=drafts.catch_up)
     return out, commit
 
 

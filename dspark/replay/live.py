@@ -65,7 +65,7 @@ def work_of(step: StepOutcome) -> StepWork:
     """The StepWork of a live step (what the replay would price for it)."""
     n, k = step.requests.numel(), step.confidence_logits.shape[-1]
     return StepWork(requests=n, rows=int(step.layout.total_rows) if k else n, kv_tokens=step.kv_tokens, drafts=k,
-                    drafting=n if k else 0, prefill_tokens=step.prefill_tokens)
+                    drafting=n if k else 0, prefill_tokens=step.prefill_tokens, catch_up=step.catch_up)
 
 
 def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
@@ -78,7 +78,7 @@ def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
         work = work_of(s)
         prefill = res.startup_seconds if i == 0 else s.times.prefill
         parts["draft"][0] += s.times.draft
-        parts["draft"][1] += cost.drafter.seconds(work.drafts, work.drafting)
+        parts["draft"][1] += cost.drafter.seconds(work.drafts, work.drafting, work.catch_up)
         parts["target"][0] += s.times.verify + s.times.accept
         parts["target"][1] += cost.price(StepWork(work.requests, work.rows, work.kv_tokens, work.drafts))
         parts["prefill"][0] += prefill

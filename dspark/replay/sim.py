@@ -53,19 +53,30 @@ def positions(batch: Batch, slots: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]
 class TraceDrafter(Drafter):
     """Proposes the recorded block at each request's position: its first k drafts, with the head's
     confidence logits or the estimator's features (float32, as the live drafter computed them); each proposal
-    advances `clock` by the cost model's seconds for k drafts over its requests."""
+    advances `clock` by the cost model's seconds for k drafts over its requests and the tokens a live drafter
+    would catch up beyond their roots (committed since its last proposal; the whole prompt after admission)."""
 
     def __init__(self, trace: Trace, ids: Tensor, cost: ServingCost, clock: SimClock) -> None:
         self.trace, self.ids, self.cost, self.clock = trace, ids, cost, clock
         self.max_drafts = trace.gamma
+        self._seen = torch.zeros(0, dtype=torch.int64)  # host [S]: committed length at the slot's last proposal
+
+    def start(self, batch: Batch, max_rows: int) -> None:
+        self._seen = torch.zeros(batch.num_slots, dtype=torch.int64)
+
+    def admit(self, slots: Tensor) -> None:
+        self._seen[slots] = 0
 
     def propose(self, batch: Batch, slots: Tensor, k: int, source: Source, sampling: Sampling) -> Drafts:
-        self.clock.advance(self.cost.draft_seconds(slots.numel(), k))
+        lens = batch.lens[slots]
+        catch_up = int((lens - self._seen[slots] - 1).sum())
+        self._seen[slots] = lens
+        self.clock.advance(self.cost.draft_seconds(slots.numel(), k, catch_up))
         block = self.trace.block_from_checked(*positions(batch, slots, self.ids))
         tokens = block.drafts[:, :k].to(torch.int64)
         if source == "features":
-            return Drafts(tokens, features=block.features[:, :k])
-        return Drafts(tokens, confidence_logits=block.confidence_logits[:, :k])
+            return Drafts(tokens, features=block.features[:, :k], catch_up=catch_up)
+        return Drafts(tokens, confidence_logits=block.confidence_logits[:, :k], catch_up=catch_up)
 
 
 class SimTarget(Target):

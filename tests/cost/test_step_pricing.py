@@ -216,7 +216,7 @@ def test_a_drafter_of_the_wrong_shape_is_refused_naming_the_depth(kind: str, cur
 
 @pytest.mark.parametrize(("d", "message"), [
     ({"seconds_per_depth": [{"batch_sizes": [1], "seconds": [1e-3]}]}, "the drafter must name its kind"),
-    ({"kind": "chain", "seconds_per_depth": [], "extra": 1}, "a drafter must hold exactly kind and seconds_per_depth"),
+    ({"kind": "chain", "seconds_per_depth": [], "extra": 1}, "a drafter must hold kind, seconds_per_depth and optionally per_catch_up_token"),
     ({"kind": "chain", "seconds_per_depth": {"batch_sizes": [1]}}, "seconds_per_depth must be a list"),
 ])
 def test_a_drafter_dict_of_the_wrong_shape_is_refused(d: dict, message: str) -> None:

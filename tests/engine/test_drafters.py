@@ -188,6 +188,29 @@ def test_a_causal_lm_drafter_that_is_the_target_is_always_accepted(device) -> No
         assert len(spec) >= 6 and all(bool((s.correct_lens == GAMMA).all()) for s in spec)
 
 
+@pytest.mark.parametrize("name", ["block", "causal-lm"])
+def test_a_step_reports_the_tokens_its_drafter_caught_up(cases, name: str, device) -> None:
+    """catch_up = the tokens each drafting request committed since its last proposal beyond its root (its whole
+    prompt after admission), walked here from the steps' owners and commit lengths: after plain steps and refills."""
+    dec = cases[name][0]
+    prompts, _ = _queue(seed=5)
+    out = dec.generate(prompts[:7], 10, Alternate(GAMMA), max_batch=3)
+    lens, seen = {}, {}
+    for s in out.steps:
+        owners = s.owners.tolist()
+        for q in owners:
+            lens.setdefault(q, int(prompts[q].numel()))
+            seen.setdefault(q, 0)
+        if s.speculated:
+            assert s.catch_up == sum(lens[q] - seen[q] - 1 for q in owners)
+            seen.update({q: lens[q] for q in owners})
+        else:
+            assert s.catch_up == 0
+        for q, c in zip(owners, s.commit_lens.tolist()):
+            lens[q] += c
+    assert sum(s.catch_up for s in out.steps if s.speculated) > sum(p.numel() for p in prompts[:7]) - 7
+
+
 @pytest.mark.parametrize("name", ["block", "ngram", "causal-lm"])
 def test_one_and_two_token_prompts_equal_transformers_generate(cases, name: str, device) -> None:
     """The shortest prompts: a one-token prompt is its root alone (nothing to prefill), alone in the batch, beside

@@ -83,3 +83,28 @@ def test_tiered_profile_measures_each_tier_top_and_fits_the_measured_table():
     assert model.step_seconds(1, 4) == pytest.approx(0.1375) == model.step_seconds(1, 5)  # within the margin
     assert model.step_seconds(4, 9) == pytest.approx(0.20) == model.step_seconds(4, 16)  # 9-16 rows: tier 16
     assert model.step_seconds(4, 20) == pytest.approx(0.21)
+
+
+def test_profile_catch_up_recovers_the_seconds_per_caught_up_token(monkeypatch, device):
+    """A drafter whose proposal costs 40 ms + 3 ms per token caught up beyond the roots, on a clock only the
+    drafter advances: the profiled slope is 3 ms, whatever the accepted lengths (the first step catches up the
+    prompts, the later ones what the step before committed beyond one)."""
+    from dspark.engine.decode import SpecDecoder
+    from dspark.engine.drafter import BlockDrafter
+    from dspark.engine.profile import profile_catch_up
+    from tests.engine_models import VOCAB, tiny_models
+
+    clock = [0.0]
+    propose = BlockDrafter.propose
+
+    def timed(self, batch, slots, k, source, sampling):
+        drafts = propose(self, batch, slots, k, source, sampling)
+        clock[0] += 0.040 + 0.003 * drafts.catch_up
+        return drafts
+
+    monkeypatch.setattr(BlockDrafter, "propose", timed)
+    target, draft = tiny_models(gamma=3)
+    dec = SpecDecoder(target, draft, cache_tokens=1024, device=device)
+    monkeypatch.setattr(dec, "_now", lambda: clock[0])
+    prompts = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
+    assert profile_catch_up(dec, prompts.to(device), 3, tokens=8, repeats=2) == pytest.approx(0.003, rel=1e-6)

@@ -42,13 +42,14 @@ def by_the_rules(cost: dict, prompts: list[int], new: list[int], accepted: list[
                  measured: range, slots: int, k: int) -> float:
     """tok_s of fixed-k (k = 0: plain) over `queue` on `slots` slots, by docs/replay.md alone."""
     active: dict[int, int] = {}  # queue position -> committed tokens
+    seen: dict[int, int] = {}  # queue position -> its length (prompt + committed) at its last proposal, 0 at admission
     nxt, latency = 0, {}
     while True:
         for q in [q for q, t in active.items() if t >= new[queue[q]]]:
             del active[q]
         admitted = []
         while len(active) < slots and nxt < len(queue):
-            active[nxt] = 0
+            active[nxt], seen[nxt] = 0, 0
             admitted.append(nxt)
             nxt += 1
         if not active:
@@ -58,8 +59,11 @@ def by_the_rules(cost: dict, prompts: list[int], new: list[int], accepted: list[
         b = len(active)
         kv = sum(prompts[queue[q]] - 1 + t for q, t in active.items())
         if k:
+            catch_up = sum(prompts[queue[q]] + t - seen[q] - 1 for q, t in active.items())
+            seen.update({q: prompts[queue[q]] + t for q, t in active.items()})
             seconds = (verify_seconds(cost["verify"], b, b * (k + 1))
-                       + curve(cost["drafter"]["seconds_per_depth"][k - 1], b))
+                       + curve(cost["drafter"]["seconds_per_depth"][k - 1], b)
+                       + cost["drafter"].get("per_catch_up_token", 0.0) * catch_up)
         else:
             seconds = curve(cost["plain_seconds"], b)
         seconds += cost["per_kv_token"] * kv + prefill

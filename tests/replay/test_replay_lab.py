@@ -7,6 +7,7 @@ clock must charge the cost model's T(B, rows); and the same inputs must give the
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -53,7 +54,9 @@ def synthetic_trace(requests: int, seed: int, gamma: int = GAMMA) -> Trace:
 
 @functools.lru_cache(maxsize=None)
 def _cost():
-    return h100_llama8b_fitted(gamma=GAMMA, max_requests=16)
+    """The H100 fit with a drafter that pays 20 us per token it catches up beyond the roots."""
+    cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=16)
+    return dataclasses.replace(cost, drafter=dataclasses.replace(cost.drafter, per_catch_up_token=20e-6))
 
 
 def _lab(trace: Trace, **kw) -> Lab:
@@ -96,12 +99,13 @@ def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> 
     cost = _cost()
     prompt = trace.prompt_offsets.diff()
     pos: dict[int, int] = {}  # queued request -> tokens committed so far, walked independently of the engine
+    seen: dict[int, int] = {}  # queued request -> its length at its last proposal (0: admitted, nothing drafted)
     charged = 0.0
     for s in a.steps:
         owners = s.owners.tolist()
         new = [q for q in owners if q not in pos]
         for q in new:
-            pos[q] = 0
+            pos[q], seen[q] = 0, 0
         # the prompts admitted right before this step (the first step admits the first B at start-up)
         prefill = cost.prefill.seconds(sum(int(prompt[ids[q]]) - 1 for q in new))
         assert (s.times.prefill if s is not a.steps[0] else a.startup_seconds) == pytest.approx(prefill, abs=1e-15)
@@ -110,12 +114,17 @@ def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> 
         rows = int(s.layout.total_rows) if s.speculated else n
         target = float(cost.verify.step_seconds(num_requests=n, rows=rows)) if k else cost.plain_seconds(n)
         assert s.times.verify == pytest.approx(target + cost.per_kv_token * kv, rel=1e-12)
-        assert s.times.draft == pytest.approx(cost.draft_seconds(n, k) if k else 0.0, rel=1e-12, abs=1e-15)
+        catch_up = sum(int(prompt[ids[q]]) + pos[q] - seen[q] - 1 for q in owners) if k else 0
+        if k:
+            seen.update({q: int(prompt[ids[q]]) + pos[q] for q in owners})
+        draft = cost.draft_seconds(n, k) + cost.drafter.per_catch_up_token * catch_up if k else 0.0
+        assert s.catch_up == catch_up
+        assert s.times.draft == pytest.approx(draft, rel=1e-12, abs=1e-15)
         if k:  # a policy drafting k pays for k, not for the trace's gamma
-            assert s.times.draft < cost.draft_seconds(n, GAMMA) or k == GAMMA
+            assert s.times.draft < cost.draft_seconds(n, GAMMA, catch_up) or k == GAMMA
         for q, c in zip(owners, s.commit_lens.tolist()):
             pos[q] += c
-        charged += target + cost.per_kv_token * kv + (cost.draft_seconds(n, k) if k else 0.0) + prefill
+        charged += target + cost.per_kv_token * kv + draft + prefill
     assert a.seconds == pytest.approx(charged, rel=1e-9)
 
 

@@ -31,6 +31,7 @@ def _setup():
     trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=GAMMA, max_batch=4)
     decoder = SpecDecoder(target, draft, cache_tokens=4096)
     cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8)
+    cost = dataclasses.replace(cost, drafter=dataclasses.replace(cost.drafter, per_catch_up_token=20e-6))
     return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False)
 
 
@@ -68,8 +69,11 @@ def test_agreement_and_prices_of_a_live_run_beside_its_replay() -> None:
     # the steps agree, so the replay's seconds are the cost model's price of the live steps, phase by phase
     assert priced["all"]["priced_s"] == pytest.approx(sim.seconds, rel=1e-12)
     for x, y in zip(live.steps, sim.steps):
-        assert work_of(x) == work_of(y)  # the same rows, depth, KV tokens and prefill tokens
-        assert y.times.draft == pytest.approx(lab.cost.drafter.seconds(work_of(y).drafts, work_of(y).drafting))
+        assert work_of(x) == work_of(y)  # the same rows, depth, KV tokens, prefill tokens and draft catch-up
+        w = work_of(y)
+        assert y.times.draft == pytest.approx(lab.cost.drafter.seconds(w.drafts, w.drafting, w.catch_up))
+    spec = [s for s in live.steps if s.speculated]
+    assert spec[0].catch_up > 0 and any(s.catch_up for s in spec[1:])  # the prompts, then commits beyond the roots
     measured = live.startup_seconds + sum(s.times.total for s in live.steps)
     assert priced["all"]["measured_s"] == pytest.approx(measured)
     assert priced["all"]["error"] == pytest.approx(priced["all"]["priced_s"] / measured - 1)
