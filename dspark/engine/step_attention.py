@@ -6,16 +6,19 @@ write nothing) and runs the planned attention. Prefill, draft and verify forward
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from dspark.engine.kv_cache import PagedKVCache
 from dspark.models.geometry import ModelGeometry
 from dspark.verify.attention import RaggedVerifyAttention
 
 
-def batch_attention(cache: PagedKVCache, geometry: ModelGeometry, max_rows: int, max_slots: int
-                    ) -> RaggedVerifyAttention:
+def batch_attention(cache: PagedKVCache, geometry: ModelGeometry, max_rows: int, max_slots: int,
+                    backend: Callable[..., Any] | None = None) -> RaggedVerifyAttention:
     """Persistent attention metadata for one model's forwards of <= max_rows rows over <= max_slots slots
-    (real + ghost), with the model's GQA head counts and softmax scale."""
+    (real + ghost), with the model's GQA head counts and softmax scale. backend: the model's
+    `attention_backend` (a class taking `RaggedVerifyAttention`'s arguments, e.g. the NPU one), None: the default."""
     _, num_pages, page_size, kv_heads, head_dim = cache.k.shape
-    return RaggedVerifyAttention(max_rows, max_slots, int(cache.block_table.shape[1]), geometry.num_q_heads, kv_heads,
-                                 head_dim, page_size, cache.k.device, cache.k.dtype, sm_scale=geometry.sm_scale,
-                                 num_pages=num_pages)
+    return (backend or RaggedVerifyAttention)(max_rows, max_slots, int(cache.block_table.shape[1]),
+                                              geometry.num_q_heads, kv_heads, head_dim, page_size, cache.k.device,
+                                              cache.k.dtype, sm_scale=geometry.sm_scale, num_pages=num_pages)

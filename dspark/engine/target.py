@@ -112,7 +112,7 @@ class LiveTarget(Target):
         self.cache.admit(s, cols - 1)
         self._steps: dict[int, tuple[int | None, Any]] = {}  # verify width -> (graph slots, its VerifyStep)
         self._width(width)  # the run's widest step is built here, outside the timed steps
-        self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1)
+        self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1, self.model.attention_backend)
         self.hidden = torch.zeros(s, cols, self.model.geometry.hidden_size, device=self.device)
 
     def finish(self) -> None:

@@ -77,9 +77,10 @@ class VerifyStep:
         graph_slots = graph_slot_count(max_requests, tiers, width) if graph_slots is None else graph_slots
         max_slots = max(max_requests, graph_slots if isinstance(graph_slots, int) else max(graph_slots))
         self.target, self.device = target, device
-        self.attn = RaggedVerifyAttention(max(tiers[-1], max_requests * width), max_slots, pages_per_request,
-                                          g.num_q_heads, kv_heads, head_dim, page_size, device, cache.k.dtype,
-                                          sm_scale=g.sm_scale, max_verify_len=width, num_pages=num_pages)
+        attention = target.attention_backend or RaggedVerifyAttention  # the target's attention backend
+        self.attn = attention(max(tiers[-1], max_requests * width), max_slots, pages_per_request, g.num_q_heads,
+                              kv_heads, head_dim, page_size, device, cache.k.dtype, sm_scale=g.sm_scale,
+                              max_verify_len=width, num_pages=num_pages)
         self._attend = PlannedAttend(self.attn, cache.k, cache.v)
         self.compile_model = device.type == "cuda" if compile_model is None else compile_model
         self._model = torch.compile(self._model_rows, dynamic=False) if self.compile_model else self._model_rows

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from dspark.models.extra import require
 
@@ -90,6 +90,9 @@ class TransformersCausalLM(nn.Module):
                              f"AttentionInterface, so dspark cannot run it")
         self.hf_model = hf_model.eval()
         self.geometry = _geometry(hf_model)
+        # the class the engine builds this model's attention with (RaggedVerifyAttention's arguments); None:
+        # dspark's default. `dspark.ascend.use_npu_attention(model)` selects the NPU backend
+        self.attention_backend: Callable[..., Any] | None = None
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, *, dtype: torch.dtype = torch.float32) -> "TransformersCausalLM":
