@@ -3,15 +3,15 @@
 A policy-lab run replays recorded draft traces through the engine's scheduler and policies against a simulated
 target, which charges every step `ServingCost.price(StepWork)`:
 
-    speculative step:  verify.T(B, M) + per_kv_token x kv_tokens + drafter(depth k, drafting requests, catch_up)
-                       + prefill
-    plain step:        plain(B)       + per_kv_token x kv_tokens + prefill
+    speculative step:  verify.T(B, M) + per_kv_token x K + drafter(depth k, drafting requests, catch_up) + prefill
+    plain step:        plain(B)       + per_kv_token x K + prefill
 
 - `verify`: a dspark `CostModel` T(B, M), the target's verify forward over M rows (before tier padding: the
   model pads itself where the modelled engine has graph tiers) with the step's plan and accept, at zero KV
   context; it records W = gamma + 1 (`width`), the widest verify it covers;
 - `plain`: seconds of a target-only step (one row per request) per B, at zero KV context;
-- `per_kv_token`: seconds per KV token the step's requests hold before it (prompt + committed), summed;
+- `per_kv_token`: seconds per KV token K the step's attention reads: by `kv_layout`, the tokens its requests hold
+  before it (prompt + committed) summed (`ragged`) or B x the most one request holds (`padded`);
 - `drafter`: `DraftCost`, the drafter's kind (`chain`, `parallel` or `ngram`) and its seconds for k drafts per
   request over n requests, k = 1..gamma (a policy that drafts k pays for k), plus seconds per token it catches up
   beyond the roots (tokens committed since its last proposal, a prompt after admission);
@@ -35,7 +35,16 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dspark.cost.base import CostModel, check_cost_model, check_probes
-from dspark.cost.step import DRAFTER_KINDS, BatchCurve, DraftCost, PrefillCost, StepWork, prefill_from_dict
+from dspark.cost.step import (
+    DRAFTER_KINDS,
+    KV_LAYOUTS,
+    BatchCurve,
+    DraftCost,
+    PrefillCost,
+    StepWork,
+    kv_priced,
+    prefill_from_dict,
+)
 from dspark.util.fileio import read_json, write_json_atomic
 from dspark.util.validate import check_int, check_real, check_type
 
@@ -57,7 +66,9 @@ class ServingCost:
     parameter comes from; verify: CostModel T(B, M) of the target's verify step at zero context, width W =
     gamma + 1; plain: BatchCurve over at least B = 1..max_requests (zero context); per_kv_token: seconds per KV
     token held; drafter: DraftCost over depths 1..gamma; prefill: PrefillCost; tiers: graph tiers the modelled
-    engine replays (() for eager); parameters: the generator's arguments (JSON values).
+    engine replays (() for eager); parameters: the generator's arguments (JSON values); kv_layout: how the
+    modelled attention reads the KV cache (`ragged`: each request's own length; `padded`: every request padded
+    to the step's longest).
     """
 
     name: str
@@ -72,8 +83,11 @@ class ServingCost:
     tiers: tuple[int, ...] = ()
     max_requests: int = 256
     parameters: Mapping[str, Any] = field(default_factory=dict)
+    kv_layout: str = "ragged"
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         for name in ("name", "platform"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -129,7 +143,8 @@ class ServingCost:
         b = self._batch(work.requests)
         target = (float(self.verify.step_seconds(num_requests=b, rows=work.rows)) if work.drafts
                   else self.plain(b))
-        return (target + self.per_kv_token * work.kv_tokens + self.drafter.seconds(work.drafts, work.drafting, work.catch_up)
+        kv = self.per_kv_token * kv_priced(work, self.kv_layout)
+        return (target + kv + self.drafter.seconds(work.drafts, work.drafting, work.catch_up)
                 + self.prefill.seconds(work.prefill_tokens))
 
     def believed(self, drafts: int, context: float) -> CostModel:
@@ -162,7 +177,7 @@ class ServingCost:
                 "description": self.description, "sources": list(self.sources), "max_requests": self.max_requests,
                 "tiers": list(self.tiers), "parameters": dict(self.parameters), "verify": self.verify.to_dict(),
                 "plain_seconds": self.plain.to_dict(), "per_kv_token": self.per_kv_token,
-                "drafter": self.drafter.to_dict(),
+                "kv_layout": self.kv_layout, "drafter": self.drafter.to_dict(),
                 "prefill": {"per_forward": self.prefill.per_forward, "per_token": self.prefill.per_token}}
 
     @classmethod
@@ -193,7 +208,7 @@ class ServingCost:
                 raise ValueError(f"{key}: {e}") from None
         return cls(d["name"], d["platform"], d["description"], d["sources"], parts["verify"], parts["plain_seconds"],
                    d["per_kv_token"], parts["drafter"], parts["prefill"], tiers=d["tiers"],
-                   max_requests=d["max_requests"], parameters=d["parameters"])
+                   max_requests=d["max_requests"], parameters=d["parameters"], kv_layout=d.get("kv_layout", "ragged"))
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the JSON atomically (temp file in the same folder, then rename)."""
@@ -292,5 +307,5 @@ def perturbed(cost: ServingCost, *, spread: float, seed: int, plain_skew: float 
                        f"{cost.description} Perturbed: every stored seconds value x (1 + U(-{spread:g}, {spread:g})), "
                        f"seed {seed}; plain steps x {1 + plain_skew:g}.",
                        cost.sources + (f"perturbed({how})",), CostModel.from_dict(spec), plain, per_kv, drafter,
-                       prefill, tiers=cost.tiers, max_requests=cost.max_requests,
+                       prefill, tiers=cost.tiers, max_requests=cost.max_requests, kv_layout=cost.kv_layout,
                        parameters={**cost.parameters, "perturbed": how})

@@ -46,6 +46,7 @@ class BatchCurve:
 
 
 DRAFTER_KINDS = ("chain", "parallel", "ngram")
+KV_LAYOUTS = ("ragged", "padded")
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class StepWork:
 
     requests: B, the requests decoding in the step; rows: the target's rows (the verify layout's rows before
     tier padding; B for a plain step); kv_tokens: the tokens those requests hold in the KV cache before the step
-    (prompt + committed), summed; drafts: tokens drafted per drafting request (0: a plain step); drafting:
+    (prompt + committed), summed; kv_longest: the most one of them holds (None: kv_tokens shared evenly); drafts: tokens drafted per drafting request (0: a plain step); drafting:
     requests that drafted; prefill_tokens: prompt tokens admitted (prefilled) right before the step.
     """
 
@@ -161,6 +162,7 @@ class StepWork:
     drafting: int = 0
     prefill_tokens: int = 0
     catch_up: int = 0
+    kv_longest: int | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("requests", 1), ("rows", 1), ("kv_tokens", 0), ("drafts", 0), ("drafting", 0),
@@ -168,6 +170,11 @@ class StepWork:
             check_int(name, getattr(self, name), low)
         if self.drafting > self.requests:
             raise ValueError(f"drafting must be <= requests = {self.requests}, got {self.drafting}")
+        if self.kv_longest is not None:
+            check_int("kv_longest", self.kv_longest, 0)
+            if not self.kv_longest <= self.kv_tokens <= self.requests * self.kv_longest:
+                raise ValueError(f"kv_longest must lie in [kv_tokens / requests, kv_tokens] = "
+                                 f"[{self.kv_tokens / self.requests:g}, {self.kv_tokens}], got {self.kv_longest}")
         if self.catch_up and not (self.drafts and self.drafting):
             raise ValueError(f"catch_up must be 0 when no request drafts (drafts = {self.drafts}, drafting = "
                              f"{self.drafting}), got {self.catch_up}")
@@ -175,6 +182,14 @@ class StepWork:
         if not self.requests <= self.rows <= top:
             raise ValueError(f"rows must be in [requests, requests x (drafts + 1)] = [{self.requests}, {top}], got "
                              f"{self.rows}")
+
+
+def kv_priced(work: StepWork, layout: str) -> float:
+    """The KV tokens a step's attention reads: their sum (`ragged`: kernels that walk each request's own length) or
+    B x the longest (`padded`: every request padded to the longest, as dspark's CPU torch attention does)."""
+    if layout == "ragged" or work.kv_longest is None:
+        return float(work.kv_tokens)
+    return float(work.requests * work.kv_longest)
 
 
 def prefill_from_dict(d: object) -> PrefillCost:

@@ -63,6 +63,7 @@ from dspark.cost.serving import BatchCurve, ServingCost
 from dspark.cost.shipped import fit_prefill
 from dspark.engine.profile import (
     PlainStepCost,
+    attention_kv_layout,
     fit_cost_model,
     profile_drafting,
     profile_points,
@@ -199,7 +200,7 @@ def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, sa
                          parameters={"gamma": cfg.gamma, "batch_sizes": sizes, "tier_ladder": list(decoder.tiers),
                                      "draft_sha256": draft_sha256, "prompt_len": cfg.prompt_len,
                                      "tokens": cfg.max_new_tokens},
-                         catch_up=statistics.median(catch_ups))
+                         catch_up=statistics.median(catch_ups), kv_layout=attention_kv_layout(decoder.device))
 
 
 def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[str], tmp: Path,

@@ -34,6 +34,7 @@ from dspark.engine.lockstep import lockstep
 from dspark.engine.policies import FixedK, Policy, PolicyPlan
 from dspark.engine.results import GenerateResult
 from dspark.engine.sweep import tier_rows
+from dspark.kernels import dispatch
 from dspark.verify.accept import AcceptResult
 from dspark.verify.layout import round_up_to_tier
 
@@ -258,6 +259,12 @@ def profile_kv(decoder: SpecDecoder, short: Tensor, long: Tensor, *, tokens: int
     return max(statistics.median(slopes), 0.0), statistics.fmean(base)
 
 
+def attention_kv_layout(device: torch.device) -> str:
+    """How dspark's attention reads the KV cache on `device`: `ragged` (the Triton kernel walks each request's own
+    length) or `padded` (the CPU torch path pads every request to the step's longest)."""
+    return "ragged" if dispatch.use_triton(torch.empty(0, device=device)) else "padded"
+
+
 def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor, gamma: int,
                          batch_sizes: Sequence[int], tiers: Sequence[int], *, tokens: int, repeats: int,
                          reserve_new_tokens: int | None, max_requests: int, name: str, description: str,
@@ -273,8 +280,10 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
     fitted and extended by `profiled_cost`."""
     samples, plain, prefills, slopes, contexts, catch_ups = [], [], [], [], [], []
     drafting: list[list[float]] = [[] for _ in range(gamma)]
+    layout = "ragged"
     for b in batch_sizes:
         decoder = decoders(b)
+        layout = attention_kv_layout(decoder.device)
         measured, plain_b = profile_step_costs(decoder, prompts[:b], profile_points([b], gamma, tiers), gamma,
                                                tokens=tokens, repeats=repeats, reserve_new_tokens=reserve_new_tokens)
         samples += measured
@@ -296,13 +305,13 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
     return profiled_cost(samples, BatchCurve(tuple(batch_sizes), plain),
                          [BatchCurve(tuple(batch_sizes), d) for d in drafting], fit_prefill(prefills), gamma=gamma,
                          tiers=tiers, max_requests=max_requests, name=name, description=description,
-                         parameters=parameters, kv=kv, catch_up=statistics.median(catch_ups))
+                         parameters=parameters, kv=kv, catch_up=statistics.median(catch_ups), kv_layout=layout)
 
 
 def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting: Sequence[BatchCurve],
                   prefill: PrefillCost, *, gamma: int, tiers: Sequence[int], max_requests: int, name: str,
                   description: str, parameters: dict, kv: tuple[float, float] | None = None,
-                  catch_up: float = 0.0) -> ServingCost:
+                  catch_up: float = 0.0, kv_layout: str = "ragged") -> ServingCost:
     """A ServingCost from a profile's results: whole-step samples (B, M, seconds) drafting gamma, plain seconds
     and the draft phase per depth 1..gamma at the profiled B, the prefill fit, the tier ladder up to
     max_requests x W. `fit_cost_model` over the profiled tiers, `fill_monotone`, `scale_batches` up to
@@ -310,7 +319,8 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
     curves made non-decreasing in the depth. kv: (seconds per cached KV token, the cached tokens per request the
     profiled steps held): per_kv_token, and that context's share taken out of verify and plain (the file then
     prices each step's own context); None (not profiled): per KV token 0, the profile's contexts inside the
-    table. catch_up: the drafter's seconds per token caught up beyond the roots (0: not profiled)."""
+    table. catch_up: the drafter's seconds per token caught up beyond the roots (0: not profiled); kv_layout: how
+    the profiled attention reads the KV cache (`attention_kv_layout`)."""
     import platform
 
     machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
@@ -332,10 +342,11 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
         "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft; "
         + (f"catch-up: profile_catch_up, {catch_up * 1e6:.3f} us per token beyond the roots" if catch_up else
            "catch-up: not profiled (0)"),
-        (f"per KV token: profile_kv, plain steps on short and long prompts in lockstep, {per_kv * 1e6:.3f} us; the "
-         f"profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if kv else
+        (f"per KV token ({kv_layout}): profile_kv, plain steps on short and long prompts in lockstep, "
+         f"{per_kv * 1e6:.3f} us; the profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if kv else
          "per KV token: 0 (the profiled steps hold the profile's own contexts)")
         + "; prefill: fit_prefill over the drafting runs' first admissions",
         f"machine: {platform.platform()}, torch {torch.__version__}")
-    return ServingCost(name, machine, description, sources, verify, plain, per_kv, DraftCost("chain", tuple(drafting), catch_up),
-                       prefill, tiers=model.tiers, max_requests=max_requests, parameters=parameters)
+    drafter = DraftCost("chain", tuple(drafting), catch_up)
+    return ServingCost(name, machine, description, sources, verify, plain, per_kv, drafter, prefill, tiers=model.tiers,
+                       max_requests=max_requests, parameters=parameters, kv_layout=kv_layout)

@@ -41,6 +41,7 @@ class StepOutcome:
     useful: int = 0                # tokens committed within max_new_tokens (overshoot past it not counted)
     useful_per_request: Tensor | None = None  # [B] host int64: each request's share of `useful`
     kv_tokens: int = 0             # tokens the step's requests held in the KV cache before it (roots excluded)
+    kv_longest: int = 0            # the most of those one request held
     prefill_tokens: int = 0        # prompt tokens prefilled right before this step (its `times.prefill`)
     catch_up: int = 0              # tokens the drafter caught up beyond the roots (Drafts.catch_up; 0: plain)
     draft_logits: Tensor | None = None  # [B, k, V] drafter token logits, with generate(keep_draft_logits=True)

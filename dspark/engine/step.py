@@ -146,7 +146,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             out.useful = int(out.useful_per_request.sum())
             out.times.prefill, prefill = prefill, 0.0
             out.prefill_tokens, prefill_tokens = prefill_tokens, 0
-            out.kv_tokens = int((lens - 1).sum())
+            out.kv_tokens, out.kv_longest = int((lens - 1).sum()), int((lens - 1).max())
             t0 = now()
             policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
             out.times.plan += now() - t0

@@ -10,6 +10,8 @@ not charge).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -65,7 +67,8 @@ def work_of(step: StepOutcome) -> StepWork:
     """The StepWork of a live step (what the replay would price for it)."""
     n, k = step.requests.numel(), step.confidence_logits.shape[-1]
     return StepWork(requests=n, rows=int(step.layout.total_rows) if k else n, kv_tokens=step.kv_tokens, drafts=k,
-                    drafting=n if k else 0, prefill_tokens=step.prefill_tokens, catch_up=step.catch_up)
+                    drafting=n if k else 0, prefill_tokens=step.prefill_tokens, catch_up=step.catch_up,
+                    kv_longest=step.kv_longest)
 
 
 def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
@@ -80,7 +83,7 @@ def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
         parts["draft"][0] += s.times.draft
         parts["draft"][1] += cost.drafter.seconds(work.drafts, work.drafting, work.catch_up)
         parts["target"][0] += s.times.verify + s.times.accept
-        parts["target"][1] += cost.price(StepWork(work.requests, work.rows, work.kv_tokens, work.drafts))
+        parts["target"][1] += cost.price(dataclasses.replace(work, drafting=0, prefill_tokens=0, catch_up=0))
         parts["prefill"][0] += prefill
         parts["prefill"][1] += cost.prefill.seconds(work.prefill_tokens)
         parts["plan"][0] += s.times.plan

@@ -39,9 +39,11 @@ class SimClock:
 
 def step_work(batch: Batch, slots: Tensor, rows: int, drafts: int) -> StepWork:
     """The target's share of a step over `slots` (host ids): `rows` rows, `drafts` drafts per request (0: plain),
-    KV tokens = the cached tokens of those requests (their committed length minus the root, which is a row).
-    The drafter's share is priced apart (`ServingCost.draft_seconds`), so `drafting` is 0 here."""
-    return StepWork(requests=slots.numel(), rows=rows, kv_tokens=int((batch.lens[slots] - 1).sum()), drafts=drafts)
+    KV tokens = the cached tokens of those requests (their committed length minus the root, which is a row), and
+    the most one holds. The drafter's share is priced apart (`ServingCost.draft_seconds`), so `drafting` is 0 here."""
+    cached = batch.lens[slots] - 1
+    return StepWork(requests=slots.numel(), rows=rows, kv_tokens=int(cached.sum()), drafts=drafts,
+                    kv_longest=int(cached.max()))
 
 
 def positions(batch: Batch, slots: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:

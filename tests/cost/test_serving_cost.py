@@ -7,6 +7,7 @@ Tests that read graphs/cost_models/cpu-measured.json carry `cpu_measured` in the
 `-k "not cpu_measured"` (not `-k "not cpu"`: that also matches the `cpu_only` mark of every test here)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -162,6 +163,23 @@ def test_save_load_round_trip_is_equal(tmp_path_factory, name: str, gamma: int, 
     work = StepWork(b, b * (gamma + 1), kv_tokens=context * b, drafts=gamma, drafting=b, prefill_tokens=context)
     assert again.price(work) == cost.price(work) > cost.price(StepWork(b, b, kv_tokens=context * b))
     assert again.believed(gamma, context).step_seconds(b, b) == cost.believed(gamma, context).step_seconds(b, b)
+
+
+def test_kv_layout_and_catch_up_round_trip_and_default_to_ragged_and_zero(tmp_path) -> None:
+    cost = h100_llama8b_fitted(gamma=3, max_requests=8)
+    cost = dataclasses.replace(cost, kv_layout="padded",
+                               drafter=dataclasses.replace(cost.drafter, per_catch_up_token=3e-6))
+    again = load_serving_cost(cost.save(tmp_path / "padded.json"), width=4)
+    assert again == cost and again.kv_layout == "padded" and again.drafter.per_catch_up_token == 3e-6
+    work = StepWork(4, 8, kv_tokens=100, drafts=1, drafting=4, catch_up=5, kv_longest=70)
+    ragged = dataclasses.replace(again, kv_layout="ragged")
+    assert again.price(work) - ragged.price(work) == pytest.approx(cost.per_kv_token * (4 * 70 - 100), rel=1e-12)
+    assert again.price(work) - again.price(dataclasses.replace(work, catch_up=0)) == pytest.approx(15e-6, rel=1e-9)
+    d = cost.to_dict()
+    del d["kv_layout"], d["drafter"]["per_catch_up_token"]  # a file written before either existed
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    old = load_serving_cost(tmp_path / "old.json", width=4)
+    assert old.kv_layout == "ragged" and old.drafter.per_catch_up_token == 0.0
 
 
 @settings(max_examples=10)

@@ -10,6 +10,7 @@ Tests that read graphs/cost_models/cpu-measured.json carry `cpu_measured` in the
 leaves them out)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from dspark.cost import AdditiveCostModel, TieredCostModel
 from dspark.cost.serving import (
     DRAFTER_KINDS,
+    KV_LAYOUTS,
     BatchCurve,
     DraftCost,
     PrefillCost,
@@ -66,10 +68,12 @@ def _reference_parts(d: dict, w: StepWork) -> tuple[float, float, float, float]:
     """(target, KV, draft, prefill) seconds of step `w` under the serving cost saved as `d`."""
     target = _verify_reference(d["verify"], w.requests, w.rows) if w.drafts else _curve_reference(
         d["plain_seconds"], w.requests)
-    draft = _curve_reference(d["drafter"]["seconds_per_depth"][w.drafts - 1], w.drafting) if (
-        w.drafts and w.drafting) else 0.0
+    draft = _curve_reference(d["drafter"]["seconds_per_depth"][w.drafts - 1], w.drafting) + d["drafter"].get(
+        "per_catch_up_token", 0.0) * w.catch_up if (w.drafts and w.drafting) else 0.0
     prefill = d["prefill"]["per_forward"] + d["prefill"]["per_token"] * w.prefill_tokens if w.prefill_tokens else 0.0
-    return target, d["per_kv_token"] * w.kv_tokens, draft, prefill
+    padded = d.get("kv_layout", "ragged") == "padded" and w.kv_longest is not None
+    kv = w.requests * w.kv_longest if padded else w.kv_tokens
+    return target, d["per_kv_token"] * kv, draft, prefill
 
 
 # ---- random serving costs: every drafter kind, additive or tabled tiered verify ----
@@ -106,10 +110,11 @@ def serving_costs(draw) -> ServingCost:
             depths.append(list(first))
         else:
             depths.append(draw(st.lists(st.floats(1e-5, 1e-2), min_size=len(dp), max_size=len(dp))))
-    drafter = DraftCost(kind, tuple(BatchCurve(dp, s) for s in depths))
+    drafter = DraftCost(kind, tuple(BatchCurve(dp, s) for s in depths), draw(st.floats(0.0, 1e-4)))
     prefill = PrefillCost(draw(st.floats(0.0, 1e-2)), draw(st.floats(1e-7, 1e-4)))
     return ServingCost("random", "test", "", ("hypothesis",), verify, plain, draw(st.floats(1e-9, 1e-6)), drafter,
-                       prefill, max_requests=max_requests, parameters={"gamma": gamma})
+                       prefill, max_requests=max_requests, parameters={"gamma": gamma},
+                       kv_layout=draw(st.sampled_from(KV_LAYOUTS)))
 
 
 def _work(draw, cost: ServingCost) -> StepWork:
@@ -117,8 +122,10 @@ def _work(draw, cost: ServingCost) -> StepWork:
     k = draw(st.integers(0, cost.width - 1))
     rows = draw(st.integers(b, b * (k + 1))) if k else b
     drafting = draw(st.integers(0, b)) if k else 0
-    return StepWork(b, rows, draw(st.integers(0, 4096 * b)), drafts=k, drafting=drafting,
-                    prefill_tokens=draw(st.integers(0, 4096)))
+    cached = draw(st.lists(st.integers(0, 4096), min_size=b, max_size=b))
+    return StepWork(b, rows, sum(cached), drafts=k, drafting=drafting, prefill_tokens=draw(st.integers(0, 4096)),
+                    catch_up=draw(st.integers(0, 512)) if drafting else 0,
+                    kv_longest=draw(st.sampled_from([None, max(cached)])))
 
 
 def _check_price(cost: ServingCost, work: StepWork) -> None:
@@ -126,8 +133,10 @@ def _check_price(cost: ServingCost, work: StepWork) -> None:
     assert cost.price(work) == pytest.approx(sum(parts), rel=1e-12, abs=0), (work, parts)
     target = cost.verify.step_seconds(work.requests, work.rows) if work.drafts else cost.plain_seconds(work.requests)
     assert float(target) == pytest.approx(parts[0], rel=1e-12)
-    assert cost.per_kv_token * work.kv_tokens == pytest.approx(parts[1], rel=1e-12, abs=0)
-    draft = cost.draft_seconds(work.drafting, work.drafts) if work.drafting else 0.0
+    padded = cost.kv_layout == "padded" and work.kv_longest is not None
+    kv = work.requests * work.kv_longest if padded else work.kv_tokens
+    assert cost.per_kv_token * kv == pytest.approx(parts[1], rel=1e-12, abs=0)
+    draft = cost.draft_seconds(work.drafting, work.drafts, work.catch_up) if work.drafting else 0.0
     assert draft == pytest.approx(parts[2], rel=1e-12, abs=0)
     assert cost.prefill.seconds(work.prefill_tokens) == pytest.approx(parts[3], rel=1e-12, abs=0)
 
@@ -305,6 +314,11 @@ def test_believed_at_a_longer_context_and_a_deeper_draft_costs_more() -> None:
     (lambda c: c.draft_seconds(2, 1.5), ("drafts", "1.5")),
     (lambda c: c.price(StepWork(2, 9, 0, drafts=3, drafting=2)), ("rows", "9")),
     (lambda c: c.price(StepWork(2, 3, 0)), ("rows", "3")),
+    (lambda c: c.price(StepWork(2, 2, 10, kv_longest=4)), ("kv_longest", "[5, 10]", "4")),
+    (lambda c: c.price(StepWork(2, 2, 10, kv_longest=11)), ("kv_longest", "11")),
+    (lambda c: c.price(StepWork(2, 2, 10, catch_up=3)), ("catch_up", "3")),
+    (lambda c: c.price(StepWork(2, 4, 10, drafts=1, drafting=2, catch_up=-1)), ("catch_up", "-1")),
+    (lambda c: dataclasses.replace(c, kv_layout="dense"), ("kv_layout", "dense")),
 ])
 def test_work_a_step_cannot_do_is_refused_naming_the_value(call, names) -> None:
     cost = h100_llama8b_fitted(max_requests=4)

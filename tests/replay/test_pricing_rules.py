@@ -57,7 +57,8 @@ def by_the_rules(cost: dict, prompts: list[int], new: list[int], accepted: list[
         prefill_tokens = sum(prompts[queue[q]] - 1 for q in admitted)
         prefill = cost["prefill"]["per_forward"] + cost["prefill"]["per_token"] * prefill_tokens if admitted else 0.0
         b = len(active)
-        kv = sum(prompts[queue[q]] - 1 + t for q, t in active.items())
+        cached = [prompts[queue[q]] - 1 + t for q, t in active.items()]
+        kv = sum(cached) if cost.get("kv_layout", "ragged") == "ragged" else b * max(cached)
         if k:
             catch_up = sum(prompts[queue[q]] + t - seen[q] - 1 for q, t in active.items())
             seen.update({q: prompts[queue[q]] + t for q, t in active.items()})

@@ -54,9 +54,11 @@ def synthetic_trace(requests: int, seed: int, gamma: int = GAMMA) -> Trace:
 
 @functools.lru_cache(maxsize=None)
 def _cost():
-    """The H100 fit with a drafter that pays 20 us per token it catches up beyond the roots."""
+    """The H100 fit with a drafter that pays 20 us per token it catches up beyond the roots, and its KV term read
+    padded (B x the longest request's cached tokens)."""
     cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=16)
-    return dataclasses.replace(cost, drafter=dataclasses.replace(cost.drafter, per_catch_up_token=20e-6))
+    return dataclasses.replace(cost, drafter=dataclasses.replace(cost.drafter, per_catch_up_token=20e-6),
+                               kv_layout="padded")
 
 
 def _lab(trace: Trace, **kw) -> Lab:
@@ -110,7 +112,7 @@ def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> 
         prefill = cost.prefill.seconds(sum(int(prompt[ids[q]]) - 1 for q in new))
         assert (s.times.prefill if s is not a.steps[0] else a.startup_seconds) == pytest.approx(prefill, abs=1e-15)
         n, k = len(owners), s.confidence_logits.shape[1]
-        kv = sum(int(prompt[ids[q]]) - 1 + pos[q] for q in owners)  # each request's own cached tokens
+        kv = n * max(int(prompt[ids[q]]) - 1 + pos[q] for q in owners)  # padded: B x the longest cached
         rows = int(s.layout.total_rows) if s.speculated else n
         target = float(cost.verify.step_seconds(num_requests=n, rows=rows)) if k else cost.plain_seconds(n)
         assert s.times.verify == pytest.approx(target + cost.per_kv_token * kv, rel=1e-12)
