@@ -34,9 +34,19 @@ class _Missing:
         raise RuntimeError(f"Triton kernel {self.__name__} needs triton, which is not installed: {INSTALL_HINT}")
 
 
-def jit(fn: Callable[..., Any]) -> Any:
-    """`triton.jit(fn)`, or a placeholder without triton."""
-    return triton.jit(fn) if triton is not None else _Missing(fn)
+def jit(fn: Callable[..., Any] | None = None, *, do_not_specialize: tuple[str, ...] = ()) -> Any:
+    """`triton.jit(fn)`, or a placeholder without triton; `@jit(do_not_specialize=(names...))` for a kernel
+    whose integer arguments `names` are runtime sizes or counts.
+
+    Triton compiles one variant per specialisation key, and by default an int argument's key records whether
+    it equals 1 and whether it is divisible by 16: a count that follows the data (rows, requests, items)
+    would compile up to three variants mid-run, each a stall of hundreds of ms on a GPU. Arguments named
+    here are keyed by type only (tests/kernels/test_specialization.py checks every launcher)."""
+    if fn is None:
+        return lambda f: jit(f, do_not_specialize=do_not_specialize)
+    if triton is None:
+        return _Missing(fn)
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize else triton.jit(fn)
 
 
 def constexpr(value: Any) -> Any:

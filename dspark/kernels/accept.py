@@ -105,7 +105,7 @@ def _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED: tl.constex
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("num_requests",))
 def _greedy_kernel(draft_ptr, logits_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr, num_requests, vocab,
                    d_stride_b, d_stride_g, stride_req, stride_row, stride_v,
                    PACKED: tl.constexpr, BLOCK_V: tl.constexpr, FP32: tl.constexpr = False):
@@ -221,7 +221,7 @@ def _last(c, BLOCK: tl.constexpr):
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("num_requests",))
 def _sampling_kernel(draft_ptr, q_ptr, p_ptr, u_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr,
                      num_requests, vocab, d_stride_b, d_stride_g, q_stride_b, q_stride_g, q_stride_v,
                      stride_req, stride_row, stride_v, u_stride_b, last_col,

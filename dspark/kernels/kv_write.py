@@ -26,7 +26,7 @@ def write_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slot
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("n_rows", "n_items"))
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, n_rows, n_items, num_heads, head_dim, page_size,
     stride_kr, stride_kh, stride_kd, stride_vr, stride_vh, stride_vd,

@@ -33,7 +33,7 @@ def qo_indptr_ref(lens: Tensor) -> Tensor:
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("n",))
 def _qo_indptr_kernel(lens_ptr, out_ptr, n, BLOCK: tl.constexpr, FP32: tl.constexpr = False):
     # One work item: the whole scan, block by block with the running prefix carried in a register.
     for _item in tl.range(tl.program_id(0), 1, tl.num_programs(0)):
@@ -86,7 +86,7 @@ def slot_maps_host(slot_lens: np.ndarray, num_rows: int) -> tuple[np.ndarray, np
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("num_slots", "num_rows", "search_steps"))
 def _row_maps_kernel(slot_indptr_ptr, row_slot_ptr, row_within_ptr, num_slots, num_rows, search_steps,
                      BLOCK: tl.constexpr, FP32: tl.constexpr = False):
     # One work item per block of rows: each row's slot is the last s with slot_indptr[s] <= row, found
@@ -160,7 +160,7 @@ def _copy_row(src_ptr, src_off, dst_row_ptr, d, valid, fill, BLOCK_D: tl.constex
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("rows", "num_real_rows"))
 def _pack_kernel(src_ptr, dst_ptr, row_slot_ptr, row_within_ptr, rows, num_real_rows, d,
                  src_stride_b, src_stride_w, dst_stride, fill, BLOCK_D: tl.constexpr, FP32: tl.constexpr = False):
     # One work item per packed row: real rows copy strided[row_slot, row_within], padding rows = fill.
@@ -174,7 +174,7 @@ def _pack_kernel(src_ptr, dst_ptr, row_slot_ptr, row_within_ptr, rows, num_real_
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("cells",))
 def _scatter_kernel(src_ptr, dst_ptr, qo_indptr_ptr, cells, width, d, src_stride, dst_stride, fill,
                     BLOCK_D: tl.constexpr, FP32: tl.constexpr = False):
     # One work item per (request r, position j): packed row qo_indptr[r] + j when j < len(r), else fill.

@@ -37,7 +37,8 @@ class VerifyAttentionMeta(NamedTuple):
     prefix_lens: Tensor  # [S] committed kv length before the verify rows (kv length = prefix + seqused)
     row_slot: Tensor     # [rows] slot of each packed row (used by the torch paths)
     row_within: Tensor   # [rows] index of each packed row inside its slot
-    max_q: int           # upper bound on slot_lens (static; sizes the padded torch path)
+    max_q: int           # static: the torch path's bound on slot_lens (sizes its padding); the Triton path's
+                         # query-tile hint (its tile loops over longer slots)
 
 
 class TorchAttentionPlan(NamedTuple):
@@ -150,42 +151,56 @@ def tl_dtype(dtype: torch.dtype) -> object:
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
-@dispatch.kernel_kind("dot")
 @jit
+def _split_offset(split, row, stride_split, stride_row):
+    """int64 element offset of (split, row) in the split workspace: splits x rows x Hq x D passes 2**31 from
+    about 35k rows at Hq x D = 4096 and 16 splits, so neither product may be taken in int32."""
+    return tl.cast(split, tl.int64) * stride_split + tl.cast(row, tl.int64) * stride_row
+
+
+@dispatch.kernel_kind("dot")
+@jit(do_not_specialize=("n_items", "max_splits"))
 def _ragged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr,
-    qo_start_ptr, slot_lens_ptr, seqused_ptr, prefix_ptr,
-    n_items, num_kv_heads, group, head_dim, page_size, qk_scale,
+    qo_start_ptr, slot_lens_ptr, seqused_ptr, prefix_ptr, splits_ptr,
+    n_items, max_splits, num_kv_heads, group, head_dim, qk_scale,
     stride_qr, stride_qh, stride_qd,
     stride_kp, stride_ko, stride_kh, stride_kd,
     stride_vp, stride_vo, stride_vh, stride_vd,
     stride_os, stride_or, stride_oh, stride_od,
     stride_ls, stride_lr, stride_lh,
     stride_bs, stride_bp,
-    HAS_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP32: tl.constexpr = False,
+    HAS_LSE: tl.constexpr, SPLIT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP32: tl.constexpr = False,
 ):
     # One work item = (slot, kv head, kv split). Its query tile packs (row, head-in-group) pairs into
-    # BLOCK_Q * BLOCK_G rows so every kv page is read once per tile for the whole GQA group. With NUM_SPLITS > 1
-    # split s covers one contiguous share of the tile's kv range and writes a partial (out, lse) at o/lse + s *
-    # stride_os / stride_ls, merged by _merge_splits_kernel. qk_scale = sm_scale * log2(e). FP32: the row and
-    # position compares in exact fp32 (`compare`; positions stay below the block table's span).
+    # BLOCK_Q * BLOCK_G rows so every kv page is read once per tile for the whole GQA group. SPLIT: the plan's
+    # split count (splits_ptr[0], at most max_splits) is read on the device, so one captured launch serves
+    # every plan; split s < count covers one contiguous share of the tile's kv range and writes a partial
+    # (out, lse) at o/lse + s * stride_os / stride_ls, merged by _merge_splits_kernel; items of splits past the
+    # count do nothing. qk_scale = sm_scale * log2(e). Positions and page indices are int32 (they stay below
+    # the block table's span, checked < 2**31 by the plan; PAGE_SIZE constexpr: a power of two is a shift),
+    # element offsets int64. FP32: the row and position compares in exact fp32 (`compare`).
     offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
     m_row = offs_m // BLOCK_G
     m_head = offs_m % BLOCK_G
     head_ok = m_head < group
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
-    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    if SPLIT:
+        num_splits = tl.minimum(tl.load(splits_ptr), max_splits)
+    else:
+        num_splits = 1
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        split = item % NUM_SPLITS
-        slot = item // NUM_SPLITS // num_kv_heads
-        kvh = item // NUM_SPLITS % num_kv_heads
+        split = item % max_splits
+        slot = item // max_splits // num_kv_heads
+        kvh = item // max_splits % num_kv_heads
         o_base = o_ptr + tl.cast(split, tl.int64) * stride_os
         lse_base = lse_ptr + tl.cast(split, tl.int64) * stride_ls
         start = tl.load(qo_start_ptr + slot)
-        n_rows = tl.load(slot_lens_ptr + slot)
+        n_rows = tl.where(split < num_splits, tl.load(slot_lens_ptr + slot), 0)  # unused split: no q tile
         n_q = tl.load(seqused_ptr + slot)
         prefix = tl.load(prefix_ptr + slot)
         bt_row = bt_ptr + tl.cast(slot, tl.int64) * stride_bs
@@ -204,7 +219,7 @@ def _ragged_attention_kernel(
                         mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
             limit = prefix + j + 1
             kv_end = tl.where(q0 < n_q, prefix + tl.minimum(q0 + BLOCK_Q, n_q), 0)
-            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
             kv_lo = split * chunk
             kv_hi = tl.minimum(kv_end, kv_lo + chunk)
             m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)
@@ -213,10 +228,13 @@ def _ragged_attention_kernel(
             for n0 in range(kv_lo, kv_hi, BLOCK_N):
                 pos = n0 + offs_n
                 pos_ok = cmp.lt(pos, kv_hi, FP32)
-                page = tl.load(bt_row + (pos // page_size) * stride_bp, mask=pos_ok, other=0).to(tl.int64)
-                off = pos % page_size
+                page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_bp, mask=pos_ok, other=0).to(tl.int64)
+                off = (pos % PAGE_SIZE).to(tl.int64)
                 kv_ok = pos_ok[:, None] & d_ok[None, :]
                 k = tl.load(k_ptr + (page * stride_kp + off * stride_ko)[:, None] + k_cols[None, :],
+                            mask=kv_ok, other=0.0).to(DOT_DTYPE)
+                # V is issued before the softmax so its load overlaps the score math
+                v = tl.load(v_ptr + (page * stride_vp + off * stride_vo)[:, None] + v_cols[None, :],
                             mask=kv_ok, other=0.0).to(DOT_DTYPE)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
                 s = tl.where(cmp.lt(pos[None, :], limit[:, None], FP32) & real[:, None], s, float("-inf"))
@@ -224,8 +242,6 @@ def _ragged_attention_kernel(
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + (page * stride_vp + off * stride_vo)[:, None] + v_cols[None, :],
-                            mask=kv_ok, other=0.0).to(DOT_DTYPE)
                 acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
                 m_i = m_new
             seen = l_i > 0
@@ -239,34 +255,37 @@ def _ragged_attention_kernel(
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("n_rows", "max_splits"))
 def _merge_splits_kernel(
-    po_ptr, pl_ptr, o_ptr, lse_ptr, n_rows, num_heads, head_dim,
+    po_ptr, pl_ptr, o_ptr, lse_ptr, splits_ptr, n_rows, max_splits, num_heads, head_dim,
     stride_pos, stride_por, stride_poh, stride_pod, stride_pls, stride_plr, stride_plh,
     stride_or, stride_oh, stride_od, stride_lr, stride_lh,
-    HAS_LSE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One work item = one packed row, all heads: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s.
+    # One work item = one packed row, all heads: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s,
+    # over the plan's splits_ptr[0] (<= max_splits) splits.
     offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     h_ok = offs_h < num_heads
     tile_ok = h_ok[:, None] & (offs_d[None, :] < head_dim)
     po_cols = offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod
+    num_splits = tl.minimum(tl.load(splits_ptr), max_splits)
     for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
         r = tl.cast(row, tl.int64)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            part = tl.load(pl_ptr + s * stride_pls + r * stride_plr + offs_h * stride_plh, mask=h_ok,
+        for s in range(0, num_splits):
+            part = tl.load(pl_ptr + _split_offset(s, r, stride_pls, stride_plr) + offs_h * stride_plh, mask=h_ok,
                            other=float("-inf"))
             m = tl.maximum(m, part)
         m = tl.where(m == float("-inf"), 0.0, m)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         weight = tl.zeros([BLOCK_H], tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            part = tl.load(pl_ptr + s * stride_pls + r * stride_plr + offs_h * stride_plh, mask=h_ok,
+        for s in range(0, num_splits):
+            part = tl.load(pl_ptr + _split_offset(s, r, stride_pls, stride_plr) + offs_h * stride_plh, mask=h_ok,
                            other=float("-inf"))
             e = tl.exp(part - m)
-            acc += e[:, None] * tl.load(po_ptr + s * stride_pos + r * stride_por + po_cols, mask=tile_ok, other=0.0)
+            acc += e[:, None] * tl.load(po_ptr + _split_offset(s, r, stride_pos, stride_por) + po_cols, mask=tile_ok,
+                                        other=0.0)
             weight += e
         seen = weight > 0
         o = tl.where(seen[:, None], acc / tl.where(seen, weight, 1.0)[:, None], 0.0)
@@ -275,6 +294,9 @@ def _merge_splits_kernel(
         if HAS_LSE:
             lse = tl.where(seen, m + tl.log(tl.where(seen, weight, 1.0)), float("-inf"))
             tl.store(lse_ptr + r * stride_lr + offs_h * stride_lh, lse, mask=h_ok)
+
+
+MAX_TILE_Q = 16  # most verify rows of one query tile
 
 
 def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -> dict[str, int]:
@@ -286,7 +308,7 @@ def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -
     """
     block_g = triton.next_power_of_2(group)
     max_tile_rows = 128 if head_dim <= 128 else 64
-    block_q = min(triton.next_power_of_2(max(max_q, 1)), 16, max(1, max_tile_rows // block_g))
+    block_q = min(triton.next_power_of_2(max(max_q, 1)), MAX_TILE_Q, max(1, max_tile_rows // block_g))
     block_q = max(block_q, 16 // min(block_g, 16))
     block_d = max(triton.next_power_of_2(head_dim), 16)
     if device.type == "cpu":
@@ -297,41 +319,81 @@ def kernel_blocks(group: int, head_dim: int, max_q: int, device: torch.device) -
     return dict(BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
 
 
+MAX_KV_SPLITS = 16           # most kv splits of one launch
+SPLIT_WORKSPACE_ROWS = 2048  # split partial rows (splits x rows) the fp32 workspace holds: 32 MiB at Hq x D = 4096
+
+
+def sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device; None elsewhere (no kv split by default)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+
+
 def default_kv_splits(device: torch.device, work_items: int) -> int:
-    """kv splits so that (slot, kv head, split) items reach ~2 waves of CUDA SMs; 1 elsewhere (max 16)."""
-    if device.type != "cuda" or work_items <= 0:
+    """kv splits so that `work_items` (live slot, kv head) pairs times the splits reach ~2 waves of the CUDA
+    SMs (at most `MAX_KV_SPLITS`); 1 off CUDA."""
+    sms = sm_count(device)
+    if sms is None or work_items <= 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(16, -(-2 * sms // work_items)))
+    return max(1, min(MAX_KV_SPLITS, -(-2 * sms // work_items)))
 
 
-def split_workspace(num_splits: int, rows: int, num_heads: int, head_dim: int,
-                    device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """fp32 partial (out [splits, rows, Hq, D], lse [splits, rows, Hq]) for split-kv, or None for 1 split."""
-    if num_splits <= 1:
+class SplitWorkspace(NamedTuple):
+    """Split-kv state of one `RaggedVerifyAttention`: fp32 partials of `splits x rows <= out.shape[0]` rows and
+    the plan's split count on the device (read by the kernels, so a captured launch follows every plan)."""
+
+    out: Tensor       # [R, Hq, D] fp32 partial outputs, split s of a `rows`-row launch at s * split_rows(rows)
+    lse: Tensor       # [R, Hq] fp32 partial lse
+    count: Tensor     # [1] int32 splits of the current plan (1 .. split_capacity(rows))
+    max_splits: int   # most splits any plan uses
+
+
+def split_workspace(max_splits: int, max_rows: int, num_heads: int, head_dim: int,
+                    device: torch.device) -> SplitWorkspace | None:
+    """The workspace of up to `max_splits` splits of up to `max_rows` rows, bounded by `SPLIT_WORKSPACE_ROWS`
+    partial rows (a long prefill splits less, or not at all); None for 1 split."""
+    rows = min(max_splits * split_rows(max(max_rows, 1)), SPLIT_WORKSPACE_ROWS)
+    if max_splits <= 1:
         return None
-    return (torch.empty(num_splits, rows, num_heads, head_dim, dtype=torch.float32, device=device),
-            torch.empty(num_splits, rows, num_heads, dtype=torch.float32, device=device))
+    return SplitWorkspace(torch.empty(rows, num_heads, head_dim, dtype=torch.float32, device=device),
+                          torch.empty(rows, num_heads, dtype=torch.float32, device=device),
+                          torch.ones(1, dtype=torch.int32, device=device), max_splits)
+
+
+def split_rows(rows: int) -> int:
+    """Workspace rows of one split of a `rows`-row launch: rounded up to 16, so the split strides stay
+    multiples of 16 at every row count (one specialisation, aligned partials)."""
+    return -(-rows // 16) * 16
+
+
+def split_capacity(split_kv: SplitWorkspace | None, rows: int) -> int:
+    """Most splits a launch of `rows` rows may use with this workspace (1: no split, no workspace)."""
+    if split_kv is None or rows <= 0:
+        return 1
+    return max(1, min(split_kv.max_splits, split_kv.out.shape[0] // split_rows(rows)))
 
 
 def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
                             sm_scale: float, out: Tensor, lse: Tensor | None,
-                            split_kv: tuple[Tensor, Tensor] | None = None) -> None:
+                            split_kv: SplitWorkspace | None = None) -> None:
     """Launch over (slot, kv head, split) work items; writes `out` (and `lse`). No host sync.
 
-    split_kv: a `split_workspace` (>= q's rows) to split every kv range in `splits` shares and merge them.
+    split_kv: a `split_workspace` whose `count` (<= `split_capacity(split_kv, rows)`) the plan set: every kv
+    range is cut into `count` shares and merged. With capacity 1 (no workspace, or too many rows) the kernel
+    writes `out` directly.
     """
     rows, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    splits = split_kv[0].shape[0] if split_kv is not None else 1
+    splits = split_capacity(split_kv, rows)
     n_items = meta.seqused.numel() * hkv * splits
     if n_items == 0 or rows == 0:
         return
-    if split_kv is not None:
-        dst, dst_lse = split_kv
-        dst_strides, lse_strides = dst.stride(), dst_lse.stride()
+    if splits > 1:
+        padded = split_rows(rows)
+        dst = split_kv.out[: splits * padded].view(splits, padded, hq, d)[:, :rows]
+        dst_lse = split_kv.lse[: splits * padded].view(splits, padded, hq)[:, :rows]
+        dst_strides, lse_strides, count = dst.stride(), dst_lse.stride(), split_kv.count
     else:
-        dst, dst_lse = out, (lse if lse is not None else out)
+        dst, dst_lse, count = out, (lse if lse is not None else out), meta.seqused  # count: unread
         dst_strides = (0, *out.stride())
         lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
     # the Triton 3.9 interpreter computes bf16 tl.dot wrongly, so interpreted bf16 runs its dots in fp32
@@ -341,25 +403,25 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
     span = meta.block_table.shape[1] * page_size + blocks["BLOCK_N"] + blocks["BLOCK_Q"]  # positions and limits
     _ragged_attention_kernel[dispatch.grid(n_items, q.device, _ragged_attention_kernel)](
         q, k_cache, v_cache, dst, dst_lse, meta.block_table,
-        meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens,
-        n_items, hkv, hq // hkv, d, page_size, sm_scale / _LN2,
+        meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens, count,
+        n_items, splits, hkv, hq // hkv, d, sm_scale / _LN2,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *dst_strides, *lse_strides,
         *meta.block_table.stride(),
-        HAS_LSE=lse is not None or split_kv is not None, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype,
+        HAS_LSE=lse is not None or splits > 1, SPLIT=splits > 1, PAGE_SIZE=page_size, DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # exact fp32; backend default otherwise
         FP32=dispatch.fp32_compares(q.device, span), **blocks,
     )
-    if split_kv is not None:
+    if splits > 1:
         lse_arg, out_lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
         _merge_splits_kernel[dispatch.grid(rows, q.device, _merge_splits_kernel)](
-            dst, dst_lse, out, lse_arg, rows, hq, d, *dst.stride(), *dst_lse.stride(), *out.stride(),
-            *out_lse_strides, HAS_LSE=lse is not None, NUM_SPLITS=splits,
+            dst, dst_lse, out, lse_arg, count, rows, splits, hq, d, *dst.stride(), *dst_lse.stride(),
+            *out.stride(), *out_lse_strides, HAS_LSE=lse is not None,
             BLOCK_H=triton.next_power_of_2(hq), BLOCK_D=triton.next_power_of_2(d),
         )
 
 
 def ragged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta, sm_scale: float,
-                     out: Tensor, lse: Tensor | None = None, split_kv: tuple[Tensor, Tensor] | None = None,
+                     out: Tensor, lse: Tensor | None = None, split_kv: SplitWorkspace | None = None,
                      torch_plan: TorchAttentionPlan | None = None) -> None:
     """Dispatching entry point (Triton on CUDA/NPU, masked SDPA on CPU). Inputs are checked by the caller.
 

@@ -37,6 +37,8 @@ from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
 from dspark.kernels._triton import jit, tl, triton
 
+THRESHOLD_BLOCK = 1024  # keys counted per step of the threshold search (fixed: one compiled kernel for every n)
+
 
 def verify_lens_ref(survival: Tensor, budget: int | Tensor, floor: int, cap: int, eps: float) -> Tensor:
     """Torch reference on non-increasing, NaN-free survival (`monotone_survival`): the unique int64 keys
@@ -106,7 +108,7 @@ def candidate_keys(survival: Tensor, floor: int, cap: int, eps: float) -> Tensor
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("n", "k", "key_levels"))
 def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr, FP32: tl.constexpr = False):
     """One work item: out = [t, cut]; t = key of the k-th best valid candidate (radix-16 select by
     counting), cut = 1 + index of the last tie taken at t (0 when none). FP32: every compare but the
@@ -146,7 +148,7 @@ def _threshold_kernel(key_ptr, out_ptr, n, k, key_levels, BLOCK: tl.constexpr, F
 
 
 @dispatch.kernel_kind("vector")
-@jit
+@jit(do_not_specialize=("B",))
 def _lens_kernel(key_ptr, thr_ptr, lens_ptr, B, C, floor, BLOCK_C: tl.constexpr, FP32: tl.constexpr = False):
     """Per request (persistent loop): verify_len = F + #selected in its window column."""
     t = cmp.key_as_float(tl.load(thr_ptr), FP32)
@@ -173,7 +175,7 @@ def verify_lens_triton(survival: Tensor, budget: int, floor: int, cap: int, eps:
     thr = torch.empty(2, dtype=torch.int32, device=keys.device)
     fp32 = dispatch.fp32_compares(keys.device, 2 * n + 1024)   # every index, prefix and count compared
     _threshold_kernel[dispatch.grid(1, keys.device, _threshold_kernel)](
-        keys, thr, n, k, (n.bit_length() + 3) // 4, BLOCK=min(1024, triton.next_power_of_2(n)), FP32=fp32,
+        keys, thr, n, k, (n.bit_length() + 3) // 4, BLOCK=THRESHOLD_BLOCK, FP32=fp32,
     )
     _lens_kernel[dispatch.grid(b, keys.device, _lens_kernel)](
         keys, thr, lens, b, c, floor, BLOCK_C=triton.next_power_of_2(c), FP32=fp32)

@@ -32,9 +32,12 @@ class RaggedVerifyAttention:
 
     Sizes are capture-time maxima: `max_rows` packed rows (the largest tier), `max_slots` request slots
     (real + ghost), `max_pages_per_slot` block-table columns. `max_verify_len` (optional) bounds the rows of
-    one slot and fixes the kernel's query tile; `num_pages` (optional) lets `plan` check page ids.
+    one slot and fixes the kernel's query tile (without it the tile is the largest, so the compiled kernel
+    never follows the data); `num_pages` (optional) lets `plan` check page ids.
     `num_kv_splits` splits every kv range into that many shares merged afterwards (more parallel work at small
-    batch x long prefix; default: enough to fill the GPU's SMs twice, 1 off CUDA).
+    batch x long prefix); default: per plan, enough (live slot, kv head, split) items to fill the GPU's SMs
+    twice (at most `MAX_KV_SPLITS`; 1 off CUDA). The fp32 partials live in a workspace of at most
+    `SPLIT_WORKSPACE_ROWS` rows, so a step of many rows (a long prefill) splits less or not at all.
     """
 
     def __init__(self, max_rows: int, max_slots: int, max_pages_per_slot: int, num_q_heads: int,
@@ -60,9 +63,13 @@ class RaggedVerifyAttention:
         self.page_size, self.max_rows, self.max_slots = page_size, max_rows, max_slots
         self.max_pages_per_slot, self.max_verify_len, self.num_pages = max_pages_per_slot, max_verify_len, num_pages
         self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-        self.num_kv_splits = (num_kv_splits if num_kv_splits is not None
-                              else _k.default_kv_splits(self.device, max_slots * num_kv_heads))
-        self._split_kv = _k.split_workspace(self.num_kv_splits, max_rows, num_q_heads, head_dim, self.device)
+        if max_pages_per_slot * page_size >= 2**31:
+            raise ValueError(f"max_pages_per_slot * page_size = {max_pages_per_slot * page_size} kv positions "
+                             f"per slot must stay below 2**31 (the kernel's positions are int32)")
+        self.num_kv_splits = num_kv_splits
+        max_splits = (num_kv_splits if num_kv_splits is not None
+                      else _k.MAX_KV_SPLITS if _k.sm_count(self.device) else 1)
+        self._split_kv = _k.split_workspace(max_splits, max_rows, num_q_heads, head_dim, self.device)
 
         def buf(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -75,6 +82,8 @@ class RaggedVerifyAttention:
             "block_table": self._block_table, "qo_start": self._qo_start, "slot_lens": self._slot_lens,
             "seqused": self._seqused, "prefix": self._prefix, "row_slot": self._row_slot,
             "row_within": self._row_within, "kv_slots": self._kv_slots}
+        if self._split_kv is not None:
+            self._device_buffers["splits"] = self._split_kv.count
         # plan writes a host mirror (the buffers themselves on the CPU) and clears only the previous plan's tail
         self._host = self._device_buffers if self.device.type == "cpu" else \
             {name: t.cpu() for name, t in self._device_buffers.items()}
@@ -134,6 +143,8 @@ class RaggedVerifyAttention:
                 host[name][:n] = value
             host[name][n:old] = -1 if name == "kv_slots" else 0   # only what the last plan left behind
         self._filled = (b, s, rows)
+        if self._split_kv is not None:
+            host["splits"][0] = self.kv_splits(b, rows)
         if host is not self._device_buffers:
             for name, t in self._device_buffers.items():
                 t.copy_(host[name])
@@ -142,7 +153,7 @@ class RaggedVerifyAttention:
             block_table=self._block_table, qo_start=self._qo_start, slot_lens=self._slot_lens,
             seqused=self._seqused, prefix_lens=self._prefix, row_slot=self._row_slot[:rows],
             row_within=self._row_within[:rows],
-            max_q=self.max_verify_len if self.max_verify_len is not None else max(longest, 1),
+            max_q=self.max_verify_len if self.max_verify_len is not None else _k.MAX_TILE_Q,
         )
         self._meta = meta
         # the torch path's gather indices and mask depend only on the plan: built here once, reused per run.
@@ -154,9 +165,16 @@ class RaggedVerifyAttention:
         else:
             self._torch_meta = meta._replace(block_table=meta.block_table[:b], qo_start=meta.qo_start[:b],
                                              slot_lens=meta.slot_lens[:b], seqused=meta.seqused[:b],
-                                             prefix_lens=meta.prefix_lens[:b])
+                                             prefix_lens=meta.prefix_lens[:b], max_q=max(longest, 1))
             self._torch_plan = _k.plan_torch_attention(self._torch_meta, self.page_size, self.dtype,
                                                        int(kv_len.max()) if b else 0)
+
+    def kv_splits(self, live_slots: int, rows: int) -> int:
+        """kv splits of a plan with `live_slots` requests and `rows` rows: `num_kv_splits` (or, by default, enough
+        for the live slots' items to fill the GPU), at most what the workspace holds for `rows` rows."""
+        want = (self.num_kv_splits if self.num_kv_splits is not None
+                else _k.default_kv_splits(self.device, live_slots * self.num_kv_heads))
+        return max(1, min(want, _k.split_capacity(self._split_kv, rows)))
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
             lse: Tensor | None = None) -> Tensor:
@@ -170,7 +188,7 @@ class RaggedVerifyAttention:
         _check_tensor("q", q, expect_q, self.dtype, self.device)
         self.check_cache(k_cache, v_cache)
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         else:
             _check_tensor("out", out, expect_q, self.dtype, self.device)
         if lse is not None:
@@ -188,9 +206,10 @@ class RaggedVerifyAttention:
     def launch(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
                lse: Tensor | None = None) -> Tensor:
         """`run` without its checks, for a caller that checked the caches once (`check_cache`) and hands in
-        q of the planned rows: the per-layer path of a forward."""
+        q of the planned rows (any strides: the kernel takes them): the per-layer path of a forward. A new
+        `out` is contiguous whatever q's layout (the model reshapes it to [rows, Hq * D])."""
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         meta = self._meta if self._torch_meta is None else self._torch_meta
         _k.ragged_attention(q, k_cache, v_cache, meta, self.sm_scale, out, lse, self._split_kv, self._torch_plan)
         return out

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from dspark import RaggedVerifyAttention, RaggedVerifyLayout, verify_attention, write_kv
 from dspark.kernels import dispatch
+from dspark.kernels import ragged_attention as RA
+from dspark.kernels._triton import jit, tl
 from dspark.kernels.kv_write import write_kv_ref
 from dspark.kernels.ragged_attention import ragged_attention_ref
 
@@ -122,7 +124,7 @@ shapes = dict(
 
 @fixture_settings(10)
 @given(data=st.data(), b=st.integers(1, 4), padding=st.integers(0, 6), policy=st.sampled_from(POLICIES),
-       splits=st.sampled_from([1, 3]), seed=st.integers(0, 2**16), **shapes)
+       splits=st.sampled_from([1, 3, 16]), seed=st.integers(0, 2**16), **shapes)
 def test_triton_matches_reference(data, b, padding, policy, splits, seed, hkv, group, d, page_size, dtype, device,
                                   triton_backend):
     vlens = data.draw(st.lists(st.integers(1, 17), min_size=b, max_size=b))
@@ -358,3 +360,44 @@ def test_verify_attention_one_shot_returns_lse(device):
     ref, ref_lse = ragged_attention_ref(case.q, case.k_cache, case.v_cache, case.attention(sm_scale=0.3).meta, 0.3)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@jit
+def _split_offset_kernel(out_ptr, split, row, stride_split, stride_row):
+    tl.store(out_ptr, RA._split_offset(split, row, stride_split, stride_row))
+
+
+@pytest.mark.parametrize("split, row, hq_d", [(15, 35_000, 4096), (15, 2**16 - 1, 2**15), (1, 3, 16), (0, 0, 16)])
+def test_split_offsets_do_not_overflow_int32(split, row, hq_d, device, triton_backend):
+    """The merge kernel's (split, row) offset at serving sizes (16 splits x 35k rows x Hq x D = 4096 passes
+    2**31 elements): the interpreter computes int32 as int32, so an int32 product would wrap here."""
+    stride_split = RA.split_rows(row + 1) * hq_d
+    out = torch.full((1,), -1, dtype=torch.int64, device=device)
+    _split_offset_kernel[(1,)](out, split, row, stride_split, hq_d)
+    assert int(out) == split * stride_split + row * hq_d
+
+
+def test_split_workspace_is_bounded_and_splits_follow_rows(device):
+    """A 4k-token prefill at 16 splits would need 16 x 4096 fp32 rows of Hq x D (1 GiB at Hq x D = 4096): the
+    workspace holds SPLIT_WORKSPACE_ROWS rows, a long launch does not split, a short one splits fully."""
+    ws = RA.split_workspace(RA.MAX_KV_SPLITS, 4096, 32, 128, torch.device("meta"))
+    assert ws.out.shape == (RA.SPLIT_WORKSPACE_ROWS, 32, 128) and ws.lse.shape == (RA.SPLIT_WORKSPACE_ROWS, 32)
+    assert RA.split_capacity(ws, 4096) == RA.split_capacity(ws, 1025) == 1
+    assert RA.split_capacity(ws, 300) == RA.SPLIT_WORKSPACE_ROWS // RA.split_rows(300)
+    assert RA.split_capacity(ws, 1) == RA.split_capacity(ws, 128) == RA.MAX_KV_SPLITS
+    assert RA.split_workspace(1, 4096, 32, 128, torch.device("meta")) is None
+    small = RA.split_workspace(3, 5, 2, 8, torch.device("meta"))
+    assert small.out.shape[0] == 3 * RA.split_rows(5) and RA.split_capacity(small, 5) == 3
+
+
+def test_kv_splits_follow_live_slots_not_ghosts(device, monkeypatch):
+    """By default the split count fills the GPU for the plan's live requests: 1 live request among 40 slots
+    splits as much as the workspace allows, 40 live requests do not split (a small fake GPU of 8 SMs)."""
+    monkeypatch.setattr(RA, "sm_count", lambda _device: 8)
+    attn = RaggedVerifyAttention(64, 48, 4, 4, 2, 8, 4, device, torch.float32, max_verify_len=1)
+    assert attn.kv_splits(1, 41) == min(RA.MAX_KV_SPLITS, attn._split_kv.out.shape[0] // RA.split_rows(41), 8)
+    assert attn.kv_splits(2, 8) == 4 and attn.kv_splits(8, 8) == 1 and attn.kv_splits(40, 40) == 1
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    layout = RaggedVerifyLayout.from_verify_lens(lens, tiers=[41], graph_slots=41, width=1)
+    attn.plan(layout, [3], torch.zeros(1, 4, dtype=torch.int32, device=device))
+    assert int(attn._split_kv.count) == attn.kv_splits(1, 41) > 1

@@ -41,7 +41,7 @@ def _sig(kernel, types: dict[str, str], constexprs: dict) -> dict:
 
 
 def _attention_case(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, max_q: int,
-                    has_lse: bool, splits: int):
+                    has_lse: bool, splits: int, page_size: int = 16):
     """`_ragged_attention_kernel` as `ragged_attention_triton` launches it on CUDA (and its merge if split)."""
     ptr = _PTR[dtype]
     dst = "*fp32" if splits > 1 else ptr  # split partials go to the fp32 workspace
@@ -55,14 +55,16 @@ def _attention_case(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, hea
     cases = [(RA._ragged_attention_kernel,
               {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": dst, "lse_ptr": dst_lse, "bt_ptr": "*i32",
                "qo_start_ptr": "*i32", "slot_lens_ptr": "*i32", "seqused_ptr": "*i32", "prefix_ptr": "*i32",
+               "splits_ptr": "*i32",
                "qk_scale": "fp32"},
-              {"HAS_LSE": has_lse or splits > 1, "NUM_SPLITS": splits, "DOT_DTYPE": dot_dtype,
+              {"HAS_LSE": has_lse or splits > 1, "SPLIT": splits > 1, "PAGE_SIZE": page_size, "DOT_DTYPE": dot_dtype,
                "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else None, **blocks, **ones},
               {"num_warps": num_warps})]
     if splits > 1:
         cases.append((RA._merge_splits_kernel,
-                      {"po_ptr": "*fp32", "pl_ptr": "*fp32", "o_ptr": ptr, "lse_ptr": "*fp32" if has_lse else ptr},
-                      {"HAS_LSE": has_lse, "NUM_SPLITS": splits, "BLOCK_H": triton.next_power_of_2(num_q_heads),
+                      {"po_ptr": "*fp32", "pl_ptr": "*fp32", "o_ptr": ptr, "lse_ptr": "*fp32" if has_lse else ptr,
+                       "splits_ptr": "*i32"},
+                      {"HAS_LSE": has_lse, "BLOCK_H": triton.next_power_of_2(num_q_heads),
                        "BLOCK_D": triton.next_power_of_2(head_dim), "stride_pod": 1, "stride_plh": 1,
                        "stride_od": 1, **({"stride_lh": 1} if has_lse else {})}, {}))
     return cases
@@ -97,7 +99,7 @@ CASES = [
     # splits, a GQA group of 1 (BLOCK_Q raised to 16 for tl.dot) and 8 (the 8-warp 128 x 128 tile).
     *_attention_case(torch.float32, 8, 2, 64, 5, False, 1),
     *_attention_case(torch.bfloat16, 32, 4, 128, 16, True, 1),
-    *_attention_case(torch.float16, 4, 4, 256, 3, True, 4),
+    *_attention_case(torch.float16, 4, 4, 256, 3, True, 4, page_size=7),
     *_attention_case(torch.bfloat16, 16, 8, 256, 8, False, 2),
     *_attention_case(torch.float32, 2, 2, 128, 16, True, 8),
     _write_kv_case(torch.bfloat16, torch.bfloat16, "*i64", 8, 128),
