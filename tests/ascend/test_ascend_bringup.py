@@ -1,4 +1,5 @@
-"""The bring-up ladder script runs on the CPU: metadata parts pass, device parts skip with reasons."""
+"""The bring-up ladder script runs on the CPU: metadata parts and rungs 1-4 through the NPU backend with the
+emulated operator pass, device parts skip with reasons."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,6 +31,11 @@ def test_cpu_ladder_report(bringup, tmp_path: Path) -> None:
     status = {s["step"]: s["status"] for s in report["steps"]}
     assert status == {1: "cpu-pass", 2: "cpu-pass", 3: "cpu-pass", 4: "cpu-pass", 5: "cpu-pass", 6: "skip"}
     assert all(s["reason"] for s in report["steps"])
+    names = {s["step"]: " | ".join(c["name"] for c in s["cpu_checks"]) for s in report["steps"]}
+    for step, what in ((1, "NPU backend == default attention: compact, tiers"), (2, "tier 8 replay of verify_lens [1, 1]"),
+                       (3, "2 gloo TP ranks: NPU-backend verify rows identical"),
+                       (4, "the idle rank's forward writes no KV")):  # rungs 1-4 through the emulated operator
+        assert what in names[step], (step, names[step])
     assert not report["supports_ragged_verify_graph"] and report["compact_request_runs"] == "static"
     assert RaggedGraphCapability.load(tmp_path / "cap.json").records == {}   # nothing verified without an NPU
 
