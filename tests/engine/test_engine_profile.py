@@ -108,3 +108,17 @@ def test_profile_catch_up_recovers_the_seconds_per_caught_up_token(monkeypatch, 
     monkeypatch.setattr(dec, "_now", lambda: clock[0])
     prompts = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
     assert profile_catch_up(dec, prompts.to(device), 3, tokens=8, repeats=2) == pytest.approx(0.003, rel=1e-6)
+
+
+@pytest.mark.cpu_only(reason="which attention path serves a CPU tensor")
+def test_a_profile_names_how_its_attention_reads_the_kv_cache(monkeypatch):
+    """dspark's CPU torch attention pads every request to the longest; the Triton kernel walks each request's own
+    length (forced here through the backend switch, under the interpreter)."""
+    from dspark.engine.profile import attention_kv_layout
+    from dspark.kernels import dispatch
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "auto")
+    assert attention_kv_layout(torch.device("cpu")) == "padded"
+    if dispatch._triton.available():
+        monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+        assert attention_kv_layout(torch.device("cpu")) == "ragged"
