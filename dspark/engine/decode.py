@@ -76,7 +76,8 @@ class SpecDecoder:
         self._now = time.perf_counter if clock == "wall" else time.thread_time
         self.tiers = check_tiers(tiers)
         self.target = target.to(self.device).eval()
-        self.tcache = model_cache(target.geometry, -(-cache_tokens // page_size), page_size, self.device)
+        self.tcache = model_cache(target.geometry, -(-cache_tokens // page_size), page_size, self.device,
+                                  target.hf_model.dtype)
         self._bind()
         self._generations = itertools.count(1)  # admission numbers: the lag ring's generation guard
         self._running = False  # a started run has not finished
@@ -95,7 +96,7 @@ class SpecDecoder:
         twin = copy.copy(self)
         twin.tiers = self.tiers if tiers is None else check_tiers(tiers, within=self.tiers)
         twin.tcache = model_cache(self.target.geometry, self.tcache.allocator.num_pages, self.tcache.page_size,
-                                  self.device)
+                                  self.device, self.tcache.k.dtype)
         twin._bind()
         twin._generations, twin._running = itertools.count(1), False
         return twin

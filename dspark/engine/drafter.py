@@ -126,7 +126,9 @@ class BlockDrafter(Drafter):
     def bind(self, states: LiveTarget, *, pages: int, page_size: int, device: torch.device) -> BlockDrafter:
         bound = copy.copy(self)
         bound.draft = self.draft.to(device).eval()
-        bound.cache, bound.states, bound.device = model_cache(self.draft.geometry, pages, page_size, device), states, device
+        dtype = next(bound.draft.parameters()).dtype
+        bound.cache, bound.states, bound.device = model_cache(self.draft.geometry, pages, page_size, device,
+                                                              dtype), states, device
         return bound
 
     def start(self, batch: Batch, max_rows: int) -> None:
@@ -145,7 +147,7 @@ class BlockDrafter(Drafter):
         layout, prefix, pos, slot = catch_up_layout(batch, slots, self._cached, self.device)
         ids = batch.tokens[slot, pos]
         hidden = self.states.hidden
-        feats = hidden[slot, (pos - 1).clamp(min=0)] * (pos > 0)[:, None]  # h_{t-1}; zeros at position 0
+        feats = hidden[slot, (pos - 1).clamp(min=0)].to(self.cache.k.dtype) * (pos > 0)[:, None]  # h_{t-1}; 0 at 0
         attend = PagedAttend(self._attn, self.cache.k, self.cache.v, layout, prefix,
                              self.cache.block_table[slots.to(self.device)])
         h = self.draft(ids, attend.positions, feats, attend)

@@ -113,7 +113,8 @@ class LiveTarget(Target):
         self._steps: dict[int, tuple[int | None, Any]] = {}  # verify width -> (graph slots, its VerifyStep)
         self._width(width)  # the run's widest step is built here, outside the timed steps
         self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1, self.model.attention_backend)
-        self.hidden = torch.zeros(s, cols, self.model.geometry.hidden_size, device=self.device)
+        self.hidden = torch.zeros(s, cols, self.model.geometry.hidden_size, device=self.device,
+                                  dtype=self.cache.k.dtype)
 
     def finish(self) -> None:
         self.cache.release()

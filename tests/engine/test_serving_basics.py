@@ -162,3 +162,21 @@ def test_bad_input_is_named(device) -> None:
         dspark.generate([], target=target, tokenizer=tok)
     with pytest.raises(ValueError, match="k must be an int >= 0, got -1"):
         dspark.generate("w5 w6 w7", target=target, tokenizer=tok, k=-1)
+
+
+@pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])
+def test_a_bf16_target_decodes_in_bf16_and_speculation_commits_its_own_greedy_tokens(draft_dtype, device) -> None:
+    """The engine keeps a bf16 target in bf16 (its KV cache, the hidden states a drafter reads) with a float32
+    or bf16 block draft; speculative decoding commits what the same engine's plain decoding commits."""
+    from tests.engine_models import VOCAB, tiny_models
+
+    target, draft = tiny_models(gamma=3)
+    target = TransformersCausalLM(copy.deepcopy(target.hf_model).to(torch.bfloat16))
+    dec = SpecDecoder(target, copy.deepcopy(draft).to(draft_dtype), cache_tokens=1024, device=device)
+    prompts = torch.randint(3, VOCAB, (4, 6), generator=torch.Generator().manual_seed(3)).to(device)
+    plain = dec.generate(prompts, 10, FixedK(0))
+    spec = dec.generate(prompts, 10, FixedK(3))
+    assert dec.tcache.k.dtype == torch.bfloat16 and dec._target.hidden.dtype == torch.bfloat16
+    assert dec._drafter.cache.k.dtype == draft_dtype
+    assert torch.equal(spec.tokens, plain.tokens)
+    assert any(bool((s.correct_lens > 0).any()) for s in spec.steps if s.speculated)  # drafts were accepted
