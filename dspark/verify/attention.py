@@ -70,24 +70,23 @@ class RaggedVerifyAttention:
         max_splits = (num_kv_splits if num_kv_splits is not None
                       else _k.MAX_KV_SPLITS if _k.sm_count(self.device) else 1)
         self._split_kv = _k.split_workspace(max_splits, max_rows, num_q_heads, head_dim, self.device)
-
-        def buf(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-
-        self._block_table = buf(max_slots, max_pages_per_slot)
-        self._qo_start, self._slot_lens, self._seqused, self._prefix = (buf(max_slots) for _ in range(4))
-        self._row_slot, self._row_within = buf(max_rows), buf(max_rows)
-        self._kv_slots = buf(max_rows, dtype=torch.int64).fill_(-1)
-        self._device_buffers = {
-            "block_table": self._block_table, "qo_start": self._qo_start, "slot_lens": self._slot_lens,
-            "seqused": self._seqused, "prefix": self._prefix, "row_slot": self._row_slot,
-            "row_within": self._row_within, "kv_slots": self._kv_slots}
+        # every per-step tensor is a view of one flat device buffer, so a plan moves them in one copy
+        self._flat = _metadata_buffer(max_rows, max_slots, max_pages_per_slot, self.device)
+        bufs = self._views(self._flat)
+        self._block_table, self._qo_start, self._slot_lens, self._seqused, self._prefix = (
+            bufs[n] for n in ("block_table", "qo_start", "slot_lens", "seqused", "prefix"))
+        self._row_slot, self._row_within, self._kv_slots = bufs["row_slot"], bufs["row_within"], bufs["kv_slots"]
         if self._split_kv is not None:
-            self._device_buffers["splits"] = self._split_kv.count
-        # plan writes a host mirror (the buffers themselves on the CPU) and clears only the previous plan's tail
-        self._host = self._device_buffers if self.device.type == "cpu" else \
-            {name: t.cpu() for name, t in self._device_buffers.items()}
-        self._filled = (0, 0, 0)
+            self._split_kv = self._split_kv._replace(count=bufs["splits"])
+        # plan writes a host staging buffer and clears only what that buffer's previous plan left behind: the
+        # device buffer itself on the CPU; else two host buffers in turn (pinned for CUDA, each reused once
+        # its previous copy has finished: an event), copied with one non-blocking copy per plan
+        pin = self.device.type == "cuda"
+        self._staging = [self._flat] if self.device.type == "cpu" else \
+            [_metadata_buffer(max_rows, max_slots, max_pages_per_slot, torch.device("cpu"), pin) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        self._stage_filled = [(0, 0, 0, 0)] * len(self._staging)  # (B, S, rows, block-table rows) each holds
+        self._turn, self._table_rows = 0, 0  # next staging buffer; block-table rows the device may hold
         self._meta: _k.VerifyAttentionMeta | None = None
         self._torch_plan: _k.TorchAttentionPlan | None = None
         self._torch_meta: _k.VerifyAttentionMeta | None = None
@@ -108,9 +107,13 @@ class RaggedVerifyAttention:
     def plan(self, layout: RaggedVerifyLayout, prefix_lens: Tensor | Sequence[int], block_table: Tensor) -> None:
         """Host side: validate this step's geometry and copy it into the persistent device buffers.
 
-        prefix_lens [B]: committed kv length of each request before its verify rows. block_table [B, P]
-        (P <= max_pages_per_slot): page ids of each request; the verify rows' K/V sit at positions
-        `prefix .. prefix + verify_len - 1`. Ghost slots get kv length 0 and read nothing.
+        prefix_lens [B]: committed kv length of each request before its verify rows (host values; a device
+        tensor is read). block_table [B, P] (P <= max_pages_per_slot): page ids of each request; the verify
+        rows' K/V sit at positions `prefix .. prefix + verify_len - 1`. Ghost slots get kv length 0 and read
+        nothing. The layout is read from its host copy (`layout.host`, or the layout itself on the CPU; a
+        layout built on the device is read back). A host block table is checked page by page; one on the
+        plan's device (the cache's own) is copied on the device unread, its page ids trusted. Nothing else
+        leaves or enters the device but one non-blocking copy of the staged metadata.
         """
         check_type("layout", layout, RaggedVerifyLayout)
         check_tensor("block_table", block_table)
@@ -118,36 +121,33 @@ class RaggedVerifyAttention:
         if s > self.max_slots or rows > self.max_rows:
             raise ValueError(f"layout has {s} slots / {rows} rows; this plan holds at most "
                              f"max_slots={self.max_slots} / max_rows={self.max_rows}")
-        slot_lens = layout.slot_lens.cpu().to(torch.int64)
-        longest = int(slot_lens.max()) if s else 0
+        host_layout = layout.host if layout.host is not None else layout
+        if host_layout.verify_lens.device.type != "cpu":
+            host_layout = host_layout.to("cpu")  # a layout built on the device: read back once
+        longest = int(host_layout.slot_lens.max()) if s else 0
         if self.max_verify_len is not None and longest > self.max_verify_len:
             raise ValueError(f"a slot has {longest} rows > max_verify_len={self.max_verify_len}")
         prefix = _host_ints("prefix_lens", prefix_lens, (b,))
         check_nonnegative("prefix_lens", prefix)
-        table = _host_ints("block_table", block_table, None)
+        on_device = block_table.device.type != "cpu"
+        table = int_tensor("block_table", block_table, torch.int32 if on_device else torch.int64)
         if table.dim() != 2 or table.shape[0] != b or table.shape[1] > self.max_pages_per_slot:
             raise ValueError(f"block_table must be [B={b}, P<={self.max_pages_per_slot}], got {tuple(table.shape)}")
-        kv_len = prefix + layout.verify_lens.cpu().to(torch.int64)
-        _check_kv_lens(kv_len, table, self.page_size, self.num_pages)
-
-        host, (old_b, old_s, old_rows) = self._host, self._filled
-        host["block_table"][:b, : table.shape[1]] = table
-        host["block_table"][:b, table.shape[1]:] = 0
-        for name, value, n, old in (
-                ("block_table", 0, b, old_b), ("prefix", prefix, b, old_b),
-                ("qo_start", layout.slot_qo_indptr[:-1], s, old_s), ("slot_lens", slot_lens, s, old_s),
-                ("seqused", layout.seqused, s, old_s), ("row_slot", layout.row_slot, rows, old_rows),
-                ("row_within", layout.row_within, rows, old_rows),
-                ("kv_slots", layout.kv_slots(layout.positions(prefix), table, self.page_size), rows, old_rows)):
-            if name != "block_table":
-                host[name][:n] = value
-            host[name][n:old] = -1 if name == "kv_slots" else 0   # only what the last plan left behind
-        self._filled = (b, s, rows)
-        if self._split_kv is not None:
-            host["splits"][0] = self.kv_splits(b, rows)
-        if host is not self._device_buffers:
-            for name, t in self._device_buffers.items():
-                t.copy_(host[name])
+        if on_device and table.device != self._flat.device:
+            raise ValueError(f"block_table is on {table.device}; this plan's buffers are on {self._flat.device}")
+        kv_len = prefix + host_layout.verify_lens.to(torch.int64)
+        if on_device:
+            check_kv_fits(kv_len, table.shape[1], self.page_size)
+        else:
+            _check_kv_lens(kv_len, table, self.page_size, self.num_pages)
+        self._stage(host_layout, prefix, None if on_device else table)
+        if on_device:
+            self._block_table[:b, : table.shape[1]].copy_(table)
+            self._block_table[:b, table.shape[1]:].zero_()
+            self._block_table[b: self._table_rows].zero_()
+            positions = layout.positions(prefix.to(self.device))
+            self._kv_slots[:rows].copy_(layout.kv_slots(positions, table, self.page_size))
+        self._table_rows = b
         self.num_rows = rows
         meta = _k.VerifyAttentionMeta(
             block_table=self._block_table, qo_start=self._qo_start, slot_lens=self._slot_lens,
@@ -168,6 +168,45 @@ class RaggedVerifyAttention:
                                              prefix_lens=meta.prefix_lens[:b], max_q=max(longest, 1))
             self._torch_plan = _k.plan_torch_attention(self._torch_meta, self.page_size, self.dtype,
                                                        int(kv_len.max()) if b else 0)
+
+    def _views(self, flat: Tensor) -> dict[str, Tensor]:
+        return _metadata_views(flat, self.max_rows, self.max_slots, self.max_pages_per_slot)
+
+    def _stage(self, layout: RaggedVerifyLayout, prefix: Tensor, table: Tensor | None) -> None:
+        """Write the host `layout`'s metadata (and the host block `table`, if given) into the next staging
+        buffer, clearing what that buffer's last plan left behind, and copy it to the device in one copy (the
+        block table's used rows only; none of it for a device table, which `plan` copies itself)."""
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._staging)
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # the copy of two plans ago: long done in a running step
+        stage = self._views(self._staging[turn])
+        (old_b, old_s, old_rows, old_table), b = self._stage_filled[turn], prefix.numel()
+        s, rows = layout.num_slots, layout.graph_num_tokens
+        for name, value, n, old in (
+                ("prefix", prefix, b, old_b), ("qo_start", layout.slot_qo_indptr[:-1], s, old_s),
+                ("slot_lens", layout.slot_lens, s, old_s), ("seqused", layout.seqused, s, old_s),
+                ("row_slot", layout.row_slot, rows, old_rows), ("row_within", layout.row_within, rows, old_rows)):
+            stage[name][:n] = value
+            stage[name][n:old] = 0
+        stage["kv_slots"][rows:old_rows] = -1
+        stage["splits"][0] = self.kv_splits(b, rows)
+        table_rows = old_table
+        if table is not None:
+            stage["kv_slots"][:rows] = layout.kv_slots(layout.positions(prefix), table, self.page_size)
+            stage["block_table"][:b, : table.shape[1]] = table
+            stage["block_table"][:b, table.shape[1]:] = 0
+            stage["block_table"][b:old_table] = 0
+            table_rows = b
+        self._stage_filled[turn] = (b, s, rows, table_rows)
+        if self._staging[turn] is not self._flat:
+            end = self._flat.numel() - self.max_slots * self.max_pages_per_slot  # where the block table starts
+            if table is not None:
+                end += max(b, self._table_rows) * self.max_pages_per_slot
+            self._flat[:end].copy_(self._staging[turn][:end], non_blocking=True)
+            if self.device.type == "cuda":
+                self._copied[turn] = torch.cuda.Event()
+                self._copied[turn].record()
 
     def kv_splits(self, live_slots: int, rows: int) -> int:
         """kv splits of a plan with `live_slots` requests and `rows` rows: `num_kv_splits` (or, by default, enough
@@ -255,6 +294,37 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: T
     if kv_slots.shape != (k.shape[0],) or kv_slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kv_slots must be int32/int64 [{k.shape[0]}], got {kv_slots.dtype} {tuple(kv_slots.shape)}")
     _kv.write_kv(k, v, k_cache, v_cache, kv_slots)
+
+
+_METADATA = ("kv_slots", "qo_start", "slot_lens", "seqused", "prefix", "row_slot", "row_within", "splits",
+             "block_table")  # the order in the flat buffer: int64 kv_slots first (8-byte aligned), table last
+
+
+def _metadata_sizes(max_rows: int, max_slots: int, max_pages: int) -> tuple[int, ...]:
+    """int32 words of each `_METADATA` entry."""
+    return (2 * max_rows, *(max_slots,) * 4, max_rows, max_rows, 1, max_slots * max_pages)
+
+
+def _metadata_buffer(max_rows: int, max_slots: int, max_pages: int, device: torch.device,
+                     pin: bool = False) -> Tensor:
+    """A flat int32 buffer of a plan's metadata, empty: kv slots -1 (write nothing), one split, zeros."""
+    flat = torch.zeros(sum(_metadata_sizes(max_rows, max_slots, max_pages)), dtype=torch.int32, device=device,
+                       pin_memory=pin)
+    views = _metadata_views(flat, max_rows, max_slots, max_pages)
+    views["kv_slots"].fill_(-1)
+    views["splits"].fill_(1)
+    return flat
+
+
+def _metadata_views(flat: Tensor, max_rows: int, max_slots: int, max_pages: int) -> dict[str, Tensor]:
+    """Named views of a `_metadata_buffer`: kv_slots int64 [max_rows], block_table [max_slots, max_pages],
+    the others int32 vectors."""
+    views, at = {}, 0
+    for name, n in zip(_METADATA, _metadata_sizes(max_rows, max_slots, max_pages)):
+        views[name], at = flat[at: at + n], at + n
+    views["kv_slots"] = views["kv_slots"].view(torch.int64)
+    views["block_table"] = views["block_table"].view(max_slots, max_pages)
+    return views
 
 
 def _check_kv_lens(kv_len: Tensor, table: Tensor, page_size: int, num_pages: int | None) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from dspark.util.validate import int_tensor
+from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 from dspark.verify.manifest import TierManifest
 
@@ -257,10 +258,15 @@ class TierGraphRunner:
 
     def layout(self, verify_lens: Tensor | Sequence[int]) -> RaggedVerifyLayout:
         """The layout a step with these verify lengths runs: padded to its tier with that tier's slots,
-        or eager (unpadded, `eager_reason` set) past the largest tier or the tier's slot count. A list
-        becomes a tensor on the runner's device (validation syncs once, at this boundary)."""
+        or eager (unpadded, `eager_reason` set) past the largest tier or the tier's slot count. The lengths
+        are read to the host once (none for a list or a CPU tensor), the layout is built there and moved to
+        the runner's device in one copy, keeping the host one (`layout.host`) for the attention's plan."""
         lens = int_tensor("verify_lens", verify_lens, torch.int32)
-        lens = lens if isinstance(verify_lens, Tensor) else lens.to(self.device)
+        if lens.device.type != "cpu":
+            lens = torch.from_numpy(boundary.to_host(lens))
+        return self._host_layout(lens).to(self.device)
+
+    def _host_layout(self, lens: Tensor) -> RaggedVerifyLayout:
         if lens.dim() == 1:
             total, b = int(lens.sum()), int(lens.numel())
             tier = round_up_to_tier(total, self.tiers)

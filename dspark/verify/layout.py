@@ -66,6 +66,9 @@ class RaggedVerifyLayout:
     graph_num_tokens: int    # rows the step runs: the tier, or total_rows when eager
     tier: int | None         # the captured tier replayed, None when eager
     eager_reason: str | None  # why no tier was used (None when a tier was used or none were given)
+    # the same layout on the host when it was built there and moved (`to`): what `RaggedVerifyAttention.plan`
+    # reads, so planning an accelerator step reads nothing back from the device
+    host: "RaggedVerifyLayout | None" = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:
@@ -217,10 +220,25 @@ class RaggedVerifyLayout:
                    total_rows=total, graph_num_tokens=rows, tier=tier, eager_reason=reason)
 
     def to(self, device: torch.device | str) -> "RaggedVerifyLayout":
-        """The same layout with its tensors on `device` (a host-built layout handed to an accelerator)."""
-        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True)
-                 for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
-        return dataclasses.replace(self, **moved)
+        """The same layout with its tensors on `device` (a host-built layout handed to an accelerator): one
+        copy of all of them packed together (from pinned memory to CUDA, non-blocking). A layout moved off
+        the host keeps the host one as `host`."""
+        device = torch.device(device)
+        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        tensors = [getattr(self, n) for n in names]
+        if all(t.device == device for t in tensors):
+            return self
+        if all(t.dtype == torch.int32 for t in tensors):  # always, for a layout built by this class
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            if flat.device.type == "cpu" and device.type == "cuda":
+                flat = flat.pin_memory()
+            parts = flat.to(device, non_blocking=True).split([t.numel() for t in tensors])
+            moved = {n: p.view(t.shape) for n, p, t in zip(names, parts, tensors)}
+        else:
+            moved = {n: t.to(device, non_blocking=True) for n, t in zip(names, tensors)}
+        on_host = self.verify_lens.device.type == "cpu"
+        host = None if device.type == "cpu" else (self if on_host else self.host)
+        return dataclasses.replace(self, **moved, host=host)
 
     def positions(self, prefix_lens: Tensor) -> Tensor:
         """[graph_num_tokens] int64 absolute positions `prefix_len + within`; padding rows get 0."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -225,12 +226,15 @@ def _two_layouts_same_tier(device, dtype, splits=None, padding_a=4, padding_b=1)
 
 @pytest.mark.parametrize("name, policy, splits", [("triton", ("work", None), 1), ("triton", ("cores", 3), 2),
                                                   ("torch", ("work", None), 1)])
-def test_replay_two_layouts_same_tier(name, policy, splits, device):
+@pytest.mark.parametrize("device_table", [False, True])
+def test_replay_two_layouts_same_tier(name, policy, splits, device_table, device):
+    """Plans of two layouts in turn (through both staging buffers off the CPU), with a host block table
+    (checked, staged) or the device's own (copied on the device)."""
     a, b, attn = _two_layouts_same_tier(device, torch.float32, splits)
     out = torch.empty_like(a.q)
     with backend(name):
-        for case in (a, b, a):
-            attn.plan(case.layout, case.prefix, case.table)
+        for case in (a, b, a, b):
+            attn.plan(case.layout, case.prefix, case.table.to(device) if device_table else case.table)
             run_and_check(case, policy=policy, attn=attn, out=out)
 
 
@@ -401,3 +405,26 @@ def test_kv_splits_follow_live_slots_not_ghosts(device, monkeypatch):
     layout = RaggedVerifyLayout.from_verify_lens(lens, tiers=[41], graph_slots=41, width=1)
     attn.plan(layout, [3], torch.zeros(1, 4, dtype=torch.int32, device=device))
     assert int(attn._split_kv.count) == attn.kv_splits(1, 41) > 1
+
+
+def test_plan_reads_nothing_from_the_device(device):
+    """On the `meta` device any read to the host raises: a plan of a host-built layout moved to the device
+    (`layout.host`) with host prefixes and the device's own block table reads nothing back, twice in a row
+    (both staging buffers), and its metadata reach the device in one copy."""
+    meta = torch.device("meta")
+    attn = RaggedVerifyAttention(16, 6, 8, 4, 2, 8, 4, meta, torch.float32, max_verify_len=4, num_pages=64)
+    copies = []
+    real_copy = torch.Tensor.copy_
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: (
+            copies.append((self.device.type, src.device.type)), real_copy(self, src, non_blocking))[1])
+        for lens, prefix in (([2, 4, 1], [5, 0, 9]), ([3], [12])):
+            layout = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32), tiers=[12],
+                                                         graph_slots=6, width=4).to(meta)
+            assert layout.host is not None and layout.verify_lens.device == meta
+            copies.clear()
+            attn.plan(layout, torch.tensor(prefix), torch.zeros(len(lens), 8, dtype=torch.int32, device=meta))
+            assert copies.count(("meta", "cpu")) == 1, copies   # the staged metadata, one host-to-device copy
+            assert ("cpu", "meta") not in copies
+    with pytest.raises(NotImplementedError, match="meta"):  # the device is not blind: a read does raise
+        attn.plan(dataclasses.replace(layout, host=None), torch.tensor([12]), torch.zeros(1, 8, dtype=torch.int32))

@@ -329,3 +329,20 @@ def test_runner_keeps_outputs_only_for_static_backends(device, static):
     del out, again
     gc.collect()
     assert (base() is not None) == static
+
+
+def test_runner_layout_is_built_on_the_host_and_moved_once(device):
+    """`runner.layout` of host lengths reads nothing from the device (on `meta` a read raises): the layout is
+    built on the host, moved in one copy, and keeps its host copy for the attention's plan."""
+    meta = torch.device("meta")
+    runner = TierGraphRunner(lambda bufs: bufs.rows["x"], TIERS, SLOTS, "cpu", EagerBackend(), width=W,
+                             row_inputs={"x": ((), torch.int64)})
+    runner.device = meta  # (a manifest records no meta platform; the layout needs only the device)
+    for lens, tier in (([2, 3, 1], 8), ([4] * 5, None)):
+        layout = runner.layout(lens)
+        want = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32), TIERS,
+                                                   graph_slots=SLOTS if tier else None, width=W)
+        assert layout.tier == tier and layout.verify_lens.device == meta and layout.host is not None
+        for name in ("verify_lens", "slot_lens", "seqused", "row_slot", "row_within", "slot_qo_indptr"):
+            assert torch.equal(getattr(layout.host, name), getattr(want, name)), name
+            assert getattr(layout, name).shape == getattr(want, name).shape, name
