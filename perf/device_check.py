@@ -19,9 +19,8 @@ and the n-gram drafter are profiled per depth beside it. When fewer layers than 
 verify cell and plain step gets (layers - measured) x the per-layer seconds of the engine's graph-replayed
 verify forward at that (B, tier) (`VerifyStepAdapter` at `--layers` and 2 x `--layers` layers), and the KV and
 prefill terms are scaled by layers / measured; the JSON says so. torch.compile is off (one compile per tier of
-an 8B model does not fit the step's limit); the tiers replay CUDA graphs. The weights are float32 (TF32 matmuls):
-the engine's KV caches (engine/decode.py, engine/drafter.py) and the target's hidden-state buffer
-(engine/target.py) are float32 whatever the model's dtype, so a bf16 target fails at its first step.
+an 8B model does not fit the step's limit); the tiers replay CUDA graphs. The weights, KV caches and hidden
+states are bf16 (`--dtype float32` runs float32 weights on TF32 tensor cores).
 """
 from __future__ import annotations
 
@@ -304,9 +303,9 @@ def measure(args: argparse.Namespace) -> dict:
             else f"Tiny Llama ({full} layers) on {args.device}: the dry run of perf/device_check.sh; {how}.")
     cost = dataclasses.replace(
         cost, platform=f"{report['gpu']}-{device.type}", description=desc,
-        sources=cost.sources + (f"layers: {how}", f"dtype: {args.dtype} (the engine's KV caches and hidden buffers are "
-                                "float32)", "compile: off; prompts: random ids as long as the trace's mean "
-                                "context, KV term from prompts 2x as long"),
+        sources=cost.sources + (f"layers: {how}", f"dtype: {args.dtype} (weights, KV caches, hidden states)",
+                                "compile: off; prompts: random ids as long as the trace's mean context, KV term "
+                                "from prompts 2x as long"),
         parameters={**cost.parameters, "layer_scaling": how,
                     "drafters": {k: c.to_dict() for k, c in curves.items()}})
     path = cost.save(Path(args.cost_dir) / f"{name}.json")
@@ -408,9 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure: decoder layers profiled (default all); fewer are scaled per layer")
     ap.add_argument("--drafter", choices=sorted(DRAFT_KINDS), default="causal-lm",
                     help="measure: the drafter of the serving cost (the others are profiled per depth beside it)")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
-                    help="measure: the models' dtype (the engine's KV caches and hidden-state buffers are float32, "
-                         "so bfloat16 fails until they follow the model's)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="measure: the models' dtype (the engine's KV caches and hidden states follow it)")
     ap.add_argument("--gamma", type=at_least(1), default=3)
     ap.add_argument("--batch-sizes", type=int_list(1), default=(1, 2, 4, 8, 16, 32, 64, 128, 256))
     ap.add_argument("--max-requests", type=at_least(1), default=256)
