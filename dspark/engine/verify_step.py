@@ -13,7 +13,8 @@ why and counts it). `VerifyStepAdapter` is the same step as the tier sweep's `St
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import functools
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -28,6 +29,24 @@ from dspark.verify.graphs import GraphBackend, RowSpec, StepBuffers, TierGraphRu
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers
 
 ROW_INPUTS: dict[str, RowSpec] = {"tokens": ((), torch.int64), "positions": ((), torch.int64)}
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for compile_model (tests count compiles with their own)
+
+
+def model_rows(target: TransformersCausalLM, attend: PlannedAttend, tokens: Tensor, positions: Tensor
+               ) -> tuple[Tensor, Tensor]:
+    """Final hidden states and logits of packed rows (what `compile_model` compiles)."""
+    hidden = target(tokens, positions, attend)
+    return hidden, target.logits(hidden)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_model_rows(backend: str | Callable[..., object]) -> Callable[..., tuple[Tensor, Tensor]]:
+    """`model_rows` under one `torch.compile` for every verify step, tier and target of the process, its row
+    dimension dynamic from the first compile (`dynamic=True`): a new tier, a new step (another width or
+    page count) or an eager step past the largest tier reuses the graphs instead of recompiling against the
+    recompile limit (8 per function, after which torch.compile silently runs eager). Every layer runs the
+    same graphs (`transformers_lm` reads the layer index outside the compile)."""
+    return torch.compile(model_rows, backend=backend, dynamic=True)
 
 
 def graph_slot_count(max_requests: int, tiers: Sequence[int], width: int) -> int:
@@ -53,7 +72,8 @@ class VerifyStep:
     `graph_slot_count(max_requests, tiers, width)`.
     `cache.block_table` must be admitted (its page count per request sizes the attention's block table).
     compile_model: run the model's dense layers (everything but the attention, which stays the planned
-    kernel) through `torch.compile(dynamic=False)`, one graph set per tier, compiled during the capture
+    kernel) through `compiled_model_rows`: one torch.compile with a dynamic row dimension shared by every
+    step and tier (each tier is then captured from the same graphs), compiled during the first capture's
     warm-up; default True on CUDA, False elsewhere (on the CPU its compile time and speed-up are measured
     by perf/engine_compile.py).
     """
@@ -83,7 +103,7 @@ class VerifyStep:
                               max_verify_len=width, num_pages=num_pages)
         self._attend = PlannedAttend(self.attn, cache.k, cache.v)
         self.compile_model = device.type == "cuda" if compile_model is None else compile_model
-        self._model = torch.compile(self._model_rows, dynamic=False) if self.compile_model else self._model_rows
+        self._model = compiled_model_rows(COMPILE_BACKEND) if self.compile_model else model_rows
         # what `_plan` plans with: no request for the idle layouts of the captures, then each step's own
         self._context = (torch.zeros(0, dtype=torch.int64),
                          torch.zeros(0, pages_per_request, dtype=torch.int32, device=device))
@@ -106,13 +126,8 @@ class VerifyStep:
         self.attn.plan(layout, *self._context)
 
     def _forward(self, bufs: StepBuffers) -> dict[str, Tensor]:
-        hidden, logits = self._model(bufs.rows["tokens"], bufs.rows["positions"])
+        hidden, logits = self._model(self.target, self._attend, bufs.rows["tokens"], bufs.rows["positions"])
         return {"hidden": hidden, "logits": logits}
-
-    def _model_rows(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Final hidden states and logits of the tier's rows (what `compile_model` compiles)."""
-        hidden = self.target(tokens, positions, self._attend)
-        return hidden, self.target.logits(hidden)
 
 
 class VerifySteps:

@@ -62,8 +62,15 @@ def paged_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         raise ValueError(f"layer {module.layer_idx} scales attention by {scaling}, but attend applies "
                          f"sm_scale={attend.sm_scale}; build RaggedVerifyAttention with "
                          f"sm_scale=geometry.sm_scale")
-    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = _attend_layer(attend, module, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     return out.unsqueeze(0), None
+
+
+@torch.compiler.disable
+def _attend_layer(attend: Attend, module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """`attend(module.layer_idx, q, k, v)`, the layer index read outside torch.compile: a compiled forward that
+    read it would guard on its value, one recompile per layer (every layer runs the same code)."""
+    return attend(module.layer_idx, q, k, v)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -1,11 +1,13 @@
 """The verify step's model forward under `compile_model=True` (torch.compile of the dense layers, attention
-left to its planned kernel) equals the eager step, tier by tier; the default compiles on CUDA only."""
+left to its planned kernel) equals the eager step, tier by tier; the default compiles on CUDA only; one
+compile serves every tier, step and layer."""
 from __future__ import annotations
 
 import pytest
 import torch
 from engine_models import tiny_llama
 
+from dspark.engine import verify_step
 from dspark.engine.verify_step import VerifyStepAdapter
 from dspark.models.transformers_lm import TransformersCausalLM
 
@@ -38,3 +40,37 @@ def test_compile_default_is_cuda_only(device):
 def test_compile_model_must_be_a_bool(device):
     with pytest.raises(TypeError, match="compile_model must be a bool or None, got 1"):
         adapter(device, 1)
+
+
+def test_one_compile_serves_every_tier_step_and_layer(device, monkeypatch):
+    """Graphs compiled (a counting backend) for a 3-tier step: no more for eager steps past the largest
+    tier, for a second step of other tiers and width, nor for a model of twice the layers (before: one
+    graph set per tier, and the layer index guarded per layer: 36 graphs for 3 tiers of 2 layers)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(verify_step, "COMPILE_BACKEND", counting)
+    counts = []
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        graphs.clear()
+        hf = tiny_llama()
+        if layers != hf.config.num_hidden_layers:
+            from transformers import AutoModelForCausalLM
+            hf.config.num_hidden_layers = layers
+            hf = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32).eval()
+        target = TransformersCausalLM(hf)
+        first = VerifyStepAdapter(target, tiers=(8, 16, 24), width=6, max_requests=6, device=device, context=20,
+                                  seed=3, compile_model=True)
+        counts.append(len(graphs))
+        for b, rows in ((4, 22), (2, 7), (6, 31), (5, 27)):  # tiers 24, 8; eager past the largest tier
+            first.prepare(b, rows)
+            first.step()
+        VerifyStepAdapter(target, tiers=(4, 12, 20), width=5, max_requests=4, device=device, context=20, seed=3,
+                          compile_model=True)
+        assert len(graphs) == counts[-1], f"{layers} layers: {counts[-1]} graphs, then {len(graphs)}"
+        assert first.runner.eager_steps == 2
+    assert counts[0] == counts[1] < 36, counts
