@@ -1,5 +1,7 @@
-"""Accept kernels (greedy and rejection sampling), one persistent Triton program per request, with the
-torch references beside them.
+"""Accept kernels (greedy and rejection sampling) with the torch references beside them. Greedy runs one
+persistent work item per (request, verify row): every verified row's argmax in parallel (a long vocabulary
+row is one item, not one item per request), then the leading matches per request in a few torch ops;
+rejection sampling runs one item per request.
 
 Both return `(correct_lens int32 [B], bonus int64 [B])` and read only rows `i < verify_len[r]` of
 request r. Target rows come either strided `[B, W, V]` (`row_start=None`) or packed `[rows, V]` with
@@ -105,26 +107,18 @@ def _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED: tl.constex
 
 
 @dispatch.kernel_kind("vector")
-@jit(do_not_specialize=("num_requests",))
-def _greedy_kernel(draft_ptr, logits_ptr, vl_ptr, start_ptr, correct_ptr, bonus_ptr, num_requests, vocab,
-                   d_stride_b, d_stride_g, stride_req, stride_row, stride_v,
-                   PACKED: tl.constexpr, BLOCK_V: tl.constexpr, FP32: tl.constexpr = False):
-    for item in tl.range(tl.program_id(0), num_requests, tl.num_programs(0)):
-        r, vl, base = _request(item, vl_ptr, start_ptr, stride_req, stride_row, PACKED)
-        correct = vl - 1
-        bonus = tl.zeros([], dtype=tl.int32)
-        done = tl.zeros([], dtype=tl.int32)
-        for i in range(0, vl):
-            # after the first miss the row loop reads nothing (n = 0)
-            idx = _row_argmax(logits_ptr + base + i * stride_row, tl.where(done == 0, vocab, 0), stride_v,
-                              BLOCK_V, FP32)
-            d = tl.load(draft_ptr + r * d_stride_b + i * d_stride_g, mask=i < vl - 1, other=-1)
-            stop = tl.where(done == 0, idx != d, False)
-            correct = tl.where(stop, i, correct)
-            bonus = tl.where(stop, idx, bonus)
-            done = tl.where(stop, 1, done)
-        tl.store(correct_ptr + r, correct)
-        tl.store(bonus_ptr + r, bonus.to(tl.int64))
+@jit(do_not_specialize=("cells",))
+def _row_argmax_kernel(logits_ptr, vl_ptr, start_ptr, out_ptr, cells, width, vocab, stride_req, stride_row, stride_v,
+                       PACKED: tl.constexpr, BLOCK_V: tl.constexpr, FP32: tl.constexpr = False):
+    # One work item per (request r, row i) cell of [B, W]: out = the argmax of r's row i when i < verify_len[r],
+    # else -1 (that row is not read).
+    for item in tl.range(tl.program_id(0), cells, tl.num_programs(0)):
+        cell = tl.cast(item, tl.int64)
+        i = cell % width
+        _, vl, base = _request(cell // width, vl_ptr, start_ptr, stride_req, stride_row, PACKED)
+        verified = cmp.lt(i, vl, FP32)
+        idx = _row_argmax(logits_ptr + base + i * stride_row, tl.where(verified, vocab, 0), stride_v, BLOCK_V, FP32)
+        tl.store(out_ptr + cell, tl.where(verified, idx, -1))
 
 
 def _strides(target: Tensor, row_start: Tensor | None) -> tuple[int, int, int]:
@@ -135,15 +129,20 @@ def _strides(target: Tensor, row_start: Tensor | None) -> tuple[int, int, int]:
 
 def greedy_triton(draft: Tensor, target_logits: Tensor, verify_lens: Tensor, row_start: Tensor | None,
                   correct: Tensor, bonus: Tensor) -> tuple[Tensor, Tensor]:
-    """Triton greedy accept into `correct` (int32 [B]) and `bonus` (int64 [B])."""
-    b = draft.shape[0]
+    """Triton greedy accept into `correct` (int32 [B]) and `bonus` (int64 [B]): the verified rows' argmax
+    [B, W] by `_row_argmax_kernel`, then `_first_miss` (no host sync)."""
+    b, gamma = draft.shape
     if b:
-        vocab = target_logits.shape[-1]
-        _greedy_kernel[dispatch.grid(b, draft.device, _greedy_kernel)](
-            draft, target_logits, verify_lens, verify_lens if row_start is None else row_start, correct, bonus,
-            b, vocab, draft.stride(0), draft.stride(1), *_strides(target_logits, row_start),
-            PACKED=row_start is not None, BLOCK_V=vocab_block(vocab),
-            FP32=dispatch.fp32_compares(draft.device, vocab + vocab_block(vocab)))
+        vocab, w = target_logits.shape[-1], gamma + 1
+        argmax = torch.empty(b, w, dtype=torch.int32, device=draft.device)
+        _row_argmax_kernel[dispatch.grid(b * w, draft.device, _row_argmax_kernel)](
+            target_logits, verify_lens, verify_lens if row_start is None else row_start, argmax, b * w, w, vocab,
+            *_strides(target_logits, row_start), PACKED=row_start is not None, BLOCK_V=vocab_block(vocab),
+            FP32=dispatch.fp32_compares(draft.device, max(vocab + vocab_block(vocab), b * w)))
+        token_at = argmax.to(torch.int64)
+        got = _first_miss(draft, token_at[:, :gamma] == draft.to(torch.int64), token_at, verify_lens)
+        correct.copy_(got[0])
+        bonus.copy_(got[1])
     return correct, bonus
 
 

@@ -87,8 +87,8 @@ CASES = [
     (L._pack_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "row_slot_ptr": "*i32", "row_within_ptr": "*i32",
                       "src_stride_b": I64, "fill": "fp32"}, {"BLOCK_D": 1024}, {}),
     (L._scatter_kernel, {"src_ptr": "*i64", "dst_ptr": "*i64", "qo_indptr_ptr": "*i32"}, {"BLOCK_D": 16}, {}),
-    *[(A._greedy_kernel, {"draft_ptr": "*i64", "logits_ptr": dt, "vl_ptr": "*i32", "start_ptr": "*i32",
-                          "correct_ptr": "*i32", "bonus_ptr": "*i64"}, {"PACKED": packed, "BLOCK_V": 1024}, {})
+    *[(A._row_argmax_kernel, {"logits_ptr": dt, "vl_ptr": "*i32", "start_ptr": "*i32", "out_ptr": "*i32"},
+       {"PACKED": packed, "BLOCK_V": 1024}, {})
       for dt, packed in (("*bf16", True), ("*fp32", False))],
     *[(A._sampling_kernel, {"draft_ptr": "*i64", "q_ptr": "*fp32", "p_ptr": dt, "u_ptr": "*fp32", "vl_ptr": "*i32",
                             "start_ptr": "*i32", "correct_ptr": "*i32", "bonus_ptr": "*i64"},

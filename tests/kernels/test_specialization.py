@@ -67,7 +67,7 @@ def test_topk_one_variant_for_every_batch(device, triton_backend):
 def test_accept_one_variant_for_every_batch(device, triton_backend):
     gen = torch.Generator().manual_seed(1)
     gamma, vocab = 4, 37
-    with recording(A._greedy_kernel, A._sampling_kernel) as keys:
+    with recording(A._row_argmax_kernel, A._sampling_kernel) as keys:
         for b in SIZES:
             draft = torch.randint(0, vocab, (b, gamma), generator=gen).to(device)
             vl = torch.randint(1, gamma + 2, (b,), generator=gen, dtype=torch.int32).to(device)
@@ -79,7 +79,7 @@ def test_accept_one_variant_for_every_batch(device, triton_backend):
             q = torch.softmax(torch.randn(b, gamma, vocab, generator=gen), -1).to(device)
             u = torch.rand(b, gamma + 1, generator=gen).to(device)
             A.sampling_triton(draft, q, logits.softmax(-1), vl, None, u, *out)
-    _one_variant(keys, "_greedy_kernel", "_sampling_kernel")
+    _one_variant(keys, "_row_argmax_kernel", "_sampling_kernel")
 
 
 def test_layout_and_kv_write_one_variant_for_every_size(device, triton_backend):
