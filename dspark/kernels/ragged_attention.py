@@ -15,15 +15,18 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
-from dspark.kernels._triton import jit, tl, triton
+from dspark.kernels._triton import constexpr, jit, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WORK_FIELDS = 5  # int32 fields of one work-list entry: slot, first row of its query tile, kv_lo, kv_hi, part
+_WORK_FIELDS = constexpr(WORK_FIELDS)
 _LN2 = math.log(2.0)
 
 
@@ -38,7 +41,11 @@ class VerifyAttentionMeta(NamedTuple):
     row_slot: Tensor     # [rows] slot of each packed row (used by the torch paths)
     row_within: Tensor   # [rows] index of each packed row inside its slot
     max_q: int           # static: the torch path's bound on slot_lens (sizes its padding); the Triton path's
-                         # query-tile hint (its tile loops over longer slots)
+                         # query-tile hint (longer slots are several tiles)
+    # the Triton path's work list (`plan_work`), None for the torch path
+    work: Tensor | None = None        # [max_work, WORK_FIELDS] entries (slot, q0, kv_lo, kv_hi, part)
+    work_count: Tensor | None = None  # [1] entries of this plan
+    chunks: Tensor | None = None      # [S] kv chunks per slot (partials the merge combines)
 
 
 class TorchAttentionPlan(NamedTuple):
@@ -159,28 +166,29 @@ def _split_offset(split, row, stride_split, stride_row):
 
 
 @dispatch.kernel_kind("dot")
-@jit(do_not_specialize=("n_items", "max_splits"))
+@jit(do_not_specialize=("max_items",))
 def _ragged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr,
-    qo_start_ptr, slot_lens_ptr, seqused_ptr, prefix_ptr, splits_ptr,
-    n_items, max_splits, num_kv_heads, group, head_dim, qk_scale,
+    qo_start_ptr, slot_lens_ptr, seqused_ptr, prefix_ptr, work_ptr, count_ptr,
+    max_items, num_kv_heads, group, head_dim, qk_scale,
     stride_qr, stride_qh, stride_qd,
     stride_kp, stride_ko, stride_kh, stride_kd,
     stride_vp, stride_vo, stride_vh, stride_vd,
     stride_os, stride_or, stride_oh, stride_od,
     stride_ls, stride_lr, stride_lh,
     stride_bs, stride_bp,
-    HAS_LSE: tl.constexpr, SPLIT: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HAS_LSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP32: tl.constexpr = False,
 ):
-    # One work item = (slot, kv head, kv split). Its query tile packs (row, head-in-group) pairs into
-    # BLOCK_Q * BLOCK_G rows so every kv page is read once per tile for the whole GQA group. SPLIT: the plan's
-    # split count (splits_ptr[0], at most max_splits) is read on the device, so one captured launch serves
-    # every plan; split s < count covers one contiguous share of the tile's kv range and writes a partial
-    # (out, lse) at o/lse + s * stride_os / stride_ls, merged by _merge_splits_kernel; items of splits past the
-    # count do nothing. qk_scale = sm_scale * log2(e). Positions and page indices are int32 (they stay below
-    # the block table's span, checked < 2**31 by the plan; PAGE_SIZE constexpr: a power of two is a shift),
+    # One work item = (entry w of the plan's work list, kv head): entry w = (slot, first row q0 of one query
+    # tile, kv range [kv_lo, kv_hi), partial index part) (`plan_work`: count_ptr[0] entries, longest first, of
+    # at most max_items // num_kv_heads), so a long prompt's tiles and a long prefix's kv chunks spread over
+    # the GPU. The query tile packs (row, head-in-group) pairs into BLOCK_Q * BLOCK_G rows so every kv page
+    # is read once per tile for the whole GQA group. The tile's (out, lse) over its kv range go to o/lse +
+    # part * stride_os / stride_ls: the output itself (stride 0), or a split partial that
+    # _merge_splits_kernel combines. qk_scale = sm_scale * log2(e). Positions and page indices are int32
+    # (below the block table's span, checked < 2**31; PAGE_SIZE constexpr: a power of two is a shift),
     # element offsets int64. FP32: the row and position compares in exact fp32 (`compare`).
     offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
     m_row = offs_m // BLOCK_G
@@ -189,18 +197,17 @@ def _ragged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     offs_n = tl.arange(0, BLOCK_N)
-    if SPLIT:
-        num_splits = tl.minimum(tl.load(splits_ptr), max_splits)
-    else:
-        num_splits = 1
-    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        split = item % max_splits
-        slot = item // max_splits // num_kv_heads
-        kvh = item // max_splits % num_kv_heads
-        o_base = o_ptr + tl.cast(split, tl.int64) * stride_os
-        lse_base = lse_ptr + tl.cast(split, tl.int64) * stride_ls
+    n_live = tl.minimum(tl.load(count_ptr) * num_kv_heads, max_items)
+    for item in tl.range(tl.program_id(0), n_live, tl.num_programs(0)):
+        entry = work_ptr + tl.cast(item // num_kv_heads, tl.int64) * _WORK_FIELDS
+        kvh = item % num_kv_heads
+        slot = tl.load(entry)
+        q0 = tl.load(entry + 1)
+        kv_lo = tl.load(entry + 2)
+        kv_hi = tl.load(entry + 3)
+        part = tl.load(entry + 4)
         start = tl.load(qo_start_ptr + slot)
-        n_rows = tl.where(split < num_splits, tl.load(slot_lens_ptr + slot), 0)  # unused split: no q tile
+        n_rows = tl.load(slot_lens_ptr + slot)
         n_q = tl.load(seqused_ptr + slot)
         prefix = tl.load(prefix_ptr + slot)
         bt_row = bt_ptr + tl.cast(slot, tl.int64) * stride_bs
@@ -210,68 +217,63 @@ def _ragged_attention_kernel(
         o_cols = heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         k_cols = tl.cast(kvh, tl.int64) * stride_kh + offs_d * stride_kd
         v_cols = tl.cast(kvh, tl.int64) * stride_vh + offs_d * stride_vd
-        for q0 in range(0, n_rows, BLOCK_Q):
-            j = q0 + m_row
-            real = cmp.lt(j, n_q, FP32) & head_ok
-            owned = cmp.lt(j, n_rows, FP32) & head_ok
-            rows = (start + j).to(tl.int64)
-            q = tl.load(q_ptr + rows[:, None] * stride_qr + q_cols,
-                        mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
-            limit = prefix + j + 1
-            kv_end = tl.where(q0 < n_q, prefix + tl.minimum(q0 + BLOCK_Q, n_q), 0)
-            chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-            kv_lo = split * chunk
-            kv_hi = tl.minimum(kv_end, kv_lo + chunk)
-            m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)
-            l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
-            acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-            for n0 in range(kv_lo, kv_hi, BLOCK_N):
-                pos = n0 + offs_n
-                pos_ok = cmp.lt(pos, kv_hi, FP32)
-                page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_bp, mask=pos_ok, other=0).to(tl.int64)
-                off = (pos % PAGE_SIZE).to(tl.int64)
-                kv_ok = pos_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_ptr + (page * stride_kp + off * stride_ko)[:, None] + k_cols[None, :],
-                            mask=kv_ok, other=0.0).to(DOT_DTYPE)
-                # V is issued before the softmax so its load overlaps the score math
-                v = tl.load(v_ptr + (page * stride_vp + off * stride_vo)[:, None] + v_cols[None, :],
-                            mask=kv_ok, other=0.0).to(DOT_DTYPE)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-                s = tl.where(cmp.lt(pos[None, :], limit[:, None], FP32) & real[:, None], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-                m_i = m_new
-            seen = l_i > 0
-            o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-            tl.store(o_base + rows[:, None] * stride_or + o_cols,
-                     o.to(o_ptr.dtype.element_ty), mask=owned[:, None] & d_ok[None, :])
-            if HAS_LSE:
-                lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
-                               float("-inf"))
-                tl.store(lse_base + rows * stride_lr + heads * stride_lh, lse, mask=owned)
+        j = q0 + m_row
+        real = cmp.lt(j, n_q, FP32) & head_ok
+        owned = cmp.lt(j, n_rows, FP32) & head_ok
+        rows = (start + j).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qr + q_cols,
+                    mask=real[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+        limit = prefix + j + 1
+        m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(kv_lo, kv_hi, BLOCK_N):
+            pos = n0 + offs_n
+            pos_ok = cmp.lt(pos, kv_hi, FP32)
+            page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_bp, mask=pos_ok, other=0).to(tl.int64)
+            off = (pos % PAGE_SIZE).to(tl.int64)
+            kv_ok = pos_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + (page * stride_kp + off * stride_ko)[:, None] + k_cols[None, :],
+                        mask=kv_ok, other=0.0).to(DOT_DTYPE)
+            # V is issued before the softmax so its load overlaps the score math
+            v = tl.load(v_ptr + (page * stride_vp + off * stride_vo)[:, None] + v_cols[None, :],
+                        mask=kv_ok, other=0.0).to(DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(cmp.lt(pos[None, :], limit[:, None], FP32) & real[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        seen = l_i > 0
+        o = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        tl.store(o_ptr + _split_offset(part, 0, stride_os, 0) + rows[:, None] * stride_or + o_cols,
+                 o.to(o_ptr.dtype.element_ty), mask=owned[:, None] & d_ok[None, :])
+        if HAS_LSE:
+            lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            tl.store(lse_ptr + _split_offset(part, 0, stride_ls, 0) + rows * stride_lr + heads * stride_lh, lse,
+                     mask=owned)
 
 
 @dispatch.kernel_kind("vector")
 @jit(do_not_specialize=("n_rows", "max_splits"))
 def _merge_splits_kernel(
-    po_ptr, pl_ptr, o_ptr, lse_ptr, splits_ptr, n_rows, max_splits, num_heads, head_dim,
+    po_ptr, pl_ptr, o_ptr, lse_ptr, row_slot_ptr, chunks_ptr, n_rows, max_splits, num_heads, head_dim,
     stride_pos, stride_por, stride_poh, stride_pod, stride_pls, stride_plr, stride_plh,
     stride_or, stride_oh, stride_od, stride_lr, stride_lh,
     HAS_LSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One work item = one packed row, all heads: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s,
-    # over the plan's splits_ptr[0] (<= max_splits) splits.
+    # over the chunks_ptr[slot of the row] (<= max_splits) kv chunks of its slot (one: a copy).
     offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     h_ok = offs_h < num_heads
     tile_ok = h_ok[:, None] & (offs_d[None, :] < head_dim)
     po_cols = offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod
-    num_splits = tl.minimum(tl.load(splits_ptr), max_splits)
     for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0)):
         r = tl.cast(row, tl.int64)
+        num_splits = tl.minimum(tl.load(chunks_ptr + tl.load(row_slot_ptr + r)), max_splits)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         for s in range(0, num_splits):
             part = tl.load(pl_ptr + _split_offset(s, r, stride_pls, stride_plr) + offs_h * stride_plh, mask=h_ok,
@@ -328,23 +330,64 @@ def sm_count(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
-def default_kv_splits(device: torch.device, work_items: int) -> int:
-    """kv splits so that `work_items` (live slot, kv head) pairs times the splits reach ~2 waves of the CUDA
-    SMs (at most `MAX_KV_SPLITS`); 1 off CUDA."""
+def work_target(device: torch.device, num_kv_heads: int) -> int:
+    """Work-list entries that, times the kv heads, make ~2 waves of the CUDA SMs; 0 off CUDA (no kv chunks)."""
     sms = sm_count(device)
-    if sms is None or work_items <= 0:
-        return 1
-    return max(1, min(MAX_KV_SPLITS, -(-2 * sms // work_items)))
+    return 0 if sms is None else -(-2 * sms // num_kv_heads)
+
+
+def work_capacity(max_slots: int, max_rows: int, block_q: int, splits: int | None, target: int) -> int:
+    """Most work-list entries a plan fills: every slot's query tiles (at most max_slots + max_rows // BLOCK_Q in
+    all), times `splits` when forced, else plus the `target` extra entries kv chunking may add."""
+    tiles = max_slots + max_rows // block_q
+    return tiles * splits if splits is not None else tiles + target
+
+
+def plan_work(slot_lens: np.ndarray, seqused: np.ndarray, prefix: np.ndarray, *, block_q: int, block_n: int,
+              capacity: int, splits: int | None, target: int, max_entries: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's balanced work list (FlashInfer's plan): (work [n, WORK_FIELDS] int32, chunks [S] int32).
+
+    Every slot's rows are cut into query tiles of `block_q` rows (a long prompt is many tiles, run in
+    parallel); a tile's causal kv range [0, kv_end) is cut into its slot's `chunks[s]` shares, rounded to
+    `block_n` positions, one entry (slot, tile's first row, kv_lo, kv_hi, share index) each, longest first.
+    chunks: `splits` for every slot when forced; else from one chunk length that cuts the step's whole kv
+    work into about `target` entries (a long prefix gets many chunks, a short one few, ghost slots one);
+    at most `capacity` (the workspace's splits for this step's rows), 1 when no chunking fits `max_entries`.
+    Args: slot_lens / seqused / prefix [S] int host arrays of the layout's slots (prefix 0 for ghosts).
+    """
+    slot_lens, seqused, prefix = (np.asarray(x, dtype=np.int64) for x in (slot_lens, seqused, prefix))
+    tiles = -(-slot_lens // block_q)
+    slot_of = np.repeat(np.arange(slot_lens.size), tiles)
+    q0 = (np.arange(slot_of.size) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * block_q
+    n_q = seqused[slot_of]
+    kv_end = np.where(q0 < n_q, prefix[slot_of] + np.minimum(q0 + block_q, n_q), 0)
+    chunks = np.ones(slot_lens.size, dtype=np.int64)
+    if capacity > 1 and splits is not None:
+        chunks[:] = min(splits, capacity)
+    elif capacity > 1 and target > 0 and kv_end.sum() > 0:
+        length = -(-max(-(-int(kv_end.sum()) // target), 1) // block_n) * block_n
+        longest = np.zeros(slot_lens.size, dtype=np.int64)
+        np.maximum.at(longest, slot_of, kv_end)
+        chunks = np.clip(-(-longest // length), 1, capacity)
+    if int(chunks[slot_of].sum()) > max_entries:
+        chunks[:] = 1
+    per_tile = chunks[slot_of]
+    share = -(-(-(-kv_end // per_tile)) // block_n) * block_n      # the kernel's former split formula
+    tile = np.repeat(np.arange(slot_of.size), per_tile)
+    part = np.arange(tile.size) - np.repeat(np.cumsum(per_tile) - per_tile, per_tile)
+    lo = part * share[tile]
+    hi = np.minimum(kv_end[tile], lo + share[tile])
+    work = np.stack([slot_of[tile], q0[tile], np.minimum(lo, hi), hi, part], axis=1)
+    order = np.argsort(-(hi - np.minimum(lo, hi)), kind="stable")
+    return work[order].astype(np.int32), chunks.astype(np.int32)
 
 
 class SplitWorkspace(NamedTuple):
-    """Split-kv state of one `RaggedVerifyAttention`: fp32 partials of `splits x rows <= out.shape[0]` rows and
-    the plan's split count on the device (read by the kernels, so a captured launch follows every plan)."""
+    """Split-kv partials of one `RaggedVerifyAttention`: fp32 rows for `splits x rows <= out.shape[0]`."""
 
     out: Tensor       # [R, Hq, D] fp32 partial outputs, split s of a `rows`-row launch at s * split_rows(rows)
     lse: Tensor       # [R, Hq] fp32 partial lse
-    count: Tensor     # [1] int32 splits of the current plan (1 .. split_capacity(rows))
-    max_splits: int   # most splits any plan uses
+    max_splits: int   # most kv chunks of one slot
 
 
 def split_workspace(max_splits: int, max_rows: int, num_heads: int, head_dim: int,
@@ -355,8 +398,7 @@ def split_workspace(max_splits: int, max_rows: int, num_heads: int, head_dim: in
     if max_splits <= 1:
         return None
     return SplitWorkspace(torch.empty(rows, num_heads, head_dim, dtype=torch.float32, device=device),
-                          torch.empty(rows, num_heads, dtype=torch.float32, device=device),
-                          torch.ones(1, dtype=torch.int32, device=device), max_splits)
+                          torch.empty(rows, num_heads, dtype=torch.float32, device=device), max_splits)
 
 
 def split_rows(rows: int) -> int:
@@ -366,7 +408,7 @@ def split_rows(rows: int) -> int:
 
 
 def split_capacity(split_kv: SplitWorkspace | None, rows: int) -> int:
-    """Most splits a launch of `rows` rows may use with this workspace (1: no split, no workspace)."""
+    """Most kv chunks per slot a launch of `rows` rows may use with this workspace (1: no split, no workspace)."""
     if split_kv is None or rows <= 0:
         return 1
     return max(1, min(split_kv.max_splits, split_kv.out.shape[0] // split_rows(rows)))
@@ -375,25 +417,24 @@ def split_capacity(split_kv: SplitWorkspace | None, rows: int) -> int:
 def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
                             sm_scale: float, out: Tensor, lse: Tensor | None,
                             split_kv: SplitWorkspace | None = None) -> None:
-    """Launch over (slot, kv head, split) work items; writes `out` (and `lse`). No host sync.
-
-    split_kv: a `split_workspace` whose `count` (<= `split_capacity(split_kv, rows)`) the plan set: every kv
-    range is cut into `count` shares and merged. With capacity 1 (no workspace, or too many rows) the kernel
-    writes `out` directly.
+    """Launch over the plan's work list (`meta.work`, `meta.work_count` entries) times the kv heads; writes
+    `out` (and `lse`). No host sync. With a workspace that holds more than one split of q's rows every tile
+    writes its fp32 partial and `_merge_splits_kernel` combines each row's `meta.chunks` partials into `out`;
+    else the tiles write `out` directly.
     """
     rows, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     splits = split_capacity(split_kv, rows)
-    n_items = meta.seqused.numel() * hkv * splits
+    n_items = meta.work.shape[0] * hkv
     if n_items == 0 or rows == 0:
         return
     if splits > 1:
         padded = split_rows(rows)
         dst = split_kv.out[: splits * padded].view(splits, padded, hq, d)[:, :rows]
         dst_lse = split_kv.lse[: splits * padded].view(splits, padded, hq)[:, :rows]
-        dst_strides, lse_strides, count = dst.stride(), dst_lse.stride(), split_kv.count
+        dst_strides, lse_strides = dst.stride(), dst_lse.stride()
     else:
-        dst, dst_lse, count = out, (lse if lse is not None else out), meta.seqused  # count: unread
+        dst, dst_lse = out, (lse if lse is not None else out)
         dst_strides = (0, *out.stride())
         lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
     # the Triton 3.9 interpreter computes bf16 tl.dot wrongly, so interpreted bf16 runs its dots in fp32
@@ -403,19 +444,19 @@ def ragged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: V
     span = meta.block_table.shape[1] * page_size + blocks["BLOCK_N"] + blocks["BLOCK_Q"]  # positions and limits
     _ragged_attention_kernel[dispatch.grid(n_items, q.device, _ragged_attention_kernel)](
         q, k_cache, v_cache, dst, dst_lse, meta.block_table,
-        meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens, count,
-        n_items, splits, hkv, hq // hkv, d, sm_scale / _LN2,
+        meta.qo_start, meta.slot_lens, meta.seqused, meta.prefix_lens, meta.work, meta.work_count,
+        n_items, hkv, hq // hkv, d, sm_scale / _LN2,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *dst_strides, *lse_strides,
         *meta.block_table.stride(),
-        HAS_LSE=lse is not None or splits > 1, SPLIT=splits > 1, PAGE_SIZE=page_size, DOT_DTYPE=dot_dtype,
+        HAS_LSE=lse is not None or splits > 1, PAGE_SIZE=page_size, DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,  # exact fp32; backend default otherwise
         FP32=dispatch.fp32_compares(q.device, span), **blocks,
     )
     if splits > 1:
         lse_arg, out_lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
         _merge_splits_kernel[dispatch.grid(rows, q.device, _merge_splits_kernel)](
-            dst, dst_lse, out, lse_arg, count, rows, splits, hq, d, *dst.stride(), *dst_lse.stride(),
-            *out.stride(), *out_lse_strides, HAS_LSE=lse is not None,
+            dst, dst_lse, out, lse_arg, meta.row_slot, meta.chunks, rows, splits, hq, d, *dst.stride(),
+            *dst_lse.stride(), *out.stride(), *out_lse_strides, HAS_LSE=lse is not None,
             BLOCK_H=triton.next_power_of_2(hq), BLOCK_D=triton.next_power_of_2(d),
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,9 +35,11 @@ class RaggedVerifyAttention:
     (real + ghost), `max_pages_per_slot` block-table columns. `max_verify_len` (optional) bounds the rows of
     one slot and fixes the kernel's query tile (without it the tile is the largest, so the compiled kernel
     never follows the data); `num_pages` (optional) lets `plan` check page ids.
-    `num_kv_splits` splits every kv range into that many shares merged afterwards (more parallel work at small
-    batch x long prefix); default: per plan, enough (live slot, kv head, split) items to fill the GPU's SMs
-    twice (at most `MAX_KV_SPLITS`; 1 off CUDA). The fp32 partials live in a workspace of at most
+    Each plan builds the kernel's balanced work list (`ragged_attention.plan_work`): every slot's query tiles
+    (a long prompt runs as many tiles in parallel), each tile's kv range cut into its slot's kv chunks, merged
+    afterwards. `num_kv_splits` cuts every slot into that many chunks; default: chunks from the live requests'
+    kv lengths so that the entries fill the GPU's SMs about twice (a long prefix gets many, a ghost slot one;
+    at most `MAX_KV_SPLITS`; none off CUDA). The fp32 partials live in a workspace of at most
     `SPLIT_WORKSPACE_ROWS` rows, so a step of many rows (a long prefill) splits less or not at all.
     """
 
@@ -70,22 +73,26 @@ class RaggedVerifyAttention:
         max_splits = (num_kv_splits if num_kv_splits is not None
                       else _k.MAX_KV_SPLITS if _k.sm_count(self.device) else 1)
         self._split_kv = _k.split_workspace(max_splits, max_rows, num_q_heads, head_dim, self.device)
+        self._max_q = max_verify_len if max_verify_len is not None else _k.MAX_TILE_Q
+        self._blocks = _k.kernel_blocks(num_q_heads // num_kv_heads, head_dim, self._max_q, self.device)
+        self._work_target = _k.work_target(self.device, num_kv_heads) if num_kv_splits is None else 0
+        self._max_work = _k.work_capacity(max_slots, max_rows, self._blocks["BLOCK_Q"], num_kv_splits,
+                                          self._work_target)
         # every per-step tensor is a view of one flat device buffer, so a plan moves them in one copy
-        self._flat = _metadata_buffer(max_rows, max_slots, max_pages_per_slot, self.device)
+        self._flat = _metadata_buffer(self._sizes(), self.device)
         bufs = self._views(self._flat)
         self._block_table, self._qo_start, self._slot_lens, self._seqused, self._prefix = (
             bufs[n] for n in ("block_table", "qo_start", "slot_lens", "seqused", "prefix"))
         self._row_slot, self._row_within, self._kv_slots = bufs["row_slot"], bufs["row_within"], bufs["kv_slots"]
-        if self._split_kv is not None:
-            self._split_kv = self._split_kv._replace(count=bufs["splits"])
+        self._work, self._work_count, self._chunks = bufs["work"], bufs["work_count"], bufs["chunks"]
         # plan writes a host staging buffer and clears only what that buffer's previous plan left behind: the
         # device buffer itself on the CPU; else two host buffers in turn (pinned for CUDA, each reused once
         # its previous copy has finished: an event), copied with one non-blocking copy per plan
         pin = self.device.type == "cuda"
         self._staging = [self._flat] if self.device.type == "cpu" else \
-            [_metadata_buffer(max_rows, max_slots, max_pages_per_slot, torch.device("cpu"), pin) for _ in range(2)]
+            [_metadata_buffer(self._sizes(), torch.device("cpu"), pin) for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
-        self._stage_filled = [(0, 0, 0, 0)] * len(self._staging)  # (B, S, rows, block-table rows) each holds
+        self._stage_filled = [(0, 0, 0, 0, 0)] * len(self._staging)  # (B, S, rows, table rows, work) each holds
         self._turn, self._table_rows = 0, 0  # next staging buffer; block-table rows the device may hold
         self._meta: _k.VerifyAttentionMeta | None = None
         self._torch_plan: _k.TorchAttentionPlan | None = None
@@ -153,7 +160,7 @@ class RaggedVerifyAttention:
             block_table=self._block_table, qo_start=self._qo_start, slot_lens=self._slot_lens,
             seqused=self._seqused, prefix_lens=self._prefix, row_slot=self._row_slot[:rows],
             row_within=self._row_within[:rows],
-            max_q=self.max_verify_len if self.max_verify_len is not None else _k.MAX_TILE_Q,
+            max_q=self._max_q, work=self._work, work_count=self._work_count, chunks=self._chunks,
         )
         self._meta = meta
         # the torch path's gather indices and mask depend only on the plan: built here once, reused per run.
@@ -169,8 +176,23 @@ class RaggedVerifyAttention:
             self._torch_plan = _k.plan_torch_attention(self._torch_meta, self.page_size, self.dtype,
                                                        int(kv_len.max()) if b else 0)
 
+    def _sizes(self) -> dict[str, int]:
+        """int32 words of each metadata entry, in the flat buffer's order: int64 kv_slots first (8-byte
+        aligned), the block table last (a plan copies only its used rows)."""
+        slots, rows = self.max_slots, self.max_rows
+        return {"kv_slots": 2 * rows, "qo_start": slots, "slot_lens": slots, "seqused": slots, "prefix": slots,
+                "chunks": slots, "row_slot": rows, "row_within": rows, "work_count": 1,
+                "work": self._max_work * _k.WORK_FIELDS, "block_table": slots * self.max_pages_per_slot}
+
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
-        return _metadata_views(flat, self.max_rows, self.max_slots, self.max_pages_per_slot)
+        """Named views of a metadata buffer (kv_slots int64, work [max_work, WORK_FIELDS], block_table 2-D)."""
+        views, at = {}, 0
+        for name, n in self._sizes().items():
+            views[name], at = flat[at: at + n], at + n
+        views["kv_slots"] = views["kv_slots"].view(torch.int64)
+        views["work"] = views["work"].view(self._max_work, _k.WORK_FIELDS)
+        views["block_table"] = views["block_table"].view(self.max_slots, self.max_pages_per_slot)
+        return views
 
     def _stage(self, layout: RaggedVerifyLayout, prefix: Tensor, table: Tensor | None) -> None:
         """Write the host `layout`'s metadata (and the host block `table`, if given) into the next staging
@@ -181,7 +203,7 @@ class RaggedVerifyAttention:
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()  # the copy of two plans ago: long done in a running step
         stage = self._views(self._staging[turn])
-        (old_b, old_s, old_rows, old_table), b = self._stage_filled[turn], prefix.numel()
+        (old_b, old_s, old_rows, old_table, old_work), b = self._stage_filled[turn], prefix.numel()
         s, rows = layout.num_slots, layout.graph_num_tokens
         for name, value, n, old in (
                 ("prefix", prefix, b, old_b), ("qo_start", layout.slot_qo_indptr[:-1], s, old_s),
@@ -190,7 +212,12 @@ class RaggedVerifyAttention:
             stage[name][:n] = value
             stage[name][n:old] = 0
         stage["kv_slots"][rows:old_rows] = -1
-        stage["splits"][0] = self.kv_splits(b, rows)
+        work, chunks = self.plan_work(layout, prefix)
+        stage["work"][: len(work)] = torch.from_numpy(work)
+        stage["work"][len(work): old_work] = 0
+        stage["work_count"][0] = len(work)
+        stage["chunks"][:s] = torch.from_numpy(chunks)
+        stage["chunks"][s:old_s] = 0
         table_rows = old_table
         if table is not None:
             stage["kv_slots"][:rows] = layout.kv_slots(layout.positions(prefix), table, self.page_size)
@@ -198,7 +225,7 @@ class RaggedVerifyAttention:
             stage["block_table"][:b, table.shape[1]:] = 0
             stage["block_table"][b:old_table] = 0
             table_rows = b
-        self._stage_filled[turn] = (b, s, rows, table_rows)
+        self._stage_filled[turn] = (b, s, rows, table_rows, len(work))
         if self._staging[turn] is not self._flat:
             end = self._flat.numel() - self.max_slots * self.max_pages_per_slot  # where the block table starts
             if table is not None:
@@ -208,12 +235,15 @@ class RaggedVerifyAttention:
                 self._copied[turn] = torch.cuda.Event()
                 self._copied[turn].record()
 
-    def kv_splits(self, live_slots: int, rows: int) -> int:
-        """kv splits of a plan with `live_slots` requests and `rows` rows: `num_kv_splits` (or, by default, enough
-        for the live slots' items to fill the GPU), at most what the workspace holds for `rows` rows."""
-        want = (self.num_kv_splits if self.num_kv_splits is not None
-                else _k.default_kv_splits(self.device, live_slots * self.num_kv_heads))
-        return max(1, min(want, _k.split_capacity(self._split_kv, rows)))
+    def plan_work(self, layout: RaggedVerifyLayout, prefix: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The Triton kernel's work list and kv chunks per slot for a host layout and its prefixes [B]
+        (`ragged_attention.plan_work` with this attention's tiles, workspace and GPU)."""
+        ghosts = np.zeros(layout.num_slots - layout.num_requests, dtype=np.int64)
+        return _k.plan_work(layout.slot_lens.numpy(), layout.seqused.numpy(),
+                            np.concatenate([prefix.numpy(), ghosts]), block_q=self._blocks["BLOCK_Q"],
+                            block_n=self._blocks["BLOCK_N"],
+                            capacity=_k.split_capacity(self._split_kv, layout.graph_num_tokens),
+                            splits=self.num_kv_splits, target=self._work_target, max_entries=self._max_work)
 
     def run(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor | None = None,
             lse: Tensor | None = None) -> Tensor:
@@ -296,35 +326,12 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: T
     _kv.write_kv(k, v, k_cache, v_cache, kv_slots)
 
 
-_METADATA = ("kv_slots", "qo_start", "slot_lens", "seqused", "prefix", "row_slot", "row_within", "splits",
-             "block_table")  # the order in the flat buffer: int64 kv_slots first (8-byte aligned), table last
-
-
-def _metadata_sizes(max_rows: int, max_slots: int, max_pages: int) -> tuple[int, ...]:
-    """int32 words of each `_METADATA` entry."""
-    return (2 * max_rows, *(max_slots,) * 4, max_rows, max_rows, 1, max_slots * max_pages)
-
-
-def _metadata_buffer(max_rows: int, max_slots: int, max_pages: int, device: torch.device,
-                     pin: bool = False) -> Tensor:
-    """A flat int32 buffer of a plan's metadata, empty: kv slots -1 (write nothing), one split, zeros."""
-    flat = torch.zeros(sum(_metadata_sizes(max_rows, max_slots, max_pages)), dtype=torch.int32, device=device,
-                       pin_memory=pin)
-    views = _metadata_views(flat, max_rows, max_slots, max_pages)
-    views["kv_slots"].fill_(-1)
-    views["splits"].fill_(1)
+def _metadata_buffer(sizes: dict[str, int], device: torch.device, pin: bool = False) -> Tensor:
+    """A flat int32 buffer of a plan's metadata (`RaggedVerifyAttention._sizes`), empty: kv slots -1 (write
+    nothing), everything else 0 (no work)."""
+    flat = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device, pin_memory=pin)
+    flat[: sizes["kv_slots"]] = -1
     return flat
-
-
-def _metadata_views(flat: Tensor, max_rows: int, max_slots: int, max_pages: int) -> dict[str, Tensor]:
-    """Named views of a `_metadata_buffer`: kv_slots int64 [max_rows], block_table [max_slots, max_pages],
-    the others int32 vectors."""
-    views, at = {}, 0
-    for name, n in zip(_METADATA, _metadata_sizes(max_rows, max_slots, max_pages)):
-        views[name], at = flat[at: at + n], at + n
-    views["kv_slots"] = views["kv_slots"].view(torch.int64)
-    views["block_table"] = views["block_table"].view(max_slots, max_pages)
-    return views
 
 
 def _check_kv_lens(kv_len: Tensor, table: Tensor, page_size: int, num_pages: int | None) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -394,17 +395,69 @@ def test_split_workspace_is_bounded_and_splits_follow_rows(device):
     assert small.out.shape[0] == 3 * RA.split_rows(5) and RA.split_capacity(small, 5) == 3
 
 
-def test_kv_splits_follow_live_slots_not_ghosts(device, monkeypatch):
-    """By default the split count fills the GPU for the plan's live requests: 1 live request among 40 slots
-    splits as much as the workspace allows, 40 live requests do not split (a small fake GPU of 8 SMs)."""
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), block_q=st.sampled_from([1, 4, 16]), block_n=st.sampled_from([16, 64]),
+       capacity=st.sampled_from([1, 3, 16]), splits=st.sampled_from([None, 1, 3]),
+       target=st.sampled_from([0, 8, 264]))
+def test_work_list_covers_every_tile_once(data, block_q, block_n, capacity, splits, target, device):
+    """Every query tile of every slot (ghosts too) appears with shares 0..chunks-1 whose kv ranges tile its
+    causal range [0, kv_end) in order; chunks <= capacity (forced: min(splits, capacity)); longest first."""
+    b = data.draw(st.integers(0, 6))
+    vlens = data.draw(st.lists(st.integers(1, 40), min_size=b, max_size=b))
+    ghosts = data.draw(st.lists(st.integers(0, 8), max_size=3))
+    prefix = np.array(data.draw(st.lists(st.integers(0, 3000), min_size=b, max_size=b)) + [0] * len(ghosts))
+    slot_lens = np.array(vlens + ghosts, dtype=np.int64)
+    seqused = np.array(vlens + [0] * len(ghosts), dtype=np.int64)
+    work, chunks = RA.plan_work(slot_lens, seqused, prefix, block_q=block_q, block_n=block_n, capacity=capacity,
+                                splits=splits, target=target, max_entries=10**6)
+    assert work.dtype == np.int32 and chunks.shape == slot_lens.shape and (chunks >= 1).all()
+    assert (chunks <= capacity).all() and (splits is None or capacity == 1 or (chunks == min(splits, capacity)).all())
+    lengths = work[:, 3] - work[:, 2]
+    assert (lengths >= 0).all() and (np.diff(lengths) <= 0).all()
+    entries = {}
+    for slot, q0, lo, hi, part in work.tolist():
+        entries.setdefault((slot, q0), []).append((part, lo, hi))
+    tiles = {(s, q0) for s in range(slot_lens.size) for q0 in range(0, int(slot_lens[s]), block_q)}
+    assert set(entries) == tiles
+    for (slot, q0), shares in entries.items():
+        shares.sort()
+        assert [p for p, _, _ in shares] == list(range(chunks[slot]))
+        kv_end = prefix[slot] + min(q0 + block_q, seqused[slot]) if q0 < seqused[slot] else 0
+        at = 0
+        for _, lo, hi in shares:
+            assert lo == at or lo == hi == kv_end, shares
+            at = max(at, hi)
+        assert at == kv_end
+
+
+def test_kv_chunks_follow_live_slots_not_ghosts(device, monkeypatch):
+    """By default the kv chunking fills the GPU for the plan's live requests: 1 live request among 40 slots
+    is cut into chunks (up to the 2 x 8 SMs / 2 kv heads = 8 entries, in BLOCK_N shares), its 40 ghost slots
+    are not, and 40 live requests are not cut (a fake GPU of 8 SMs)."""
     monkeypatch.setattr(RA, "sm_count", lambda _device: 8)
-    attn = RaggedVerifyAttention(64, 48, 4, 4, 2, 8, 4, device, torch.float32, max_verify_len=1)
-    assert attn.kv_splits(1, 41) == min(RA.MAX_KV_SPLITS, attn._split_kv.out.shape[0] // RA.split_rows(41), 8)
-    assert attn.kv_splits(2, 8) == 4 and attn.kv_splits(8, 8) == 1 and attn.kv_splits(40, 40) == 1
-    lens = torch.ones(1, dtype=torch.int32, device=device)
-    layout = RaggedVerifyLayout.from_verify_lens(lens, tiers=[41], graph_slots=41, width=1)
-    attn.plan(layout, [3], torch.zeros(1, 4, dtype=torch.int32, device=device))
-    assert int(attn._split_kv.count) == attn.kv_splits(1, 41) > 1
+    attn = RaggedVerifyAttention(64, 48, 128, 4, 2, 8, 4, device, torch.float32, max_verify_len=1)
+    table = torch.arange(40 * 128, dtype=torch.int32).view(40, 128) % 64
+    for live, prefix in ((1, 500), (40, 500)):
+        lens = torch.ones(live, dtype=torch.int32, device=device)
+        layout = RaggedVerifyLayout.from_verify_lens(lens, tiers=[41], graph_slots=41, width=1)
+        attn.plan(layout, [prefix] * live, table[:live].to(device))
+        chunks = attn.meta.chunks[:41].cpu()
+        if live == 1:
+            assert 1 < int(chunks[0]) <= RA.work_target(device, 2) and bool((chunks[1:] == 1).all())
+        else:
+            assert bool((chunks == 1).all())
+        assert int(attn.meta.work_count) == int(chunks.sum())
+
+
+def test_long_prompt_runs_as_many_query_tiles(device, triton_backend):
+    """A 100-row prefill of one request is ceil(100 / 16) work entries (one per query tile, run in parallel,
+    the longest kv range first), and equals the reference."""
+    case = build_case(4, [100, 3], [30, 7], hkv=2, group=2, d=8, page_size=16, dtype=torch.float32, device=device)
+    attn = case.attention()
+    work = attn.meta.work[: int(attn.meta.work_count)].cpu()
+    assert sorted(work[:, 1].tolist()) == [0, 0, 16, 32, 48, 64, 80, 96]
+    assert work[0].tolist()[:4] == [0, 96, 0, 130] and bool((work[:-1, 3] - work[:-1, 2] >= work[1:, 3] - work[1:, 2]).all())
+    run_and_check(case, attn=attn)
 
 
 def test_plan_reads_nothing_from_the_device(device):

@@ -55,15 +55,15 @@ def _attention_case(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, hea
     cases = [(RA._ragged_attention_kernel,
               {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": dst, "lse_ptr": dst_lse, "bt_ptr": "*i32",
                "qo_start_ptr": "*i32", "slot_lens_ptr": "*i32", "seqused_ptr": "*i32", "prefix_ptr": "*i32",
-               "splits_ptr": "*i32",
+               "work_ptr": "*i32", "count_ptr": "*i32",
                "qk_scale": "fp32"},
-              {"HAS_LSE": has_lse or splits > 1, "SPLIT": splits > 1, "PAGE_SIZE": page_size, "DOT_DTYPE": dot_dtype,
+              {"HAS_LSE": has_lse or splits > 1, "PAGE_SIZE": page_size, "DOT_DTYPE": dot_dtype,
                "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else None, **blocks, **ones},
               {"num_warps": num_warps})]
     if splits > 1:
         cases.append((RA._merge_splits_kernel,
                       {"po_ptr": "*fp32", "pl_ptr": "*fp32", "o_ptr": ptr, "lse_ptr": "*fp32" if has_lse else ptr,
-                       "splits_ptr": "*i32"},
+                       "row_slot_ptr": "*i32", "chunks_ptr": "*i32"},
                       {"HAS_LSE": has_lse, "BLOCK_H": triton.next_power_of_2(num_q_heads),
                        "BLOCK_D": triton.next_power_of_2(head_dim), "stride_pod": 1, "stride_plh": 1,
                        "stride_od": 1, **({"stride_lh": 1} if has_lse else {})}, {}))
