@@ -5,7 +5,8 @@ and the simulated target read the same one, or `reality=` plays the simulator wi
 temperatures and the planner settings. `run(name, B)` serves a queue of the trace's requests on B slots with
 the named policy (`dspark.engine.policies.make_policy`, as the demo builds them) and returns the engine's
 own `GenerateResult`, its step times in simulated seconds. Same trace, cost model and settings give the
-same result bit for bit.
+same result bit for bit. `run(name, B, ids, timed=TimedReplay(...))` takes the same steps with their time
+measured on a device's models instead (`dspark.replay.timed`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from dspark.engine.step import Engine, serve
 from dspark.engine.verify_step import graph_slot_count
 from dspark.plan.planner import VerifyPlanner
 from dspark.replay.sim import SimClock, SimTarget, TraceDrafter
+from dspark.replay.timed import TimedReplay
 from dspark.replay.trace import Trace
 from dspark.util.validate import check_int, check_type
 
@@ -163,24 +165,32 @@ class Lab:
         return make_policy(name, self.gamma, b, self.planner, self.cost.believed_plain(self.context), self.probe, est,
                            choose_depth=self.choose_depth and self.lag == 0)
 
-    def run(self, policy: str | Policy, b: int, ids: Tensor | None = None,
-            mode: VerifyMode = VerifyMode.COMPACT) -> GenerateResult:
+    def run(self, policy: str | Policy, b: int, ids: Tensor | None = None, mode: VerifyMode = VerifyMode.COMPACT,
+            timed: TimedReplay | None = None) -> GenerateResult:
         """Serve the trace requests `ids` [N] (default `serving_queue(trace, b).ids`) on b slots with `policy`
-        (a name, or a policy object built for this lab)."""
+        (a name, or a policy object built for this lab). timed: run every step on that device's models and time
+        it with the wall clock (`dspark.replay.timed`; `reality` unused), the same outcomes step for step."""
         ids = serving_queue(self.trace, b).ids if ids is None else check_queue(self.trace, ids)
+        check_type("timed", timed, TimedReplay, optional=True)
         pol = self.policy(policy, b) if isinstance(policy, str) else policy
-        if pol.num_drafts > self.trace.gamma:
-            raise ValueError(f"policy {pol.name!r} drafts {pol.num_drafts} tokens but the trace recorded "
-                             f"{self.trace.gamma}")
-        clock, reality = SimClock(), self.reality or self.cost
-        target = SimTarget(self.trace, ids, reality, clock, self.graph_tiers)
-        engine = Engine(TraceDrafter(self.trace, ids, reality, clock), target, clock.now, lambda: None)
         prompts = [self.trace.prompt(int(i)) for i in ids]
         new_tokens = self.trace.new_tokens[ids].to(torch.int64)
         w = pol.num_drafts + 1
         longest = max(p.numel() + int(n) for p, n in zip(prompts, new_tokens))
-        scheduler = Scheduler(prompts, new_tokens, None, itertools.count(1), torch.device("cpu"))
-        batch = Batch.empty(min(b, len(prompts)), longest + w, torch.device("cpu"))
+        slots = min(b, len(prompts))
+        if timed is None:
+            clock, reality, device = SimClock(), self.reality or self.cost, torch.device("cpu")
+            target = SimTarget(self.trace, ids, reality, clock, self.graph_tiers)
+            engine = Engine(TraceDrafter(self.trace, ids, reality, clock), target, clock.now, lambda: None)
+        else:
+            engine = timed.engine(self.trace, ids, slots=slots, max_len=longest + w, tiers=self.graph_tiers)
+            device = timed.device
+        if pol.num_drafts > engine.drafter.max_drafts:
+            raise ValueError(f"policy {pol.name!r} drafts {pol.num_drafts} tokens but the trace recorded "
+                             f"{self.trace.gamma} (its drafter proposes at most {engine.drafter.max_drafts})")
+        scheduler = Scheduler(prompts, new_tokens, None, itertools.count(1), device)
+        batch = Batch.empty(slots, longest + w, device)
         gen = torch.Generator().manual_seed(0)
-        return finish(serve(engine, scheduler, batch, pol, mode=mode, sampling=Sampling(False, 1.0, gen),
-                            width=w, max_rows=longest + w))
+        with torch.no_grad():
+            return finish(serve(engine, scheduler, batch, pol, mode=mode, sampling=Sampling(False, 1.0, gen),
+                                width=w, max_rows=longest + w))

@@ -74,11 +74,7 @@ class TraceDrafter(Drafter):
         catch_up = int((lens - self._seen[slots] - 1).sum())
         self._seen[slots] = lens
         self.clock.advance(self.cost.draft_seconds(slots.numel(), k, catch_up))
-        block = self.trace.block_from_checked(*positions(batch, slots, self.ids))
-        tokens = block.drafts[:, :k].to(torch.int64)
-        if source == "features":
-            return Drafts(tokens, features=block.features[:, :k], catch_up=catch_up)
-        return Drafts(tokens, confidence_logits=block.confidence_logits[:, :k], catch_up=catch_up)
+        return trace_drafts(self.trace, self.ids, batch, slots, k, source, catch_up)
 
 
 class SimTarget(Target):
@@ -104,15 +100,31 @@ class SimTarget(Target):
         return Verified(layout, caps, positions(batch, slots, self.ids))
 
     def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:
-        requests, t = verified.rows
-        b, k = drafts.tokens.shape
-        accepted = self.trace.block_from_checked(requests, t).accepted.clamp(max=k)
-        caps = verified.caps.to(torch.int64)
-        correct = torch.minimum(accepted, caps - 1)
-        commit = correct + 1
-        cols = torch.arange(k + 1)
-        tokens = torch.where(cols[None, :] < commit[:, None], self.trace.greedy_from_checked(requests, t, k + 1), -1)
-        proposed = cols[None, :k] < (caps - 1)[:, None]
-        return AcceptResult(correct_lens=correct.to(torch.int32), commit_lens=commit.to(torch.int32),
-                            bonus=tokens.gather(1, correct[:, None]).squeeze(1), tokens=tokens, proposed=proposed,
-                            accepted=cols[None, :k] < correct[:, None])
+        return trace_accept(self.trace, *verified.rows, verified.caps, drafts.tokens.shape[1])
+
+
+def trace_drafts(trace: Trace, ids: Tensor, batch: Batch, slots: Tensor, k: int, source: Source,
+                 catch_up: int) -> Drafts:
+    """The recorded block's first k drafts at the position of each request in `slots` (host ids; ids [N]: the
+    trace request of each queued request), with the head's confidence logits or, for source "features", the
+    estimator's features (host tensors, float32 as the live drafter computed them)."""
+    block = trace.block_from_checked(*positions(batch, slots, ids))
+    tokens = block.drafts[:, :k].to(torch.int64)
+    if source == "features":
+        return Drafts(tokens, features=block.features[:, :k], catch_up=catch_up)
+    return Drafts(tokens, confidence_logits=block.confidence_logits[:, :k], catch_up=catch_up)
+
+
+def trace_accept(trace: Trace, requests: Tensor, t: Tensor, caps: Tensor, k: int) -> AcceptResult:
+    """What the trace says a step of k drafts commits for trace requests [B] at positions t [B] (host), capped
+    to caps [B] (host) rows: `min(a(t), cap - 1) + 1` tokens of the greedy continuation (-1 past them)."""
+    accepted = trace.block_from_checked(requests, t).accepted.clamp(max=k)
+    caps = caps.to(torch.int64)
+    correct = torch.minimum(accepted, caps - 1)
+    commit = correct + 1
+    cols = torch.arange(k + 1)
+    tokens = torch.where(cols[None, :] < commit[:, None], trace.greedy_from_checked(requests, t, k + 1), -1)
+    proposed = cols[None, :k] < (caps - 1)[:, None]
+    return AcceptResult(correct_lens=correct.to(torch.int32), commit_lens=commit.to(torch.int32),
+                        bonus=tokens.gather(1, correct[:, None]).squeeze(1), tokens=tokens, proposed=proposed,
+                        accepted=cols[None, :k] < correct[:, None])
