@@ -1,6 +1,6 @@
 """Helper of `perf/device_check.sh`, the prepared GPU check: device facts, the measured serving cost of a
-Llama-3.1-8B-shaped model through dspark's own engine, the lab's policies priced with it, the live-demo check,
-and the merge of every step's output into one JSON.
+Llama-3.1-8B-shaped model through dspark's own engine, the lab's policies priced with it and timed on that
+model's real steps (the timed replay), the live-demo check, and the merge of every step's output into one JSON.
 
     PYTHONPATH=. python perf/device_check.py env     --device cuda --out env.json
     PYTHONPATH=. python perf/device_check.py measure --device cuda --out measure.json --cost-dir OUT
@@ -21,6 +21,10 @@ verify forward at that (B, tier) (`VerifyStepAdapter` at `--layers` and 2 x `--l
 prefill terms are scaled by layers / measured; the JSON says so. torch.compile is off (one compile per tier of
 an 8B model does not fit the step's limit); the tiers replay CUDA graphs. The weights, KV caches and hidden
 states are bf16 (`--dtype float32` runs float32 weights on TF32 tensor cores).
+
+replay: the lab's policies priced with that cost, then timed (`dspark.replay.timed`): the same trace outcomes,
+every step run by the measured geometry's target (all its layers) and drafter on the device, B ascending while
+they fit the step's limit (`replay` below; perf/README.md, section `device_check.sh`).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -56,6 +61,7 @@ GEOMETRIES = {
 MAX_POSITIONS = 4096
 MODELLED = ("h100-llama8b-fitted", "h200-roofline-llama8b")  # the lab's modelled 8B rows, beside the measured
 POLICY_LAB_RESULTS = PERF / "results" / "policy_lab" / "policy_lab.json"
+PLANNER_GOAL = 0.03  # the host planner's share of a measured step the issue asks for (issue 47)
 
 
 def gpu_key(device: torch.device) -> str:
@@ -129,25 +135,30 @@ def build_llama(geometry: str, layers: int, device: torch.device, dtype: torch.d
         return TransformersCausalLM.from_config(cfg, dtype=dtype).to(device)
 
 
-def drafters(target, geometry: str, gamma: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """One drafter of each kind the engine has, sized for the target: `causal-lm` (a one-layer Llama of the
-    target's width and vocabulary: EAGLE-sized, priced `chain`), `block` (dspark's block draft over the target's
-    embedding and head, random weights; its chain steps priced `chain`) and `ngram` (prompt lookup)."""
+def drafters(target, geometry: str, gamma: int, device: torch.device, dtype: torch.dtype,
+             kinds: tuple[str, ...] = ("causal-lm", "block", "ngram")) -> dict:
+    """One drafter of each of `kinds` (default every kind the engine has), sized for the target: `causal-lm` (a
+    one-layer Llama of the target's width and vocabulary: EAGLE-sized, priced `chain`), `block` (dspark's block
+    draft over the target's embedding and head, random weights; its chain steps priced `chain`) and `ngram`
+    (prompt lookup)."""
     from dspark.engine.lm_drafter import CausalLMDrafter
     from dspark.engine.ngram import NgramDrafter
     from dspark.models.draft import DraftConfig, DraftModel
 
-    g = GEOMETRIES[geometry]
-    hf = target.hf_model
-    emb, head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
-    draft_vocab = min(32000, g["vocab_size"])
-    cfg = DraftConfig(hidden_size=g["hidden_size"], vocab_size=g["vocab_size"], draft_vocab_size=draft_vocab,
-                      num_q_heads=g["num_attention_heads"], num_kv_heads=g["num_key_value_heads"],
-                      head_dim=g["head_dim"], intermediate_size=g["intermediate_size"],
-                      chain_size=min(1024, g["hidden_size"]), gamma=gamma, max_seq_len=MAX_POSITIONS)
-    block = DraftModel(cfg, emb, head, torch.arange(draft_vocab)).to(device=device, dtype=dtype).eval()
-    return {"causal-lm": CausalLMDrafter(build_llama(geometry, 1, device, dtype, seed=1)), "block": block,
-            "ngram": NgramDrafter()}
+    def block() -> DraftModel:
+        g = GEOMETRIES[geometry]
+        hf = target.hf_model
+        emb, head = hf.get_input_embeddings().weight.detach(), hf.get_output_embeddings().weight.detach()
+        draft_vocab = min(32000, g["vocab_size"])
+        cfg = DraftConfig(hidden_size=g["hidden_size"], vocab_size=g["vocab_size"], draft_vocab_size=draft_vocab,
+                          num_q_heads=g["num_attention_heads"], num_kv_heads=g["num_key_value_heads"],
+                          head_dim=g["head_dim"], intermediate_size=g["intermediate_size"],
+                          chain_size=min(1024, g["hidden_size"]), gamma=gamma, max_seq_len=MAX_POSITIONS)
+        return DraftModel(cfg, emb, head, torch.arange(draft_vocab)).to(device=device, dtype=dtype).eval()
+
+    build = {"causal-lm": lambda: CausalLMDrafter(build_llama(geometry, 1, device, dtype, seed=1)), "block": block,
+             "ngram": NgramDrafter}
+    return {kind: build[kind]() for kind in kinds}
 
 
 DRAFT_KINDS = {"causal-lm": "chain", "block": "chain", "ngram": "ngram"}
@@ -322,50 +333,183 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 # -- replay -------------------------------------------------------------------------------------------------
-def replay(measure_json: Path, gamma: int, batch_sizes: tuple[int, ...], min_requests: int) -> dict:
-    """Every policy of the lab (as `perf/policy_lab.py`: the trace's drafts and acceptance, `dspark.replay.Lab`) on
-    the measured serving cost at each B, on queues of at least `min_requests` measured requests, beside the
-    lab's modelled 8B rows (perf/results/policy_lab/policy_lab.json) at the same B, and the host planner's share
-    of the step."""
+def planner_share(res) -> float | None:
+    """The host planner's median wall time per decision over the mean speculative step (draft, plan, verify and
+    accept: measured in a timed run, priced in a priced one); None without speculative steps."""
+    spec = [s for s in res.steps if s.speculated]
+    if not spec:
+        return None
+    step = sum(s.times.total - s.times.prefill for s in spec) / len(spec)
+    return statistics.median(s.times.host_plan for s in spec) / step if step > 0 else None
+
+
+def batch_ratios(cells: dict) -> dict:
+    """At one B, `cells` policy -> run_summary + planner_share: the best fixed policy, adaptive and adaptive-est
+    over it, and the planner's share of the step per policy (not the oracle's: its plan call runs its prepass)."""
+    from dspark.replay.report import ratios
+
+    r = ratios(cells)
+    return {"best_fixed": r["best_fixed"], "best_fixed_tok_s": r["best_fixed_tok_s"],
+            "adaptive_vs_best_fixed": r["adaptive"]["vs_best_fixed"],
+            "adaptive_est_vs_best_fixed": r["adaptive-est"]["vs_best_fixed"],
+            "planner_share_of_step": {p: c["planner_share"] for p, c in cells.items()
+                                      if c["planner_share"] is not None and p != "oracle"}}
+
+
+def fits(seconds: float, deadline: float) -> bool:
+    """Work estimated at `seconds` ends before `deadline` (perf_counter)."""
+    return time.perf_counter() + seconds <= deadline
+
+
+def run_policies(lab, policies: list[str], b: int, queue, temps: list[float], deadline: float, timed=None
+                 ) -> tuple[dict, float, str | None]:
+    """({policy: run_summary + planner_share} of `policies` at B = b on `queue`, the longest run's seconds, None);
+    when the next policy's estimated time (the longest so far) would end past `deadline`, the cells so far and
+    why it stopped instead of None."""
+    from dspark.replay.report import run_summary
+
+    cells: dict[str, dict] = {}
+    longest = 0.0
+    lab.estimators.pop(b, None)  # adaptive-est learns over this run alone
+    for name in policies:
+        if cells and not fits(longest, deadline):
+            return cells, longest, f"cut before {name}: a policy takes up to {longest:.1f} s"
+        t = time.perf_counter()
+        res = lab.run(name, b, queue.ids, timed=timed)
+        cells[name] = {**run_summary(res, None if name == "adaptive-est" else temps, queue.measured),
+                       "planner_share": planner_share(res)}
+        longest = max(longest, time.perf_counter() - t)
+    return cells, longest, None
+
+
+def timed_replay(m: dict, lab, temps: list[float], policies: list[str], batch_sizes: tuple[int, ...],
+                 min_requests: int, layers: int | None, deadline: float, save) -> dict:
+    """Every policy driving the real step of the measured geometry (`dspark.replay.timed`): the model the measure
+    step profiled, with `layers` decoder layers (default all: the real model's step) and random weights, built
+    on its device with the serving cost's drafter; per B, a warm-up run of the queue's B longest requests, then
+    each policy on a queue of B + max(min_requests, B) + B requests. B ascending until `deadline`
+    (perf_counter): a B whose warm-up and first policy are estimated past it (2 x the last B's longest policy x
+    the ratio of the queues' tokens: no cheaper per token than the last B) is skipped, a policy estimated past
+    it (this B's longest) is not started; a B that raises (out of memory) is named in `errors` and ends the
+    ladder. `save(partial)` after each B."""
+    from dspark.replay.lab import serving_queue
+    from dspark.replay.timed import TimedReplay
+
+    t0 = time.perf_counter()
+    device, dtype, geometry = torch.device(m["device"]), getattr(torch, m["dtype"]), m["geometry"]
+    full = GEOMETRIES[geometry]["num_hidden_layers"]
+    layers = min(layers or full, full)
+    kind = lab.cost.parameters.get("drafter", "causal-lm")
+    torch._dynamo.config.disable = True  # as measure: no torch.compile; the tiers replay CUDA graphs
+    target = build_llama(geometry, layers, device, dtype, seed=0)
+    rig = TimedReplay(target, drafters(target, geometry, lab.gamma, device, dtype, (kind,))[kind], device=device,
+                      compile_model=False)
+    mapped = lab.trace.vocab_size > GEOMETRIES[geometry]["vocab_size"]
+    out: dict = {"how": (f"timed: every step runs the {geometry} target ({layers} of {full} layers, random {m['dtype']} "
+                         f"weights) and the {kind} drafter on {m['device']} through dspark's engine (paged KV, ragged "
+                         "attention, graph tiers, no torch.compile): the prefill, plain, verify and accept work a "
+                         "live engine runs for each step's layout, the drafter's catch-up and k drafts; drafts, "
+                         "confidences and acceptance from the trace (the priced replay's tokens and outcomes); time: "
+                         "the wall clock with a device sync per phase" + ("; token ids modulo the model's vocabulary"
+                                                                          if mapped else "")),
+                  "layers": layers, "drafter": kind, "build_seconds": time.perf_counter() - t0, "cells": {},
+                  "seconds": {}, "skipped": {}, "errors": {}}
+    last: tuple[int, float] | None = None  # (the last B's queue tokens, its longest policy run in seconds)
+    for b in batch_sizes:
+        queue = serving_queue(lab.trace, b, requests_per_slot=1, fill_per_slot=1, min_requests=min_requests)
+        lengths = lab.trace.prompt_lens[queue.ids] + lab.trace.new_tokens[queue.ids]
+        work = int(lengths.sum())
+        estimate = 0.0 if last is None else last[1] * work / last[0]  # a step no dearer per token than the last B's
+        if last is not None and not fits(2 * estimate, deadline):  # the warm-up and the first policy
+            out["skipped"][str(b)] = (f"a policy estimated at {estimate:.1f} s, "
+                                      f"{deadline - time.perf_counter():.1f} s left")
+            continue
+        t_b = time.perf_counter()
+        try:  # warm-up (kernels, allocator, the KV cache and graph captures the runs reuse): the B longest requests
+            lab.run("adaptive", b, queue.ids[lengths.argsort(descending=True)[:b]], timed=rig)
+            warm = time.perf_counter() - t_b
+            cells, longest, cut = run_policies(lab, policies, b, queue, temps, deadline, rig)
+        except Exception as exc:  # e.g. out of device memory: the B's before it stand, larger ones are not tried
+            out["errors"][str(b)] = f"{type(exc).__name__}: {exc}"[:400]
+            print(f"timed replay B={b} failed: {out['errors'][str(b)]}", flush=True)
+            break
+        out["cells"][str(b)] = cells
+        out["seconds"][str(b)] = {"warm_up": warm, "all": time.perf_counter() - t_b}
+        if cut:
+            out["skipped"][str(b)] = cut
+        last = (work, longest)
+        print(f"[{time.perf_counter() - t0:6.1f} s] timed replay B={b} ({time.perf_counter() - t_b:.1f} s)", flush=True)
+        save(out)
+    return out
+
+
+def replay(measure_json: Path, gamma: int, batch_sizes: tuple[int, ...], min_requests: int,
+           timed_batch_sizes: tuple[int, ...] | None, timed_min_requests: int, timed_layers: int | None,
+           priced_seconds: float, seconds: float, out: Path) -> dict:
+    """Every policy of the lab (as `perf/policy_lab.py`: the trace's drafts and acceptance, `dspark.replay.Lab`)
+    priced with the measured serving cost at each B (queues of at least `min_requests` measured requests) until
+    `priced_seconds`, beside the lab's modelled 8B rows (perf/results/policy_lab/policy_lab.json) at the same B;
+    then the same policies timed on the device (`timed_replay`) at `timed_batch_sizes` (default every second of
+    `batch_sizes`) until `seconds`; per B adaptive / best fixed from both and the host planner's share of the
+    step. No B starts when it is estimated to end past its part's limit (the B's skipped are named). Writes `out`
+    after each B (a run cut at the step's limit keeps what it did)."""
     from dspark.cost.serving import load_serving_cost
     from dspark.replay.lab import Lab, serving_queue
-    from dspark.replay.report import ratios, run_summary
     from dspark.replay.trace import load_trace
     from dspark.replay.variants import fit_trace_temperatures
 
+    t0 = time.perf_counter()
     m = json.loads(measure_json.read_text())
-    trace, t0 = load_trace(), time.perf_counter()
+    trace = load_trace()
     temps, _ = fit_trace_temperatures(trace, gamma)
     lab = Lab(trace, load_serving_cost(m["cost_path"], width=gamma + 1), gamma, temperatures=temps)
     policies = [f"fixed-{k}" for k in range(gamma + 1)] + ["adaptive", "adaptive-est", "oracle"]
-    cells: dict[str, dict] = {}
-    for b in batch_sizes:
-        queue = serving_queue(trace, b, min_requests=min_requests)
-        cells[str(b)] = {name: run_summary(lab.run(name, b, queue.ids), None if name == "adaptive-est" else temps,
-                                           queue.measured) for name in policies}
-        print(f"[{time.perf_counter() - t0:6.1f} s] replayed B={b}", flush=True)
-    measured = {"cells": cells, "ratios": {b: ratios(r) for b, r in cells.items()},
-                "replay_seconds": time.perf_counter() - t0}
     modelled_file = json.loads(POLICY_LAB_RESULTS.read_text()) if POLICY_LAB_RESULTS.is_file() else {}
     modelled = {n: modelled_file.get("cost_models", {}).get(n, {}).get("ratios", {}) for n in MODELLED}
-    per_b = {}
+    timed_sizes = tuple(batch_sizes[::2]) if timed_batch_sizes is None else tuple(timed_batch_sizes)
+    report: dict = {
+        "how": ("priced: the lab's simulated target and drafter charge the measured serving cost from the measure "
+                "step (GPU-measured steps, as a table; every B: perf/policy_lab.py --costs on the returned file). "
+                "Drafts and acceptance: the trace (SmolLM2-135M pair), a what-if on the 8B costs. `timed`: the same "
+                "policies and outcomes, each step run and timed on the device (its `how`), on shorter queues."),
+        "cost": m["cost_name"], "cost_path": m["cost_path"], "gamma": gamma, "batch_sizes": list(batch_sizes),
+        "policies": policies, "per_batch": {}, "cells": {}, "skipped": {}, "passed": True, "complete": False}
+
+    def save(timed: dict | None = None) -> None:
+        if timed is not None:
+            done = {b: batch_ratios(c) for b, c in timed["cells"].items() if b not in timed["skipped"]}
+            shares = [v for r in done.values() for p, v in r["planner_share_of_step"].items()
+                      if p in ("adaptive", "adaptive-est")]
+            report["timed"] = {**timed, "per_batch": done, "batch_sizes": list(timed_sizes),
+                               "min_requests": min(min_requests, timed_min_requests),
+                               "planner_share_max": max(shares, default=None), "planner_goal": PLANNER_GOAL,
+                               "planner_goal_met": max(shares) <= PLANNER_GOAL if shares else None}
+            for b, r in done.items():
+                report["per_batch"].setdefault(b, {})["timed"] = {
+                    k: r[k] for k in ("best_fixed", "adaptive_vs_best_fixed", "adaptive_est_vs_best_fixed",
+                                      "planner_share_of_step")}
+        report["replay_seconds"] = time.perf_counter() - t0
+        atomic_write_text(out, json.dumps(report, indent=2, default=str))
+
+    last = 0.0
     for b in map(str, batch_sizes):
-        r, cells = measured["ratios"][b], measured["cells"][b]
-        share = {p: c["planner_us_median"] / (c["step_ms_mean"] * 1e3)
-                 for p, c in cells.items() if c.get("planner_us_median") and c.get("step_ms_mean")}
-        per_b[b] = {"best_fixed": r["best_fixed"], "best_fixed_tok_s": r["best_fixed_tok_s"],
-                    "adaptive_vs_best_fixed": r["adaptive"]["vs_best_fixed"],
-                    "adaptive_est_vs_best_fixed": r["adaptive-est"]["vs_best_fixed"],
-                    "planner_share_of_step": share,
-                    "modelled_adaptive_vs_best_fixed": {n: mod.get(b, {}).get("adaptive", {}).get("vs_best_fixed")
-                                                        for n, mod in modelled.items()}}
-    return {"how": ("priced: the lab's simulated target and drafter charge the measured serving cost from the "
-                    "measure step (GPU-measured steps, as a table); dspark.replay has no live GPU target, so the "
-                    "GPU's time enters through that table, not step by step. Drafts and acceptance: the trace "
-                    "(SmolLM2-135M pair), a what-if on the 8B costs."),
-            "cost": m["cost_name"], "cost_path": m["cost_path"], "gamma": gamma, "batch_sizes": list(batch_sizes),
-            "policies": policies, "per_batch": per_b, "cells": measured["cells"],
-            "replay_seconds": measured["replay_seconds"], "passed": True}
+        if last and not fits(2 * last, t0 + priced_seconds):
+            report["skipped"][b] = f"priced part: B = {b} estimated at {2 * last:.1f} s past its {priced_seconds} s"
+            continue
+        t = time.perf_counter()
+        cells, _, _ = run_policies(lab, policies, int(b), serving_queue(trace, int(b), min_requests=min_requests),
+                                   temps, math.inf)
+        report["cells"][b] = cells
+        report["per_batch"][b] = {**batch_ratios(cells), "modelled_adaptive_vs_best_fixed": {
+            n: mod.get(b, {}).get("adaptive", {}).get("vs_best_fixed") for n, mod in modelled.items()}}
+        last = time.perf_counter() - t
+        print(f"[{time.perf_counter() - t0:6.1f} s] replayed B={b}", flush=True)
+        save()
+    timed = timed_replay(m, lab, temps, policies, timed_sizes, min(min_requests, timed_min_requests), timed_layers,
+                         t0 + seconds, save)
+    report["complete"] = True
+    save(timed)
+    return report
 
 
 # -- demo ---------------------------------------------------------------------------------------------------
@@ -417,6 +561,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-dir", type=Path, default=None, help="measure: where <gpu>-measured-<geometry>.json goes")
     ap.add_argument("--measure", type=Path, help="replay: the measure step's JSON")
     ap.add_argument("--min-requests", type=at_least(1), default=64, help="replay: measured requests per queue at least")
+    ap.add_argument("--timed-batch-sizes", type=int_list(1), default=None,
+                    help="replay: B of the timed replay (default every second of --batch-sizes: 1, 4, 16, 64, 256)")
+    ap.add_argument("--timed-min-requests", type=at_least(1), default=4,
+                    help="replay: measured requests per timed queue at least (at most --min-requests)")
+    ap.add_argument("--timed-layers", type=at_least(1), default=None,
+                    help="replay: decoder layers of the timed target (default all: the real model's step)")
+    ap.add_argument("--priced-seconds", type=at_least(1), default=15,
+                    help="replay: no priced B starts when it is estimated to end past this many seconds")
+    ap.add_argument("--seconds", type=at_least(1), default=50,
+                    help="replay: no timed B or policy starts when it is estimated to end past this many seconds")
     ap.add_argument("--inputs", nargs="*", type=Path, default=[], help="collect: the step outputs to merge")
     ap.add_argument("--status", type=Path, help="collect: the steps' `name rc seconds` lines")
     ap.add_argument("--log", type=Path, help="collect: the run's log")
@@ -428,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
         report = collect(args.status, args.inputs, args.log)
     else:
         report = {"env": lambda: env(args.device), "measure": lambda: measure(args),
-                  "replay": lambda: replay(args.measure, args.gamma, args.batch_sizes, args.min_requests),
+                  "replay": lambda: replay(args.measure, args.gamma, args.batch_sizes, args.min_requests,
+                                           args.timed_batch_sizes, args.timed_min_requests, args.timed_layers,
+                                           args.priced_seconds, args.seconds, args.out),
                   "demo": lambda: demo(args.device)}[args.what]()
     atomic_write_text(args.out, json.dumps(report, indent=2, default=str))
     print(json.dumps(report, indent=1, default=str)[:3000])

@@ -67,6 +67,20 @@ def test_dry_run_writes_every_step_output(tmp_path: Path) -> None:
     cells = replay["cells"]["1"]
     assert set(cells) == set(replay["policies"]) and all(c["tok_s"] > 0 for c in cells.values())
     assert 0 < replay["per_batch"]["1"]["adaptive_vs_best_fixed"] and "priced" in replay["how"]
+    assert replay["complete"] and replay["skipped"] == {}
+    # the GPU-timed replay: every policy ran the tiny target and drafter (SmolLM2 ids modulo its vocabulary)
+    timed = replay["timed"]
+    assert timed["batch_sizes"] == [1] and timed["skipped"] == {} and timed["errors"] == {} and timed["layers"] == 2
+    assert timed["how"].startswith("timed:") and "modulo" in timed["how"] and timed["drafter"] == "ngram"
+    assert set(timed["cells"]["1"]) == set(replay["policies"])
+    assert all(c["tok_s"] > 0 and c["requests"] == 2 and c["full_concurrency"] for c in timed["cells"]["1"].values())
+    beside = replay["per_batch"]["1"]["timed"]
+    assert beside["best_fixed"] in replay["policies"] and beside["adaptive_vs_best_fixed"] > 0
+    assert beside["adaptive_est_vs_best_fixed"] > 0
+    shares = beside["planner_share_of_step"]
+    assert 0 < shares["adaptive"] < 1 and 0 < shares["adaptive-est"] < 1 and "oracle" not in shares
+    assert timed["planner_share_max"] == max(shares["adaptive"], shares["adaptive-est"])
+    assert timed["planner_goal"] == 0.03 and timed["planner_goal_met"] == (timed["planner_share_max"] <= 0.03)
     assert out["demo"]["ran"] is False and out["demo"]["skipped"]
     log = (tmp_path / "device_check.log").read_text()
     assert all(f"== {s}: exit 0" in log for s in STEPS)
