@@ -3,7 +3,6 @@ the tiny models. It commits exactly what the priced replay commits, step for ste
 measured around the forwards it actually ran (counted through hooks on the models)."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import time
@@ -20,6 +19,7 @@ from dspark.replay.lab import Lab
 from dspark.replay.record import record_trace
 from dspark.replay.timed import TimedReplay
 from dspark.replay.workload import Request
+from drafter_models import llama
 from engine_models import VOCAB, tiny_llama, tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,9 +64,10 @@ class Forwards:
 
 
 def _rig(device: torch.device, drafter=None, target: TransformersCausalLM | None = None) -> TimedReplay:
-    """Copies of the tiny models on `device` (the shared ones stay on the CPU)."""
-    target = copy.deepcopy(tiny_models(gamma=GAMMA)[0] if target is None else target)
-    drafter = CausalLMDrafter(tiny_llama(VOCAB, seed=3)) if drafter is None else drafter
+    """A timed replay on `device` whose target is not the trace's (random weights and an untied head, as on the
+    GPU: its own greedy outcomes differ from the trace's) and a causal-LM drafter, unless given."""
+    target = TransformersCausalLM(llama(2, VOCAB, seed=5)) if target is None else target
+    drafter = CausalLMDrafter(llama(1, VOCAB, seed=3)) if drafter is None else drafter
     return TimedReplay(target, drafter, device=device, compile_model=False)
 
 
@@ -153,7 +154,7 @@ def test_timed_replay_replays_the_graph_tiers_the_planner_chose(policy: str, dev
 
 def test_a_trace_of_a_larger_vocabulary_is_fed_modulo_the_models(device: torch.device) -> None:
     lab = _lab(tiers=False)
-    small = TransformersCausalLM(tiny_llama(VOCAB // 4, seed=5))
+    small = TransformersCausalLM(tiny_llama(VOCAB // 4, seed=6))
     rig = _rig(device, NgramDrafter(), small)
     ids = torch.arange(N)
     assert int(lab.trace.continuation.max()) >= VOCAB // 4  # ids the small model does not have
