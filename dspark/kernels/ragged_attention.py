@@ -1,4 +1,5 @@
-"""Ragged verify attention over a paged KV cache: Triton kernel, fast torch path, float64 reference.
+"""Ragged verify attention over a paged KV cache: the Triton kernel and its dispatch (the fast torch path and the
+float64 reference live in `dspark.kernels.attention_ref`).
 
 Packed queries `q [rows, Hq, D]`; slot s owns rows `[qo_start[s], qo_start[s] + slot_lens[s])`, of which the
 first `seqused[s]` are real (ghost slots have seqused 0). Its KV lives in pages `block_table[s, :]` of
@@ -17,140 +18,23 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dspark.kernels import compare as cmp
 from dspark.kernels import dispatch
 from dspark.kernels._triton import constexpr, jit, tl, triton
+from dspark.kernels.attention_ref import (  # the torch side of this kernel, re-exported with it
+    WORK_FIELDS,
+    TorchAttentionPlan,
+    VerifyAttentionMeta,
+    plan_torch_attention,
+    ragged_attention_ref,
+    ragged_attention_torch,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-WORK_FIELDS = 5  # int32 fields of one work-list entry: slot, first row of its query tile, kv_lo, kv_hi, part
 _WORK_FIELDS = constexpr(WORK_FIELDS)
 _LN2 = math.log(2.0)
-
-
-class VerifyAttentionMeta(NamedTuple):
-    """Per-slot geometry of one verify step (int32 device tensors of fixed shape, S = slot count)."""
-
-    block_table: Tensor  # [S, max_pages] page ids; entries past a slot's kv length are never read
-    qo_start: Tensor     # [S] first packed row of each slot
-    slot_lens: Tensor    # [S] rows owned by each slot (real rows, then ghost padding rows)
-    seqused: Tensor      # [S] real rows of each slot (0 for ghost slots)
-    prefix_lens: Tensor  # [S] committed kv length before the verify rows (kv length = prefix + seqused)
-    row_slot: Tensor     # [rows] slot of each packed row (used by the torch paths)
-    row_within: Tensor   # [rows] index of each packed row inside its slot
-    max_q: int           # static: the torch path's bound on slot_lens (sizes its padding); the Triton path's
-                         # query-tile hint (longer slots are several tiles)
-    # the Triton path's work list (`plan_work`), None for the torch path
-    work: Tensor | None = None        # [max_work, WORK_FIELDS] entries (slot, q0, kv_lo, kv_hi, part)
-    work_count: Tensor | None = None  # [1] entries of this plan
-    chunks: Tensor | None = None      # [S] kv chunks per slot (partials the merge combines)
-
-
-class TorchAttentionPlan(NamedTuple):
-    """Plan-only quantities of the torch path (depend on the metadata, not on q or the cache), built once per
-    plan and reused by every layer's run. L = kv_extent gathered positions per slot, Mq = meta.max_q."""
-
-    kv_index: Tensor   # [S * L] flat cache row of each gathered kv position (the slot's position 0 if unused)
-    q_index: Tensor    # [S * Mq] packed q row of each padded query (clamped for padding)
-    mask: Tensor       # [S, 1, Mq, L] additive: 0 where query j may see kv position p (padding queries see
-                       # everything), -inf elsewhere; in the attention dtype so SDPA uses it as is
-    out_index: Tensor  # [rows] padded query (slot * Mq + j) of each packed row
-    pad: Tensor        # [rows, 1] bool: padding row (written as zeros, lse -inf)
-
-
-def plan_torch_attention(meta: VerifyAttentionMeta, page_size: int, dtype: torch.dtype,
-                         kv_extent: int | None = None) -> TorchAttentionPlan:
-    """Gather indices and mask of `ragged_attention_torch`. kv_extent (>= every slot's kv length; default the
-    whole block-table span) bounds the gathered positions, so short prefixes in a wide table read little.
-    The plan covers the meta's S slots; a packed row whose `row_slot` is >= S (a ghost slot left out of the
-    meta: it only holds padding rows) is a padding row, so a tier-padded step pays for its real slots only.
-
-    Unused positions point at the slot's own position 0 instead of being zeroed after the gather: that row is
-    real data every real query sees, so a poisoned (NaN) unused page cannot leak through the masked SDPA.
-    """
-    num_slots, max_pages = meta.block_table.shape
-    span = max_pages * page_size if kv_extent is None else max(1, min(kv_extent, max_pages * page_size))
-    device, rows = meta.block_table.device, meta.row_slot.numel()
-    pos = torch.arange(span, device=device)
-    kv_len = (meta.prefix_lens + meta.seqused).to(torch.int64)
-    table = meta.block_table.to(torch.int64)
-    flat = table.index_select(1, pos // page_size) * page_size + (pos % page_size)[None, :]
-    first = torch.where(kv_len > 0, table[:, 0] * page_size, 0)                           # ghosts: row 0
-    flat = torch.where(pos[None, :] < kv_len[:, None], flat, first[:, None])
-    j = torch.arange(meta.max_q, device=device)
-    limit = torch.where(j[None, :] < meta.seqused[:, None], meta.prefix_lens[:, None] + j[None, :] + 1, span)
-    mask = torch.full((num_slots, meta.max_q, span), float("-inf"), dtype=dtype, device=device)
-    mask.masked_fill_(pos[None, None, :] < limit[:, :, None], 0.0)                        # [S, Mq, L]
-    q_index = (meta.qo_start[:, None].to(torch.int64) + j[None, :]).clamp(0, max(rows - 1, 0))
-    rs, rw = meta.row_slot.to(torch.int64), meta.row_within.to(torch.int64)
-    used = F.pad(meta.seqused.to(torch.int64), (0, 1))  # entry S: an uncovered slot has no real row
-    pad = rw >= used.index_select(0, rs.clamp(max=num_slots))
-    return TorchAttentionPlan(kv_index=flat.reshape(-1), q_index=q_index.reshape(-1), mask=mask[:, None],
-                              out_index=torch.where(pad, 0, rs * meta.max_q + rw), pad=pad[:, None])
-
-
-def _gather_kv(cache: Tensor, index: Tensor, num_slots: int) -> Tensor:
-    """[S, Hkv, L, D] cache rows at the flat `index` [S * L]: one indexed read of the flattened cache."""
-    rows = cache.reshape(-1, *cache.shape[2:]).index_select(0, index)
-    return rows.reshape(num_slots, -1, *cache.shape[2:]).transpose(1, 2)
-
-
-def ragged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
-                         sm_scale: float) -> tuple[Tensor, Tensor]:
-    """Float64 reference, one dense attention per slot. Returns float64 (out [rows, Hq, D], lse [rows, Hq])."""
-    rows, hq, d = q.shape
-    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(rows, hq, d, dtype=torch.float64, device=q.device)
-    lse = torch.full((rows, hq), float("-inf"), dtype=torch.float64, device=q.device)
-    for s in range(meta.seqused.numel()):
-        n, prefix, start = int(meta.seqused[s]), int(meta.prefix_lens[s]), int(meta.qo_start[s])
-        if n == 0:
-            continue
-        pos = torch.arange(prefix + n, device=q.device)
-        pages = meta.block_table[s].to(torch.int64)[pos // page_size]
-        k = k_cache[pages, pos % page_size].to(torch.float64).repeat_interleave(hq // hkv, dim=1)
-        v = v_cache[pages, pos % page_size].to(torch.float64).repeat_interleave(hq // hkv, dim=1)
-        qs = q[start:start + n].to(torch.float64)
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * sm_scale
-        allowed = pos[None, :] < prefix + torch.arange(n, device=q.device)[:, None] + 1
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        lse[start:start + n] = torch.logsumexp(scores, -1).T
-        out[start:start + n] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
-    return out, lse
-
-
-def ragged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: VerifyAttentionMeta,
-                           sm_scale: float, out: Tensor, lse: Tensor | None,
-                           plan: TorchAttentionPlan | None = None) -> None:
-    """Fast CPU path: slots padded to `max_q` rows, one masked `scaled_dot_product_attention` call.
-
-    `plan` (from `plan_torch_attention`, built once per plan) is computed here when not given. No host sync
-    and no data-dependent control flow (torch.compile friendly); writes `out` (and `lse`).
-    """
-    rows, hq, d = q.shape
-    if rows == 0:
-        return
-    plan = plan if plan is not None else plan_torch_attention(meta, k_cache.shape[1], q.dtype)
-    num_slots = meta.seqused.numel()
-    if num_slots == 0:  # only padding rows (a capture's idle layout)
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return
-    k = _gather_kv(k_cache, plan.kv_index, num_slots)                                     # [S, Hkv, L, D]
-    v = _gather_kv(v_cache, plan.kv_index, num_slots)
-    qp = q.index_select(0, plan.q_index).reshape(num_slots, meta.max_q, hq, d).transpose(1, 2)  # [S, Hq, Mq, D]
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.mask, scale=sm_scale, enable_gqa=True)
-    o_rows = o.transpose(1, 2).reshape(-1, hq, d).index_select(0, plan.out_index)         # [rows, Hq, D]
-    out.copy_(o_rows.masked_fill_(plan.pad[:, :, None], 0.0))
-    if lse is not None:
-        kf = k.to(torch.float32).repeat_interleave(hq // k_cache.shape[2], dim=1)
-        scores = torch.einsum("shqd,shkd->shqk", qp.to(torch.float32), kf) * sm_scale
-        scores = scores + plan.mask
-        lse_rows = torch.logsumexp(scores, -1).transpose(1, 2).reshape(-1, hq).index_select(0, plan.out_index)
-        lse.copy_(lse_rows.masked_fill_(plan.pad, float("-inf")))
 
 
 def tl_dtype(dtype: torch.dtype) -> object:
