@@ -330,8 +330,14 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
     per_kv, context = kv or (0.0, 0.0)
     drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
                 for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
-    # the priced gamma-deep draft taken out: a gamma-deep step prices at the measured whole step
-    verify = shift_batches(model, [-drafting[-1](b) - per_kv * context * b for b in model.batch_probes])
+    # the priced gamma-deep draft taken out: a gamma-deep step prices at the measured whole step. The draft phase
+    # comes from other runs than the whole steps, so where timing noise makes it exceed a step's cheapest cell the
+    # part taken out is held to half that cell (the target's share of a step is never priced at or below zero)
+    cheapest = {b: min(float(model.step_seconds(b, m)) for m in range(b, b * (gamma + 1) + 1))
+                for b in model.batch_probes}
+    taken = [drafting[-1](b) + per_kv * context * b for b in model.batch_probes]
+    held = [min(t, 0.5 * cheapest[b]) for b, t in zip(model.batch_probes, taken)]
+    verify = shift_batches(model, [-h for h in held])
     plain = BatchCurve(plain.batch_sizes, [t - per_kv * context * b for b, t in zip(plain.batch_sizes, plain.seconds)])
     sources = (
         "measured: dspark.engine.profile.profile_step_costs per batch size + fit_cost_model over the tier ladder "
@@ -347,6 +353,9 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
          "per KV token: 0 (the profiled steps hold the profile's own contexts)")
         + "; prefill: fit_prefill over the drafting runs' first admissions",
         f"machine: {platform.platform()}, torch {torch.__version__}")
+    if held != taken:
+        sources += (f"the draft taken out held to half the cheapest cell at B = "
+                    f"{[b for b, h, t in zip(model.batch_probes, held, taken) if h != t]} (timing noise)",)
     drafter = DraftCost("chain", tuple(drafting), catch_up)
     return ServingCost(name, machine, description, sources, verify, plain, per_kv, drafter, prefill, tiers=model.tiers,
                        max_requests=max_requests, parameters=parameters, kv_layout=kv_layout)
