@@ -122,3 +122,23 @@ def test_a_profile_names_how_its_attention_reads_the_kv_cache(monkeypatch):
     if dispatch._triton.available():
         monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
         assert attention_kv_layout(torch.device("cpu")) == "ragged"
+
+
+@pytest.mark.cpu_only(reason="fits a table from synthetic samples")
+def test_a_draft_phase_longer_than_a_step_never_prices_the_target_at_or_below_zero():
+    """The draft phase is timed in other runs than the whole steps: under load its median can exceed a step's
+    cheapest cell. The part taken out is then held to half that cell, and the file says where."""
+    from dspark.cost.serving import BatchCurve, PrefillCost
+    from dspark.engine.profile import profile_points, profiled_cost
+
+    tiers = (1, 2, 3, 4, 8, 12, 16)
+    grid = profile_points((1, 4), 3, tiers)
+    samples = [ProfileSample(b, m, 1e-3 * (2 + 0.1 * m)) for b, m in grid]
+    plain = BatchCurve((1, 4), (1.5e-3, 2e-3))
+    drafting = [BatchCurve((1, 4), (1e-3 * k, 5e-3 * k)) for k in (1, 2, 3)]  # 15 ms at B = 4: over every cell
+    cost = profiled_cost(samples, plain, drafting, PrefillCost(0.0, 1e-5), gamma=3, tiers=tiers, max_requests=4,
+                         name="noisy", description="", parameters={})
+    for b in (1, 4):
+        cells = [float(cost.verify.step_seconds(b, m)) for m in range(b, 4 * b + 1)]
+        assert min(cells) > 0, (b, cells)
+    assert any("held to half the cheapest cell at B = [1, 4]" in s for s in cost.sources), cost.sources
