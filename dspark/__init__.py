@@ -5,6 +5,7 @@ the drafters) need the `models` extra (transformers): they are imported on first
 light.
 """
 from importlib import import_module as _import_module
+
 from dspark.calibration.confidence import (
     ConfidenceHead,
     confidence_loss,
@@ -55,13 +56,13 @@ from dspark.verify.layout import RaggedVerifyLayout
 from dspark.verify.manifest import TierManifest
 
 _SERVING = {  # name -> module, imported on first access (PEP 562)
-    "generate": "dspark.generation",
-    "Generation": "dspark.generation",
-    "SpecDecoder": "dspark.engine.decode",
-    "Drafter": "dspark.engine.drafter",
-    "BlockDrafter": "dspark.engine.drafter",
-    "NgramDrafter": "dspark.engine.ngram",
-    "CausalLMDrafter": "dspark.engine.lm_drafter",
+    "generate": "dspark.serve.generate",
+    "Generation": "dspark.serve.generate",
+    "SpecDecoder": "dspark.serve.engine",
+    "Drafter": "dspark.serve.drafters.base",
+    "BlockDrafter": "dspark.serve.drafters.block",
+    "NgramDrafter": "dspark.serve.drafters.ngram",
+    "CausalLMDrafter": "dspark.serve.drafters.causal_lm",
 }
 
 

@@ -15,8 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import dspark
-from dspark.engine.policies import FixedK
 from dspark.models import TransformersCausalLM
+from dspark.serve.config import EngineConfig
+from dspark.serve.policies import FixedK
 
 
 def tiny_llama(layers: int, seed: int) -> torch.nn.Module:
@@ -38,7 +39,7 @@ def main() -> None:
         want = [reference.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=stop,
                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     for drafter in (dspark.NgramDrafter(n_min=1, n_max=3), dspark.CausalLMDrafter(draft_hf)):
-        decoder = dspark.SpecDecoder(target, drafter, cache_tokens=4096)
+        decoder = dspark.SpecDecoder(target, drafter, config=EngineConfig(cache_tokens=4096))
         out = decoder.generate(prompts, 24, FixedK(4), stop_token_ids=stop)
         got = [out.tokens[i, : int(n)].tolist() for i, n in enumerate(out.num_tokens)]
         assert got == want, (type(drafter).__name__, got, want)

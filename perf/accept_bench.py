@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark import RaggedVerifyLayout, accept_greedy, accept_sampling
-from dspark.cli.options import at_least, output_path
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
 
 METHODS = ("greedy/packed", "greedy/expand", "sampling/packed", "sampling/expand")
 

@@ -28,17 +28,18 @@ from typing import Callable
 import torch
 
 from dspark.ascend import runtime
+from dspark.ascend.attention import npu_attention
 from dspark.ascend.capability import (
     NpuVerifyConfig,
     RaggedGraphCapability,
     choose_npu_verify_mode,
 )
-from dspark.ascend.attention import npu_attention
 from dspark.ascend.emulator import EmulatedGraphBackend, FusedInferAttentionEmulator, emulated_torch_npu
 from dspark.ascend.graphs import NpuGraphBackend, VerifyMetadataBuffers
 from dspark.ascend.metadata import AscendVerifyMetadata
-from dspark.cli.options import output_path
+from dspark.serve.config import EngineConfig
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import output_path
 from dspark.verify.layout import RaggedVerifyLayout, round_up_to_tier
 
 N = 4                      # static width (draft_token_num) of the checks
@@ -131,9 +132,9 @@ def _op(device: str):
 
 def model_eager_checks(device: str) -> list[Check]:
     """Rung 1 at model level: the NPU backend decodes what the default attention decodes, every mode."""
-    from dspark.engine.decode import SpecDecoder
-    from dspark.engine.ngram import NgramDrafter
-    from dspark.engine.policies import Oracle
+    from dspark.serve.drafters.ngram import NgramDrafter
+    from dspark.serve.engine import SpecDecoder
+    from dspark.serve.policies import Oracle
 
     target = tiny_target(dtype=torch.float16 if device == "npu" else torch.float32)
     dev = "npu" if device == "npu" else "cpu"
@@ -141,7 +142,7 @@ def model_eager_checks(device: str) -> list[Check]:
     checks = []
     for tiers in (None, TIERS):
         for mode in ("static", "cap-accept", "compact"):
-            dec = SpecDecoder(target, NgramDrafter(), cache_tokens=4096, page_size=PAGE, device=dev, tiers=tiers)
+            dec = SpecDecoder(target, NgramDrafter(), config=EngineConfig(cache_tokens=4096, page_size=PAGE, device=dev, tiers=tiers))
             want = dec.generate(prompts, 12, Oracle(N - 1), mode=mode)
             with npu_attention(target, _op(device)):
                 got = dec.fork().generate(prompts, 12, Oracle(N - 1), mode=mode)
@@ -152,7 +153,7 @@ def model_eager_checks(device: str) -> list[Check]:
 
 def model_graph_checks(device: str) -> list[Check]:
     """Rung 2 at model level: one tier through NpuGraphBackend, successive layouts replay == eager."""
-    from dspark.engine.kv_cache import PagedKVCache
+    from dspark.serve.kv_cache import PagedKVCache
 
     dev = torch.device("npu" if device == "npu" else "cpu")
     target = tiny_target(dtype=torch.float16 if device == "npu" else torch.float32).to(dev)
@@ -175,9 +176,9 @@ def model_graph_checks(device: str) -> list[Check]:
 
 
 def _graph_replays(target, cache, device: str, dev: torch.device) -> list[Check]:
-    from dspark.engine.step_attention import batch_attention
-    from dspark.engine.verify_step import VerifyStep
     from dspark.models.paged_attend import PagedAttend
+    from dspark.serve.attention import batch_attention
+    from dspark.serve.tier_step import VerifyStep
 
     g = target.geometry
     table = cache.block_table
@@ -205,9 +206,9 @@ def _graph_replays(target, cache, device: str, dev: torch.device) -> list[Check]
 def _forward_rows(target, lens: list[int], prefix: list[int], layout, device: str):
     """(logits of the real rows, K/V cache after) of one NPU-backend forward over `layout` (fixed tokens and
     cache contents, so ranks given the same inputs compute the same rows)."""
-    from dspark.engine.kv_cache import PagedKVCache
-    from dspark.engine.step_attention import batch_attention
     from dspark.models.paged_attend import PagedAttend
+    from dspark.serve.attention import batch_attention
+    from dspark.serve.kv_cache import PagedKVCache
 
     g = target.geometry
     cache = PagedKVCache(num_layers=g.num_layers, num_heads=g.num_kv_heads, head_dim=g.head_dim, num_pages=16,

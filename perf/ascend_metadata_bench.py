@@ -15,8 +15,8 @@ import time
 import torch
 
 from dspark.ascend import AscendVerifyMetadata, runtime
-from dspark.cli.options import at_least, output_path
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
 from dspark.verify.layout import RaggedVerifyLayout
 
 WIDTH = 8  # W = gamma + 1 with gamma = 7

@@ -34,9 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark import RaggedVerifyAttention, RaggedVerifyLayout  # noqa: E402
-from dspark.cli.options import POSITIVE_REAL, at_least, output_path  # noqa: E402
 from dspark.kernels import dispatch  # noqa: E402
 from dspark.util.fileio import atomic_write_text  # noqa: E402
+from dspark.util.options import POSITIVE_REAL, at_least, output_path  # noqa: E402
 from dspark.verify.accept import accept_greedy  # noqa: E402
 from dspark.verify.attention import write_kv  # noqa: E402
 from dspark.verify.inputs import build_verify_inputs  # noqa: E402

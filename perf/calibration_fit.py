@@ -18,8 +18,8 @@ import torch
 
 from dspark.calibration.fit import evaluate, fit_temperatures, split_by_request
 from dspark.calibration.recorder import StsRecorder, load_sts
-from dspark.cli.options import at_least, output_path
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
 
 
 def synthetic_steps(rows: int, temps: torch.Tensor, batch: int, seed: int):

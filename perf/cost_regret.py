@@ -28,11 +28,11 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from dspark.cli.options import NONNEGATIVE_REAL, at_least, int_list, output_path, real
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, ProfileSample
-from dspark.engine.sweep import budget_regret, dense_rows, fit_cost_models, tier_rows
+from dspark.lab.sweep import budget_regret, dense_rows, fit_cost_models, tier_rows
 from dspark.util.fileio import read_json, write_json_atomic
+from dspark.util.options import NONNEGATIVE_REAL, at_least, int_list, output_path, real
 from dspark.verify.layout import round_up_to_tier
 
 Oracle = Callable[[int, Tensor], Tensor]

@@ -12,7 +12,7 @@ model's real steps (the timed replay), the live-demo check, and the merge of eve
 cannot fail on an import, a shape or a missing file.
 
 measure: a LlamaConfig of Llama-3.1-8B's geometry (random bf16 weights, built on the device) with `--layers`
-decoder layers goes through `dspark.engine.profile.profile_serving_cost` (whole speculative steps at every tier
+decoder layers goes through `dspark.lab.profile.profile_serving_cost` (whole speculative steps at every tier
 top of B = 1..256, plain steps, the draft phase per depth, the prefill and the KV term; prompts as long as the
 trace's mean context), drafting with a one-layer causal LM of the target's width (`chain`); the block draft
 and the n-gram drafter are profiled per depth beside it. When fewer layers than the model's are profiled, each
@@ -22,7 +22,7 @@ prefill terms are scaled by layers / measured; the JSON says so. torch.compile i
 an 8B model does not fit the step's limit); the tiers replay CUDA graphs. The weights, KV caches and hidden
 states are bf16 (`--dtype float32` runs float32 weights on TF32 tensor cores).
 
-replay: the lab's policies priced with that cost, then timed (`dspark.replay.timed`): the same trace outcomes,
+replay: the lab's policies priced with that cost, then timed (`dspark.lab.replay.timed`): the same trace outcomes,
 every step run by the measured geometry's target (all its layers) and drafter on the device, B ascending while
 they fit the step's limit (`replay` below; perf/README.md, section `device_check.sh`).
 """
@@ -33,7 +33,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 import platform
 import statistics
 import subprocess
@@ -48,8 +47,9 @@ sys.path[:0] = [str(PERF.parent), str(PERF)]
 
 from attention_bench import hbm_peak  # noqa: E402
 
-from dspark.cli.options import at_least, int_list, output_path  # noqa: E402
+from dspark.serve.config import EngineConfig
 from dspark.util.fileio import atomic_write_text  # noqa: E402
+from dspark.util.options import at_least, int_list, output_path  # noqa: E402
 
 # Llama-3.1-8B (meta-llama/Llama-3.1-8B config.json) and the dry run's tiny stand-in
 GEOMETRIES = {
@@ -81,8 +81,8 @@ def _sync(device: torch.device) -> None:
 def env(device_name: str) -> dict:
     """Versions, the device's facts, its HBM bandwidth (table by name, and a device-to-device copy measured),
     and which optional packages the image has."""
-    import triton
     import transformers
+    import triton
 
     dev = torch.device(device_name)
     out: dict = {"device": device_name, "python": sys.version.split()[0], "torch": torch.__version__,
@@ -141,9 +141,9 @@ def drafters(target, geometry: str, gamma: int, device: torch.device, dtype: tor
     one-layer Llama of the target's width and vocabulary: EAGLE-sized, priced `chain`), `block` (dspark's block
     draft over the target's embedding and head, random weights; its chain steps priced `chain`) and `ngram`
     (prompt lookup)."""
-    from dspark.engine.lm_drafter import CausalLMDrafter
-    from dspark.engine.ngram import NgramDrafter
     from dspark.models.draft import DraftConfig, DraftModel
+    from dspark.serve.drafters.causal_lm import CausalLMDrafter
+    from dspark.serve.drafters.ngram import NgramDrafter
 
     def block() -> DraftModel:
         g = GEOMETRIES[geometry]
@@ -169,8 +169,7 @@ def per_layer_seconds(geometry: str, layers: int, batch_sizes: list[int], tiers:
     """{(B, tier): seconds one decoder layer adds to the engine's verify forward}, from `VerifyStepAdapter`
     (the engine's verify step, graph-replayed per tier) at `layers` and 2 x `layers` layers: the difference /
     layers, clipped at 0."""
-    from dspark.engine.sweep import profile_steps
-    from dspark.engine.verify_step import VerifyStepAdapter
+    from dspark.lab.sweep import VerifyStepAdapter, profile_steps
 
     seconds: dict[int, dict[tuple[int, int], float]] = {}
     for n in (layers, 2 * layers):
@@ -237,11 +236,11 @@ def measure(args: argparse.Namespace) -> dict:
     """Profile the 8B-shaped (or tiny) target through the engine and write its serving cost (module docstring)."""
     from dspark.cost.serving import BatchCurve, DraftCost
     from dspark.cost.shipped import doublings
-    from dspark.engine.decode import SpecDecoder
-    from dspark.engine.profile import profile_drafting, profile_serving_cost
-    from dspark.engine.sweep import tier_ladder
-    from dspark.replay.lab import mean_context
-    from dspark.replay.trace import load_trace
+    from dspark.lab.profile import profile_drafting, profile_serving_cost
+    from dspark.lab.replay.lab import mean_context
+    from dspark.lab.replay.trace import load_trace
+    from dspark.serve.engine import SpecDecoder
+    from dspark.verify.layout import tier_ladder
 
     t_start = time.perf_counter()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -270,8 +269,9 @@ def measure(args: argparse.Namespace) -> dict:
 
     def decoder(drafter):
         def make(b: int) -> SpecDecoder:
-            return SpecDecoder(target, drafter, cache_tokens=b * (long_context + args.tokens + width + 16),
-                               device=device, tiers=[t for t in tiers if b <= t <= b * width])
+            config = EngineConfig(cache_tokens=b * (long_context + args.tokens + width + 16), device=device,
+                                  tiers=[t for t in tiers if b <= t <= b * width], reserve_new_tokens=args.tokens)
+            return SpecDecoder(target, drafter, config)
         return make
 
     name = f"{gpu_key(device)}-measured-{geometry}"
@@ -280,7 +280,7 @@ def measure(args: argparse.Namespace) -> dict:
                   "layers": full, "layers_measured": layers, "drafter": args.drafter, "weights": "random",
                   "compile": False}
     cost = profile_serving_cost(decoder(kinds[args.drafter]), prompts, gamma, sizes, tiers, tokens=args.tokens,
-                                repeats=args.repeats, reserve_new_tokens=args.tokens, max_requests=args.max_requests,
+                                repeats=args.repeats, max_requests=args.max_requests,
                                 name=name, description="", parameters=parameters, long_prompts=long_prompts,
                                 progress=lambda msg: print(f"[{time.perf_counter() - t_start:6.1f} s] {args.drafter} "
                                                            f"{msg}", flush=True))
@@ -289,7 +289,7 @@ def measure(args: argparse.Namespace) -> dict:
     for kind in (k for k in DRAFT_KINDS if k != args.drafter):
         try:
             depths = [profile_drafting(decoder(kinds[kind])(b), prompts[:b], gamma, tokens=args.tokens,
-                                       repeats=args.repeats, reserve_new_tokens=args.tokens)[0] for b in sizes]
+                                       repeats=args.repeats)[0] for b in sizes]
             per_depth = [_extend(BatchCurve(tuple(sizes), [max(d[k], 1e-9) for d in depths]), args.max_requests)
                          for k in range(gamma)]
             if DRAFT_KINDS[kind] == "chain":  # a deeper proposal never costs less (as profiled_cost does)
@@ -346,7 +346,7 @@ def planner_share(res) -> float | None:
 def batch_ratios(cells: dict) -> dict:
     """At one B, `cells` policy -> run_summary + planner_share: the best fixed policy, adaptive and adaptive-est
     over it, and the planner's share of the step per policy (not the oracle's: its plan call runs its prepass)."""
-    from dspark.replay.report import ratios
+    from dspark.lab.replay.report import ratios
 
     r = ratios(cells)
     return {"best_fixed": r["best_fixed"], "best_fixed_tok_s": r["best_fixed_tok_s"],
@@ -366,7 +366,7 @@ def run_policies(lab, policies: list[str], b: int, queue, temps: list[float], de
     """({policy: run_summary + planner_share} of `policies` at B = b on `queue`, the longest run's seconds, None);
     when the next policy's estimated time (the longest so far) would end past `deadline`, the cells so far and
     why it stopped instead of None."""
-    from dspark.replay.report import run_summary
+    from dspark.lab.replay.report import run_summary
 
     cells: dict[str, dict] = {}
     longest = 0.0
@@ -384,7 +384,7 @@ def run_policies(lab, policies: list[str], b: int, queue, temps: list[float], de
 
 def timed_replay(m: dict, lab, temps: list[float], policies: list[str], batch_sizes: tuple[int, ...],
                  min_requests: int, layers: int | None, deadline: float, save) -> dict:
-    """Every policy driving the real step of the measured geometry (`dspark.replay.timed`): the model the measure
+    """Every policy driving the real step of the measured geometry (`dspark.lab.replay.timed`): the model the measure
     step profiled, with `layers` decoder layers (default all: the real model's step) and random weights, built
     on its device with the serving cost's drafter; per B, a warm-up run of the queue's B longest requests, then
     each policy on a queue of B + max(min_requests, B) + B requests. B ascending until `deadline`
@@ -392,8 +392,8 @@ def timed_replay(m: dict, lab, temps: list[float], policies: list[str], batch_si
     the ratio of the queues' tokens: no cheaper per token than the last B) is skipped, a policy estimated past
     it (this B's longest) is not started; a B that raises (out of memory) is named in `errors` and ends the
     ladder. `save(partial)` after each B."""
-    from dspark.replay.lab import serving_queue
-    from dspark.replay.timed import TimedReplay
+    from dspark.lab.replay.lab import serving_queue
+    from dspark.lab.replay.timed import TimedReplay
 
     t0 = time.perf_counter()
     device, dtype, geometry = torch.device(m["device"]), getattr(torch, m["dtype"]), m["geometry"]
@@ -446,7 +446,7 @@ def timed_replay(m: dict, lab, temps: list[float], policies: list[str], batch_si
 def replay(measure_json: Path, gamma: int, batch_sizes: tuple[int, ...], min_requests: int,
            timed_batch_sizes: tuple[int, ...] | None, timed_min_requests: int, timed_layers: int | None,
            priced_seconds: float, seconds: float, out: Path) -> dict:
-    """Every policy of the lab (as `perf/policy_lab.py`: the trace's drafts and acceptance, `dspark.replay.Lab`)
+    """Every policy of the lab (as `perf/policy_lab.py`: the trace's drafts and acceptance, `dspark.lab.replay.Lab`)
     priced with the measured serving cost at each B (queues of at least `min_requests` measured requests) until
     `priced_seconds`, beside the lab's modelled 8B rows (perf/results/policy_lab/policy_lab.json) at the same B;
     then the same policies timed on the device (`timed_replay`) at `timed_batch_sizes` (default every second of
@@ -454,9 +454,9 @@ def replay(measure_json: Path, gamma: int, batch_sizes: tuple[int, ...], min_req
     step. No B starts when it is estimated to end past its part's limit (the B's skipped are named). Writes `out`
     after each B (a run cut at the step's limit keeps what it did)."""
     from dspark.cost.serving import load_serving_cost
-    from dspark.replay.lab import Lab, serving_queue
-    from dspark.replay.trace import load_trace
-    from dspark.replay.variants import fit_trace_temperatures
+    from dspark.lab.replay.lab import Lab, serving_queue
+    from dspark.lab.replay.trace import load_trace
+    from dspark.lab.replay.variants import fit_trace_temperatures
 
     t0 = time.perf_counter()
     m = json.loads(measure_json.read_text())

@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dspark.cli.options import at_least, output_path
 from dspark.parallel import DpTierAgreement, TpAgreement, verify_lens_hash
 from dspark.parallel.launch import run_local_gloo
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
 from dspark.verify.layout import RaggedVerifyLayout
 
 GAMMA = 7

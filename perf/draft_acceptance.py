@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.cli.options import at_least, output_path
-from dspark.engine.demo import load_models
+from dspark.lab.demo.run import load_models
 from dspark.models.confidence_fit import acceptance
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256, load_draft
@@ -30,6 +29,7 @@ from dspark.models.kinds import KINDS, PROMPT_LEN
 from dspark.models.stream_store import labelled_streams
 from dspark.models.train_data import draw_prompts
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import at_least, output_path
 
 
 def accepted_table(accepted: torch.Tensor, gamma: int) -> dict:

@@ -33,16 +33,21 @@ import numpy as np
 import torch
 
 from dspark.calibration.fit import METHODS, _json_clean, fit_temperatures, split_by_request
-from dspark.calibration.metrics import (Sample, bootstrap_interval, ece_noise_floor, metric_functions,
-                                        paired_difference_interval)
+from dspark.calibration.metrics import (
+    Sample,
+    bootstrap_interval,
+    ece_noise_floor,
+    metric_functions,
+    paired_difference_interval,
+)
 from dspark.calibration.online import OnlineAcceptanceEstimator, fit_logistic
-from dspark.cli.options import at_least, int_list, output_path, real
-from dspark.engine.demo import load_models
+from dspark.lab.demo.run import load_models
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256, load_draft
 from dspark.models.draft_eval import block_rows
 from dspark.models.stream_store import labelled_streams
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import at_least, int_list, output_path, real
 
 BINS, LEVEL = 15, 0.95
 FNS = metric_functions(BINS)

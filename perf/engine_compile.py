@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from dspark.cli.options import at_least, output_path
-from dspark.engine.verify_step import VerifyStepAdapter
+from dspark.lab.sweep import VerifyStepAdapter
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
 
 TIERS = (8, 32, 64)
 WIDTH, REQUESTS, CONTEXT = 8, 8, 64

@@ -20,19 +20,20 @@ from typing import Callable
 
 import torch
 
-from dspark.cli.options import at_least, int_list, output_path
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.demo import load_models, request_lengths
-from dspark.engine.lockstep import lockstep
-from dspark.engine.policies import Adaptive, FixedK
+from dspark.lab.demo.run import load_models, request_lengths
+from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.plan.allocate import allocate_verify_lens
 from dspark.plan.budget import HostSurvival, greedy_budget
 from dspark.plan.planner import VerifyPlanner
 from dspark.plan.survival import survival_from_checked
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import at_least, int_list, output_path
 from dspark.verify.layout import RaggedVerifyLayout
 
 PHASES = ("draft", "plan", "verify", "accept")
@@ -65,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     target, draft, encode = load_models(torch.device("cpu"))
     cfg, cost = ScheduleConfig(gamma=args.gamma), _cost(args.gamma)
-    base = SpecDecoder(target, draft, cache_tokens=max(batch_sizes) * 256, clock="thread")
+    base = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=max(batch_sizes) * 256, clock="thread"))
     decoders = {"adaptive": base.fork(), f"fixed-{args.gamma}": base.fork()}
     prompts = prompt_windows("heldout", encode, 3 * max(batch_sizes), 32, 0)
     lengths = request_lengths(prompts.shape[0], 32, 0.5, 0)

@@ -17,13 +17,14 @@ import statistics
 
 import torch
 
-from dspark.cli.options import at_least, output_path
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.demo import load_models, request_lengths
-from dspark.engine.lockstep import lockstep
-from dspark.engine.policies import FixedK
+from dspark.lab.demo.run import load_models, request_lengths
+from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import FixedK
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import at_least, output_path
 
 
 def _steady(res) -> float:
@@ -46,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(1)
     target, draft, encode = load_models(torch.device("cpu"))
     b = args.batch
-    base = SpecDecoder(target, draft, cache_tokens=b * 256, clock="thread")
+    base = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=b * 256, clock="thread"))
     twins = (base.fork(), base.fork())
     queue = prompt_windows("heldout", encode, 3 * b, 32, 0)
     counts = request_lengths(3 * b, 32, 0.5, 0)

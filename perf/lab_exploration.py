@@ -1,6 +1,6 @@
 """What the adaptive policy's speculative steps cost where plain decoding wins, step by step.
 
-Replays the shipped trace (`dspark.replay.Lab`, as `perf/policy_lab.py`: the same queue and measure) with
+Replays the shipped trace (`dspark.lab.replay.Lab`, as `perf/policy_lab.py`: the same queue and measure) with
 `fixed-0` and `adaptive` at each B on one cost model and, over the steps where every slot is busy, counts the
 speculative steps, the seconds they took beyond a plain step over the same requests (priced by the same rules:
 `ServingCost.price` at the step's own KV tokens), the tokens they committed beyond one per request, and the
@@ -18,14 +18,13 @@ import time
 
 import torch
 
-from dspark.cli.options import at_least, int_list, output_path
-from dspark.cost.serving import load_serving_cost
-from dspark.cost.serving import StepWork
-from dspark.replay.lab import Lab, serving_queue
-from dspark.replay.report import run_summary
-from dspark.replay.trace import DEFAULT_TRACE, load_trace
-from dspark.replay.variants import fit_trace_temperatures
+from dspark.cost.serving import StepWork, load_serving_cost
+from dspark.lab.replay.lab import Lab, serving_queue
+from dspark.lab.replay.report import run_summary
+from dspark.lab.replay.trace import DEFAULT_TRACE, load_trace
+from dspark.lab.replay.variants import fit_trace_temperatures
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, int_list, output_path
 
 
 def window(result, b: int, cost) -> dict:

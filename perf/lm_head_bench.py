@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 from transformers import LlamaConfig
 
-from dspark.cli.options import at_least, int_list, output_path
 from dspark.models.transformers_lm import CPU_MM_MAX_ROWS, TransformersCausalLM
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import at_least, int_list, output_path
 
 HIDDEN, VOCAB = 576, 49152  # SmolLM2-135M
 

@@ -37,17 +37,19 @@ from typing import Callable, Sequence
 import torch
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
-from dspark.cli.options import at_least, int_list, output_path
 from dspark.config import ScheduleConfig
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.lockstep import lockstep
-from dspark.engine.ngram import NgramDrafter
-from dspark.engine.policies import Adaptive, FixedK, Policy
-from dspark.engine.profile import fit_cost_model, profile_points, profile_step_costs
+from dspark.lab.profile import fit_cost_model, profile_points, profile_step_costs
+from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows, stdlib_files
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.plan.planner import VerifyPlanner
+from dspark.serve.config import EngineConfig
+from dspark.serve.drafters.ngram import NgramDrafter
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK, Policy
+from dspark.serve.policies.gate import GateSettings
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import at_least, int_list, output_path
 
 TIE = 1e-3  # logits this close are a near tie: fp32 rounding of another attention kernel may flip the argmax
 COPY_INSTRUCTION = "Repeat this code exactly:\n```python\n{code}\n```"
@@ -195,14 +197,14 @@ def adaptive_est(decoder: SpecDecoder, prompts: list[list[int]], gamma: int, slo
     """A factory of adaptive-est policies for B = slots: this machine's step costs profiled on `decoder` (the
     n-gram drafter's own steps), one estimator shared by every run (as in a server); and the profile."""
     grid = profile_points([slots], gamma)
-    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, tokens=min(12, new_tokens), repeats=1,
-                                        reserve_new_tokens=new_tokens)
+    samples, plain = profile_step_costs(decoder.fork(reserve_new_tokens=new_tokens), prompts, grid, gamma,
+                                        tokens=min(12, new_tokens), repeats=1)
     cost, fit, _ = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-cpu")
     estimator = OnlineAcceptanceEstimator(gamma)
 
     def make() -> Policy:
         planner = VerifyPlanner(ScheduleConfig(gamma=gamma), cost, lag=0, num_slots=slots, temperatures=None)
-        return Adaptive(planner, plain.step_seconds, cost_window=None, estimator=estimator)
+        return Adaptive(planner, plain.step_seconds, gate=GateSettings(cost_window=None), estimator=estimator)
     return make, {"samples": [[s.num_requests, s.rows, s.seconds] for s in samples], "plain": plain.to_dict(),
                   "fit_rms": fit.rms}
 
@@ -235,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ks = sorted(set(args.ks))
     drafter = NgramDrafter(args.n_min, args.n_max)
     longest = max(map(len, copy_prompts + windows)) + max(args.new_tokens, args.batch_new_tokens) + max(ks) + 80
-    decoder = SpecDecoder(target, drafter, cache_tokens=max(args.batch_sizes) * longest, clock="thread")
+    decoder = SpecDecoder(target, drafter, config=EngineConfig(cache_tokens=max(args.batch_sizes) * longest, clock="thread"))
     fixed = {f"fixed-{k}": (lambda k=k: FixedK(k)) for k in [0] + ks}
     queue = copy_prompts[: args.prompts]
     one = engine_speedups(decoder, queue, args.new_tokens, fixed, 1, args.rounds, eos)

@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from dspark.cli.options import at_least, output_path
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
 
 TIERS, SLOTS, WIDTH, RATIOS = (8, 16), 8, 4, (4, 128)
 

@@ -2,7 +2,7 @@
 
 1. Calibration. SmolLM2-135M-Instruct and its shipped draft; on `--prompts` held-out prompt windows the
    target's greedy streams and, at every start of every stream, the draft's block (teacher-forced, the rows
-   the decode loop sees: `dspark.engine.sts.block_outcomes`): the head's confidence logits, the draft
+   the decode loop sees: `dspark.lab.calibrate.block_outcomes`): the head's confidence logits, the draft
    features (`draft_features`, computed per chunk: the [rows, starts, gamma, V] logits never leave the
    chunk) and the greedy accepted-draft count. Requests are split 3/4 train, 1/4 held out
    (`split_by_request`). The estimator replays the train rows online (one step = one start of every train
@@ -39,19 +39,21 @@ import torch
 from dspark.calibration.fit import _json_clean, fit_temperatures, split_by_request
 from dspark.calibration.metrics import Sample, bootstrap_interval, metric_functions
 from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
-from dspark.cli.options import at_least, output_path
 from dspark.config import ScheduleConfig, VerifyMode
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.demo import load_models, request_lengths
-from dspark.engine.lockstep import lockstep
-from dspark.engine.policies import Adaptive, FixedK
-from dspark.engine.profile import fit_cost_model, profile_points, profile_step_costs
-from dspark.engine.sts import block_outcomes
-from dspark.engine.sweep import tier_ladder
+from dspark.lab.calibrate import block_outcomes
+from dspark.lab.demo.run import load_models, request_lengths
+from dspark.lab.profile import fit_cost_model, profile_points, profile_step_costs
+from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.models.streams import greedy_streams
 from dspark.plan.planner import VerifyPlanner
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK
+from dspark.serve.policies.gate import GateSettings
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import at_least, output_path
+from dspark.verify.layout import tier_ladder
 
 NUM_BINS = 15
 LEVEL = 0.95
@@ -150,8 +152,8 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
     lengths = request_lengths(prompts.shape[0], args.max_new_tokens, 0.5, args.seed)
     grid = profile_points(args.batch_sizes, gamma, decoder.tiers)
     t0 = time.perf_counter()
-    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, tokens=args.max_new_tokens,
-                                        repeats=args.profile_repeats, reserve_new_tokens=int(lengths.max()))
+    samples, plain = profile_step_costs(decoder.fork(reserve_new_tokens=int(lengths.max())), prompts, grid, gamma,
+                                        tokens=args.max_new_tokens, repeats=args.profile_repeats)
     cost, _, _ = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-cpu", tiers=decoder.tiers)
     print(f"profiled {len(grid)} points in {time.perf_counter() - t0:.0f} s")
     sched = ScheduleConfig(gamma=gamma)
@@ -162,7 +164,7 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
         t = temps if name == "adaptive-head" else None
         planner = VerifyPlanner(sched, cost, lag=0, num_slots=bmax, temperatures=t, tiers=decoder.tiers or None,
                                 graph_slots=decoder.graph_slots(b, gamma + 1))
-        return Adaptive(planner, plain.step_seconds, 8, 64, cost_window=None,
+        return Adaptive(planner, plain.step_seconds, gate=GateSettings(8, 64, cost_window=None),
                         estimator=est if name == "adaptive-estimator" else None)
 
     names = [f"fixed-{k}" for k in range(gamma + 1)] + ["adaptive-head", "adaptive-estimator"]
@@ -175,8 +177,7 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
         tps: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]
-            res = lockstep({n: decoders[n].start(queue, counts, make(n, b), mode=VerifyMode.COMPACT, max_batch=b,
-                                                 seed=args.seed + rep) for n in order})
+            res = lockstep({n: decoders[n].start(queue, counts, make(n, b), mode=VerifyMode.COMPACT, max_batch=b) for n in order})
             for n in names:
                 if not torch.equal(res[n].tokens, res["fixed-0"].tokens):
                     raise AssertionError(f"{n} at B={b} is not lossless (tokens differ from fixed-0)")
@@ -275,8 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     target, draft, encode, prompts = load(args.model, args.gamma, args.prompts, args.prompt_len, args.seed)
     print(f"models loaded in {time.perf_counter() - t_start:.0f} s")
     per_request = args.prompt_len + 2 * args.max_new_tokens + args.gamma + 1 + 64 + 16
-    decoder = SpecDecoder(target, draft, cache_tokens=max(args.batch_sizes + [2]) * per_request,
-                          tiers=tier_ladder(args.batch_sizes, args.gamma + 1), clock="thread")
+    decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=max(args.batch_sizes + [2]) * per_request, tiers=tier_ladder(args.batch_sizes, args.gamma + 1), clock="thread"))
     t0 = time.perf_counter()
     data = collect(decoder, prompts, args.gamma, args.new_tokens, args.rows)
     print(f"collected {args.prompts} x {args.new_tokens} starts in {time.perf_counter() - t0:.0f} s")

@@ -31,10 +31,10 @@ from typing import Callable
 import torch
 
 from dspark import ScheduleConfig, StepsPerSecondTable, allocate_verify_lens, calibrated_survival, choose_budget
-from dspark.cli.options import at_least, output_path
 from dspark.plan.allocate import allocate_checked
 from dspark.plan.budget import host_decision, host_survival, seconds_over_window
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
 
 BATCHES = (1, 8, 64, 256, 1024)
 GAMMAS = (4, 7, 16)

@@ -26,9 +26,9 @@ import time
 import torch
 
 from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
-from dspark.cli.options import at_least, output_path
 from dspark.kernels import dispatch
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
 from dspark.verify import boundary
 
 BATCHES = (1, 8, 64, 256)

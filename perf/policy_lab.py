@@ -1,7 +1,7 @@
 """Policy lab: replay the shipped trace through every policy, on every cost model, for B = 1 .. 256.
 
 Under greedy decoding a request's drafts, confidences and accepted lengths depend on its prefix alone, so
-one recorded trace (dspark/replay/traces/) replays any policy exactly (`dspark.replay.Lab`: the engine's
+one recorded trace (dspark/lab/replay/traces/) replays any policy exactly (`dspark.lab.replay.Lab`: the engine's
 own scheduler, step and policies; a simulated target; time from a serving cost model the policy and the
 simulator both read). Per cost model: a table of simulated steady tok/s per policy and B, adaptive / best
 fixed k and / oracle, rows per step, speculation share, tau bias, the planner's measured wall time per
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from dspark.cli.options import at_least, int_list, output_path
 from dspark.cost.serving import load_serving_cost, serving_cost_names
-from dspark.engine.progress import Progress
-from dspark.replay.lab import Lab, serving_queue
-from dspark.replay.report import format_table, plot_throughput, ratios, run_summary
-from dspark.replay.trace import DEFAULT_TRACE, load_trace
-from dspark.replay.variants import VARIANTS, fit_trace_temperatures, variant_lab
+from dspark.lab.progress import Progress
+from dspark.lab.replay.lab import Lab, serving_queue
+from dspark.lab.replay.report import format_table, plot_throughput, ratios, run_summary
+from dspark.lab.replay.trace import DEFAULT_TRACE, load_trace
+from dspark.lab.replay.variants import VARIANTS, fit_trace_temperatures, variant_lab
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, int_list, output_path
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 VARIANT_BATCHES = (1, 4, 16, 64, 256)

@@ -1,11 +1,11 @@
 """Replay vs live: the trace replay's predicted tok/s against the live engine's measured tok/s, cell by cell.
 
 The same queue of trace requests is served live (SmolLM2 + the shipped draft on this CPU, `SpecDecoder`, one
-thread, thread clock) and replayed (`dspark.replay.Lab`), every policy built by the same factory with planners
+thread, thread clock) and replayed (`dspark.lab.replay.Lab`), every policy built by the same factory with planners
 over the same serving cost model: by default one profiled in this run, before the live rounds, by the engine's
-own profiler (`dspark.engine.profile.profile_serving_cost`: whole steps per tier, plain steps, the draft phase
+own profiler (`dspark.lab.profile.profile_serving_cost`: whole steps per tier, plain steps, the draft phase
 per depth, the prefill, the KV term from plain steps on 32- and 160-token prompts), so the table and the runs it is compared with share the machine and the hour. Per
-(policy, B): the step-by-step agreement of live and replay (`dspark.replay.live.step_agreement`), the live and
+(policy, B): the step-by-step agreement of live and replay (`dspark.lab.replay.live.step_agreement`), the live and
 replayed tok/s at fixed concurrency (the lab's measure, `run_summary` over the queue's measured requests;
 medians over lockstep rounds), and the residual phase by phase (`priced_phases`: draft, target, prefill, plan).
 JSON and a PNG.
@@ -26,19 +26,20 @@ from pathlib import Path
 
 import torch
 
-from dspark.cli.options import at_least, int_list, output_path
 from dspark.config import VerifyMode
 from dspark.cost.serving import ServingCost, load_serving_cost
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.lockstep import lockstep
-from dspark.engine.progress import Progress
-from dspark.engine.results import GenerateResult
-from dspark.replay.lab import Lab, ServingQueue, serving_queue
-from dspark.replay.live import priced_phases, step_agreement
-from dspark.replay.report import run_summary
-from dspark.replay.trace import Trace
-from dspark.replay.variants import fit_trace_temperatures
+from dspark.lab.progress import Progress
+from dspark.lab.replay.lab import Lab, ServingQueue, serving_queue
+from dspark.lab.replay.live import priced_phases, step_agreement
+from dspark.lab.replay.report import run_summary
+from dspark.lab.replay.trace import Trace
+from dspark.lab.replay.variants import fit_trace_temperatures
+from dspark.lab.timing import lockstep
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.outcome import GenerateResult
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import at_least, int_list, output_path
 
 POLICIES = ("fixed-0", "fixed-1", "fixed-2", "fixed-3", "adaptive", "adaptive-est")  # the oracle cannot run live
 PHASES = ("draft", "target", "prefill", "plan")
@@ -68,10 +69,10 @@ def load(args: argparse.Namespace):
     description)."""
     gamma = args.gamma
     if args.model == "real":
-        from dspark.engine.demo import load_models
+        from dspark.lab.demo.run import load_models
+        from dspark.lab.replay.trace import DEFAULT_TRACE, load_trace
         from dspark.models.corpus import prompt_windows
         from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
-        from dspark.replay.trace import DEFAULT_TRACE, load_trace
 
         trace = load_trace(DEFAULT_TRACE, draft_sha256=file_sha256(DEFAULT_WEIGHTS))
         queues(args, trace)  # a bad B is refused before the models load
@@ -81,8 +82,8 @@ def load(args: argparse.Namespace):
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
-    from dspark.replay.record import record_trace
-    from dspark.replay.workload import Request
+    from dspark.lab.replay.record import record_trace
+    from dspark.lab.replay.workload import Request
     from tests.engine_models import VOCAB, tiny_models
 
     target, draft = tiny_models(gamma=gamma)
@@ -106,13 +107,13 @@ def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: list[t
     """The named cost, or with `same-run` this machine profiled now on the decoder's tier ladder."""
     if args.cost != "same-run":
         return load_serving_cost(args.cost, width=args.gamma + 1)
-    from dspark.engine.profile import profile_serving_cost
+    from dspark.lab.profile import profile_serving_cost
 
     sizes, w, ladder = sorted({1, *args.batch_sizes}), args.gamma + 1, decoder.tiers
     top = int(trace.new_tokens.max())
     return profile_serving_cost(
-        lambda b: decoder.fork(tiers=[t for t in ladder if b <= t <= b * w] or None), prompts[0], args.gamma, sizes,
-        ladder, tokens=PROFILE_TOKENS, repeats=args.profile_repeats, reserve_new_tokens=top,
+        lambda b: decoder.fork(tiers=[t for t in ladder if b <= t <= b * w] or None, reserve_new_tokens=top),
+        prompts[0], args.gamma, sizes, ladder, tokens=PROFILE_TOKENS, repeats=args.profile_repeats,
         max_requests=max(sizes), name="same-run", description="this CPU, profiled by perf/replay_live.py in the run "
         "it is compared with", parameters={"gamma": args.gamma, "batch_sizes": sizes, "tier_ladder": list(ladder),
                                            "draft_sha256": trace.meta.get("draft_sha256")},
@@ -180,12 +181,12 @@ def main(argv: list[str] | None = None) -> dict:
         load_serving_cost(args.cost, width=args.gamma + 1)  # a bad name is refused before any work
     target, draft, prompts, trace, what = load(args)
     qs = queues(args, trace)
-    from dspark.engine.demo_config import tier_ladder
+    from dspark.verify.layout import tier_ladder
 
     longest = int(trace.prompt_offsets.diff().max() + trace.new_tokens.max())
     per_request = longest + 2 * (args.gamma + 1) + 64 + 16  # catch-up rows, a page
     ladder = tier_ladder(tuple(args.batch_sizes), args.gamma + 1)
-    decoder = SpecDecoder(target, draft, cache_tokens=max(args.batch_sizes) * per_request, tiers=ladder, clock="thread")
+    decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=max(args.batch_sizes) * per_request, tiers=ladder, clock="thread"))
     bar = Progress(len(args.batch_sizes) * (2 * len(POLICIES) + args.repeats)
                    + (len({1, *args.batch_sizes}) if args.cost == "same-run" else 0), print)
     cost = serving_cost(args, decoder, prompts, trace, bar)

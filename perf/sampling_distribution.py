@@ -40,15 +40,16 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from dspark.cli.options import POSITIVE_REAL, at_least, output_path, real
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.lm_drafter import CausalLMDrafter
-from dspark.engine.ngram import NgramDrafter
-from dspark.engine.policies import FixedK
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DraftModel
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.config import EngineConfig, SamplingParams
+from dspark.serve.drafters.causal_lm import CausalLMDrafter
+from dspark.serve.drafters.ngram import NgramDrafter
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import FixedK
 from dspark.util.fileio import write_json_atomic
+from dspark.util.options import POSITIVE_REAL, at_least, output_path, real
 
 MIN_EXPECTED = 5.0   # chi-square: categories expected fewer times are pooled into one bin
 PAGE_SIZE = 16
@@ -94,7 +95,7 @@ def load(model: str, gamma: int) -> Models:
     """(target, draft, encoder or None): SmolLM2 + its shipped draft (`real`), or the tests' tiny Llama and a
     draft distilled on it for a second (`tiny`, gamma drafts)."""
     if model == "real":
-        from dspark.engine.demo import load_models
+        from dspark.lab.demo.run import load_models
 
         return load_models(torch.device("cpu"))
     if model == "tiny":
@@ -160,7 +161,7 @@ def sample_runs(decoder: SpecDecoder, prompt: Tensor, k: int, samples: int, chun
     for i, start in enumerate(range(0, samples, chunk)):
         n = min(chunk, samples - start)
         res = decoder.generate(prompt[None].expand(n, -1).contiguous(), new_tokens, FixedK(k), mode="compact",
-                               sampling=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i)
+                               sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i))
         tokens.append(res.tokens[:, :new_tokens].cpu())
         if k:
             accepted.append((res.steps[0].correct_lens >= 1).float().cpu())
@@ -293,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     per_request = -(-(args.prompt_len + args.new_tokens + width) // PAGE_SIZE) * PAGE_SIZE
     batch = max(min(args.chunk, args.samples), args.candidates)
     decoder = SpecDecoder(target, drafter_for(args.drafter, target, draft, args.draft_layers),
-                          cache_tokens=batch * per_request)
+                          config=EngineConfig(cache_tokens=batch * per_request))
     prompts = choose_prompts(decoder, candidates, args.prompts, args.temperature, args.top_k, args.top_p)
     policies = [("plain", 0)] + [(f"fixed-{k}", k) for k in args.k_list]
     num_tests = 2 * len(policies) * len(prompts) * (3 if args.new_tokens > 1 else 1)  # TV + chi2 per tested set

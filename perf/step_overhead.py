@@ -23,14 +23,15 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import dspark
-from dspark.cli.options import at_least, int_list, output_path
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.policies import Adaptive, FixedK
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.plan.planner import VerifyPlanner
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK
+from dspark.util.options import at_least, int_list, output_path
 
 VOCAB, GAMMA, LAYERS = 256, 3, 30
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     target, draft = models()
     timers = [Timed(target), Timed(draft)]
-    decoder = SpecDecoder(target, draft, cache_tokens=2 * max(args.batch_sizes) * 128)
+    decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2 * max(args.batch_sizes) * 128))
     cost = AdditiveCostModel(2e-3, [1, 256], [0.0, 2e-3], [0, 2048], [0.0, 1e-3], width=GAMMA + 1)
     rows = {}
     with torch.no_grad():

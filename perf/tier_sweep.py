@@ -1,6 +1,6 @@
 """Tier sweep: profile a verify step over B x rows, fit the 1-D, additive and tiered cost models side by side.
 
-The step is the engine's own verify forward (`dspark.engine.verify_step.VerifyStepAdapter`: a transformers
+The step is the engine's own verify forward (`dspark.lab.sweep.VerifyStepAdapter`: a transformers
 causal LM over the paged KV cache, captured per tier by `TierGraphRunner`: CUDA graphs on cuda, eager at the
 padded tier shape on the CPU) of `--model smollm2` (SmolLM2-135M-Instruct, `dspark.models.load_smollm2`) or
 `--model tiny` (the engine tests' random 2-layer Llama; needs the repo root on PYTHONPATH), with `--context`
@@ -19,7 +19,7 @@ The models are fitted on the pinned samples only. Writes to --out (default graph
   PYTHONPATH=. python perf/tier_sweep.py --model tiny --dense         # the tests' tiny Llama
   python perf/tier_sweep.py --adapter mypkg.mod:make_adapter --device cuda
 The adapter factory is called as factory(tiers=, width=, max_requests=, device=) and returns a
-`dspark.engine.sweep.StepAdapter` (prepare(num_requests, rows) / step()).
+`dspark.lab.sweep.StepAdapter` (prepare(num_requests, rows) / step()).
 """
 from __future__ import annotations
 
@@ -33,20 +33,20 @@ from typing import Callable, Sequence
 
 import torch
 
-from dspark.cli.options import at_least, int_list, output_path, usable_device
 from dspark.cost import CostModel, ProfileSample, tier_edge_errors
-from dspark.engine.progress import StageProgress
-from dspark.engine.sweep import (
-    CLOCKS,
+from dspark.lab.progress import StageProgress
+from dspark.lab.sweep import (
     STATS,
     StepAdapter,
+    VerifyStepAdapter,
     dense_rows,
     fit_cost_models,
     profile_steps,
     tier_rows,
 )
-from dspark.engine.verify_step import VerifyStepAdapter
+from dspark.serve.clock import CLOCKS
 from dspark.util.fileio import atomic_write, write_json_atomic
+from dspark.util.options import at_least, int_list, output_path, usable_device
 from dspark.verify.layout import check_tiers
 
 SWEEP_SCHEMA = "dspark.tier_sweep"

@@ -29,14 +29,14 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dspark.cli.options import at_least, output_path
 from dspark.config import VerifyMode
-from dspark.engine.kv_cache import PagedKVCache
-from dspark.engine.step_attention import batch_attention
 from dspark.models.corpus import prompt_windows
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.attention import batch_attention
+from dspark.serve.kv_cache import PagedKVCache
 from dspark.util.fileio import atomic_write, write_json_atomic
+from dspark.util.options import at_least, output_path
 from dspark.verify.attention import RaggedVerifyAttention
 from dspark.verify.inputs import build_verify_inputs
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers

@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from dspark.cli.options import at_least, output_path
-from dspark.engine.sweep import tier_ladder
-from dspark.engine.verify_step import VerifyStepAdapter
+from dspark.lab.sweep import VerifyStepAdapter
 from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
+from dspark.verify.layout import tier_ladder
 
 
 def rss_mib() -> float:

@@ -24,6 +24,7 @@ from dspark.ascend import runtime
 from dspark.ascend.capability import NpuVerifyConfig, RaggedGraphCapability
 from dspark.ascend.metadata import AscendVerifyMetadata
 from dspark.util.validate import check_int
+from dspark.verify.graphs import register_graph_backend
 
 
 @dataclass
@@ -154,3 +155,6 @@ def _geometry(meta: AscendVerifyMetadata) -> tuple:
 def _host(meta: AscendVerifyMetadata) -> dict[str, list[int]]:
     return {"cu_seqlens_q": list(meta.cu_seqlens_q_host), "actual_seq_lengths_q": list(meta.actual_seq_lengths_q_host),
             "seq_lens_kv": list(meta.seq_lens_kv_host)}
+
+
+register_graph_backend("npu", NpuGraphBackend)

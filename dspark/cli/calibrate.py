@@ -8,9 +8,8 @@ from pathlib import Path
 
 from dspark.calibration.fit import METHODS, check_fit_options, fit_sts
 from dspark.calibration.recorder import POLICIES, load_sts
-from dspark.engine.progress import StageProgress
+from dspark.lab.progress import StageProgress
 from dspark.util.validate import check_output_path
-
 
 HELP = "fit STS temperatures from recorded confidence shards (StsRecorder output)"
 

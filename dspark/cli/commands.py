@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from dspark.cli import calibrate as calibrate_cli
-from dspark.cli.options import int_list
+from dspark.util.options import int_list
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from dspark.engine.demo import DemoConfig, run_demo
+    from dspark.lab.demo.run import DemoConfig, run_demo
 
     cfg = DemoConfig(
         device=args.device, out=args.out, batch_sizes=args.batch_sizes, mode=args.mode,

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from dspark.cli.options import usable_device
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel
 from dspark.plan.allocate import allocate_verify_lens
 from dspark.plan.budget import BudgetDecision, expected_commit
 from dspark.plan.planner import VerifyPlan, VerifyPlanner
 from dspark.util.fileio import atomic_write, atomic_write_text
+from dspark.util.options import usable_device
 from dspark.util.validate import check_output_path
 
 GAMMA = 7

@@ -21,7 +21,7 @@ target, which charges every step `ServingCost.price(StepWork)`:
 What a policy *believes* (its planner's T(B, M), its plain step) is `believed(drafts, context)` /
 `believed_plain(context)`: the same terms at one typical per-request context, as a server profiles them. The
 exact rules, with the lab's queue and measures: docs/replay.md. Shipped files are
-graphs/cost_models/<name>.json, written by `python -m dspark.cost.shipped --write <name>`.
+graphs/cost_models/<name>.json, written by `python -m dspark.lab.cost_models --write <name>`.
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ class ServingCost:
             raise ValueError(f"a serving cost must be a JSON object, got {type(d).__name__}")
         if d.get("schema") == SCHEMA and d.get("schema_version") == 1:
             raise ValueError("schema version 1 charged every policy for gamma drafts at one fixed context; "
-                             "regenerate the file (python -m dspark.cost.shipped --write NAME) for version "
+                             "regenerate the file (python -m dspark.lab.cost_models --write NAME) for version "
                              f"{SCHEMA_VERSION}")
         if d.get("schema") != SCHEMA or d.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"schema must be {SCHEMA!r} version {SCHEMA_VERSION}, got {d.get('schema')!r} version "
@@ -260,8 +260,8 @@ def load_serving_cost(name_or_path: str | os.PathLike, *, width: int | None = No
             check_cost_model(cost.verify, width=check_int("width", width, 2))
         except ValueError as e:
             name = cost.name if cost.name in serving_cost_names() else "NAME"
-            raise ValueError(f"{path}: {e}; or write this model for W={width}: python -m dspark.cost.shipped --write "
-                             f"{name} --gamma {width - 1} --out PATH") from None
+            raise ValueError(f"{path}: {e}; or write this model for W={width}: python -m dspark.lab.cost_models "
+                             f"--write {name} --gamma {width - 1} --out PATH") from None
     return cost
 
 

@@ -1,34 +1,29 @@
-"""The shipped serving cost models (graphs/cost_models/<name>.json) and the command that writes them:
-
-    python -m dspark.cost.shipped --write NAME [--gamma G] [--out PATH]
+"""The shipped analytic serving cost models (graphs/cost_models/<name>.json), written by
+`python -m dspark.lab.cost_models --write NAME`:
 
 - `h100-llama8b-fitted`: SpecDecode-Bench's fitted H100 / Llama-3.1-8B step time (`FittedStep`), the target's
   batched tokens rounded up to vLLM's default CUDA-graph capture sizes (`capture_tiers`), exact beyond them;
 - `h200-roofline-smollm2`, `h200-roofline-llama8b`: the H200 roofline (`dspark.cost.roofline`) of the target's
   and the draft's geometry;
-- `cpu-measured`: this machine, profiled by the demo's own code (`dspark.engine.profile`; needs the models extra).
+(`cpu-measured`, this machine profiled by the demo's own code, is written by `dspark.lab.cost_models`.)
 
 The analytic generators are pure functions of their arguments, so the same arguments write the same file bit
 for bit. Every constant and assumption is documented, with its source, in graphs/cost_models/README.md.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import math
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from dspark.cost.additive import AdditiveCostModel
-from dspark.cost.base import ProfileSample, check_probes
+from dspark.cost.base import ProfileSample
 from dspark.cost.lsq import nonnegative_lstsq
 from dspark.cost.roofline import Accelerator, BlockDraftGeometry, Forward, LlamaGeometry
-from dspark.cost.serving import COST_MODELS_DIR, BatchCurve, DraftCost, PrefillCost, ServingCost
+from dspark.cost.serving import BatchCurve, DraftCost, PrefillCost, ServingCost
 from dspark.cost.tiered import TieredCostModel, tier_index
 from dspark.util.validate import check_int, check_type
 
@@ -197,50 +192,6 @@ def h200_roofline_llama8b(*, gamma: int = 3, max_requests: int = 256, draft_voca
         LLAMA31_8B.forward(), lambda k: (draft, k), gamma=gamma, max_requests=max_requests)
 
 
-def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), max_requests: int = 256,
-                 repeats: int = 2, seed: int = 0) -> ServingCost:
-    """Profile this CPU with the demo's own code: SmolLM2 + its shipped draft, the demo's tiers, clock and threads.
-
-    gamma: the deepest draft priced (W = gamma + 1); batch_sizes: the profiled B; max_requests: the largest B
-    covered (past the profiled ones, `scale_batches`); repeats: lockstep sweeps per point (the median is kept);
-    seed: the held-out prompt draw.
-    """
-    from dspark.engine.decode import SpecDecoder
-    from dspark.engine.demo import load_models
-    from dspark.engine.demo_config import DemoConfig, demo_clock, demo_tiers, length_range
-    from dspark.engine.profile import profile_serving_cost
-    from dspark.models.corpus import prompt_windows
-    from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
-
-    sizes = check_probes("batch_sizes", sorted(batch_sizes), 1)
-    cfg = DemoConfig(batch_sizes=sizes + tuple(doublings(sizes[-1], check_int("max_requests", max_requests, 1))),
-                     gamma=check_int("gamma", gamma, 1), profile_repeats=check_int("repeats", repeats, 1),
-                     seed=check_int("seed", seed, 0))
-    torch.set_num_threads(cfg.threads)
-    load = os.getloadavg()[0]
-    target, draft, encode = load_models(torch.device("cpu"))
-    longest, width, tiers = length_range(cfg.max_new_tokens, cfg.length_spread)[1], gamma + 1, demo_tiers(cfg)
-    prompts, long = (prompt_windows("heldout", encode, sizes[-1], n, cfg.seed) for n in (cfg.prompt_len, LONG_PROMPT))
-
-    def decoder(b: int) -> SpecDecoder:  # one decoder per B holding the tiers its steps replay: memory stays bounded
-        return SpecDecoder(target, draft, cache_tokens=b * (LONG_PROMPT + longest + width + 16),
-                           tiers=[t for t in tiers if b <= t <= b * width], clock=demo_clock(cfg))
-
-    parameters = {"gamma": gamma, "batch_sizes": list(sizes), "repeats": repeats, "seed": seed,
-                  "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
-                  "clock": demo_clock(cfg), "tier_ladder": list(tiers), "draft_sha256": file_sha256(DEFAULT_WEIGHTS)}
-    cost = profile_serving_cost(decoder, prompts, gamma, sizes, tiers, tokens=cfg.max_new_tokens, repeats=repeats,
-                                reserve_new_tokens=longest, max_requests=max_requests, name="cpu-measured",
-                                description="", parameters={**parameters, "long_prompt_len": LONG_PROMPT},
-                                long_prompts=long)
-    loads = [load, os.getloadavg()[0]]
-    return dataclasses.replace(
-        cost, description="SmolLM2-135M-Instruct + dspark's shipped block draft on this CPU (one thread, the demo's "
-        f"tiers and thread clock), profiled by the demo's own code at B <= {sizes[-1]} (1-minute load average at "
-        f"start / end: {loads[0]:.2f} / {loads[1]:.2f}); larger B scaled in proportion.",
-        parameters={**cost.parameters, "load_average_1min": loads})
-
-
 def fit_prefill(samples: Sequence[tuple[int, float]]) -> PrefillCost:
     """PrefillCost from (prompt tokens, seconds) of measured prefills: non-negative least squares of
     seconds = per_forward + per_token x tokens (a lone token count gives per_forward 0)."""
@@ -318,27 +269,6 @@ def fill_monotone(model: TieredCostModel, samples: Sequence[ProfileSample]) -> T
                            platform=model.platform, width=model.width, fit_report=model.fit_report)
 
 
-GENERATORS: dict[str, Callable[..., ServingCost]] = {
+ANALYTIC = {
     "h100-llama8b-fitted": h100_llama8b_fitted, "h200-roofline-smollm2": h200_roofline_smollm2,
-    "h200-roofline-llama8b": h200_roofline_llama8b, "cpu-measured": cpu_measured}
-ANALYTIC = ("h100-llama8b-fitted", "h200-roofline-smollm2", "h200-roofline-llama8b")
-
-
-def main(argv: Sequence[str] | None = None) -> Path:
-    """`--write NAME [--gamma G] [--out PATH]`: write a shipped serving cost (default graphs/cost_models/NAME.json)."""
-    parser = argparse.ArgumentParser(prog="python -m dspark.cost.shipped", description=main.__doc__)
-    parser.add_argument("--write", required=True, choices=sorted(GENERATORS))
-    parser.add_argument("--gamma", type=int, default=3, help="drafts per request per step (W = gamma + 1)")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    try:
-        cost = GENERATORS[args.write](gamma=args.gamma)
-    except ValueError as e:
-        parser.error(str(e))
-    path = cost.save(args.out or COST_MODELS_DIR / f"{args.write}.json")
-    print(f"wrote {path}")
-    return path
-
-
-if __name__ == "__main__":
-    main()
+    "h200-roofline-llama8b": h200_roofline_llama8b}

@@ -2,7 +2,7 @@
 
 Under greedy acceptance the context at committed length L is the stream's first L tokens whatever was accepted
 before, so one dense draft pass over a stream gives the block the decode loop would propose at every start
-(`dspark.engine.sts.block_outcomes` does the same for the STS recorder). Per start and draft position this
+(`dspark.lab.calibrate.block_outcomes` does the same for the STS recorder). Per start and draft position this
 module returns the confidence logit, the draft distribution's features (what the online estimator reads), the
 greedy accepted-draft count and, given the target's output rows, the soft accept proxy 1 - TV(q, p) of the
 seed's section VII.A (q the draft's distribution, p the target's at the same position; on the accepted path

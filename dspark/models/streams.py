@@ -3,7 +3,7 @@
 Under greedy acceptance every committed token is the target's greedy token, so the serving context after a
 prompt is exactly this stream whatever the verify policy does; the target's final-normed hidden states on
 it are exactly the draft's features in the decode loop. The draft's training, its confidence head's fit and
-the fast STS recorder (`dspark.engine.sts.record_sts_teacher_forced`) all read streams. Decoding uses the
+the fast STS recorder (`dspark.lab.calibrate.record_sts_teacher_forced`) all read streams. Decoding uses the
 transformers model's own attention and KV cache (one query row per request and step); tests check that it
 commits exactly the engine's tokens.
 """

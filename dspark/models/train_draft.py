@@ -35,7 +35,6 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from dspark.cli.options import int_list
 from dspark.models.confidence_fit import HEAD_L2, head_stage
 from dspark.models.corpus import Encode
 from dspark.models.distil import distil
@@ -44,6 +43,7 @@ from dspark.models.draft_file import round_to_file, save_draft
 from dspark.models.kinds import KINDS, PROMPT_LEN
 from dspark.models.stream_store import Streams
 from dspark.models.train_data import kind_streams, text_streams
+from dspark.util.options import int_list
 from dspark.util.validate import check_int, check_output_path, check_real
 
 Log = Callable[[str], None]

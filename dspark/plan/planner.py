@@ -45,6 +45,7 @@ from dspark.plan.budget import (
     BudgetDecision,
     HostSurvival,
     check_config,
+    choose_budget,
     host_decision,
     host_survival,
     plan_on_host_checked,
@@ -143,6 +144,11 @@ class VerifyPlanner:
             "width": repr(self.cfg.width), "temperatures": repr(None if temps is None else [t.hex() for t in temps]),
             "lag": repr(self.lag), "num_slots": repr(self.ring.num_slots if self.ring is not None else None),
         }
+
+    def best_rate(self, survival: Tensor) -> float:
+        """The best expected committed tokens per second over every budget for calibrated `survival` [B, gamma]
+        (a lagged read of the ring): theta at `choose_budget`'s argmax under this planner's cost model."""
+        return choose_budget(survival, self.cost_model, self.cfg).theta
 
     def plan(self, logits: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
         """Plan one verify step.

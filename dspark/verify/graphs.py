@@ -121,15 +121,22 @@ class CudaGraphBackend:
         torch.cuda.synchronize(self.device)
 
 
-def default_backend(device: torch.device) -> GraphBackend:
-    """CUDA graphs on cuda, NPU graphs (imported lazily from dspark.ascend) on npu, eager elsewhere."""
-    if device.type == "cuda":
-        return CudaGraphBackend(device)
-    if device.type == "npu":
-        from dspark.ascend.graphs import NpuGraphBackend
+GRAPH_BACKENDS: dict[str, Callable[[torch.device], GraphBackend]] = {"cuda": CudaGraphBackend}
 
-        return NpuGraphBackend(device)
-    return EagerBackend()
+
+def register_graph_backend(device_type: str, factory: Callable[[torch.device], GraphBackend]) -> None:
+    """Make `factory(device)` the graph backend of `device_type` devices (`dspark.ascend` registers `npu`)."""
+    GRAPH_BACKENDS[device_type] = factory
+
+
+def default_backend(device: torch.device) -> GraphBackend:
+    """The registered graph backend of the device's type (CUDA graphs on cuda), eager on the CPU."""
+    if device.type == "cpu":
+        return EagerBackend()
+    if device.type not in GRAPH_BACKENDS:
+        raise ValueError(f"no graph backend is registered for device type {device.type!r}: import dspark.ascend "
+                         f"for npu, register one (register_graph_backend), or pass backend=")
+    return GRAPH_BACKENDS[device.type](device)
 
 
 @dataclass(frozen=True)
@@ -321,8 +328,11 @@ class TierGraphRunner:
                 dst[: layout.total_rows].copy_(src[: layout.total_rows])
                 dst[layout.total_rows:].zero_()
 
-        self.backend.replay(self._graphs[layout.tier], update)
         self.replays[layout.tier] += 1
+        if type(self.backend) is EagerBackend:  # nothing captured: run the step at the tier's padded shape
+            update()
+            return _slice_rows(self.step_fn(bufs), layout.total_rows)
+        self.backend.replay(self._graphs[layout.tier], update)
         out = self._outputs[layout.tier] if self.backend.static_outputs else self._outputs.pop(layout.tier)
         return _slice_rows(out, layout.total_rows)
 

@@ -20,11 +20,11 @@ from torch import Tensor
 
 from dspark.config import VerifyMode
 from dspark.util.validate import (
-    renamed,
     check_int,
     check_kv_fits,
     check_nonnegative,
     check_verify_lens,
+    renamed,
 )
 from dspark.verify.layout import PAD_SLOT, RaggedVerifyLayout, check_tiers  # noqa: F401  (PAD_SLOT: re-exported)
 

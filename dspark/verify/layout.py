@@ -338,3 +338,30 @@ def _slot_count(b: int, graph_slots: int | None, leftover: int, width: int | Non
             "capture the graph with at least one spare slot"
         )
     return graph_slots
+
+
+def split_rows(num_requests: int, rows: int, width: int) -> list[int]:
+    """verify_lens with `rows` in total spread as evenly as possible over `num_requests` (each in [1, W])."""
+    if num_requests < 1 or not num_requests <= rows <= num_requests * width:
+        raise ValueError(f"rows={rows} must lie in [B, B*W] = [{num_requests}, {num_requests * width}]")
+    q, r = divmod(rows, num_requests)
+    return [q + 1] * r + [q] * (num_requests - r)
+
+
+def tier_ladder(batch_sizes: Sequence[int], width: int) -> tuple[int, ...]:
+    """Token tiers for steps of these batch sizes: 1..6 and 8, then alternately x1.5 and x4/3 (12, 16, 24,
+    32, 48, ...) below the largest B*W, plus every B (a plain-sized step) and B*W (the static step), so every
+    fixed-k step at full batch lands on a tier top unpadded and a step pads at most half its rows. Each lies in
+    [B, B*W] of some B, so a profile at these batch sizes measures it (a drained batch with fewer requests
+    pads up to the smallest tier)."""
+    for b in batch_sizes:
+        check_int("batch size", b, 1)
+    check_int("width", width, 1)
+    top = max(batch_sizes) * width
+    ladder, t = [1, 2, 3, 4, 5, 6], 8
+    while t < top:
+        ladder.append(t)
+        t = t * 3 // 2 if t & (t - 1) == 0 else t * 4 // 3
+    edges = {b for b in batch_sizes} | {b * width for b in batch_sizes}
+    reachable = [x for x in ladder if any(b <= x <= b * width for b in batch_sizes)]
+    return tuple(sorted(set(reachable) | edges))

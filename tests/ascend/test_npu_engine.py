@@ -12,15 +12,17 @@ from dspark.ascend.attention import npu_attention
 from dspark.ascend.emulator import EmulatedGraphBackend, FusedInferAttentionEmulator, emulated_torch_npu
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import StepsPerSecondTable
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.kv_cache import PagedKVCache
-from dspark.engine.lm_drafter import CausalLMDrafter
-from dspark.engine.ngram import NgramDrafter
-from dspark.engine.policies import Adaptive, FixedK, Oracle
-from dspark.engine.step_attention import batch_attention
-from dspark.engine.verify_step import VerifyStep, graph_slot_count
 from dspark.models.paged_attend import PagedAttend
 from dspark.plan.planner import VerifyPlanner
+from dspark.serve.attention import batch_attention
+from dspark.serve.config import EngineConfig
+from dspark.serve.drafters.causal_lm import CausalLMDrafter
+from dspark.serve.drafters.ngram import NgramDrafter
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.kv_cache import PagedKVCache
+from dspark.serve.policies import Adaptive, FixedK, Oracle
+from dspark.serve.tier_step import VerifyStep, graph_slot_count
+from dspark.serve.policies.gate import GateSettings
 from tests.engine_models import VOCAB, tiny_models
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -37,7 +39,7 @@ def _policies(tiers, max_batch):
     planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), StepsPerSecondTable([1], [100.0], width=GAMMA + 1),
                             tiers=tiers, num_slots=8,
                             graph_slots=graph_slot_count(max_batch, tiers, GAMMA + 1) if tiers else None)
-    return [FixedK(GAMMA), Oracle(GAMMA), Adaptive(planner, lambda b: 0.004 * b, probe_every=2)]
+    return [FixedK(GAMMA), Oracle(GAMMA), Adaptive(planner, lambda b: 0.004 * b, gate=GateSettings(probe_every=2))]
 
 
 def _prompts(n: int, p: int, seed: int = 7) -> torch.Tensor:
@@ -46,7 +48,7 @@ def _prompts(n: int, p: int, seed: int = 7) -> torch.Tensor:
 
 def _both(target, drafter, prompts, new, policy_fn, mode, tiers, max_batch=None):
     """(default attention's result, the NPU backend's result, operator calls) for the same run."""
-    dec = SpecDecoder(target, drafter, cache_tokens=8192, page_size=PAGE, tiers=tiers)
+    dec = SpecDecoder(target, drafter, config=EngineConfig(cache_tokens=8192, page_size=PAGE, tiers=tiers))
     want = dec.generate(prompts, new, policy_fn(), mode=mode, max_batch=max_batch)
     op = FusedInferAttentionEmulator(allow_float32=True)
     with npu_attention(target, op):

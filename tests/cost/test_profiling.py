@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark import ProfileSample, ScheduleConfig, TierManifest, load_cost_model
-from dspark.engine.sweep import (
+from dspark.lab.sweep import (
     budget_regret,
     dense_rows,
     fit_cost_models,
@@ -57,7 +57,7 @@ class FakeAdapter:
 
 
 def test_profile_steps_interleaves_warms_up_and_takes_medians(monkeypatch):
-    import dspark.engine.sweep as prof
+    import dspark.lab.sweep as prof
 
     adapter = FakeAdapter()
     timed: dict = {}

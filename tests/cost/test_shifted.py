@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspark.cost import AdditiveCostModel, CostModel, TieredCostModel
 from dspark.cost.shifted import ShiftedCostModel

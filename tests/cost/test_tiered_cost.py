@@ -17,7 +17,7 @@ from dspark import (
     load_cost_model,
 )
 from dspark.cost import serving_tiers, tier_edge_errors
-from dspark.engine.sweep import dense_rows, tier_rows
+from dspark.lab.sweep import dense_rows, tier_rows
 from dspark.verify.layout import round_up_to_tier
 
 TIERS = (8, 16, 24, 32, 48, 64)

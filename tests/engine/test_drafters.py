@@ -17,12 +17,13 @@ from hypothesis import strategies as st
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import StepsPerSecondTable
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.lm_drafter import CausalLMDrafter
-from dspark.engine.ngram import NO_MATCH, NgramDrafter, lookup
-from dspark.engine.policies import Adaptive, FixedK, Oracle, Policy
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.plan.planner import VerifyPlanner
+from dspark.serve.config import EngineConfig
+from dspark.serve.drafters.causal_lm import CausalLMDrafter
+from dspark.serve.drafters.ngram import NO_MATCH, NgramDrafter, lookup
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK, Oracle, Policy
 from tests.drafter_models import VOCAB, llama, target_and_draft_lm, word_tokenizer
 from tests.engine_models import tiny_models
 
@@ -33,7 +34,7 @@ QUEUE = {1: 2, 4: 6, 16: 16}  # slots -> requests served on them
 
 
 def reference_lookup(x: list[int], k: int, n_min: int, n_max: int) -> tuple[list[int], list[list[float]]]:
-    """The n-gram rule of dspark.engine.ngram, one request, in plain Python."""
+    """The n-gram rule of dspark.serve.drafters.ngram, one request, in plain Python."""
     last = len(x) - 1
     match = [0] * last  # match length ending at each earlier position
     for j in range(last):
@@ -136,7 +137,7 @@ def cases(device) -> dict:
         free = _generate_reference(tgt, prompts, counts, [])
         stop = [free[0][3], free[5][4]]  # requests 0 and 5 stop early (others may too); a stop id can recur
         ref = _generate_reference(tgt, prompts, counts, stop)
-        dec = SpecDecoder(tgt, drafter, cache_tokens=2048, page_size=8, device=device)
+        dec = SpecDecoder(tgt, drafter, config=EngineConfig(cache_tokens=2048, page_size=8, device=device))
         out[name] = (dec, prompts, counts, stop, ref)
     return out
 
@@ -178,7 +179,7 @@ class Alternate(FixedK):
 def test_a_causal_lm_drafter_that_is_the_target_is_always_accepted(device) -> None:
     target, _ = target_and_draft_lm()
     twin = TransformersCausalLM(copy.deepcopy(target.hf_model))
-    dec = SpecDecoder(target, CausalLMDrafter(twin), cache_tokens=2048, page_size=8, device=device)
+    dec = SpecDecoder(target, CausalLMDrafter(twin), config=EngineConfig(cache_tokens=2048, page_size=8, device=device))
     prompts, _ = _queue(seed=4)
     ref = dec.generate(prompts[:8], 12, FixedK(0))
     for policy in (FixedK(GAMMA), Alternate(GAMMA)):
@@ -230,7 +231,7 @@ def test_one_and_two_token_prompts_equal_transformers_generate(cases, name: str,
 def test_a_stop_inside_a_multi_token_commit_drops_the_rest(device) -> None:
     target, _ = target_and_draft_lm()
     dec = SpecDecoder(target, CausalLMDrafter(TransformersCausalLM(copy.deepcopy(target.hf_model))),
-                      cache_tokens=2048, page_size=8, device=device)
+                      config=EngineConfig(cache_tokens=2048, page_size=8, device=device))
     prompts, _ = _queue(seed=4)
     free = dec.generate(prompts[:4], 16, FixedK(0)).tokens
     stop = int(free[0, 5])  # request 0's 6th token: inside its second commit of 4 (every draft is accepted)
@@ -244,28 +245,28 @@ def test_a_stop_inside_a_multi_token_commit_drops_the_rest(device) -> None:
 def test_a_drafter_of_another_vocabulary_or_tokenizer_is_refused(device) -> None:
     target, draft_lm = target_and_draft_lm()
     with pytest.raises(ValueError, match="the drafter's vocabulary has 32 tokens but the target's 64"):
-        SpecDecoder(target, CausalLMDrafter(llama(1, vocab=32)), cache_tokens=64)
+        SpecDecoder(target, CausalLMDrafter(llama(1, vocab=32)), config=EngineConfig(cache_tokens=64))
     other = word_tokenizer()
     other.add_tokens(["extra"])
     with pytest.raises(ValueError, match="the drafter's tokenizer has 65 tokens but the target's 64"):
-        SpecDecoder(target, CausalLMDrafter(draft_lm, tokenizer=other), cache_tokens=64, tokenizer=word_tokenizer())
+        SpecDecoder(target, CausalLMDrafter(draft_lm, tokenizer=other), config=EngineConfig(cache_tokens=64), tokenizer=word_tokenizer())
     swapped = word_tokenizer()
     swapped.eos_token = "w3"
     with pytest.raises(ValueError, match="eos_token_id is 2 for the target but 3 for the drafter"):
-        SpecDecoder(target, CausalLMDrafter(draft_lm, tokenizer=swapped), cache_tokens=64, tokenizer=word_tokenizer())
-    SpecDecoder(target, CausalLMDrafter(draft_lm, tokenizer=word_tokenizer()), cache_tokens=64,
+        SpecDecoder(target, CausalLMDrafter(draft_lm, tokenizer=swapped), config=EngineConfig(cache_tokens=64), tokenizer=word_tokenizer())
+    SpecDecoder(target, CausalLMDrafter(draft_lm, tokenizer=word_tokenizer()), config=EngineConfig(cache_tokens=64),
                 tokenizer=word_tokenizer())  # the same vocabulary: accepted
     with pytest.raises(ValueError, match="n_min must be <= n_max, got n_min=3 > n_max=2"):
         NgramDrafter(3, 2)
     with pytest.raises(ValueError, match="n_min must be an int >= 1, got 0"):
         NgramDrafter(0, 2)
     with pytest.raises(TypeError, match="draft must be a dspark.models.DraftModel or a Drafter"):
-        SpecDecoder(target, "ngram", cache_tokens=64)
+        SpecDecoder(target, "ngram", config=EngineConfig(cache_tokens=64))
 
 
 @pytest.mark.cpu_only(reason="the demo command's n-gram family on the CPU (perf/device_check.sh runs the demo on a GPU)")
 def test_the_demo_serves_the_ngram_family_beside_the_block_draft(tmp_path) -> None:
-    from dspark.engine.demo import DemoConfig, parse_policies, run_demo
+    from dspark.lab.demo.run import DemoConfig, parse_policies, run_demo
 
     assert parse_policies(["ngram-fixed", "ngram-adaptive-est"], 2) == ["fixed-0", "ngram-fixed-1", "ngram-fixed-2",
                                                                         "ngram-adaptive-est"]

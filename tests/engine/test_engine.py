@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from dspark.config import VerifyMode
-from dspark.engine.decode import SpecDecoder, check_device
-from dspark.engine.policies import FixedK, Oracle
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.streams import features, greedy_streams
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.checks import check_device
+from dspark.serve.config import EngineConfig, SamplingParams
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import FixedK, Oracle
 from tests.engine_models import VOCAB, tiny_llama, tiny_models
 
 MODES = [m.value for m in VerifyMode]
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def decoder(device) -> SpecDecoder:
     target, draft = tiny_models()
-    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+    return SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096, page_size=8, device=device))
 
 
 def _prompts(b: int, p: int, seed: int = 1) -> torch.Tensor:
@@ -75,11 +77,10 @@ def test_sampling_matches_target_distribution(mode: str, device: torch.device) -
     draft = DraftModel(DraftConfig(hidden_size=64, vocab_size=vocab, draft_vocab_size=vocab, num_q_heads=4,
                                    num_kv_heads=2, head_dim=16, intermediate_size=32, chain_size=32, gamma=3,
                                    markov_rank=2, max_seq_len=64), emb, emb, torch.arange(vocab)).eval()
-    dec = SpecDecoder(target, draft, cache_tokens=n * 16, page_size=8, device=device)
+    dec = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=n * 16, page_size=8, device=device))
     prompt = torch.tensor([1, 4, 2, 5, 0], device=device)
     exact = _exact_two_token_dist(target, prompt, temp).flatten().double().cpu()
-    out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, FixedK(3), mode=mode, sampling=True,
-                       temperature=temp, seed=7)
+    out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, FixedK(3), mode=mode, sampling=SamplingParams(temperature=temp, seed=7))
     acc = torch.cat([s.commit_lens.cpu() for s in out.steps])
     assert bool((acc > 1).any()) and bool((acc == 1).any()), "need both accepts and rejects"
     pair = out.tokens[:, 0] * vocab + out.tokens[:, 1]
@@ -120,43 +121,43 @@ def test_bad_input(decoder: SpecDecoder) -> None:
     with pytest.raises(ValueError, match=r"gamma must be in \[0, 4\]"):
         decoder.generate(_prompts(2, 5), 4, Oracle(5))
     with pytest.raises(ValueError, match="clock must be one of .* got 'cpu'"):
-        SpecDecoder(decoder.target, decoder.draft, cache_tokens=64, clock="cpu")
+        SpecDecoder(decoder.target, decoder.draft, config=EngineConfig(cache_tokens=64, clock="cpu"))
 
 
 def test_reserve_new_tokens_sizes_the_cache_not_the_output(decoder: SpecDecoder) -> None:
     prompts = _prompts(2, 5)
     ref = decoder.generate(prompts, 6, FixedK(2))
-    out = decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=30)
+    out = decoder.fork(reserve_new_tokens=30).generate(prompts, 6, FixedK(2))
     assert torch.equal(out.tokens, ref.tokens) and out.tokens.shape == (2, 6)
-    small = SpecDecoder(decoder.target, decoder.draft, cache_tokens=32, page_size=8,
-                        device=decoder.device)  # 2 x 2 pages of 8
+    small = SpecDecoder(decoder.target, decoder.draft, EngineConfig(cache_tokens=32, page_size=8,
+                                                                    device=decoder.device))  # 2 x 2 pages of 8
     small.generate(prompts, 6, FixedK(2))  # 5 + 6 + 3 = 14 tokens per request fit
     with pytest.raises(ValueError, match="KV pages"):  # 5 + 30 + 3 = 38 do not: the reservation is real
-        small.generate(prompts, 6, FixedK(2), reserve_new_tokens=30)
+        small.fork(reserve_new_tokens=30).generate(prompts, 6, FixedK(2))
     with pytest.raises(ValueError, match="reserve_new_tokens must be a positive int"):
-        decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=0)
+        EngineConfig(reserve_new_tokens=0)
     with pytest.raises(ValueError, match="exceeds the TransformersCausalLM's max_seq_len"):
-        decoder.generate(prompts, 6, FixedK(2), reserve_new_tokens=100)
+        decoder.fork(reserve_new_tokens=100).generate(prompts, 6, FixedK(2))
 
 
 def test_draft_logits_are_kept_only_when_asked(decoder: SpecDecoder) -> None:
     """A run keeps no [B, k, V] tensor per step unless asked: at V = 49152 that is 9 MB a step at B = 16."""
     prompts = _prompts(3, 6, seed=4)
     plain = decoder.generate(prompts, 8, FixedK(4))
-    kept = decoder.generate(prompts, 8, FixedK(4), keep_draft_logits=True)
+    kept = decoder.fork(keep_draft_logits=True).generate(prompts, 8, FixedK(4))
     assert torch.equal(plain.tokens, kept.tokens)
     assert plain.steps and all(s.draft_logits is None for s in plain.steps)
     assert all(s.draft_logits.shape == (s.requests.numel(), 4, VOCAB) for s in kept.steps)
     with pytest.raises(TypeError, match="keep_draft_logits must be a bool, got int: 1"):
-        decoder.generate(prompts, 8, FixedK(4), keep_draft_logits=1)
+        EngineConfig(keep_draft_logits=1)
 
 
 def test_sts_recording_carries_the_margin_baseline(decoder: SpecDecoder, tmp_path) -> None:
     from dspark.calibration.metrics import top2_margin
-    from dspark.engine.sts import record_and_fit, record_sts
+    from dspark.lab.calibrate import record_and_fit, record_sts
 
     prompts = _prompts(6, 6, seed=3)
-    res = decoder.generate(prompts, 12, FixedK(4), mode="static", keep_draft_logits=True)
+    res = decoder.fork(keep_draft_logits=True).generate(prompts, 12, FixedK(4), mode="static")
     assert all(s.draft_logits.shape == (s.requests.numel(), 4, VOCAB) for s in res.steps)
     data = record_sts(decoder, prompts, 4, 12, tmp_path / "a")
     assert data.num_rows == sum(s.requests.numel() for s in res.steps)
@@ -184,7 +185,7 @@ def test_greedy_streams_are_the_engines_greedy_tokens(decoder: SpecDecoder) -> N
 
 def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tmp_path) -> None:
     """The fast recorder is engine data: at the decode loop's step boundaries it records the same rows."""
-    from dspark.engine.sts import record_sts, record_sts_teacher_forced
+    from dspark.lab.calibrate import record_sts, record_sts_teacher_forced
 
     prompts, gamma, n = _prompts(7, 6, seed=5), 4, 20
     loop = record_sts(decoder, prompts, gamma, n, tmp_path / "loop")
@@ -216,7 +217,7 @@ def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tm
 
 
 def test_head_training_rows_label_what_the_recorder_records(decoder: SpecDecoder) -> None:
-    from dspark.engine.sts import block_outcomes
+    from dspark.lab.calibrate import block_outcomes
     from dspark.models.confidence_fit import stream_rows
 
     p, n, g = 6, 20, decoder.draft.gamma
@@ -255,7 +256,7 @@ def test_fit_head_reaches_the_logistic_optimum(decoder: SpecDecoder) -> None:
 
 
 def test_record_and_fit_with_the_teacher_forced_recorder(decoder: SpecDecoder, tmp_path) -> None:
-    from dspark.engine.sts import record_and_fit
+    from dspark.lab.calibrate import record_and_fit
 
     prompts = _prompts(6, 6, seed=3)
     loop = record_and_fit(decoder, prompts, 4, 12, tmp_path / "a", bootstrap=0)
@@ -263,6 +264,6 @@ def test_record_and_fit_with_the_teacher_forced_recorder(decoder: SpecDecoder, t
     assert fast.data["rows"] == loop.data["rows"]  # the decode loop's very rows
     assert fast.temperatures == pytest.approx(loop.temperatures, rel=1e-3)
     with pytest.raises(ValueError, match="greedy acceptance only"):
-        record_and_fit(decoder, prompts, 4, 12, tmp_path / "c", sampling=True, recorder="teacher_forced")
+        record_and_fit(decoder, prompts, 4, 12, tmp_path / "c", sampling=SamplingParams(1.0), recorder="teacher_forced")
     with pytest.raises(ValueError, match="recorder must be one of"):
         record_and_fit(decoder, prompts, 4, 12, tmp_path / "c", recorder="fast")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from engine_models import tiny_llama
 
-from dspark.engine import verify_step
-from dspark.engine.verify_step import VerifyStepAdapter
+from dspark.lab.sweep import VerifyStepAdapter
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve import tier_step as verify_step
 
 
 def adapter(device, compile_model):

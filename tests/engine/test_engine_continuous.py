@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from dspark.config import VerifyMode
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.policies import Adaptive, FixedK, Oracle
 from dspark.models.streams import features
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK, Oracle
+from dspark.serve.policies.gate import GateSettings
 from tests.engine.test_engine import _prompts
 from tests.engine.test_engine_speculate import GAMMA, _planner
 
@@ -21,7 +23,7 @@ def decoder(device) -> SpecDecoder:
     from tests.engine_models import tiny_models
 
     target, draft = tiny_models(gamma=GAMMA)
-    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+    return SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096, page_size=8, device=device))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ class Recording(Adaptive):
 @pytest.mark.parametrize("mode", [m.value for m in VerifyMode])
 def test_lossless_with_slot_reuse(decoder: SpecDecoder, reference: torch.Tensor, mode: str) -> None:
     prompts = _prompts(N, 6, seed=5)
-    for policy in (FixedK(GAMMA), Oracle(GAMMA), Adaptive(_planner(device=decoder.device), lambda b: 0.004 * b, probe_every=2)):
+    for policy in (FixedK(GAMMA), Oracle(GAMMA), Adaptive(_planner(device=decoder.device), lambda b: 0.004 * b, gate=GateSettings(probe_every=2))):
         out = decoder.generate(prompts, NEW, policy, mode=mode, max_batch=SLOTS)
         assert torch.equal(out.tokens, reference), (mode, policy.name)
         assert max(s.requests.numel() for s in out.steps) == SLOTS

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dspark.cli import main
-from dspark.engine import demo as demo_mod
-from dspark.engine.demo import DemoConfig, parse_policies, run_demo
+from dspark.lab.demo import run as demo_mod
+from dspark.lab.demo.run import DemoConfig, parse_policies, run_demo
 from tests.engine_models import VOCAB, tiny_models
 
 
@@ -172,21 +172,21 @@ def test_speed_ups_are_paired_medians_over_lockstep_rounds(tmp_path: Path) -> No
 
 def test_cost_feedback_flag_reaches_the_adaptive_policy() -> None:
     from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
-    from dspark.engine.profile import PlainStepCost
-
-    from dspark.engine.policies import make_policy
+    from dspark.lab.profile import PlainStepCost
+    from dspark.serve.policies import make_policy
+    from dspark.serve.policies.gate import GateSettings
 
     cost = AdditiveCostModel(1e-3, [1], [0.0], [1, 3], [0.0, 1e-4])
-    planner = lambda b, sts=True, depth=2: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4,  # noqa: E731
+    planner = lambda sts=True, depth=2: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4,  # noqa: E731
                                                 temperatures=[1.5, 1.5] if sts else None)
     plain = PlainStepCost((1,), (1e-3,))
-    off = make_policy("adaptive", 2, 1, planner, plain.step_seconds, (8, 64, False))
-    on = make_policy("adaptive", 2, 1, planner, plain.step_seconds, (8, 64, True))
-    assert off.cost_window is None and on.cost_window == 9
+    off = make_policy("adaptive", 2, planner, plain.step_seconds, GateSettings.probing((8, 64, False)))
+    on = make_policy("adaptive", 2, planner, plain.step_seconds, GateSettings.probing((8, 64, True)))
+    assert off.gate.settings.cost_window is None and on.gate.settings.cost_window == 9
     from dspark.calibration.online import OnlineAcceptanceEstimator
 
     est = OnlineAcceptanceEstimator(2)
-    head, online = (make_policy(n, 2, 1, planner, plain.step_seconds, (8, 64, False), est)
+    head, online = (make_policy(n, 2, planner, plain.step_seconds, GateSettings(cost_window=None), est)
                     for n in ("adaptive", "adaptive-est"))
     assert head.estimator is None and head.planner.temperatures is not None  # the head, STS-calibrated
     assert online.estimator is est and online.planner.temperatures is None  # the estimator is its own calibration

@@ -10,11 +10,12 @@ from dspark import OnlineAcceptanceEstimator, draft_features
 from dspark.calibration.recorder import censored_labels
 from dspark.config import ScheduleConfig
 from dspark.cost import StepsPerSecondTable
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.policies import Adaptive, FixedK
 from dspark.plan.planner import VerifyPlanner
-from tests.engine_models import tiny_models
+from dspark.serve.config import EngineConfig, SamplingParams
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK
 from tests.engine.test_engine import _prompts
+from tests.engine_models import tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,7 +31,7 @@ def _planner(device: torch.device, temperatures: list[float] | None = None, gamm
 @pytest.fixture(scope="module")
 def decoder(device) -> SpecDecoder:
     target, draft = tiny_models(gamma=GAMMA)
-    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+    return SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096, page_size=8, device=device))
 
 
 def _no_head(*_: object) -> None:
@@ -43,8 +44,8 @@ def test_estimator_in_place_of_the_head_is_lossless_and_learns(decoder: SpecDeco
     ref = decoder.generate(prompts, 20, FixedK(0), mode="static")
     est = OnlineAcceptanceEstimator(GAMMA, refit_every=2, min_labels=4)
     monkeypatch.setattr(decoder.draft, "confidence_logits", _no_head)
-    out = decoder.generate(prompts, 20, Adaptive(_planner(decoder.device), estimator=est), mode=mode,
-                           keep_draft_logits=True)
+    out = decoder.fork(keep_draft_logits=True).generate(prompts, 20, Adaptive(_planner(decoder.device), estimator=est),
+                                                        mode=mode)
     assert torch.equal(out.tokens, ref.tokens)
     spec = [s for s in out.steps if s.speculated]
     assert spec and est.steps_observed == len(spec) and est.refits == len(spec) // 2
@@ -63,8 +64,8 @@ def test_planner_sees_the_estimators_logits(decoder: SpecDecoder, monkeypatch):
     the planner received at every step (the same parameters at every refit)."""
     est = OnlineAcceptanceEstimator(GAMMA, refit_every=3, min_labels=4)
     monkeypatch.setattr(decoder.draft, "confidence_logits", _no_head)
-    out = decoder.generate(_prompts(3, 6, seed=8), 16, Adaptive(_planner(decoder.device), estimator=est),
-                           keep_draft_logits=True)
+    out = decoder.fork(keep_draft_logits=True).generate(_prompts(3, 6, seed=8), 16,
+                                                        Adaptive(_planner(decoder.device), estimator=est))
     replay = OnlineAcceptanceEstimator(GAMMA, refit_every=3, min_labels=4)
     for s in out.steps:
         if not s.speculated:
@@ -80,7 +81,7 @@ def test_sampling_with_the_estimator_runs_and_is_seeded(decoder: SpecDecoder, mo
     for _ in range(2):
         est = OnlineAcceptanceEstimator(GAMMA, refit_every=2, min_labels=4)
         out = decoder.generate(_prompts(3, 6, seed=9), 12, Adaptive(_planner(decoder.device), estimator=est),
-                               sampling=True, temperature=0.8, seed=4)
+                               sampling=SamplingParams(temperature=0.8, seed=4))
         runs.append((out.tokens, est.parameters))
     assert est.steps_observed > 0
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

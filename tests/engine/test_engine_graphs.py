@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.policies import FixedK, Oracle
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import FixedK, Oracle
 from tests.engine_models import VOCAB, tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,8 +24,8 @@ def _prompts(b: int, p: int) -> torch.Tensor:
 @pytest.mark.parametrize("policy", [FixedK(3), Oracle(3)], ids=lambda p: p.name)
 def test_compact_steps_replay_their_tier_and_commit_the_same_tokens(policy, device, caplog) -> None:
     target, draft = tiny_models()
-    plain = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device)
-    tiered = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=TIERS)
+    plain = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2048, page_size=8, device=device))
+    tiered = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2048, page_size=8, device=device, tiers=TIERS))
     prompts = _prompts(4, 6)
     want = plain.generate(prompts, 10, policy, mode="compact", max_batch=3)
     caplog.set_level(logging.INFO, logger="dspark.verify.graphs")
@@ -45,8 +46,8 @@ def test_compact_steps_replay_their_tier_and_commit_the_same_tokens(policy, devi
 
 def test_steps_past_the_largest_tier_run_eager_through_the_same_step(device, caplog) -> None:
     target, draft = tiny_models()
-    tiered = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=(4,))
-    plain = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device)
+    tiered = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2048, page_size=8, device=device, tiers=(4,)))
+    plain = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2048, page_size=8, device=device))
     prompts = _prompts(3, 6)
     caplog.set_level(logging.INFO, logger="dspark.verify.graphs")
     got = tiered.generate(prompts, 8, FixedK(3), mode="static")  # 3 x 4 = 12 rows > tier 4
@@ -59,7 +60,7 @@ def test_steps_past_the_largest_tier_run_eager_through_the_same_step(device, cap
 
 def test_captures_are_reused_across_runs_and_forks_capture_their_own(device) -> None:
     target, draft = tiny_models()
-    dec = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=TIERS)
+    dec = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2048, page_size=8, device=device, tiers=TIERS))
     dec.generate(_prompts(2, 6), 4, FixedK(2))
     step = dec._verify_steps.get(2, 3)
     dec.generate(_prompts(2, 6), 4, FixedK(2))
@@ -71,7 +72,7 @@ def test_captures_are_reused_across_runs_and_forks_capture_their_own(device) -> 
 
 def test_a_fork_serving_fewer_tiers_pads_past_the_left_out_ones(device) -> None:
     target, draft = tiny_models()
-    dec = SpecDecoder(target, draft, cache_tokens=2048, page_size=8, device=device, tiers=TIERS)
+    dec = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2048, page_size=8, device=device, tiers=TIERS))
     served = dec.fork(tiers=(4, 12))  # tier 8 left out (`serving_tiers`): 5-8 row steps replay tier 12
     prompts = _prompts(2, 6)
     want = dec.generate(prompts, 8, FixedK(3), mode="compact")  # 2 x 4 = 8 rows: tier 8

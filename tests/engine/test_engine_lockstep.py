@@ -6,10 +6,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.lockstep import lockstep
-from dspark.engine.policies import Adaptive, FixedK, Oracle
-from dspark.engine.results import finish
+from dspark.lab.timing import lockstep
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.outcome import finish
+from dspark.serve.policies import Adaptive, FixedK, Oracle
+from dspark.serve.policies.gate import GateSettings
 from tests.engine.test_engine import _prompts
 from tests.engine.test_engine_speculate import GAMMA, _planner
 
@@ -21,12 +23,12 @@ def decoder(device) -> SpecDecoder:
     from tests.engine_models import tiny_models
 
     target, draft = tiny_models(gamma=GAMMA)
-    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+    return SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096, page_size=8, device=device))
 
 
 def _policies(device: torch.device):
     return {"plain": FixedK(0), "k2": FixedK(2), "oracle": Oracle(GAMMA),
-            "adaptive": Adaptive(_planner(device=device), lambda b: 0.004 * b, probe_every=2)}
+            "adaptive": Adaptive(_planner(device=device), lambda b: 0.004 * b, gate=GateSettings(probe_every=2))}
 
 
 def test_interleaved_runs_equal_one_at_a_time(decoder: SpecDecoder) -> None:

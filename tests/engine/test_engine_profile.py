@@ -2,12 +2,13 @@ import logging
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from dspark.cost import AdditiveCostModel, ProfileSample, StepsPerSecondTable
-from dspark.engine.profile import fit_cost_model
+from dspark.lab.profile import fit_cost_model
+from dspark.serve.config import EngineConfig
 
 SAMPLES = [ProfileSample(b, m, 1e-3 * (1.0 + 0.5 * b + 0.25 * m)) for b in (1, 4, 16) for m in range(b, 8 * b + 1, b)]
 
@@ -33,7 +34,7 @@ def test_fit_cost_model_falls_back_to_the_steps_table_with_a_warning(monkeypatch
 
 
 def test_monotone_in_rows_pools_dips_per_batch_size():
-    from dspark.engine.profile import monotone_in_rows
+    from dspark.lab.profile import monotone_in_rows
 
     raw = [ProfileSample(1, 1, 5.0), ProfileSample(1, 2, 3.0), ProfileSample(1, 3, 4.0), ProfileSample(1, 4, 9.0),
            ProfileSample(4, 4, 2.0), ProfileSample(4, 8, 1.0)]
@@ -52,7 +53,7 @@ def test_monotone_in_rows_pools_dips_per_batch_size():
 @settings(max_examples=40)
 @given(batch_sizes=st.lists(st.integers(1, 80), min_size=1, max_size=4, unique=True), width=st.integers(1, 9))
 def test_tier_ladder_covers_every_step_a_profile_can_measure(batch_sizes, width):
-    from dspark.engine.sweep import tier_ladder
+    from dspark.verify.layout import tier_ladder
 
     tiers = tier_ladder(batch_sizes, width)
     lo, top = min(batch_sizes), max(batch_sizes) * width
@@ -68,7 +69,7 @@ def test_tier_ladder_covers_every_step_a_profile_can_measure(batch_sizes, width)
 
 def test_tiered_profile_measures_each_tier_top_and_fits_the_measured_table():
     from dspark.cost import TieredCostModel
-    from dspark.engine.profile import profile_points
+    from dspark.lab.profile import profile_points
 
     tiers = (1, 2, 3, 4, 5, 8, 12, 16, 20)
     grid = profile_points((1, 4), 4, tiers)
@@ -89,9 +90,9 @@ def test_profile_catch_up_recovers_the_seconds_per_caught_up_token(monkeypatch, 
     """A drafter whose proposal costs 40 ms + 3 ms per token caught up beyond the roots, on a clock only the
     drafter advances: the profiled slope is 3 ms, whatever the accepted lengths (the first step catches up the
     prompts, the later ones what the step before committed beyond one)."""
-    from dspark.engine.decode import SpecDecoder
-    from dspark.engine.drafter import BlockDrafter
-    from dspark.engine.profile import profile_catch_up
+    from dspark.lab.profile import profile_catch_up
+    from dspark.serve.drafters.block import BlockDrafter
+    from dspark.serve.engine import SpecDecoder
     from tests.engine_models import VOCAB, tiny_models
 
     clock = [0.0]
@@ -104,7 +105,7 @@ def test_profile_catch_up_recovers_the_seconds_per_caught_up_token(monkeypatch, 
 
     monkeypatch.setattr(BlockDrafter, "propose", timed)
     target, draft = tiny_models(gamma=3)
-    dec = SpecDecoder(target, draft, cache_tokens=1024, device=device)
+    dec = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=1024, device=device))
     monkeypatch.setattr(dec, "_now", lambda: clock[0])
     prompts = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
     assert profile_catch_up(dec, prompts.to(device), 3, tokens=8, repeats=2) == pytest.approx(0.003, rel=1e-6)
@@ -114,8 +115,8 @@ def test_profile_catch_up_recovers_the_seconds_per_caught_up_token(monkeypatch, 
 def test_a_profile_names_how_its_attention_reads_the_kv_cache(monkeypatch):
     """dspark's CPU torch attention pads every request to the longest; the Triton kernel walks each request's own
     length (forced here through the backend switch, under the interpreter)."""
-    from dspark.engine.profile import attention_kv_layout
     from dspark.kernels import dispatch
+    from dspark.lab.profile import attention_kv_layout
 
     monkeypatch.setenv(dispatch.BACKEND_ENV, "auto")
     assert attention_kv_layout(torch.device("cpu")) == "padded"
@@ -129,7 +130,7 @@ def test_a_draft_phase_longer_than_a_step_never_prices_the_target_at_or_below_ze
     """The draft phase is timed in other runs than the whole steps: under load its median can exceed a step's
     cheapest cell. The part taken out is then held to half that cell, and the file says where."""
     from dspark.cost.serving import BatchCurve, PrefillCost
-    from dspark.engine.profile import profile_points, profiled_cost
+    from dspark.lab.profile import profile_points, profiled_cost
 
     tiers = (1, 2, 3, 4, 8, 12, 16)
     grid = profile_points((1, 4), 3, tiers)

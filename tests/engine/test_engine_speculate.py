@@ -6,12 +6,15 @@ import torch
 
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import StepsPerSecondTable
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.policies import Adaptive, FixedK
-from dspark.engine.profile import PlainStepCost
+from dspark.lab.profile import PlainStepCost
 from dspark.plan.planner import VerifyPlanner
-from tests.engine_models import tiny_models
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK
+from dspark.serve.policies.adaptive import FeedbackSettings
+from dspark.serve.policies.gate import GateSettings
 from tests.engine.test_engine import _prompts
+from tests.engine_models import tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +30,7 @@ def _planner(lag: int = 1, device: torch.device | str = "cpu") -> VerifyPlanner:
 @pytest.fixture(scope="module")
 def decoder(device) -> SpecDecoder:
     target, draft = tiny_models(gamma=GAMMA)
-    return SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device)
+    return SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096, page_size=8, device=device))
 
 
 def _speculated(out) -> list[bool]:
@@ -53,8 +56,7 @@ def test_realised_acceptance_decides_once_observed(device) -> None:
     drafts per request do: confident survival, but nothing accepted -> plain; accepted again -> speculate.
     The decay counts request outcomes: 0.5 ** 0.5 per outcome is 0.5 per step of these 2 requests."""
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
-    policy = Adaptive(_planner(device=device), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5 ** 0.5,
-                      prior_weight=0)
+    policy = Adaptive(_planner(device=device), plain_seconds=lambda b: b / 400.0, feedback=FeedbackSettings(decay=0.5 ** 0.5, prior_weight=0))
     confident = torch.full((2, GAMMA), 8.0, device=device)  # survival ~1 at every position
     assert policy.speculate(slots, gens) and policy.realised is None
     plan = policy.plan(confident, slots, gens)
@@ -69,12 +71,12 @@ def test_realised_acceptance_decides_once_observed(device) -> None:
     policy.plan(confident, slots, gens)
     policy.observe(torch.tensor([1, 2], device=device))  # 0.5 accepted per request: (1.5 + 0.5) / 2 = 1.0
     assert not policy.speculate(slots, gens)  # tau = 2 * 2 per 10 ms = 400 tok/s: not more than plain
-    mean = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=0.8 ** 0.5, prior_weight=0)
+    mean = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback=FeedbackSettings(decay=0.8 ** 0.5, prior_weight=0))
     for commit in ([1, 1], [GAMMA + 1, GAMMA + 1], [GAMMA + 1, GAMMA + 1]):
         mean.plan(confident, slots, gens)
         mean.observe(torch.tensor(commit, device=device))
     assert mean.realised == pytest.approx((2.0, GAMMA))  # first outcomes: their plain mean (0, 3, 3)
-    off = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback_decay=None)
+    off = Adaptive(policy.planner, plain_seconds=lambda b: b / 400.0, feedback=FeedbackSettings(decay=None))
     assert off.speculate(slots, gens)  # the lagged survival alone (~1) speculates
     off.plan(confident, slots, gens)
     off.observe(torch.tensor([1, 1], device=device))
@@ -87,8 +89,7 @@ def test_plain_steps_pull_the_realised_average_back_to_the_long_run_mean(device)
     from types import SimpleNamespace
 
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
-    policy = Adaptive(_planner(device=device), plain_seconds=lambda b: b / 400.0, feedback_decay=0.5 ** 0.5,
-                      prior_weight=0, max_probe_every=64, probe_every=64)
+    policy = Adaptive(_planner(device=device), plain_seconds=lambda b: b / 400.0, gate=GateSettings(max_probe_every=64, probe_every=64), feedback=FeedbackSettings(decay=0.5 ** 0.5, prior_weight=0))
     confident = torch.full((2, GAMMA), 8.0, device=device)
     for commit in [[GAMMA + 1, GAMMA + 1]] * 3 + [[1, 1]] * 3:  # long-run mean 1.5 accepted; then a streak
         policy.plan(confident, slots, gens)
@@ -109,35 +110,35 @@ def test_realised_cost_feedback_follows_measured_step_times(device) -> None:
     (247 tok/s), the next decision goes plain; if plain steps measure 3x theirs too, speculation is back."""
     planner = _planner(device=device)
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
-    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_window=1)
+    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(cost_window=1))
     sure = torch.full((2, GAMMA), 3.0, device=device)  # sigmoid ~0.95 per position
     assert policy.speculate(slots, gens)
     policy.plan(sure, slots, gens)
     policy.observe_seconds(3 * STEP)  # the speculative step took 3x the profiled 10 ms
-    assert policy.cost_ratio[True] == pytest.approx(3.0)
+    assert policy.gate.cost_ratio[True] == pytest.approx(3.0)
     assert not policy.speculate(slots, gens)
     policy.observe_seconds(3 * 2 / 400.0)  # the plain step took 3x its profile too
-    assert policy.cost_ratio[False] == pytest.approx(3.0)
+    assert policy.gate.cost_ratio[False] == pytest.approx(3.0)
     assert policy.speculate(slots, gens)  # the new median re-decides at once, not at the next probe or plan
     policy.plan(sure, slots, gens)
     policy.observe_seconds(100 * STEP)  # right after plain steps: the draft's catch-up, not sampled
-    assert policy.cost_ratio[True] == pytest.approx(3.0)
+    assert policy.gate.cost_ratio[True] == pytest.approx(3.0)
     assert policy.speculate(slots, gens)
     policy.plan(sure, slots, gens)
     policy.observe_seconds(STEP)  # a speculative step after a speculative step is
-    assert policy.cost_ratio[True] == pytest.approx(1.0)
-    median = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_window=3)  # median of the last 3
+    assert policy.gate.cost_ratio[True] == pytest.approx(1.0)
+    median = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(cost_window=3))  # median of the last 3
     for measured, ratio in ((1.2, 1.0), (10.0, 1.0), (1.0, 1.2), (1.1, 1.1)):  # from 3 samples; a 10x stall: no
         median.plan(sure, slots, gens)
         median.observe_seconds(measured * STEP)
-        assert median.cost_ratio[True] == pytest.approx(ratio)
-    off = Adaptive(planner, plain_seconds=lambda b: b / 400.0, cost_window=None)
+        assert median.gate.cost_ratio[True] == pytest.approx(ratio)
+    off = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(cost_window=None))
     off.speculate(slots, gens)
     off.plan(sure, slots, gens)
     off.observe_seconds(3 * STEP)
-    assert off.cost_ratio[True] == 1.0
+    assert off.gate.cost_ratio[True] == 1.0
     with pytest.raises(ValueError, match="cost_window must be"):
-        Adaptive(planner, plain_seconds=lambda b: 0.01, cost_window=0)
+        Adaptive(planner, plain_seconds=lambda b: 0.01, gate=GateSettings(cost_window=0))
 
 
 def _plain_runs(out) -> list[int]:
@@ -148,7 +149,7 @@ def _plain_runs(out) -> list[int]:
 def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
     n = 3
     # plain wins; cost_window=None: the decision must follow these predictions, not the measured step times
-    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, probe_every=n, max_probe_every=n, cost_window=None)
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, gate=GateSettings(probe_every=n, max_probe_every=n, cost_window=None))
     out = decoder.generate(_prompts(3, 5), 14, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[0] == n and all(r == n for r in runs[:-1]) and len(runs) >= 3 and runs[-1] <= n
@@ -162,8 +163,7 @@ def test_a_timed_probe_finds_out_that_the_profile_overpriced_speculation(device)
     is timed; with three timed steps the median ratio 0.5 puts speculation ahead for good."""
     planner = _planner(device=device)
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
-    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, probe_every=2, max_probe_every=2, cost_window=3,
-                      feedback_decay=None)
+    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(probe_every=2, max_probe_every=2, cost_window=3), feedback=FeedbackSettings(decay=None))
     half = torch.zeros(2, GAMMA, device=device)  # conditional 0.5 per position
 
     def step() -> str:
@@ -176,22 +176,21 @@ def test_a_timed_probe_finds_out_that_the_profile_overpriced_speculation(device)
 
     trace = "".join(step() for _ in range(14))
     assert trace == "s" + "pp" + "ss" + "pp" + "ss" + "sssss", trace
-    assert policy.cost_ratio == {True: pytest.approx(0.5), False: pytest.approx(1.0)}
-    untimed = Adaptive(planner, plain_seconds=lambda b: b / 400.0, probe_every=2, max_probe_every=2,
-                       cost_window=None, feedback_decay=None)  # no cost feedback: one-step probes
+    assert policy.gate.cost_ratio == {True: pytest.approx(0.5), False: pytest.approx(1.0)}
+    untimed = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(probe_every=2, max_probe_every=2, cost_window=None), feedback=FeedbackSettings(decay=None))  # no cost feedback: one-step probes
     policy = untimed  # the ring already holds survival 0.5: plain from the start
     assert "".join(step() for _ in range(9)) == "pp" + "s" + "pp" + "s" + "pp" + "s"
 
 
 def test_probe_interval_backs_off_while_plain_keeps_winning(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, probe_every=2, max_probe_every=8, cost_window=None)
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, gate=GateSettings(probe_every=2, max_probe_every=8, cost_window=None))
     out = decoder.generate(_prompts(2, 5), 40, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[:4] == [2, 4, 8, 8]
 
 
 def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 10.0, cost_window=None)  # plain: 10 s per step
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 10.0, gate=GateSettings(cost_window=None))  # plain: 10 s per step
     out = decoder.generate(_prompts(3, 5), 10, policy, mode="compact")
     assert all(_speculated(out))
 
@@ -201,17 +200,17 @@ def test_speculates_every_step_when_it_pays(decoder: SpecDecoder) -> None:
 def test_lossless_whatever_the_decision(decoder: SpecDecoder, mode: str, plain: float) -> None:
     prompts = _prompts(4, 6, seed=3)
     ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
-    out = decoder.generate(prompts, 16, Adaptive(_planner(device=decoder.device), lambda b: plain * b, probe_every=2), mode=mode)
+    out = decoder.generate(prompts, 16, Adaptive(_planner(device=decoder.device), lambda b: plain * b, gate=GateSettings(probe_every=2)), mode=mode)
     assert torch.equal(out.tokens, ref.tokens), (mode, plain)
 
 
 def test_bad_arguments(device) -> None:
     with pytest.raises(ValueError, match="probe_every"):
-        Adaptive(_planner(device=device), lambda b: 1.0, probe_every=0)
-    with pytest.raises(ValueError, match="feedback_decay"):
-        Adaptive(_planner(device=device), lambda b: 1.0, feedback_decay=1.0)
+        Adaptive(_planner(device=device), lambda b: 1.0, gate=GateSettings(probe_every=0))
+    with pytest.raises(ValueError, match="feedback decay must be"):
+        Adaptive(_planner(device=device), lambda b: 1.0, feedback=FeedbackSettings(decay=1.0))
     with pytest.raises(ValueError, match="max_probe_every"):
-        Adaptive(_planner(device=device), lambda b: 1.0, probe_every=4, max_probe_every=2)
+        Adaptive(_planner(device=device), lambda b: 1.0, gate=GateSettings(probe_every=4, max_probe_every=2))
     assert Adaptive(_planner(lag=0, device=device)).speculate(torch.tensor([0], device=device), torch.tensor([1], device=device))  # no plain cost: always
 
 
@@ -222,7 +221,7 @@ def test_one_request_moves_the_average_less_than_a_batch(device) -> None:
     moved = {}
     for b in (1, 4):
         slots, gens = torch.arange(b, device=device), torch.ones(b, dtype=torch.int64, device=device)
-        policy = Adaptive(_planner(lag=0, device=device), lambda n: n / 400.0, feedback_decay=0.9, prior_weight=0)
+        policy = Adaptive(_planner(lag=0, device=device), lambda n: n / 400.0, feedback=FeedbackSettings(decay=0.9, prior_weight=0))
         for _ in range(30):  # all accepted: the average sits at GAMMA
             policy.plan(confident[:b], slots, gens)
             policy.observe(torch.full((b,), GAMMA + 1))
@@ -236,7 +235,7 @@ def test_one_request_moves_the_average_less_than_a_batch(device) -> None:
 def test_lag0_speculates_until_outcomes_then_follows_them(device) -> None:
     """A lag-0 planner has no lagged survival: speculate first, then decide on the realised averages."""
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
-    policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, feedback_decay=0.0)  # plain: 400 tok/s
+    policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, feedback=FeedbackSettings(decay=0.0))  # plain: 400 tok/s
     assert policy.speculate(slots, gens)
     policy.plan(torch.full((2, GAMMA), 8.0, device=device), slots, gens)
     policy.observe(torch.tensor([1, 1], device=device))  # nothing accepted: tau = 2 per 10 ms
@@ -250,7 +249,7 @@ def test_prior_from_the_first_prediction_outweighs_one_unlucky_outcome(device) -
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
     confident = torch.full((2, GAMMA), 8.0, device=device)  # survival ~1 at every position: ~GAMMA accepted predicted
     for prior_weight, speculates in ((8, True), (0, False)):
-        policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, prior_weight=prior_weight)  # plain: 400 tok/s
+        policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, feedback=FeedbackSettings(prior_weight=prior_weight))  # plain: 400 tok/s
         assert policy.speculate(slots, gens)
         policy.plan(confident, slots, gens)
         policy.observe(torch.tensor([1, 1], device=device))  # nothing accepted
@@ -279,7 +278,7 @@ def test_prior_is_the_mean_of_every_plans_prediction(device) -> None:
     from types import SimpleNamespace
 
     slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
-    policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, prior_weight=8)
+    policy = Adaptive(_planner(lag=0, device=device), lambda b: b / 400.0, feedback=FeedbackSettings(prior_weight=8))
     predicted = []
     for logit, commit in ((0.0, [1, 1]), (8.0, [GAMMA + 1, GAMMA + 1])):  # predicts 0.875 then ~3 accepted
         plan = policy.plan(torch.full((2, GAMMA), logit, device=device), slots, gens)

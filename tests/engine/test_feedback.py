@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dspark.engine.feedback import RealisedAcceptance
+from dspark.serve.policies.feedback import RealisedAcceptance
 
 pytestmark = pytest.mark.cpu_only(reason="host-side bookkeeping")
 GAMMA = 3

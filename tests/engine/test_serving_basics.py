@@ -11,13 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dspark
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.lm_drafter import CausalLMDrafter
-from dspark.engine.ngram import NgramDrafter
-from dspark.engine.policies import FixedK
-from dspark.engine.sampling import Sampling
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.config import EngineConfig, SamplingParams
+from dspark.serve.drafters.causal_lm import CausalLMDrafter
+from dspark.serve.drafters.ngram import NgramDrafter
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import FixedK
+from dspark.serve.sampling import Sampling
 from tests.drafter_models import EOS, llama, target_and_draft_lm, truncated, word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,7 +42,7 @@ def transformers_warp(logits: torch.Tensor, temperature: float, top_k: int | Non
        top_k=st.none() | st.integers(1, 50), top_p=st.none() | st.floats(0.05, 1.0), seed=st.integers(0, 2**16))
 def test_warp_is_transformers_warp(shape, temperature, top_k, top_p, seed, device) -> None:
     logits = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3).to(device)
-    ours = Sampling(True, temperature, torch.Generator(), top_k, top_p).warp(logits)
+    ours = Sampling(SamplingParams(temperature, top_k, top_p), torch.Generator()).warp(logits)
     theirs = transformers_warp(logits, temperature, top_k, top_p)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
     torch.testing.assert_close(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
@@ -88,11 +89,12 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 @pytest.mark.parametrize("name", ["block", "ngram", "causal-lm"])
 def test_committed_tokens_follow_the_warped_target(small_target, name: str, warp: dict, device) -> None:
     """Chi-square of the committed (t1, t2) pairs against the exact warped target distribution."""
-    dec = SpecDecoder(small_target, _drafter(name, small_target), cache_tokens=SAMPLES * 16, page_size=8, device=device)
+    dec = SpecDecoder(small_target, _drafter(name, small_target),
+                      EngineConfig(cache_tokens=SAMPLES * 16, page_size=8, device=device))
     prompt = torch.tensor(PROMPT, device=device)
     top_k, top_p = warp.get("top_k"), warp.get("top_p")
-    out = dec.generate(prompt[None].expand(SAMPLES, -1).contiguous(), 2, FixedK(3), sampling=True,
-                       temperature=TEMP, seed=7, **warp)
+    out = dec.generate(prompt[None].expand(SAMPLES, -1).contiguous(), 2, FixedK(3),
+                       SamplingParams(temperature=TEMP, seed=7, **warp))
     commits = torch.cat([s.commit_lens.cpu() for s in out.steps])
     assert bool((commits > 1).any()) and bool((commits == 1).any()), "need both accepts and rejects"
     counts = torch.bincount((out.tokens[:, 0] * VOCAB6 + out.tokens[:, 1]).cpu(), minlength=VOCAB6**2).double()
@@ -115,18 +117,18 @@ def _hf_greedy(target: TransformersCausalLM, ids: list[int], n: int, eos: int) -
 
 def test_text_in_text_out_equals_transformers_generate(device) -> None:
     target, draft_lm = target_and_draft_lm()
+    target.to(device)  # dspark.generate runs where the target's weights are
     tok = word_tokenizer()
     texts = ["w53 w4 w25 w59 w35", "w30 w31 w7", "w29 w15 w22 w57 w38 w28", "w40 w3 w3 w3 w11 w40 w3"]
     want = [_hf_greedy(target, tok(t)["input_ids"], 20, EOS) for t in texts]
     assert {w[-1] == EOS for w in want} == {True, False}, "some stop at EOS, some run to the length"
     for drafter in (None, CausalLMDrafter(draft_lm, tokenizer=tok)):
-        out = dspark.generate(texts, target=target, tokenizer=tok, drafter=drafter, k=3, max_new_tokens=20,
-                              device=device)
+        out = dspark.generate(texts, target=target, tokenizer=tok, drafter=drafter, k=3, max_new_tokens=20)
         assert out.tokens == want
         assert out.texts == [tok.decode(w, skip_special_tokens=True) for w in want]
         assert out.finish_reasons == ["stop" if w[-1] == EOS else "length" for w in want]
         assert out.tokens_per_second > 0 and any(s.speculated for s in out.result.steps)
-    one = dspark.generate(texts[1], target=target, tokenizer=tok, max_new_tokens=5, device=device)
+    one = dspark.generate(texts[1], target=target, tokenizer=tok, max_new_tokens=5)
     assert one.tokens == [want[1][:5]]
 
 
@@ -142,15 +144,17 @@ def test_the_drafters_example_runs(capsys) -> None:
 
 def test_bad_input_is_named(device) -> None:
     target, _ = target_and_draft_lm()
-    dec = SpecDecoder(target, NgramDrafter(), cache_tokens=512, page_size=8, device=device)
+    dec = SpecDecoder(target, NgramDrafter(), config=EngineConfig(cache_tokens=512, page_size=8, device=device))
     prompts = [[5, 9, 12, 5], [3, 4, 5]]
     for value in (0, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\], got"):
-            dec.generate(prompts, 4, FixedK(2), sampling=True, top_p=value)
+            dec.generate(prompts, 4, FixedK(2), sampling=SamplingParams(temperature=1.0, top_p=value))
     with pytest.raises(ValueError, match="top_k must be an int >= 1, got 0"):
-        dec.generate(prompts, 4, FixedK(2), sampling=True, top_k=0)
-    with pytest.raises(ValueError, match=r"temperature must be a number in \(0, inf\), got 0"):
-        dec.generate(prompts, 4, FixedK(2), sampling=True, temperature=0)
+        dec.generate(prompts, 4, FixedK(2), sampling=SamplingParams(temperature=1.0, top_k=0))
+    with pytest.raises(ValueError, match=r"temperature must be a number in \[0, inf\), got -1"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        dec.generate(prompts, 4, FixedK(2), sampling=True)
     with pytest.raises(ValueError, match="prompts\\[1\\] is empty; each prompt needs at least one token"):
         dec.generate([[5, 9, 12], []], 4, FixedK(2))
     with pytest.raises(ValueError, match=r"stop_token_ids\[1\] = 64 is not an int in the vocabulary \[0, 64\)"):
@@ -172,7 +176,7 @@ def test_a_bf16_target_decodes_in_bf16_and_speculation_commits_its_own_greedy_to
 
     target, draft = tiny_models(gamma=3)
     target = TransformersCausalLM(copy.deepcopy(target.hf_model).to(torch.bfloat16))
-    dec = SpecDecoder(target, copy.deepcopy(draft).to(draft_dtype), cache_tokens=1024, device=device)
+    dec = SpecDecoder(target, copy.deepcopy(draft).to(draft_dtype), config=EngineConfig(cache_tokens=1024, device=device))
     prompts = torch.randint(3, VOCAB, (4, 6), generator=torch.Generator().manual_seed(3)).to(device)
     plain = dec.generate(prompts, 10, FixedK(0))
     spec = dec.generate(prompts, 10, FixedK(3))

@@ -19,13 +19,15 @@ import sys
 import pytest
 import torch
 
-import dspark.engine.step as step_module
+import dspark.serve.step as step_module
 from dspark.config import ScheduleConfig
 from dspark.cost import StepsPerSecondTable
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.policies import Adaptive, FixedK, Policy, PolicyPlan
 from dspark.models import paged_attend
 from dspark.plan.planner import VerifyPlanner
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import Adaptive, FixedK, Policy, PolicyPlan
+from dspark.serve.policies.gate import GateSettings
 from dspark.verify.attention import RaggedVerifyAttention
 from tests.engine.test_engine import _prompts
 
@@ -114,14 +116,14 @@ def _adaptive(decoder: SpecDecoder, b: int) -> Adaptive:
     planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), StepsPerSecondTable([1], [200.0], width=GAMMA + 1),
                             lag=1, num_slots=8, tiers=decoder.tiers or None,
                             graph_slots=decoder.graph_slots(b, GAMMA + 1))
-    return Adaptive(planner, lambda b: 0.004 * b, probe_every=2)
+    return Adaptive(planner, lambda b: 0.004 * b, gate=GateSettings(probe_every=2))
 
 
 @pytest.mark.parametrize("tiers", [None, (8, 16, 24)], ids=["eager", "tiers"])
 @pytest.mark.parametrize("mode", ["compact", "static"])
 @pytest.mark.parametrize("policy", ["adaptive", "fixed-3"])
 def test_each_step_validates_each_input_once_and_no_layer_validates(models, counts, tiers, mode, policy):
-    decoder = SpecDecoder(*models, cache_tokens=2048, page_size=8, tiers=tiers)
+    decoder = SpecDecoder(*models, config=EngineConfig(cache_tokens=2048, page_size=8, tiers=tiers))
     pol = _adaptive(decoder, 4) if policy == "adaptive" else FixedK(3)
     decoder.generate(_prompts(4, 6), 10, pol, mode=mode)
     assert len(counts.steps) >= 2, "the run must take speculative steps for the count to mean anything"
@@ -145,6 +147,6 @@ class BadLens(Policy):
 
 @pytest.mark.parametrize("mode", ["compact", "cap-accept"])
 def test_a_policys_bad_verify_lens_raise_naming_the_value(models, mode):
-    decoder = SpecDecoder(*models, cache_tokens=2048, page_size=8)
+    decoder = SpecDecoder(*models, config=EngineConfig(cache_tokens=2048, page_size=8))
     with pytest.raises(ValueError, match=rf"verify_lens\[0\] = {GAMMA + 2} is outside \[1, W={GAMMA + 1}\]"):
         decoder.generate(_prompts(2, 6), 4, BadLens(), mode=mode)

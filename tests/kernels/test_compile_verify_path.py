@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.kernels.test_attention import build_case
 
 from dspark.kernels import accept as ka
 from dspark.kernels import layout as kl
@@ -25,6 +24,7 @@ from dspark.plan import budget as bu
 from dspark.plan import survival as su
 from dspark.verify import accept as va
 from dspark.verify import layout as vlay
+from tests.kernels.test_attention import build_case
 
 CHEAP = ["eager", "aot_eager"]
 FIXTURE = settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -6,11 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.plan.test_allocate import cases
 
 from dspark.ascend.launch import integer_compares
 from dspark.kernels import accept, dispatch, kv_write, layout, topk
 from dspark.kernels.compare import FP32_EXACT
+from tests.plan.test_allocate import cases
 
 ASCEND = ("cores", {"vector": 3, "dot": 2})
 

@@ -30,6 +30,7 @@ from dspark.models.stream_store import Streams, labelled_streams  # noqa: E402
 from dspark.models.train_data import draw_prompts  # noqa: E402
 from dspark.models.train_draft import tiny_target  # noqa: E402
 
+
 def _encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 

@@ -11,7 +11,6 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from dspark.engine.kv_cache import PagedKVCache  # noqa: E402
 from dspark.models.corpus import SPLITS, TRAIN_PACKAGES, stdlib_files  # noqa: E402
 from dspark.models.draft import (  # noqa: E402
     DEFAULT_WEIGHTS,
@@ -22,6 +21,7 @@ from dspark.models.draft import (  # noqa: E402
 )
 from dspark.models.paged_attend import PagedAttend  # noqa: E402
 from dspark.models.train_draft import main, tiny_target  # noqa: E402
+from dspark.serve.kv_cache import PagedKVCache  # noqa: E402
 from dspark.verify.attention import RaggedVerifyAttention  # noqa: E402
 from dspark.verify.layout import RaggedVerifyLayout  # noqa: E402
 

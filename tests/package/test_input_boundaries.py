@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from dspark.cli import main as cli_main
-from dspark.engine import demo as demo_mod
-from dspark.engine.demo_config import DemoConfig, check_config, length_range
-from dspark.engine.kv_cache import PagedKVCache
+from dspark.lab.demo import run as demo_mod
+from dspark.lab.demo.config import DemoConfig, check_config, length_range
 from dspark.models import train_draft
 from dspark.models.draft import DEFAULT_WEIGHTS, manifest_path
 from dspark.models.train_draft import TrainDraftConfig
+from dspark.serve.kv_cache import PagedKVCache
 
 INT_MINIMUM = {"prompt_len": 3, "lag": 0, "seed": 0, "gamma": 1}  # the rest of DemoConfig's ints: 1
 
@@ -124,7 +124,7 @@ def test_a_kv_cache_too_large_for_memory_says_how_large_and_what_to_do(monkeypat
 
     def broken(*a, **k):
         raise RuntimeError("no kernel image is available")  # not an allocation failure: passed on as it is
-    monkeypatch.setattr("dspark.engine.kv_cache.torch.zeros", broken)
+    monkeypatch.setattr("dspark.serve.kv_cache.torch.zeros", broken)
     with pytest.raises(RuntimeError, match="no kernel image"):
         PagedKVCache(num_layers=1, num_heads=1, head_dim=8, num_pages=2, page_size=4)
 
@@ -201,7 +201,7 @@ def test_the_trainer_reports_a_bad_option_without_a_traceback(tmp_path: Path, ca
 def test_option_types_check_while_parsing_and_name_the_option(tmp_path: Path, capsys) -> None:
     import argparse
 
-    from dspark.cli.options import POSITIVE_REAL, at_least, int_list, output_path, real
+    from dspark.util.options import POSITIVE_REAL, at_least, int_list, output_path, real
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=at_least(2), default=2)

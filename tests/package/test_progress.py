@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.engine.progress import Progress, StageProgress
+from dspark.lab.progress import Progress, StageProgress
 
 
 @settings(max_examples=30, deadline=None)

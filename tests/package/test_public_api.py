@@ -23,8 +23,8 @@ PUBLIC = {
     "dspark.parallel": ["CostTableMismatchError", "DpTier", "DpTierAgreement", "ParallelConfig", "TpAgreement",
                         "TpDisagreementError", "check_cost_table"],
     "dspark.telemetry": ["StepRecord", "acceptance", "tau_bias"],
-    "dspark.engine": ["BlockDrafter", "CausalLMDrafter", "Drafter", "NgramDrafter", "SpecDecoder"],
-    "dspark.generation": ["Generation", "generate"],
+    "dspark.serve": ["BlockDrafter", "CausalLMDrafter", "Drafter", "NgramDrafter", "SpecDecoder"],
+    "dspark.serve.generate": ["Generation", "generate"],
 }
 
 

@@ -5,9 +5,9 @@ import torch
 from dspark.util.validate import (
     check_directory,
     check_int,
-    check_output_path,
     check_kv_fits,
     check_nonnegative,
+    check_output_path,
     check_path,
     check_real,
     check_tensor,

@@ -6,7 +6,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.plan.test_allocate import cases
 
 from dspark import (
     AdditiveCostModel,
@@ -20,6 +19,7 @@ from dspark import (
     greedy_budget,
     tau_curve,
 )
+from tests.plan.test_allocate import cases
 
 
 def cliff_table() -> StepsPerSecondTable:

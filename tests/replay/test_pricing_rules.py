@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dspark.cost.serving import load_serving_cost
-from dspark.replay.lab import Lab, serving_queue
-from dspark.replay.report import run_summary
-from dspark.replay.trace import DEFAULT_TRACE, load_trace
+from dspark.lab.replay.lab import Lab, serving_queue
+from dspark.lab.replay.report import run_summary
+from dspark.lab.replay.trace import DEFAULT_TRACE, load_trace
 
 pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
 COSTS = Path(__file__).resolve().parents[2] / "graphs" / "cost_models"

@@ -12,12 +12,13 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
-from dspark.replay.lab import Lab, queue_ids, serving_queue
-from dspark.replay.trace import Trace
+from dspark.lab.replay.lab import Lab, queue_ids, serving_queue
+from dspark.lab.replay.trace import Trace
 
 pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
 GAMMA, VOCAB = 4, 50
@@ -147,7 +148,7 @@ def test_a_recycled_queue_repeats_every_request_before_any_twice_and_refuses_pas
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 1000), b=st.sampled_from([2, 3, 5]), policy=st.sampled_from(POLICIES))
 def test_every_measured_request_runs_at_full_concurrency_and_tok_s_is_their_tokens_over_time(seed, b, policy) -> None:
-    from dspark.replay.report import run_summary
+    from dspark.lab.replay.report import run_summary
 
     trace = synthetic_trace(30, seed)
     q = serving_queue(trace, b, requests_per_slot=3, fill_per_slot=4, min_requests=6)
@@ -187,7 +188,7 @@ def test_the_adaptive_policy_drafts_shallower_when_deep_drafts_cost_more_than_th
     import dataclasses
 
     from dspark.cost.serving import BatchCurve, DraftCost
-    from dspark.replay.report import run_summary
+    from dspark.lab.replay.report import run_summary
 
     trace = synthetic_trace(40, seed=11)
     base = _cost()

@@ -1,6 +1,6 @@
 """Replay reproduces live runs: the live engine and the trace replay, given the same policy factory, take
 the same decisions step by step (verify lengths, commit lengths, speculate or not) on the tiny models; and
-`dspark.replay.live` shows what differs and prices the live steps with the replay's cost model."""
+`dspark.lab.replay.live` shows what differs and prices the live steps with the replay's cost model."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,15 +8,16 @@ import functools
 
 import pytest
 import torch
+from engine_models import VOCAB, tiny_models
 
 from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
-from dspark.engine.decode import SpecDecoder
-from dspark.replay.lab import Lab
-from dspark.replay.live import priced_phases, step_agreement, work_of
-from dspark.replay.record import record_trace
-from dspark.replay.workload import Request
-from engine_models import VOCAB, tiny_models
+from dspark.lab.replay.lab import Lab
+from dspark.lab.replay.live import priced_phases, step_agreement, work_of
+from dspark.lab.replay.record import record_trace
+from dspark.lab.replay.workload import Request
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
 
 pytestmark = pytest.mark.cpu_only(reason="the replay runs on host tensors; the live side is compared on the CPU")
 GAMMA, N = 4, 10
@@ -29,7 +30,7 @@ def _setup():
     requests = [Request("code" if i % 2 else "chat", torch.randint(3, VOCAB, (int(p),), generator=g), int(n))
                 for i, (p, n) in enumerate(zip(torch.randint(4, 9, (N,), generator=g), torch.randint(3, 12, (N,), generator=g)))]
     trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=GAMMA, max_batch=4)
-    decoder = SpecDecoder(target, draft, cache_tokens=4096)
+    decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096))
     cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8)
     cost = dataclasses.replace(cost, drafter=dataclasses.replace(cost.drafter, per_catch_up_token=20e-6))
     return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False)

@@ -1,4 +1,4 @@
-"""The timed replay (`dspark.replay.timed`): the lab's policies driving the real target and drafter forwards of
+"""The timed replay (`dspark.lab.replay.timed`): the lab's policies driving the real target and drafter forwards of
 the tiny models. It commits exactly what the priced replay commits, step for step, and each step's time is
 measured around the forwards it actually ran (counted through hooks on the models)."""
 from __future__ import annotations
@@ -9,18 +9,18 @@ import time
 
 import pytest
 import torch
-
-from dspark.cost.shipped import h100_llama8b_fitted
-from dspark.engine.lm_drafter import CausalLMDrafter
-from dspark.engine.ngram import NgramDrafter
-from dspark.engine.results import GenerateResult
-from dspark.models.transformers_lm import TransformersCausalLM
-from dspark.replay.lab import Lab
-from dspark.replay.record import record_trace
-from dspark.replay.timed import TimedReplay
-from dspark.replay.workload import Request
 from drafter_models import llama
 from engine_models import VOCAB, tiny_llama, tiny_models
+
+from dspark.cost.shipped import h100_llama8b_fitted
+from dspark.lab.replay.lab import Lab
+from dspark.lab.replay.record import record_trace
+from dspark.lab.replay.timed import TimedReplay
+from dspark.lab.replay.workload import Request
+from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.drafters.causal_lm import CausalLMDrafter
+from dspark.serve.drafters.ngram import NgramDrafter
+from dspark.serve.outcome import GenerateResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GAMMA, N = 4, 10

@@ -12,16 +12,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dspark.calibration.online import draft_features
-from dspark.engine.decode import SpecDecoder
-from dspark.engine.policies import FixedK
+from dspark.lab.replay import record
+from dspark.lab.replay.record import record_trace
+from dspark.lab.replay.trace import (
+    DEFAULT_TRACE,
+    NEAR_TIE,
+    RECORD,
+    STORED,
+    Trace,
+    load_trace,
+    manifest_path,
+    save_trace,
+)
+from dspark.lab.replay.workload import KINDS, RENAME, Request, WorkloadSpec, build_workload
 from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
-from dspark.replay import record
-from dspark.replay.record import record_trace
-from dspark.replay.trace import DEFAULT_TRACE, NEAR_TIE, RECORD, STORED, Trace, load_trace, manifest_path, save_trace
-from dspark.replay.workload import KINDS, RENAME, Request, WorkloadSpec, build_workload
+from dspark.serve.config import EngineConfig
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.policies import FixedK
 from tests.engine_models import VOCAB, tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,9 +67,9 @@ def test_the_live_engine_computes_the_trace_at_every_step(device, max_batch) -> 
     requests = _requests(0)
     trace = record_trace(target, draft, requests, draft_sha256=SHA, max_batch=4, device=device)
     assert trace.meta["argmax_mismatches"]["count"] == 0  # teacher-forced argmax = the decoded continuation
-    live = SpecDecoder(target, draft, cache_tokens=4096, page_size=8, device=device).generate(
-        [r.prompt for r in requests], trace.new_tokens.clone(), FixedK(GAMMA), mode="compact", max_batch=max_batch,
-        keep_draft_logits=True)
+    config = EngineConfig(cache_tokens=4096, page_size=8, device=device, keep_draft_logits=True)
+    live = SpecDecoder(target, draft, config).generate([r.prompt for r in requests], trace.new_tokens.clone(),
+                                                       FixedK(GAMMA), mode="compact", max_batch=max_batch)
     t = torch.zeros(trace.num_requests, dtype=torch.int64)
     differ = near_ties = 0
     for step in live.steps:

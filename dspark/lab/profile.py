@@ -1,0 +1,355 @@
+"""Profile this machine's whole decode-step cost T(B, M) and fit a cost model for the planner.
+
+A step's cost is what the planner trades against expected progress: drafting gamma tokens (depends on
+B), the verify forward over M rows, and the accept. Each sample runs the real decode loop with a
+profiling policy that forces exactly M verify rows, and takes the median step time. The plain
+(target-only) step T_plain(B) is profiled the same way: the adaptive policy compares the two to decide
+whether to speculate at all.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dspark.config import VerifyMode
+from dspark.cost import (
+    AdditiveCostModel,
+    CostModel,
+    FitReport,
+    ProfileSample,
+    StepsPerSecondTable,
+    TieredCostModel,
+    serving_tiers,
+)
+from dspark.cost.serving import BatchCurve, DraftCost, PrefillCost, ServingCost
+from dspark.cost.shipped import fill_monotone, fit_prefill, scale_batches, shift_batches
+from dspark.kernels import dispatch
+from dspark.lab.sweep import tier_rows
+from dspark.lab.timing import lockstep
+from dspark.serve.engine import SpecDecoder
+from dspark.serve.outcome import GenerateResult
+from dspark.serve.policies import FixedK, Policy, PolicyPlan
+from dspark.verify.accept import AcceptResult
+from dspark.verify.layout import round_up_to_tier
+
+log = logging.getLogger(__name__)
+
+
+class ForcedRows(Policy):
+    """Profiling policy: draft gamma tokens, verify `rows` rows for `batch` requests spread evenly (the same
+    rows per request once finished requests have left the batch)."""
+
+    name = "forced-rows"
+
+    def __init__(self, gamma: int, rows: int, batch: int):
+        self.num_drafts, self.rows, self.batch = gamma, rows, batch
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
+        b = confidence_logits.shape[0]
+        extra = (self.rows - self.batch) * b // self.batch
+        lens = 1 + extra // b + (torch.arange(b) < extra % b).to(torch.int32)
+        return PolicyPlan(lens.to(torch.int32).to(confidence_logits.device))
+
+
+def row_grid(batch: int, width: int, points: int) -> list[int]:
+    """`points` row totals from B (roots only) to B * W, evenly spaced, distinct."""
+    top = batch * width
+    return sorted({batch + round(i * (top - batch) / (points - 1)) for i in range(points)})
+
+
+def profile_points(batch_sizes: Sequence[int], gamma: int, tiers: Sequence[int] = (), points: int = 5
+                   ) -> list[tuple[int, int]]:
+    """(B, M) points: `points` evenly spaced M per B, or with tiers every tier top inside [B, B*W] (a step
+    pads its rows to a tier top, so a tier's cost is its top's) plus B and B*W where they fit the largest
+    tier."""
+    if not tiers:
+        return [(b, m) for b in batch_sizes for m in row_grid(b, gamma + 1, points)]
+    return [(b, m) for b in batch_sizes for m in tier_rows(tiers, b, gamma + 1, offsets=(0,)) if m <= tiers[-1]]
+
+
+def _median_step(res: GenerateResult) -> float:
+    """Median seconds of one run's steps that still had every request in the batch."""
+    secs = torch.tensor([s.times.draft + s.times.plan + s.times.verify + s.times.accept
+                         for s in res.steps if s.requests.numel() == res.max_batch], dtype=torch.float64)
+    return float(secs.median())
+
+
+@dataclass(frozen=True)
+class PlainStepCost:
+    """T_plain(B): seconds of one target-only step, profiled at a few batch sizes.
+
+    Between profiled sizes the time is interpolated linearly in B; below the smallest it is the smallest's
+    time (small steps are overhead-bound), above the largest it grows in proportion to B.
+    """
+
+    batch_sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or len(self.batch_sizes) != len(self.seconds):
+            raise ValueError(f"need one time per batch size, got {self.batch_sizes} / {self.seconds}")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch sizes must be distinct, increasing and >= 1, got {self.batch_sizes}")
+        if not all(s > 0 for s in self.seconds):
+            raise ValueError(f"plain step times must be positive, got {self.seconds}")
+
+    def step_seconds(self, num_requests: int) -> float:
+        """Seconds of a plain step over `num_requests` requests."""
+        bs, ts = self.batch_sizes, self.seconds
+        if num_requests <= bs[0]:
+            return ts[0]
+        if num_requests >= bs[-1]:
+            return ts[-1] * num_requests / bs[-1]
+        i = next(i for i, b in enumerate(bs) if b >= num_requests)
+        f = (num_requests - bs[i - 1]) / (bs[i] - bs[i - 1])
+        return ts[i - 1] + f * (ts[i] - ts[i - 1])
+
+    def to_dict(self) -> dict:
+        return {"batch_sizes": list(self.batch_sizes), "seconds": list(self.seconds)}
+
+
+def profile_step_costs(decoder: SpecDecoder, prompts: Tensor, grid: Sequence[tuple[int, int]], gamma: int, *,
+                       tokens: int = 12, repeats: int = 2, mode: VerifyMode = VerifyMode.COMPACT,
+                       progress: Callable[[], None] | None = None
+                       ) -> tuple[list[ProfileSample], PlainStepCost]:
+    """Whole-step seconds of a speculative step at each (B, M) point and of a plain step at each B.
+
+    Each value is the median over `repeats` sweeps of each run's median step with all B requests still
+    in the batch (one warm-up run per B first). A sweep runs, per B, the plain run and every M's run in
+    `lockstep` (interleaved step by step on forked decoders), so bursts of machine load hit all points
+    (and both sides of the speculate-or-not comparison) alike instead of biasing one. Give the decoder the timed
+    runs' max_new_tokens as its `EngineConfig.reserve_new_tokens`, so the profiled steps see the KV geometry
+    (pages per request) of the steps they predict.
+    """
+    batch_sizes = sorted({b for b, _ in grid})
+    for b in batch_sizes:
+        decoder.generate(prompts[:b], 2, ForcedRows(gamma, b * (gamma + 1), b), mode=mode)
+    width = max(sum(1 for bb, _ in grid if bb == b) for b in batch_sizes) + 1
+    forks = [decoder.fork() for _ in range(width)]  # one decoder per run of a B's lockstep sweep
+    runs: dict[tuple[int, int], list[float]] = {key: [] for key in grid}
+    plain: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    for _ in range(repeats):
+        for b in batch_sizes:
+            rows = [m for bb, m in grid if bb == b]
+            started = {"plain": forks[0].start(prompts[:b], tokens, FixedK(0), mode=VerifyMode.STATIC)}
+            started.update({m: f.start(prompts[:b], tokens, ForcedRows(gamma, m, b), mode=mode)
+                            for f, m in zip(forks[1:], rows)})
+            results = lockstep(started)
+            plain[b].append(_median_step(results["plain"]))
+            for m in rows:
+                runs[(b, m)].append(_median_step(results[m]))
+                if progress:
+                    progress()
+    samples = [ProfileSample(num_requests=b, rows=m, seconds=float(torch.tensor(runs[(b, m)]).median()))
+               for b, m in grid]
+    return samples, PlainStepCost(tuple(batch_sizes), tuple(float(torch.tensor(plain[b]).median())
+                                                            for b in batch_sizes))
+
+
+def monotone_in_rows(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
+    """Per batch size, the least-squares fit of the step times that never decreases with the rows
+    (pool-adjacent-violators): a step with more verify rows cannot cost less, so a dip between two profiled
+    row counts is timing noise, and a cost model fitted through it would make the budget scan stop at it."""
+    out: list[ProfileSample] = []
+    for b in sorted({s.num_requests for s in samples}):
+        row = sorted((s for s in samples if s.num_requests == b), key=lambda s: s.rows)
+        blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+        for s in row:
+            blocks.append([s.seconds, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        values = [total / count for total, count in blocks for _ in range(int(count))]
+        out += [ProfileSample(num_requests=b, rows=s.rows, seconds=v) for s, v in zip(row, values)]
+    return out
+
+
+def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, tiers: Sequence[int] = (),
+                   row_bins: Sequence[int] = (1, 8, 32, 64)) -> tuple[CostModel, FitReport, int | None]:
+    """With tiers: TieredCostModel over the `serving_tiers` (a tier that ran slower than a larger one is
+    left out, and its samples with it: steps pad past it) with the measured (B, tier) cells as its table
+    (a CPU's matmul cost is not additive in B and the rows: it jumps and dips with the row count); the
+    model's `tiers` are the ones to serve with. Without: the additive model
+    `bias + alpha(B) + theta(M)` with theta non-decreasing and convex in M (`convex_rows`: the lag-0
+    greedy budget scan then finds the argmax; an unconstrained per-row theta threads every noisy sample,
+    and its dips stop the scan early) at the finest M binning whose fit is valid (a fit that predicts a
+    non-positive time somewhere is refused; coarser bins average the noise out); when no binning gives a valid fit (very noisy timings), the 1-D steps/s table fitted
+    on the same samples, with a logged warning. The samples are first made non-decreasing in the rows per
+    batch size (`monotone_in_rows`). Returns (model, report, row_bin used or None)."""
+    if tiers:
+        served = serving_tiers(samples, tiers)
+        kept = [s for s in samples if round_up_to_tier(s.rows, tiers) in served]
+        model, report = TieredCostModel.fit(monotone_in_rows(kept), tiers=served, dense=True, platform=platform,
+                                            width=gamma + 1)
+        return model, report, None
+    samples = monotone_in_rows(samples)
+    errors = []
+    for row_bin in row_bins:
+        try:
+            model, report = AdditiveCostModel.fit(samples, row_bin=row_bin, platform=platform, width=gamma + 1,
+                                                  convex_rows=True)
+            return model, report, row_bin
+        except ValueError as e:
+            errors.append(f"row_bin={row_bin}: {e}")
+    log.warning("no valid additive cost model fit (%s); falling back to the 1-D steps/s table",
+                "; ".join(errors))
+    model, report = StepsPerSecondTable.fit(samples, platform=platform, width=gamma + 1)
+    return model, report, None
+
+
+def profile_drafting(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, tokens: int, repeats: int
+                     ) -> tuple[list[float], list[tuple[int, float]], float]:
+    """The draft phase per depth, the prefill and the drafter's catch-up of B = len(prompts) requests.
+
+    Returns ([median draft phase of full-batch steps drafting k, verifying the roots only, for k = 1..gamma],
+    [(prompt tokens, seconds) of each run's first admission], seconds per token caught up beyond the roots
+    (`profile_catch_up`)): the median over `repeats` runs per depth."""
+    b, drafting, prefills = prompts.shape[0], [], []
+    for k in range(1, gamma + 1):
+        runs = [decoder.generate(prompts, tokens, ForcedRows(k, b, b))
+                for _ in range(repeats)]
+        drafting.append(statistics.median(statistics.median(s.times.draft for s in r.steps
+                                                            if s.requests.numel() == b) for r in runs))
+        prefills += [(int(prompts.shape[1] - 1) * b, r.startup_seconds) for r in runs]
+    catch_up = profile_catch_up(decoder, prompts, gamma, tokens=tokens, repeats=repeats)
+    return drafting, prefills, catch_up
+
+
+def profile_catch_up(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, tokens: int, repeats: int) -> float:
+    """Seconds per token the drafter catches up beyond the roots, from `repeats` runs of B = len(prompts) requests
+    drafting gamma and verifying every row: their steps catch up 0..gamma tokens per request (what the step
+    committed beyond one) and the first the prompts. The least-squares slope of each step's draft phase over its
+    catch-up tokens, clipped at 0."""
+    b = prompts.shape[0]
+    points = [(s.catch_up, s.times.draft) for _ in range(repeats)
+              for s in decoder.generate(prompts, tokens, ForcedRows(gamma, b * (gamma + 1), b)).steps if s.speculated]
+    x, y = np.array(points, dtype=np.float64).T
+    if np.ptp(x) == 0:
+        return 0.0
+    return max(float(np.polyfit(x, y, 1)[0]), 0.0)
+
+
+def profile_kv(decoder: SpecDecoder, short: Tensor, long: Tensor, *, tokens: int, repeats: int) -> tuple[float, float]:
+    """Seconds per cached KV token of a plain step, from plain runs of B = len(short) requests on short [B, P]
+    and long [B, P'] prompts in lockstep (the median full-batch step of each, `repeats` times).
+
+    Returns (slope: extra seconds per extra cached token, clipped at 0; the short runs' mean cached tokens per
+    request over their full-batch steps)."""
+    b, slopes, base = short.shape[0], [], []
+    for _ in range(repeats):
+        runs = lockstep({n: decoder.fork().start(p, tokens, FixedK(0), mode=VerifyMode.STATIC)
+                         for n, p in (("short", short), ("long", long))})
+        full = {n: [s for s in r.steps if s.requests.numel() == b] for n, r in runs.items()}
+        kv = {n: statistics.fmean(s.kv_tokens for s in steps) / b for n, steps in full.items()}
+        slopes.append((_median_step(runs["long"]) - _median_step(runs["short"])) / (b * (kv["long"] - kv["short"])))
+        base.append(kv["short"])
+    return max(statistics.median(slopes), 0.0), statistics.fmean(base)
+
+
+def attention_kv_layout(device: torch.device) -> str:
+    """How dspark's attention reads the KV cache on `device`: `ragged` (the Triton kernel walks each request's own
+    length) or `padded` (the CPU torch path pads every request to the step's longest)."""
+    return "ragged" if dispatch.use_triton(torch.empty(0, device=device)) else "padded"
+
+
+def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor, gamma: int,
+                         batch_sizes: Sequence[int], tiers: Sequence[int], *, tokens: int, repeats: int,
+                         max_requests: int, name: str, description: str,
+                         parameters: dict, long_prompts: Tensor | None = None,
+                         progress: Callable[[str], None] | None = None) -> ServingCost:
+    """A ServingCost of this machine, profiled with the engine's own code at each B of `batch_sizes`.
+
+    decoders(b): the SpecDecoder to profile B = b on (one per B keeps memory bounded; its config reserves the
+    timed runs' new tokens); prompts [N >= max B, P]:
+    held-out prompts of one length; tiers: the tier ladder (up to max_requests x W); long_prompts [N, P' > P]:
+    with them the KV term is profiled too (`profile_kv` per B, the median slope), else it is 0. Per B: whole
+    speculative steps at every tier top in [B, B x W] and plain steps (`profile_step_costs`), the draft phase
+    per depth, the prefill and the drafter's catch-up per token (`profile_drafting`; the catch-up's median over B);
+    fitted and extended by `profiled_cost`."""
+    samples, plain, prefills, slopes, contexts, catch_ups = [], [], [], [], [], []
+    drafting: list[list[float]] = [[] for _ in range(gamma)]
+    layout = "ragged"
+    for b in batch_sizes:
+        decoder = decoders(b)
+        layout = attention_kv_layout(decoder.device)
+        measured, plain_b = profile_step_costs(decoder, prompts[:b], profile_points([b], gamma, tiers), gamma,
+                                               tokens=tokens, repeats=repeats)
+        samples += measured
+        plain.append(plain_b.seconds[0])
+        depths, runs, catch_up = profile_drafting(decoder, prompts[:b], gamma, tokens=tokens, repeats=repeats)
+        for k, seconds in enumerate(depths):
+            drafting[k].append(seconds)
+        prefills += runs
+        catch_ups.append(catch_up)
+        if long_prompts is not None:
+            slope, context = profile_kv(decoder, prompts[:b], long_prompts[:b], tokens=tokens, repeats=repeats)
+            slopes.append(slope)
+            contexts.append(context)
+        if progress:
+            progress(f"profiled B={b}")
+    kv = (statistics.median(slopes), statistics.fmean(contexts)) if slopes else None
+    return profiled_cost(samples, BatchCurve(tuple(batch_sizes), plain),
+                         [BatchCurve(tuple(batch_sizes), d) for d in drafting], fit_prefill(prefills), gamma=gamma,
+                         tiers=tiers, max_requests=max_requests, name=name, description=description,
+                         parameters=parameters, kv=kv, catch_up=statistics.median(catch_ups), kv_layout=layout)
+
+
+def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting: Sequence[BatchCurve],
+                  prefill: PrefillCost, *, gamma: int, tiers: Sequence[int], max_requests: int, name: str,
+                  description: str, parameters: dict, kv: tuple[float, float] | None = None,
+                  catch_up: float = 0.0, kv_layout: str = "ragged") -> ServingCost:
+    """A ServingCost from a profile's results: whole-step samples (B, M, seconds) drafting gamma, plain seconds
+    and the draft phase per depth 1..gamma at the profiled B, the prefill fit, the tier ladder up to
+    max_requests x W. `fit_cost_model` over the profiled tiers, `fill_monotone`, `scale_batches` up to
+    max_requests, then the gamma-deep draft taken out of every cell (`verify` holds the target's part); the draft
+    curves made non-decreasing in the depth. kv: (seconds per cached KV token, the cached tokens per request the
+    profiled steps held): per_kv_token, and that context's share taken out of verify and plain (the file then
+    prices each step's own context); None (not profiled): per KV token 0, the profile's contexts inside the
+    table. catch_up: the drafter's seconds per token caught up beyond the roots (0: not profiled); kv_layout: how
+    the profiled attention reads the KV cache (`attention_kv_layout`)."""
+    import platform
+
+    machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
+    fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
+    model, curves = scale_batches(fill_monotone(fitted, samples), (plain, *drafting), tiers, max_requests)
+    plain, drafting = curves[0], curves[1:]
+    per_kv, context = kv or (0.0, 0.0)
+    drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
+                for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
+    # the priced gamma-deep draft taken out: a gamma-deep step prices at the measured whole step. The draft phase
+    # comes from other runs than the whole steps, so where timing noise makes it exceed a step's cheapest cell the
+    # part taken out is held to half that cell (the target's share of a step is never priced at or below zero)
+    cheapest = {b: min(float(model.step_seconds(b, m)) for m in range(b, b * (gamma + 1) + 1))
+                for b in model.batch_probes}
+    taken = [drafting[-1](b) + per_kv * context * b for b in model.batch_probes]
+    held = [min(t, 0.5 * cheapest[b]) for b, t in zip(model.batch_probes, taken)]
+    verify = shift_batches(model, [-h for h in held])
+    plain = BatchCurve(plain.batch_sizes, [t - per_kv * context * b for b, t in zip(plain.batch_sizes, plain.seconds)])
+    sources = (
+        "measured: dspark.lab.profile.profile_step_costs per batch size + fit_cost_model over the tier ladder "
+        "(TieredCostModel table over its serving tiers; plain step per B)",
+        "unmeasured table cells made monotone in the tier (fill_monotone)",
+        f"B > {top}: B / {top} steps of {top} requests with the same rows per request (scale_batches)",
+        "drafter: median draft phase of full-batch steps drafting k = 1..gamma, verifying the roots only "
+        "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft; "
+        + (f"catch-up: profile_catch_up, {catch_up * 1e6:.3f} us per token beyond the roots" if catch_up else
+           "catch-up: not profiled (0)"),
+        (f"per KV token ({kv_layout}): profile_kv, plain steps on short and long prompts in lockstep, "
+         f"{per_kv * 1e6:.3f} us; the profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if kv else
+         "per KV token: 0 (the profiled steps hold the profile's own contexts)")
+        + "; prefill: fit_prefill over the drafting runs' first admissions",
+        f"machine: {platform.platform()}, torch {torch.__version__}")
+    if held != taken:
+        sources += (f"the draft taken out held to half the cheapest cell at B = "
+                    f"{[b for b, h, t in zip(model.batch_probes, held, taken) if h != t]} (timing noise)",)
+    drafter = DraftCost("chain", tuple(drafting), catch_up)
+    return ServingCost(name, machine, description, sources, verify, plain, per_kv, drafter, prefill, tiers=model.tiers,
+                       max_requests=max_requests, parameters=parameters, kv_layout=kv_layout)

@@ -1,0 +1,93 @@
+"""A live run beside its replay: do they take the same steps, and what does the cost model charge for the live ones.
+
+`step_agreement` compares a live `GenerateResult` with the replay of the same queue step by step (speculate or
+not, the requests in the slots, verify lengths, commit lengths) and the live tokens with the trace's greedy
+continuation; what differs is shown with the logit gap that decided it. `priced_phases` prices every live step
+with the rules the replay charges (`ServingCost.price` of the step's `StepWork`) phase by phase: when the steps
+agree, the replay's seconds are exactly these priced seconds, so the gap between live and replayed tok/s is the
+sum of the per-phase residuals it reports (draft, target, prefill, and the plan and host time the replay does
+not charge).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from dspark.cost.serving import ServingCost, StepWork
+from dspark.lab.replay.trace import Trace
+from dspark.serve.outcome import GenerateResult, StepOutcome
+
+SHOWN = 8  # differing steps and diverging requests listed in full
+
+
+def _same_step(x: StepOutcome, y: StepOutcome) -> bool:
+    return (x.speculated == y.speculated and torch.equal(x.owners.cpu(), y.owners.cpu())
+            and torch.equal(x.caps.cpu().to(torch.int64), y.caps.cpu().to(torch.int64))
+            and torch.equal(x.commit_lens.cpu().to(torch.int64), y.commit_lens.cpu().to(torch.int64)))
+
+
+def _difference(i: int, x: StepOutcome, y: StepOutcome) -> dict:
+    conf_gap = None
+    if x.speculated and y.speculated and x.confidence_logits.shape == y.confidence_logits.shape:
+        conf_gap = float((x.confidence_logits.cpu() - y.confidence_logits.cpu()).abs().max())
+    return {"step": i, "live": {"speculated": x.speculated, "caps": x.caps.cpu().tolist(),
+                                "commit_lens": x.commit_lens.cpu().tolist()},
+            "replay": {"speculated": y.speculated, "caps": y.caps.cpu().tolist(),
+                       "commit_lens": y.commit_lens.cpu().tolist()},
+            "confidence_logit_max_abs_diff": conf_gap}
+
+
+def step_agreement(live: GenerateResult, replay: GenerateResult, trace: Trace, ids: Tensor) -> dict:
+    """Step-by-step agreement of a live run and its replay over the trace requests `ids` [N] (the queue both
+    served, in order).
+
+    Returns steps (live, replay), identical (steps equal in every decision up to the shorter run), the first
+    SHOWN differing steps (both sides' caps and commit lengths, the largest confidence-logit difference between
+    the live drafter and the trace), and the requests whose live tokens leave the trace's greedy continuation:
+    (request, position, the target's top-1 minus top-2 logit there, from the trace)."""
+    n = min(len(live.steps), len(replay.steps))
+    same = [_same_step(x, y) for x, y in zip(live.steps[:n], replay.steps[:n])]
+    differing = [_difference(i, live.steps[i], replay.steps[i]) for i in range(n) if not same[i]][:SHOWN]
+    diverging = []
+    for row, request in enumerate(ids.tolist()):
+        want = trace.greedy(request, 0, int(trace.new_tokens[request]))
+        got = live.tokens[row, : want.numel()].cpu()
+        bad = (got != want).nonzero()
+        if bad.numel():
+            pos = int(bad[0])
+            diverging.append({"request": request, "position": pos, "target_top2_gap": float(trace.margins(request)[pos])})
+    return {"steps": [len(live.steps), len(replay.steps)], "compared": n, "identical": sum(same),
+            "differing_steps": n - sum(same) + abs(len(live.steps) - len(replay.steps)), "first_differing": differing,
+            "diverging_requests": len(diverging), "divergences": diverging[:SHOWN]}
+
+
+def work_of(step: StepOutcome) -> StepWork:
+    """The StepWork of a live step (what the replay would price for it)."""
+    n, k = step.requests.numel(), step.confidence_logits.shape[-1]
+    return StepWork(requests=n, rows=int(step.layout.total_rows) if k else n, kv_tokens=step.kv_tokens, drafts=k,
+                    drafting=n if k else 0, prefill_tokens=step.prefill_tokens, catch_up=step.catch_up,
+                    kv_longest=step.kv_longest)
+
+
+def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
+    """A live run's seconds measured and priced by `cost`, phase by phase, over every step and its prefill.
+
+    Returns per phase (draft, target: verify + accept, prefill, plan: the policy's decision and host work)
+    measured and priced seconds and priced / measured - 1, and the same for the whole run."""
+    parts = {p: [0.0, 0.0] for p in ("draft", "target", "prefill", "plan")}
+    for i, s in enumerate(res.steps):
+        work = work_of(s)
+        prefill = res.startup_seconds if i == 0 else s.times.prefill
+        parts["draft"][0] += s.times.draft
+        parts["draft"][1] += cost.drafter.seconds(work.drafts, work.drafting, work.catch_up)
+        parts["target"][0] += s.times.verify + s.times.accept
+        parts["target"][1] += cost.price(dataclasses.replace(work, drafting=0, prefill_tokens=0, catch_up=0))
+        parts["prefill"][0] += prefill
+        parts["prefill"][1] += cost.prefill.seconds(work.prefill_tokens)
+        parts["plan"][0] += s.times.plan
+    out = {p: {"measured_s": m, "priced_s": q, "error": q / m - 1.0 if m > 0 else None} for p, (m, q) in parts.items()}
+    measured, priced = sum(m for m, _ in parts.values()), sum(q for _, q in parts.values())
+    out["all"] = {"measured_s": measured, "priced_s": priced, "error": priced / measured - 1.0 if measured else None}
+    return out

@@ -1,0 +1,207 @@
+"""`Adaptive`: draft gamma tokens and let dspark's VerifyPlanner pick per-request verify lengths from the calibrated
+confidence (lagged budget, live allocation, tier fill); the confidence comes from the draft's trained head, or
+with `estimator=` from an online estimator. Given the profiled plain-step time, each step first passes the
+speculate-or-not gate (`gate.SpeculationGate`), which compares the best speculative step, priced from the
+realised acceptance (`feedback.RealisedAcceptance`) or the lagged survival, with a plain one. How each piece
+decides: docs/policies.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dspark.calibration.online import OnlineAcceptanceEstimator
+from dspark.plan.planner import VerifyPlan, VerifyPlanner
+from dspark.serve.drafters.base import Drafts
+from dspark.serve.policies.base import Policy, PolicyPlan
+from dspark.serve.policies.feedback import RealisedAcceptance
+from dspark.serve.policies.gate import GateSettings, SpeculationGate
+from dspark.util.validate import check_int, check_type
+from dspark.verify.accept import AcceptResult
+
+if TYPE_CHECKING:
+    from dspark.serve.outcome import StepOutcome
+
+
+@dataclass(frozen=True)
+class FeedbackSettings:
+    """decay: per-request-outcome decay of the realised acceptance averages the gate reads once they exist (None:
+    lagged survival only); prior_weight: outcomes the mean of the plans' calibrated predictions is worth."""
+
+    decay: float | None = 0.985
+    prior_weight: int = 16
+
+    def __post_init__(self) -> None:
+        d = self.decay
+        if d is not None and not (isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d < 1):
+            raise ValueError(f"feedback decay must be in [0, 1) or None, got {d!r}")
+        check_int("prior_weight", self.prior_weight, 0)
+
+
+class Adaptive(Policy):
+    """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation.
+
+    planner: the VerifyPlanner (its gamma is the drafts per step). plain_seconds: B -> seconds of a target-only
+    step, profiled like the planner's cost model; with it each step first passes the speculate-or-not gate
+    (`gate`: its probe schedule and cost feedback). feedback: the realised-acceptance averages the gate reads.
+    estimator: an OnlineAcceptanceEstimator in place of the draft's head (the planner then needs
+    temperatures=None and its gamma). depths: planners for shallower drafts {k: planner with gamma k}, lag 0 like
+    `planner`; with them the gate also picks the depth, from the realised acceptance per position priced by each
+    depth's planner (a probe drafts gamma; until each position has `prior_weight` outcomes of its own every step
+    speculates at gamma: the warm-up). One policy object serves one run.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, planner: VerifyPlanner, plain_seconds: Callable[[int], float] | None = None,
+                 gate: GateSettings = GateSettings(), feedback: FeedbackSettings = FeedbackSettings(),
+                 estimator: OnlineAcceptanceEstimator | None = None,
+                 depths: Mapping[int, VerifyPlanner] | None = None):
+        check_type("gate", gate, GateSettings)
+        check_type("feedback", feedback, FeedbackSettings)
+        if estimator is not None:
+            check_type("estimator", estimator, OnlineAcceptanceEstimator)
+            if estimator.gamma != planner.cfg.gamma or planner.temperatures is not None:
+                raise ValueError(f"the estimator (gamma={estimator.gamma}) needs a planner with its gamma and "
+                                 f"temperatures=None, got gamma={planner.cfg.gamma} and temperatures "
+                                 f"{None if planner.temperatures is None else planner.temperatures.tolist()}")
+        depths = dict(depths or {})
+        for k, p in depths.items():
+            check_type(f"depths[{k}]", p, VerifyPlanner)
+            if not 1 <= k < planner.cfg.gamma or p.cfg.gamma != k:
+                raise ValueError(f"depths maps a depth k in [1, {planner.cfg.gamma - 1}] to a planner with gamma k, "
+                                 f"got {k} -> gamma {p.cfg.gamma}")
+            if p.ring is not None or planner.ring is not None:
+                raise ValueError(f"choosing the depth needs lag-0 planners, got lag {planner.lag} / {p.lag}")
+        self.estimator = estimator
+        self.source = "head" if estimator is None else "features"
+        self._features: Tensor | None = None  # the latest step's estimator features
+        self.gamma = planner.cfg.gamma
+        self._planners = {**depths, self.gamma: planner}  # depth -> its planner
+        self.planner = planner  # the current depth's planner
+        self.num_drafts = self.gamma
+        self.plain_seconds = plain_seconds
+        self.gate = SpeculationGate(gate)
+        self.catch_up = gate.max_probe_every  # plain steps in a row before a probe: tokens the draft catches up
+        self._catch_up = False  # the next speculative step's draft catches up on plain steps' tokens
+        self.feedback_settings = feedback
+        self.feedback = RealisedAcceptance(self.gamma, feedback.decay or 0.0, feedback.prior_weight)
+        self._pending: VerifyPlan | None = None  # the speculative step awaiting its outcome
+        slots = planner.ring.num_slots if planner.ring is not None else 0
+        self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
+
+    @property
+    def realised(self) -> tuple[float, float] | None:
+        """Moving averages of (accepted, verified) drafts per request per step at depth gamma (None before any
+        outcome)."""
+        return self.feedback.predict(self.gamma)
+
+    def speculate(self, slots: Tensor, generations: Tensor) -> bool:
+        """Before drafting: True to run a speculative step for these requests (at the depth it sets in
+        `num_drafts`), False for a plain one."""
+        if self.plain_seconds is None:
+            return True
+        forced = self.gate.probe()
+        if forced is not None:
+            if forced:
+                self._use_depth(self.gamma)
+            return True
+        b, gate = slots.numel(), self.gate
+        if gate.decided is None or gate.decided[0] != b:
+            # same B since the last decision and no admission (`admit`): same requests, same lagged survival
+            depth, spec_rate = self._speculative_rate(slots, generations)
+            gate.decide(b, depth, spec_rate, self.plain_seconds(b))
+        if gate.decided[1]:
+            gate.reset_probes()
+            self._use_depth(gate.decided[2])
+            return True
+        gate.went_plain(self.plain_seconds(b))
+        self._catch_up = True
+        return False
+
+    def _use_depth(self, depth: int) -> None:
+        self.planner, self.num_drafts = self._planners[depth], depth
+
+    def _speculative_rate(self, slots: Tensor, generations: Tensor) -> tuple[int, float]:
+        """(depth, predicted tokens / s) of the best speculative step for these requests: from the realised
+        acceptance per position when there is some (each depth priced by its planner's cost model), else from
+        the lagged survival (the gamma planner's best theta)."""
+        b = slots.numel()
+        if self.feedback.mean is not None and len(self._planners) > 1 and (
+                self.feedback.counts.min() < self.feedback_settings.prior_weight):
+            # choosing the depth: full-depth warm-up until every position's average rests on prior_weight outcomes
+            # of its own (an early prior must not drop a position that would then never be observed again)
+            return self.gamma, math.inf
+        if self.feedback.mean is not None:
+            best = (self.gamma, -math.inf)
+            for depth, planner in sorted(self._planners.items()):
+                accepted, verified = self.feedback.predict(depth)
+                rows = min(max(b, round(b * (1 + verified))), b * planner.cfg.width)
+                rate = b * (1 + accepted) / float(planner.cost_model.seconds_curve(b, rows, 1)[0])
+                if rate > best[1]:  # ties to the shallower depth
+                    best = (depth, rate)
+            return best
+        planner = self._planners[self.gamma]
+        if planner.ring is None:  # lag 0: no earlier survival to read; speculate until outcomes exist
+            return self.gamma, math.inf
+        lagged = planner.ring.read(slots, generations).cpu()
+        new = self._unseen[slots.cpu()] > 0
+        if new.any() and not new.all():
+            lagged[new] = lagged[~new].mean(0)
+        return self.gamma, planner.best_rate(lagged)
+
+    def confidence(self, drafts: Drafts) -> Tensor:
+        if self.estimator is None:
+            return drafts.confidence_logits
+        feats, k = drafts.features, drafts.features.shape[1]
+        if k < self.gamma:  # a shallower step: the estimator's columns past k stay unlabelled (censored)
+            feats = torch.cat([feats, feats.new_zeros(feats.shape[0], self.gamma - k, feats.shape[2])], 1)
+        self._features = feats  # the inputs of this step's labels (`observe`)
+        return self.estimator.predict(feats)[:, :k]
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
+        p = self.planner.plan(confidence_logits, slots, generations)
+        self.gate.decided = None  # the lag ring holds new survival
+        self.gate.expect(None if self._catch_up else p.decision.step_seconds)
+        self._catch_up = False
+        if self.planner.ring is not None:
+            host_slots = slots.cpu()
+            self._unseen[host_slots] = (self._unseen[host_slots] - 1).clamp(min=0)
+        if self.plain_seconds is not None and self.feedback_settings.decay is not None:
+            self._pending = p  # read in `observe`, after the step's commit sync: no device read mid-step
+        return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
+
+    def admit(self, slots: Tensor) -> None:
+        """New requests took `slots` (host ids; continuous batching): mark them new (no survival of their
+        own yet) and re-decide."""
+        if self.planner.ring is not None:
+            self._unseen[slots] = self.planner.ring.lag
+        self.gate.decided = None
+
+    def observe_seconds(self, seconds: float) -> None:
+        self.gate.observe_seconds(seconds)
+
+    def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:
+        """After a step: host commit lengths [B] of its requests; a speculative `outcome` also labels the
+        estimator's features."""
+        if self.estimator is not None and outcome is not None and outcome.speculated:
+            self.estimator.observe(verify_lens=outcome.caps, correct_lens=outcome.correct_lens, features=self._features)
+        if outcome is not None and not outcome.speculated and self.feedback.mean is not None:
+            # a plain step observes nothing: its B outcomes count as the long-run mean (the recent average
+            # describes text that has moved on), so one bad streak cannot keep a small batch plain
+            self.feedback.observe_plain(outcome.requests.numel())
+            self.gate.decided = None
+        if self._pending is None:
+            return
+        plan, self._pending = self._pending, None
+        # one host read of the planner's own (already checked) lengths and survival
+        host = torch.cat([plan.verify_lens[:, None].to(torch.float64), plan.survival.to(torch.float64)], 1).cpu()
+        vl = host[:, 0].numpy().astype(np.int64)
+        self.feedback.observe_plan(vl, host[:, 1:].numpy(), commit_lens.numpy())
+        self.gate.decided = None

@@ -1,0 +1,62 @@
+"""The policy plug-in point (`Policy`) and one step's decision (`PolicyPlan`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from torch import Tensor
+
+from dspark.serve.drafters.base import Drafts, Source
+from dspark.verify.accept import AcceptResult
+from dspark.verify.layout import RaggedVerifyLayout
+
+if TYPE_CHECKING:
+    from dspark.serve.outcome import StepOutcome
+
+
+@dataclass
+class PolicyPlan:
+    """One step's decision: verify lengths [B] int32 (root included) and what the planner saw."""
+
+    verify_lens: Tensor
+    survival: Tensor | None = None        # [B, drafts] live calibrated survival (None without drafts)
+    layout: RaggedVerifyLayout | None = None  # the planner's layout (tier-padded) when it built one
+    budget: int | None = None
+
+
+class Policy:
+    """The plug-in point for verify budgets. Hooks default to no-ops; a policy overrides what it needs.
+
+    num_drafts: tokens drafted per speculative step (0: target-only). source: what the drafter must return
+    per position, its head's confidence logits (`"head"`) or the online estimator's features
+    (`"features"`). catch_up: the most tokens committed without the drafter (plain steps) between two of its
+    proposals, beyond the verify width.
+    """
+
+    name: str = "policy"
+    num_drafts: int = 0
+    source: Source = "head"
+    catch_up: int = 0
+
+    def speculate(self, slots: Tensor, generations: Tensor) -> bool:
+        """Before drafting: True for a speculative step for these requests, False for a plain one."""
+        return True
+
+    def confidence(self, drafts: Drafts) -> Tensor:
+        """Confidence logits [B, k] the plan reads, from the step's drafts."""
+        return drafts.confidence_logits
+
+    def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
+             prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
+        """Verify lengths for the step. slots / generations [B] (device): the requests' slots and admission
+        numbers. prepass: runs a full static verify outside the step's time and returns its outcome."""
+        raise NotImplementedError
+
+    def admit(self, slots: Tensor) -> None:
+        """New requests took `slots` (host ids)."""
+
+    def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:
+        """After a step: its host commit lengths [B] and what it did."""
+
+    def observe_seconds(self, seconds: float) -> None:
+        """After a step: its measured seconds (draft + plan + verify + accept, no refill prefill)."""

@@ -1,0 +1,98 @@
+"""The speculate-or-not gate of the adaptive policy: when to probe, and how measured step times correct the
+profiled ones.
+
+After `probe_every` plain steps in a row the gate forces a probe at full depth (every draft position is observed
+again); the interval doubles up to `max_probe_every` while probes confirm plain, and resets on a speculative step.
+With `cost_window`, each side's (speculative, plain) predicted seconds are rescaled by the median of its last
+`cost_window` measured / predicted ratios (from three samples on: one stall cannot decide), and a probe runs two
+speculative steps so the second, free of the draft's catch-up, is timed. Why each rule: docs/policies.md.
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass
+
+from dspark.util.validate import check_int
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """probe_every / max_probe_every: plain steps in a row before a probe (the first interval, its cap);
+    cost_window: measured / predicted ratios per median (None: the profiled costs are used as they are)."""
+
+    probe_every: int = 8
+    max_probe_every: int = 64
+    cost_window: int | None = 9
+
+    @classmethod
+    def probing(cls, probe: tuple[int, int, bool]) -> GateSettings:
+        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps)."""
+        every, most, cost_feedback = probe
+        return cls(every, most, 9 if cost_feedback else None)
+
+    def __post_init__(self) -> None:
+        check_int("probe_every", self.probe_every, 1)
+        check_int("max_probe_every", self.max_probe_every, self.probe_every)
+        if self.cost_window is not None:
+            check_int("cost_window", self.cost_window, 1)
+
+
+class SpeculationGate:
+    """The gate's state over one run: the probe schedule, the cost ratios and the last decision."""
+
+    def __init__(self, settings: GateSettings):
+        self.settings = settings
+        self.cost_ratio = {True: 1.0, False: 1.0}  # speculative? -> median of recent measured / predicted seconds
+        self.decided: tuple[int, bool, int] | None = None  # (B, speculate, depth) until something changes
+        self._samples = {kind: collections.deque(maxlen=settings.cost_window or 1) for kind in (True, False)}
+        self._pending: tuple[bool, float] | None = None  # (speculative, predicted seconds) of this step
+        self._plain_run = 0  # plain steps since the last speculative step
+        self._interval = settings.probe_every  # plain steps before the next probe
+        self._probe_left = 0  # speculative steps of the current probe still to run
+
+    def probe(self) -> bool | None:
+        """Whether the probe schedule forces this step: True to speculate at full depth (a probe starts), False to
+        speculate at the current depth (a probe's second step), None when the decision is the caller's."""
+        if self._probe_left:  # a probe's second step: timed for the realised-cost feedback
+            self._probe_left -= 1
+            return False
+        if self._plain_run >= self._interval:  # probe, at the full depth: every position is observed again
+            self._plain_run = 0
+            self._interval = min(2 * self._interval, self.settings.max_probe_every)
+            self._probe_left = 0 if self.settings.cost_window is None else 1
+            return True
+        return None
+
+    def decide(self, b: int, depth: int, speculative_rate: float, plain_seconds: float) -> None:
+        """Compare the best speculative step's predicted tokens / s with a plain step of `plain_seconds`, each
+        rescaled by its measured cost ratio."""
+        plain_rate = b / (plain_seconds * self.cost_ratio[False])
+        self.decided = (b, speculative_rate / self.cost_ratio[True] > plain_rate, depth)
+
+    def reset_probes(self) -> None:
+        """The decision chose speculation: the probe schedule starts over."""
+        self._plain_run, self._interval = 0, self.settings.probe_every
+
+    def expect(self, predicted: float | None) -> None:
+        """A speculative step was planned, predicted to take `predicted` seconds (None: not sampled, its draft
+        catches up on plain steps' tokens)."""
+        self._pending = None if predicted is None else (True, predicted)
+
+    def went_plain(self, predicted: float) -> None:
+        """A plain step runs, predicted to take `predicted` seconds."""
+        self._plain_run += 1
+        self._pending = (False, predicted)
+
+    def observe_seconds(self, seconds: float) -> None:
+        """The step's measured seconds: one more ratio for its side; a moved median re-decides."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.settings.cost_window is None:
+            return
+        speculative, predicted = pending
+        samples = self._samples[speculative]
+        samples.append(seconds / predicted if predicted > 0 else 1.0)
+        if len(samples) >= min(3, samples.maxlen):  # a median of at least three: one stall cannot decide
+            ratio = statistics.median(samples)
+            if ratio != self.cost_ratio[speculative]:  # the comparison moved: decide again at the next step
+                self.cost_ratio[speculative], self.decided = ratio, None

@@ -1,0 +1,169 @@
+"""One decode step and the run loop around it, over the declared plug-in points.
+
+    drafts  = drafter.propose(batch, slots, k, ...)          # Drafter: block draft | trace | ...
+    conf    = policy.confidence(drafts)                       # the head's logits, or the estimator's
+    plan    = policy.plan(conf, slots, generations, prepass)  # Policy: fixed-k | adaptive | oracle
+    checked = target.verify(batch, slots, drafts, plan...)    # Target: live model | simulated
+    result  = target.accept(checked, drafts, sampling)        # greedy / rejection sampling, capped
+    batch.commit(...); policy.observe(...)
+
+`serve` is the run: retire finished requests, admit queued ones into free slots (prefilled by the target,
+caught up by the drafter at its next proposal), step, until the queue is drained. The live engine
+(`SpecDecoder`) and the trace replay (`dspark.lab.replay`) both run `serve`; only the drafter, the target and
+the clock differ. Phase times come from `clock` (wall, thread CPU time, or a replay's simulated clock).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dspark.config import VerifyMode
+from dspark.serve.config import GREEDY
+from dspark.serve.drafters.base import Drafter
+from dspark.serve.outcome import DecodeRun, GenerateResult, StepOutcome, StepTimes
+from dspark.serve.policies.base import Policy, PolicyPlan
+from dspark.serve.runner import Target
+from dspark.serve.sampling import Sampling
+from dspark.serve.scheduler import Batch, Scheduler
+from dspark.verify.accept import AcceptResult
+from dspark.verify.layout import RaggedVerifyLayout
+
+
+@dataclass
+class Engine:
+    """What a run is driven by: the plug-in points, how it is timed and synchronised, how it verifies and draws."""
+
+    drafter: Drafter
+    target: Target
+    clock: Callable[[], float]
+    sync: Callable[[], None]  # wait for the device at the end of a timed phase
+    sampling: Sampling = field(default_factory=lambda: Sampling.seeded(GREEDY, torch.device("cpu")))
+    mode: VerifyMode = VerifyMode.COMPACT
+    keep_draft_logits: bool = False  # each speculative StepOutcome keeps the drafter's [B, k, V] token logits
+
+
+def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | None, plan_seconds: float
+               ) -> tuple[StepOutcome, Tensor]:
+    """Target-only decoding (fixed-0, or a policy's choice that took `plan_seconds`): one row per request.
+    Returns the outcome and the host commit lengths."""
+    b, dev = slots.numel(), batch.tokens.device
+    now = engine.clock
+    t0 = now()
+    layout = RaggedVerifyLayout.from_checked(torch.ones(b, dtype=torch.int32), (), None, 1, total_rows=b)
+    token = engine.target.plain(batch, slots, layout, engine.sampling)
+    t1 = now()
+    ones = torch.ones(b, dtype=torch.int32, device=dev)
+    commit = batch.commit(slots, token, ones, stop_ids)
+    engine.sync()
+    times = StepTimes(plan=plan_seconds, verify=t1 - t0, accept=now() - t1)
+    out = StepOutcome(requests=slots, plan=PolicyPlan(ones), layout=layout, caps=ones,
+                      confidence_logits=torch.zeros(b, 0, device=dev), commit_lens=ones, correct_lens=ones - 1,
+                      times=times, host_syncs=0)
+    return out, commit
+
+
+def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy, stop_ids: Tensor | None,
+                     plan_seconds: float) -> tuple[StepOutcome, Tensor]:
+    """Draft, plan, verify, accept and commit for the requests in `slots` (host ids, ascending)."""
+    now, target, k, sampling = engine.clock, engine.target, policy.num_drafts, engine.sampling
+    times = StepTimes(plan=plan_seconds)
+    t0 = now()
+    drafts = engine.drafter.propose(batch, slots, k, policy.source, sampling)
+    t1 = now()
+    times.draft = t1 - t0
+    conf = policy.confidence(drafts)
+    prepassed: list[AcceptResult] = []
+    untimed = [0.0]
+
+    def prepass() -> AcceptResult:  # a full static verify outside the step's time (the oracle's hook)
+        u = now()
+        full = torch.full((slots.numel(),), k + 1, dtype=torch.int32, device=batch.tokens.device)
+        prepassed.append(target.accept(target.verify(batch, slots, drafts, full, VerifyMode.STATIC, None),
+                                       drafts, sampling))
+        untimed[0] += now() - u
+        return prepassed[-1]
+
+    host_t0 = time.perf_counter()
+    plan = policy.plan(conf, slots.to(batch.tokens.device), batch.generations[slots.to(batch.tokens.device)],
+                       prepass=prepass)
+    times.host_plan = time.perf_counter() - host_t0
+    t2 = now()
+    times.plan += t2 - t1 - untimed[0]
+    checked = target.verify(batch, slots, drafts, plan.verify_lens, engine.mode, plan.layout)
+    t3 = now()
+    acc = target.accept(checked, drafts, sampling)
+    if prepassed:
+        acc = prepassed[0]  # sampling: the outcome the prepass drew (greedy: identical anyway)
+    t4 = now()
+    times.verify, times.accept = t3 - t2, t4 - t3
+    commit = batch.commit(slots, acc.tokens, acc.commit_lens, stop_ids)
+    engine.sync()
+    times.accept += now() - t4
+    out = StepOutcome(requests=slots, plan=plan, layout=checked.layout, caps=checked.caps, confidence_logits=conf,
+                      commit_lens=acc.commit_lens, correct_lens=acc.correct_lens, times=times, host_syncs=1,
+                      draft_logits=drafts.logits if engine.keep_draft_logits else None, catch_up=drafts.catch_up)
+    return out, commit
+
+
+@torch.no_grad()
+def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *, width: int, max_rows: int
+          ) -> DecodeRun:
+    """Run the scheduler's queue to its end on `batch`'s slots with one policy; yields each StepOutcome and
+    returns the GenerateResult. width: the run's verify width (k + 1); max_rows: the most rows one request
+    adds to a prefill or draft catch-up forward."""
+    drafter, target, now = engine.drafter, engine.target, engine.clock
+    stop_ids = scheduler.stop_ids
+    result = GenerateResult(tokens=scheduler.result.tokens)
+    prefill, prefill_tokens = 0.0, 0
+    target.start(batch, width, max_rows)
+    try:
+        drafter.start(batch, max_rows)
+        while True:
+            scheduler.retire(batch)
+            t0 = now()
+            admitted = scheduler.admit(batch)
+            if admitted.numel():
+                target.prefill(batch, admitted)
+                drafter.admit(admitted)
+                policy.admit(admitted)
+                engine.sync()
+                prefill = now() - t0
+                prefill_tokens = int((batch.prompt_lens[admitted] - 1).sum())
+            slots = batch.active()
+            if not slots.numel():
+                break
+            lens = batch.lens[slots].clone()
+            t0 = now()
+            speculate = policy.num_drafts > 0 and policy.speculate(slots.to(batch.tokens.device),
+                                                                   batch.generations[slots.to(batch.tokens.device)])
+            decided = now() - t0
+            if speculate:
+                out, commit = speculative_step(engine, batch, slots, policy, stop_ids, decided)
+            else:
+                out, commit = plain_step(engine, batch, slots, stop_ids, decided)
+            out.owners = batch.owners[slots].clone()
+            out.useful_per_request = torch.minimum(lens + commit, batch.ends[slots]) - lens  # none past the count or a stop
+            out.useful = int(out.useful_per_request.sum())
+            out.times.prefill, prefill = prefill, 0.0
+            out.prefill_tokens, prefill_tokens = prefill_tokens, 0
+            out.kv_tokens, out.kv_longest = int((lens - 1).sum()), int((lens - 1).max())
+            t0 = now()
+            policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
+            out.times.plan += now() - t0
+            policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept)
+            out.host_syncs += 1
+            result.steps.append(out)
+            yield out
+    finally:
+        drafter.finish()
+        target.finish()
+    result.max_batch = batch.num_slots
+    result.num_tokens, result.finish_reasons = scheduler.result.num_tokens, scheduler.result.finish_reasons
+    result.startup_seconds = result.steps[0].times.prefill
+    result.steps[0].times.prefill = 0.0
+    result.seconds = result.startup_seconds + sum(s.times.total for s in result.steps)
+    return result
