@@ -42,7 +42,7 @@ from dspark.calibration.recorder import censored_labels
 from dspark.parallel.agreement import EstimatorAgreement
 from dspark.parallel.tp import ParallelConfig
 from dspark.plan.survival import survival_from_checked
-from dspark.util.validate import check_int, check_tensor, check_type, renamed
+from dspark.util.validate import check_int, check_tensor, check_type
 
 FEATURES = ("top1_log_odds", "top2_margin", "entropy")
 FEATURE_CAP = 30.0  # log-odds and margin of a single finite logit are +inf; both are capped here
@@ -177,12 +177,10 @@ class OnlineAcceptanceEstimator:
         return survival_from_checked(self.confidence_logits(draft_logits), None)
 
     def observe(self, *, verify_lens: Tensor, correct_lens: Tensor | None = None, labels: Tensor | None = None,
-                features: Tensor | None = None, correct_len: Tensor | None = None) -> None:
+                features: Tensor | None = None) -> None:
         """The accept outcome of the latest `confidence_logits` call (or, replaying recorded steps, of the
         given `features` [B, gamma, 3]): verify_lens [B] (rows verified, root included) and exactly one of
-        correct_lens [B] (capped or not) or labels [B, gamma] (0/1 prefix mask); correct_len: the former name
-        of correct_lens (deprecated: a FutureWarning)."""
-        correct_lens = renamed("correct_len", correct_len, "correct_lens", correct_lens)
+        correct_lens [B] (capped or not) or labels [B, gamma] (0/1 prefix mask)."""
         if features is not None:
             self.predict(features)  # validates the shape
             feats = features

@@ -25,7 +25,7 @@ from torch import Tensor
 from dspark.calibration.confidence import check_prefix_mask
 from dspark.calibration.metrics import top2_margin
 from dspark.util.fileio import atomic_write
-from dspark.util.validate import check_directory, check_int, check_path, check_type, renamed
+from dspark.util.validate import check_directory, check_int, check_path, check_type
 
 SHARD_FORMAT = "dspark.sts/1"
 _DTYPES = {"logits": torch.float32, "labels": torch.float32, "soft": torch.float32, "margin": torch.float32,
@@ -174,15 +174,13 @@ class StsRecorder:
     def record(self, confidence_logits: Tensor, *, verify_lens: Tensor, request_ids: Tensor,
                correct_lens: Tensor | None = None, labels: Tensor | None = None, policy: str = "greedy",
                soft_accept: Tensor | None = None, draft_logits: Tensor | None = None,
-               step: int | None = None, correct_len: Tensor | None = None) -> None:
+               step: int | None = None) -> None:
         """Record one decode step for B requests.
 
         confidence_logits [B, gamma]; verify_lens [B] (rows verified, root included); request_ids [B] ints;
         exactly one of correct_lens [B] (drafts accepted, capped or not) or labels [B, gamma] (0/1 prefix mask);
-        soft_accept [B, gamma] optional 1 - TV; draft_logits [B, gamma, V] optional (for the margin baseline);
-        correct_len: the former name of correct_lens (deprecated: a FutureWarning).
+        soft_accept [B, gamma] optional 1 - TV; draft_logits [B, gamma, V] optional (for the margin baseline).
         """
-        correct_lens = renamed("correct_len", correct_len, "correct_lens", correct_lens)
         if self.closed:
             raise RuntimeError("StsRecorder.record called after close()")
         if policy not in POLICIES:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Sequence, TypeVar
 
@@ -50,17 +49,6 @@ def check_directory(name: str, value: object) -> Path:
         raise ValueError(f"{name} {str(path)!r} exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def renamed(old: str, old_value: T | None, new: str, new_value: T | None) -> T | None:
-    """The value of a renamed keyword or field: `new_value`, or `old_value` (with a FutureWarning naming the
-    new name) when only the old name was given; TypeError when both were."""
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise TypeError(f"give {new} only ({old} is its former name), got both")
-    warnings.warn(f"{old} is renamed {new} and will be removed: use {new}", FutureWarning, stacklevel=3)
-    return old_value
 
 
 def check_int(name: str, value: object, minimum: int = 0) -> int:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dspark.kernels import accept as _k
-from dspark.util.validate import check_tensor, check_type, check_verify_lens, renamed
+from dspark.util.validate import check_tensor, check_type, check_verify_lens
 from dspark.verify.layout import RaggedVerifyLayout
 
 PROB_SUM_TOL = 1e-2  # |sum(p) - 1| allowed for a probability row (bf16 rows round a little)
@@ -42,11 +42,6 @@ class AcceptResult:
     tokens: Tensor
     proposed: Tensor
     accepted: Tensor
-
-    @property
-    def correct_len(self) -> Tensor:
-        """The former name of `correct_lens` (deprecated: a FutureWarning)."""
-        return renamed("correct_len", self.correct_lens, "correct_lens", None)
 
 
 def accept_greedy(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tensor,

@@ -24,7 +24,6 @@ from dspark.util.validate import (
     check_kv_fits,
     check_nonnegative,
     check_verify_lens,
-    renamed,
 )
 from dspark.verify.layout import PAD_SLOT, RaggedVerifyLayout, check_tiers  # noqa: F401  (PAD_SLOT: re-exported)
 
@@ -60,7 +59,6 @@ def build_verify_inputs(
     block_table: Tensor | None = None,
     page_size: int | None = None,
     layout: RaggedVerifyLayout | None = None,
-    slots: int | None = None,
 ) -> VerifyInputs:
     """Verify inputs for `mode`: ids, positions, KV write slots, the layout and the accept caps.
 
@@ -70,9 +68,7 @@ def build_verify_inputs(
     KV slot of (r, pos) = `block_table[r, pos // page_size] * page_size + pos % page_size`.
     layout (compact only): the layout the planner already built from these verify_lens with the same tiers
     and graph slots (`VerifyPlan.layout`), reused instead of built a second time; its lengths are checked.
-    slots: the former name of `graph_slots` (deprecated: a FutureWarning).
     """
-    graph_slots = renamed("slots", slots, "graph_slots", graph_slots)
     mode = VerifyMode.parse(mode)
     b, gamma = _check_tokens(root_tokens, draft_tokens)
     w = gamma + 1

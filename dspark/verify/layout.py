@@ -18,7 +18,7 @@ from torch import Tensor
 
 from dspark.kernels import dispatch
 from dspark.kernels import layout as _k
-from dspark.util.validate import check_int, check_tensor, check_verify_lens, int_tensor, renamed
+from dspark.util.validate import check_int, check_tensor, check_verify_lens, int_tensor
 from dspark.verify import boundary
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,6 @@ class RaggedVerifyLayout:
         on_overflow: str = "eager",
         total_rows: int | None = None,
         graph_rows: int | None = None,
-        slots: int | None = None,
     ) -> "RaggedVerifyLayout":
         """Build the layout; pad to the smallest tier >= total rows when tiers are given.
 
@@ -127,14 +126,12 @@ class RaggedVerifyLayout:
             graph_rows: the rows the step runs, fixed before the lengths exist (sync-free planning): the
                 layout is built on the device with no host read, `total_rows` None (`real_rows` holds
                 it) and the default slot count assumes the most padding, `graph_rows - B`.
-            slots: the former name of `graph_slots` (deprecated: a FutureWarning).
         Returns:
             The layout. Without `total_rows` / `graph_rows` the lengths are read to the host once
             (`dspark.verify.boundary.to_host`: the total and the range check). Inside `torch.compile` the
             row count is a shape, so one of the two must be given (ValueError otherwise); the layout then
             equals the eager one, built on the lengths' device.
         """
-        graph_slots = renamed("slots", slots, "graph_slots", graph_slots)
         vl = _as_lens(verify_lens)
         b = vl.numel()
         if width is not None:

@@ -121,20 +121,6 @@ def test_labels_or_correct_len_give_the_same_model():
     assert torch.equal(a.refit(), b.refit())
 
 
-def test_former_correct_len_keyword_warns_and_gives_the_same_model():
-    a, b = OnlineAcceptanceEstimator(4, min_labels=1), OnlineAcceptanceEstimator(4, min_labels=1)
-    x, cl, vl = _logits(5, 4, 31, 3), torch.tensor([0, 4, 2, 1, 3]), torch.tensor([5, 5, 3, 2, 1])
-    a.confidence_logits(x)
-    a.observe(verify_lens=vl, correct_lens=cl)
-    b.confidence_logits(x)
-    with pytest.warns(FutureWarning, match="use correct_lens"):
-        b.observe(verify_lens=vl, correct_len=cl)
-    assert torch.equal(a.refit(), b.refit())
-    b.confidence_logits(x)
-    with pytest.raises(TypeError, match="give correct_lens only"):
-        b.observe(verify_lens=vl, correct_lens=cl, correct_len=cl)
-
-
 @settings(max_examples=20)
 @given(n=st.integers(5, 200), strength=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 2**16))
 def test_fit_is_the_map_optimum(n, strength, seed):

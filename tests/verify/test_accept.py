@@ -113,8 +113,6 @@ def test_greedy_worked_example(device):
     assert res.tokens.tolist() == [[7, 8, 5, -1], [7, 8, -1, -1]]
     assert res.proposed.tolist() == [[True, True, True], [True, False, False]]
     assert res.accepted.tolist() == [[True, True, False], [True, False, False]]
-    with pytest.warns(FutureWarning, match="use correct_lens"):
-        assert res.correct_len.tolist() == [2, 1]  # the former name still reads
 
 
 def _bad(**change):

@@ -29,17 +29,6 @@ def test_eager_past_largest_tier_and_error_option(device):
         RaggedVerifyLayout.from_verify_lens(vl, tiers=[4, 8], width=4, on_overflow="error")
 
 
-def test_former_slots_keyword_warns_and_builds_the_same_layout(device):
-    vl = torch.tensor([3, 1, 2], dtype=torch.int32, device=device)
-    new = RaggedVerifyLayout.from_verify_lens(vl, tiers=[8], graph_slots=6, width=4)
-    with pytest.warns(FutureWarning, match="use graph_slots"):
-        old = RaggedVerifyLayout.from_verify_lens(vl, tiers=[8], slots=6, width=4)
-    assert old.num_slots == new.num_slots == 6
-    assert old.row_slot.tolist() == new.row_slot.tolist() and old.seqused.tolist() == new.seqused.tolist()
-    with pytest.raises(TypeError, match="give graph_slots only"):
-        RaggedVerifyLayout.from_verify_lens(vl, tiers=[8], graph_slots=6, slots=6, width=4)
-
-
 @pytest.mark.parametrize(
     "kwargs, needle",
     [

@@ -111,16 +111,6 @@ def test_caps_per_mode(device):
     assert no_kv.kv_slots is None
 
 
-def test_former_slots_keyword_warns_and_builds_the_same_inputs(device):
-    args, _, _ = _step(4, 3, 11, 2, device)
-    total = int(args["verify_lens"].sum())
-    new = build_verify_inputs("compact", **args, tiers=[total + 3], graph_slots=6)
-    with pytest.warns(FutureWarning, match="renamed graph_slots"):
-        old = build_verify_inputs("compact", **args, tiers=[total + 3], slots=6)
-    assert old.layout.num_slots == new.layout.num_slots == 6
-    assert torch.equal(old.input_ids, new.input_ids) and torch.equal(old.kv_slots, new.kv_slots)
-
-
 def test_worked_example(device):
     """verify_lens [2, 1, 4] (design note): 7 compact rows padded to tier 8, cap-accept keeps 12."""
     args = dict(verify_lens=torch.tensor([2, 1, 4]), root_tokens=torch.tensor([5, 6, 7]),
