@@ -49,7 +49,7 @@ from dspark.plan.planner import VerifyPlan, VerifyPlanner
 from dspark.plan.survival import SurvivalLagRing, calibrated_survival, monotone_survival
 from dspark.telemetry import StepRecord, acceptance, tau_bias
 from dspark.verify.accept import AcceptResult, accept_greedy, accept_sampling
-from dspark.verify.attention import RaggedVerifyAttention, verify_attention, write_kv
+from dspark.verify.attention import AttentionShape, RaggedVerifyAttention, verify_attention, write_kv
 from dspark.verify.graphs import GraphBackend, StepBuffers, TierGraphRunner
 from dspark.verify.inputs import VerifyInputs, build_verify_inputs
 from dspark.verify.layout import RaggedVerifyLayout
@@ -85,6 +85,7 @@ __all__ = [
     "tau_bias",
     "AcceptResult",
     "AdditiveCostModel",
+    "AttentionShape",
     "BudgetDecision",
     "Calibration",
     "ConfidenceHead",

@@ -31,8 +31,9 @@ def main() -> None:
     k_cache = torch.zeros(g.num_layers, batch * pages_per_request, page_size, g.num_kv_heads, g.head_dim)
     v_cache = torch.zeros_like(k_cache)
     block_table = torch.arange(batch * pages_per_request, dtype=torch.int32).reshape(batch, pages_per_request)
-    attn = dspark.RaggedVerifyAttention(16, batch + 1, pages_per_request, g.num_q_heads, g.num_kv_heads,
-                                        g.head_dim, page_size, "cpu", torch.float32, sm_scale=g.sm_scale)
+    attn = dspark.RaggedVerifyAttention(dspark.AttentionShape(16, batch + 1, pages_per_request, g.num_q_heads,
+                                                              g.num_kv_heads, g.head_dim, page_size,
+                                                              sm_scale=g.sm_scale), "cpu", torch.float32)
 
     def forward(tokens: torch.Tensor, layout: dspark.RaggedVerifyLayout, prefix_lens: torch.Tensor) -> torch.Tensor:
         attend = PagedAttend(attn, k_cache, v_cache, layout, prefix_lens, block_table)

@@ -38,7 +38,7 @@ from dspark.kernels import dispatch  # noqa: E402
 from dspark.util.fileio import atomic_write_text  # noqa: E402
 from dspark.util.options import POSITIVE_REAL, at_least, output_path  # noqa: E402
 from dspark.verify.accept import accept_greedy  # noqa: E402
-from dspark.verify.attention import write_kv  # noqa: E402
+from dspark.verify.attention import AttentionShape, write_kv  # noqa: E402
 from dspark.verify.inputs import build_verify_inputs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -134,8 +134,8 @@ def verify_mask(p: dict) -> torch.Tensor:
 
 
 def run_dspark(p: dict) -> Callable[[], torch.Tensor]:
-    attn = RaggedVerifyAttention(p["b"] * p["w"], p["b"], p["table"].shape[1], p["hq"], p["hkv"], p["d"],
-                                 p["page_size"], p["device"], p["dtype"], max_verify_len=p["w"])
+    attn = RaggedVerifyAttention(AttentionShape(p["b"] * p["w"], p["b"], p["table"].shape[1], p["hq"], p["hkv"],
+                                                p["d"], p["page_size"], max_verify_len=p["w"]), p["device"], p["dtype"])
     attn.plan(p["layout"], [p["prefix"]] * p["b"], p["table"])
     out = torch.empty_like(p["q"])
     return lambda: attn.run(p["q"], p["k_cache"], p["v_cache"], out=out)
@@ -251,8 +251,8 @@ def cpu_step(args: argparse.Namespace) -> None:
             for prefix in prefixes:
                 p = make_problem(b, w, prefix, hq, hkv, d, ps, torch.float32, torch.device("cpu"))
                 table = torch.cat([p["table"], p["table"][:, :1].expand(b, span - p["table"].shape[1])], 1)
-                attn = RaggedVerifyAttention(b * w, b, span, hq, hkv, d, ps, "cpu", torch.float32,
-                                             num_pages=p["k_cache"].shape[0])
+                attn = RaggedVerifyAttention(AttentionShape(b * w, b, span, hq, hkv, d, ps,
+                                                            num_pages=p["k_cache"].shape[0]), "cpu", torch.float32)
                 prefix_lens = torch.full((b,), prefix, dtype=torch.int32)
                 new_k = torch.randn(b * w, hkv, d)
                 drafts = torch.randint(0, 256, (b, w - 1))

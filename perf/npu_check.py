@@ -25,6 +25,7 @@ import torch
 
 from dspark.util.fileio import atomic_write_text
 from dspark.util.options import at_least, output_path
+from dspark.verify.attention import AttentionShape
 
 TIERS, SLOTS, WIDTH, RATIOS = (8, 16), 8, 4, (4, 128)
 
@@ -142,7 +143,7 @@ def _kernel_cases(dev: torch.device) -> dict[str, Callable[[], object]]:
     draft = logits[:, : w - 1].argmax(-1)
     row_slot, row_within = layout.row_maps_ref(lens, int(lens.sum()))
     lay = RaggedVerifyLayout.from_verify_lens(lens, tiers=[b * w], graph_slots=b + 8, width=w)
-    attn = RaggedVerifyAttention(b * w, b + 8, 4, hq, hkv, d, 16, dev, dtype, num_pages=pages)
+    attn = RaggedVerifyAttention(AttentionShape(b * w, b + 8, 4, hq, hkv, d, 16, num_pages=pages), dev, dtype)
     kc, vc = (torch.randn(pages, 16, hkv, d, generator=gen).to(dev, dtype) for _ in range(2))
     attn.plan(lay, torch.full((b,), 40, dtype=torch.int32, device=dev),
               torch.randperm(pages, generator=gen).reshape(b, 4).to(dev, torch.int32))

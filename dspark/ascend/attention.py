@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -32,7 +33,7 @@ from dspark.ascend import runtime
 from dspark.ascend.emulator import causal_mask
 from dspark.ascend.metadata import AscendVerifyMetadata
 from dspark.util.validate import check_tensor, check_type
-from dspark.verify.attention import RaggedVerifyAttention
+from dspark.verify.attention import AttentionShape, RaggedVerifyAttention
 from dspark.verify.layout import RaggedVerifyLayout
 
 FiaOp = Callable[..., tuple[Tensor, Tensor]]
@@ -57,21 +58,16 @@ class NpuVerifyAttention:
     blocks, as the operator requires).
     """
 
-    def __init__(self, max_rows: int, max_slots: int, max_pages_per_slot: int, num_q_heads: int,
-                 num_kv_heads: int, head_dim: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype, *, sm_scale: float | None = None, max_verify_len: int | None = None,
-                 num_pages: int | None = None, num_kv_splits: int | None = None, op: FiaOp | None = None,
-                 graph_backend: object = None) -> None:
+    def __init__(self, shape: AttentionShape, device: torch.device | str, dtype: torch.dtype, *,
+                 op: FiaOp | None = None, graph_backend: object = None) -> None:
         if op is not None and not callable(op):
             raise TypeError(f"op must be the fused infer attention operator (callable), got {type(op).__name__}")
         # the step geometry (checks, block table, KV write slots) is planned exactly as dspark's default
         # attention plans it; only the attention call differs
-        self._geometry = RaggedVerifyAttention(max_rows, max_slots, max_pages_per_slot, num_q_heads, num_kv_heads,
-                                               head_dim, page_size, device, dtype, sm_scale=sm_scale,
-                                               max_verify_len=max_verify_len, num_pages=num_pages, num_kv_splits=1)
+        self._geometry = RaggedVerifyAttention(dataclasses.replace(shape, num_kv_splits=1), device, dtype)
         self.device, self.dtype, self.sm_scale = self._geometry.device, dtype, self._geometry.sm_scale
-        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        self.page_size = page_size
+        self.num_q_heads, self.num_kv_heads, self.head_dim = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+        self.page_size = shape.page_size
         self.op, self.graph_backend = op, graph_backend
         self._mask = causal_mask(self.device)
         self._plan: NpuAttentionPlan | None = None

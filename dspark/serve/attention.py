@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from dspark.models.geometry import ModelGeometry
 from dspark.serve.kv_cache import PagedKVCache
-from dspark.verify.attention import RaggedVerifyAttention
+from dspark.verify.attention import AttentionShape, RaggedVerifyAttention
 
 
 def batch_attention(cache: PagedKVCache, geometry: ModelGeometry, max_rows: int, max_slots: int,
@@ -19,6 +19,6 @@ def batch_attention(cache: PagedKVCache, geometry: ModelGeometry, max_rows: int,
     (real + ghost), with the model's GQA head counts and softmax scale. backend: the model's
     `attention_backend` (a class taking `RaggedVerifyAttention`'s arguments, e.g. the NPU one), None: the default."""
     _, num_pages, page_size, kv_heads, head_dim = cache.k.shape
-    return (backend or RaggedVerifyAttention)(max_rows, max_slots, int(cache.block_table.shape[1]),
-                                              geometry.num_q_heads, kv_heads, head_dim, page_size, cache.k.device,
-                                              cache.k.dtype, sm_scale=geometry.sm_scale, num_pages=num_pages)
+    shape = AttentionShape(max_rows, max_slots, int(cache.block_table.shape[1]), geometry.num_q_heads, kv_heads,
+                           head_dim, page_size, sm_scale=geometry.sm_scale, num_pages=num_pages)
+    return (backend or RaggedVerifyAttention)(shape, cache.k.device, cache.k.dtype)

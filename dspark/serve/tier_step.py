@@ -23,7 +23,7 @@ from dspark.models.paged_attend import PlannedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.serve.kv_cache import PagedKVCache
 from dspark.util.validate import check_int
-from dspark.verify.attention import RaggedVerifyAttention
+from dspark.verify.attention import AttentionShape, RaggedVerifyAttention
 from dspark.verify.graphs import GraphBackend, RowSpec, StepBuffers, TierGraphRunner
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers
 
@@ -97,9 +97,10 @@ class VerifyStep:
         max_slots = max(max_requests, graph_slots if isinstance(graph_slots, int) else max(graph_slots))
         self.target, self.device = target, device
         attention = target.attention_backend or RaggedVerifyAttention  # the target's attention backend
-        self.attn = attention(max(tiers[-1], max_requests * width), max_slots, pages_per_request, g.num_q_heads,
-                              kv_heads, head_dim, page_size, device, cache.k.dtype, sm_scale=g.sm_scale,
-                              max_verify_len=width, num_pages=num_pages)
+        shape = AttentionShape(max(tiers[-1], max_requests * width), max_slots, pages_per_request, g.num_q_heads,
+                               kv_heads, head_dim, page_size, sm_scale=g.sm_scale, max_verify_len=width,
+                               num_pages=num_pages)
+        self.attn = attention(shape, device, cache.k.dtype)
         self._attend = PlannedAttend(self.attn, cache.k, cache.v)
         self.compile_model = device.type == "cuda" if compile_model is None else compile_model
         # what `_plan` plans with: no request for the idle layouts of the captures, then each step's own

@@ -8,6 +8,7 @@ any layout of the same tier once `plan` has refilled the buffers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -28,47 +29,68 @@ from dspark.util.validate import (
 from dspark.verify.layout import RaggedVerifyLayout
 
 
-class RaggedVerifyAttention:
-    """Persistent metadata + launcher for ragged verify attention over a paged KV cache.
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a `RaggedVerifyAttention` is sized for, checked when built.
 
-    Sizes are capture-time maxima: `max_rows` packed rows (the largest tier), `max_slots` request slots
-    (real + ghost), `max_pages_per_slot` block-table columns. `max_verify_len` (optional) bounds the rows of
-    one slot and fixes the kernel's query tile (without it the tile is the largest, so the compiled kernel
-    never follows the data); `num_pages` (optional) lets `plan` check page ids.
+    Capture-time maxima: `max_rows` packed rows (the largest tier), `max_slots` request slots (real + ghost),
+    `max_pages_per_slot` block-table columns; the heads (`num_q_heads` a multiple of `num_kv_heads`: GQA),
+    `head_dim`, the cache's `page_size`. `sm_scale`: the softmax scale (default 1 / sqrt(head_dim));
+    `max_verify_len` (optional) bounds the rows of one slot and fixes the kernel's query tile (without it the
+    tile is the largest, so the compiled kernel never follows the data); `num_pages` (optional) lets `plan` check
+    page ids; `num_kv_splits` cuts every slot into that many chunks (default: from the live kv lengths).
+    """
+
+    max_rows: int
+    max_slots: int
+    max_pages_per_slot: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    sm_scale: float | None = None
+    max_verify_len: int | None = None
+    num_pages: int | None = None
+    num_kv_splits: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_slots", "max_pages_per_slot", "num_q_heads", "num_kv_heads", "head_dim",
+                     "page_size"):
+            check_int(name, getattr(self, name), 0 if name in ("max_rows", "max_slots") else 1)
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        for name in ("max_verify_len", "num_pages", "num_kv_splits"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        if self.max_pages_per_slot * self.page_size >= 2**31:
+            raise ValueError(f"max_pages_per_slot * page_size = {self.max_pages_per_slot * self.page_size} kv "
+                             f"positions per slot must stay below 2**31 (the kernel's positions are int32)")
+
+
+class RaggedVerifyAttention:
+    """Persistent metadata + launcher for ragged verify attention over a paged KV cache, sized by an
+    `AttentionShape` (capture-time maxima, heads, page size), on `device` for K / V of `dtype`.
+
     Each plan builds the kernel's balanced work list (`ragged_attention.plan_work`): every slot's query tiles
     (a long prompt runs as many tiles in parallel), each tile's kv range cut into its slot's kv chunks, merged
-    afterwards. `num_kv_splits` cuts every slot into that many chunks; default: chunks from the live requests'
+    afterwards. `shape.num_kv_splits` cuts every slot into that many chunks; default: chunks from the live requests'
     kv lengths so that the entries fill the GPU's SMs about twice (a long prefix gets many, a ghost slot one;
     at most `MAX_KV_SPLITS`; none off CUDA). The fp32 partials live in a workspace of at most
     `SPLIT_WORKSPACE_ROWS` rows, so a step of many rows (a long prefill) splits less or not at all.
     """
 
-    def __init__(self, max_rows: int, max_slots: int, max_pages_per_slot: int, num_q_heads: int,
-                 num_kv_heads: int, head_dim: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype, *, sm_scale: float | None = None, max_verify_len: int | None = None,
-                 num_pages: int | None = None, num_kv_splits: int | None = None) -> None:
-        for name, value in (("max_rows", max_rows), ("max_slots", max_slots),
-                            ("max_pages_per_slot", max_pages_per_slot), ("num_q_heads", num_q_heads),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("page_size", page_size)):
-            check_int(name, value, 0 if name in ("max_rows", "max_slots") else 1)
-        if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        if max_verify_len is not None:
-            check_int("max_verify_len", max_verify_len, 1)
-        if num_pages is not None:
-            check_int("num_pages", num_pages, 1)
-        if num_kv_splits is not None:
-            check_int("num_kv_splits", num_kv_splits, 1)
+    def __init__(self, shape: AttentionShape, device: torch.device | str, dtype: torch.dtype) -> None:
+        check_type("shape", shape, AttentionShape)
         _check_dtype("dtype", dtype)
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.shape, self.device, self.dtype = shape, torch.device(device), dtype
+        num_q_heads, num_kv_heads, head_dim = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+        max_rows, max_slots, max_verify_len = shape.max_rows, shape.max_slots, shape.max_verify_len
+        num_kv_splits = shape.num_kv_splits
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        self.page_size, self.max_rows, self.max_slots = page_size, max_rows, max_slots
-        self.max_pages_per_slot, self.max_verify_len, self.num_pages = max_pages_per_slot, max_verify_len, num_pages
-        self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-        if max_pages_per_slot * page_size >= 2**31:
-            raise ValueError(f"max_pages_per_slot * page_size = {max_pages_per_slot * page_size} kv positions "
-                             f"per slot must stay below 2**31 (the kernel's positions are int32)")
+        self.page_size, self.max_rows, self.max_slots = shape.page_size, max_rows, max_slots
+        self.max_pages_per_slot, self.max_verify_len, self.num_pages = (shape.max_pages_per_slot, max_verify_len,
+                                                                        shape.num_pages)
+        self.sm_scale = float(shape.sm_scale) if shape.sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self.num_kv_splits = num_kv_splits
         max_splits = (num_kv_splits if num_kv_splits is not None
                       else _k.MAX_KV_SPLITS if _k.sm_count(self.device) else 1)
@@ -295,11 +317,9 @@ def verify_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: Ragged
         raise ValueError(f"q must be [rows, Hq, D] and k_cache [pages, page_size, Hkv, D], "
                          f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
     _check_dtype("q.dtype", q.dtype)
-    attn = RaggedVerifyAttention(
-        layout.graph_num_tokens, layout.num_slots, max(int(block_table.shape[-1]), 1), q.shape[1],
-        k_cache.shape[2], q.shape[2], k_cache.shape[1], q.device, q.dtype, sm_scale=sm_scale,
-        num_pages=k_cache.shape[0],
-    )
+    shape = AttentionShape(layout.graph_num_tokens, layout.num_slots, max(int(block_table.shape[-1]), 1), q.shape[1],
+                           k_cache.shape[2], q.shape[2], k_cache.shape[1], sm_scale=sm_scale, num_pages=k_cache.shape[0])
+    attn = RaggedVerifyAttention(shape, q.device, q.dtype)
     attn.plan(layout, prefix_lens, block_table)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     out = attn.run(q, k_cache, v_cache, lse=lse)

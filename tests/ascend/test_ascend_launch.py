@@ -13,6 +13,7 @@ import triton.language as tl
 import dspark.kernels
 from dspark.ascend.launch import MAX_GRID, check_kernel_modules, check_kernel_source
 from dspark.kernels import dispatch
+from dspark.verify.attention import AttentionShape
 
 POLICIES = (("work", None), ("cores", 1), ("cores", 3), ("cores", {"vector": 3, "dot": 2}))
 
@@ -238,7 +239,8 @@ def _attention_cases(device: torch.device) -> list[Case]:
         table = torch.randperm(12, generator=gen, dtype=torch.int32)[:12].reshape(3, 4).to(device)
         kc, vc = (torch.randn(12, page_size, hkv, d, generator=gen).to(device) for _ in range(2))
         q = torch.randn(8, hq, d, generator=gen).to(device)
-        attn = RaggedVerifyAttention(8, 4, 4, hq, hkv, d, page_size, device, torch.float32, num_kv_splits=splits)
+        attn = RaggedVerifyAttention(AttentionShape(8, 4, 4, hq, hkv, d, page_size, num_kv_splits=splits), device,
+                                     torch.float32)
         attn.plan(layout, prefix, table)
 
         def run() -> torch.Tensor:

@@ -41,7 +41,7 @@ def test_worked_example_eager(device):
 
 
 def test_worked_example_graph_tier(device):
-    layout, m = _meta(device, [2, 1, 4], LIVE, tiers=[8], slots=8, width=4)
+    layout, m = _meta(device, [2, 1, 4], LIVE, tiers=[8], graph_slots=8, width=4)
     assert (m.tier, m.num_tokens, m.num_slots, m.num_requests) == (8, 8, 8, 3)
     assert _l(layout.slot_lens) == [2, 1, 4, 1, 0, 0, 0, 0]
     assert m.cu_seqlens_q_host == [0, 2, 3, 7, 8, 8, 8, 8, 8] == _l(m.cu_seqlens_q)
@@ -96,7 +96,7 @@ def ragged_case(draw, min_b=0):
         tier = round_up_to_tier(sum(lens), kw["tiers"])
         padding = 0 if tier is None else tier - sum(lens)
         # enough ghost slots for the padding (at most W rows each), so every draw is a valid layout
-        kw["slots"] = b + max(1, -(-padding // width)) + draw(st.integers(0, 11))
+        kw["graph_slots"] = b + max(1, -(-padding // width)) + draw(st.integers(0, 11))
     kw["extra_slots"] = draw(st.integers(0, 2))
     return lens, live, ratios, kw
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from dspark.ascend.attention import NpuVerifyAttention, check_metadata
 from dspark.ascend.emulator import FiaArgumentError, FusedInferAttentionEmulator, causal_mask
 from dspark.ascend.metadata import AscendVerifyMetadata
-from dspark.verify.attention import verify_attention, write_kv
+from dspark.verify.attention import AttentionShape, verify_attention, write_kv
 from dspark.verify.layout import RaggedVerifyLayout
 
 pytestmark = pytest.mark.cpu_only(reason="the CPU emulator of the NPU operator (perf/ascend_bringup.py --device npu "
@@ -78,8 +78,8 @@ def test_emulator_equals_brute_force_and_dspark_attention(case) -> None:
     kc, vc = _cache(pages, hkv, seed)
     layout = RaggedVerifyLayout.from_verify_lens(lens)
     q = torch.randn(sum(lens), hq, D, generator=torch.Generator().manual_seed(seed + 1))
-    attn = NpuVerifyAttention(sum(lens), len(lens), table.shape[1], hq, hkv, D, PAGE, "cpu", torch.float32,
-                              op=FusedInferAttentionEmulator(allow_float32=True))
+    attn = NpuVerifyAttention(AttentionShape(sum(lens), len(lens), table.shape[1], hq, hkv, D, PAGE), "cpu",
+                              torch.float32, op=FusedInferAttentionEmulator(allow_float32=True))
     attn.plan(layout, prefix, table)
     out = torch.full_like(q, float("nan"))                          # poisoned: every row must be written
     attn.run(q, kc, vc, out=out)
@@ -96,7 +96,7 @@ def test_emulator_in_the_operator_dtypes(case, dtype) -> None:
     kc, vc = _cache(pages, hkv, seed, dtype)
     layout = RaggedVerifyLayout.from_verify_lens(lens)
     q = torch.randn(sum(lens), hq, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    attn = NpuVerifyAttention(sum(lens), len(lens), table.shape[1], hq, hkv, D, PAGE, "cpu", dtype,
+    attn = NpuVerifyAttention(AttentionShape(sum(lens), len(lens), table.shape[1], hq, hkv, D, PAGE), "cpu", dtype,
                               op=FusedInferAttentionEmulator())
     attn.plan(layout, prefix, table)
     out = attn.run(q, kc, vc)
@@ -122,7 +122,8 @@ def test_operator_arguments_follow_the_ragged_layout(case) -> None:
     table, pages = _table(prefix, lens, seed)
     kc, vc = _cache(pages, 2, seed)
     op = Recorder()
-    attn = NpuVerifyAttention(32, 16, table.shape[1], 4, 2, D, PAGE, "cpu", torch.float32, op=op, max_verify_len=w)
+    attn = NpuVerifyAttention(AttentionShape(32, 16, table.shape[1], 4, 2, D, PAGE, max_verify_len=w), "cpu",
+                              torch.float32, op=op)
     attn.plan(layout, prefix, table)
     attn.run(torch.randn(layout.graph_num_tokens, 4, D), kc, vc)
     (call,) = op.seen
@@ -156,8 +157,8 @@ def test_compact_outputs_scatter_back_to_the_static_stride(case) -> None:
     for name, layout in (("compact", RaggedVerifyLayout.from_verify_lens(lens)),
                          ("static", RaggedVerifyLayout.from_verify_lens([w] * len(lens)))):
         kc, vc = base_k.clone(), base_v.clone()
-        attn = NpuVerifyAttention(len(lens) * w, len(lens), table.shape[1], hq, hkv, D, PAGE, "cpu", torch.float32,
-                                  op=FusedInferAttentionEmulator(allow_float32=True))
+        attn = NpuVerifyAttention(AttentionShape(len(lens) * w, len(lens), table.shape[1], hq, hkv, D, PAGE), "cpu",
+                                  torch.float32, op=FusedInferAttentionEmulator(allow_float32=True))
         attn.plan(layout, prefix, table)
         rows = qkv[layout.row_slot.long(), layout.row_within.long()]
         write_kv(rows[:, 1, :hkv].contiguous(), rows[:, 2, :hkv].contiguous(), kc, vc, attn.kv_slots)
@@ -214,7 +215,8 @@ def test_emulator_refuses_what_the_operator_refuses(over, message) -> None:
 
 def test_backend_refuses_metadata_of_another_layout_and_a_short_block_table() -> None:
     layout = RaggedVerifyLayout.from_verify_lens([2, 1, 4])
-    attn = NpuVerifyAttention(16, 4, 2, 4, 2, D, PAGE, "cpu", torch.float32, op=FusedInferAttentionEmulator(True))
+    attn = NpuVerifyAttention(AttentionShape(16, 4, 2, 4, 2, D, PAGE), "cpu", torch.float32,
+                              op=FusedInferAttentionEmulator(True))
     table = torch.tensor([[1], [2], [3]], dtype=torch.int32)
     other = AscendVerifyMetadata.from_layout(RaggedVerifyLayout.from_verify_lens([4, 1, 2]), [10, 127, 5], ())
     with pytest.raises(ValueError, match=r"metadata.cu_seqlens_q_host = \[0, 4, 5, 7\] is not this layout's \[0, 2, 3, 7\]"):
@@ -228,7 +230,7 @@ def test_backend_refuses_metadata_of_another_layout_and_a_short_block_table() ->
     with pytest.raises(ValueError, match=r"q must be \[7, 4, 16\] \(the planned metadata's rows\), got \[8, 4, 16\]"):
         attn.run(torch.randn(8, 4, D), *_cache(4, 2, 0))
     with pytest.raises(TypeError, match="op must be the fused infer attention operator"):
-        NpuVerifyAttention(16, 4, 2, 4, 2, D, PAGE, "cpu", torch.float32, op="fia")
+        NpuVerifyAttention(AttentionShape(16, 4, 2, 4, 2, D, PAGE), "cpu", torch.float32, op="fia")
 
 
 def test_backend_without_torch_npu_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,7 +240,7 @@ def test_backend_without_torch_npu_names_the_install(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     layout = RaggedVerifyLayout.from_verify_lens([1])
-    attn = NpuVerifyAttention(4, 1, 1, 4, 2, D, PAGE, "cpu", torch.float32)
+    attn = NpuVerifyAttention(AttentionShape(4, 1, 1, 4, 2, D, PAGE), "cpu", torch.float32)
     attn.plan(layout, [3], torch.tensor([[1]], dtype=torch.int32))
     with pytest.raises(NpuUnavailableError, match=r"pip install dspark\[npu\]"):
         attn.run(torch.randn(1, 4, D), *_cache(2, 2, 0))

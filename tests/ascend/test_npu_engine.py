@@ -21,8 +21,8 @@ from dspark.serve.drafters.ngram import NgramDrafter
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.kv_cache import PagedKVCache
 from dspark.serve.policies import Adaptive, FixedK, Oracle
-from dspark.serve.tier_step import VerifyStep, graph_slot_count
 from dspark.serve.policies.gate import GateSettings
+from dspark.serve.tier_step import VerifyStep, graph_slot_count
 from tests.engine_models import VOCAB, tiny_models
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dspark import RaggedVerifyAttention, RaggedVerifyLayout, verify_attention, write_kv
+from dspark import AttentionShape, RaggedVerifyAttention, RaggedVerifyLayout, verify_attention, write_kv
 from dspark.kernels import dispatch
 from dspark.kernels import ragged_attention as RA
 from dspark.kernels._triton import jit, tl
@@ -43,9 +43,10 @@ class Case:
 
     def attention(self, **kwargs) -> RaggedVerifyAttention:
         hq, d = self.q.shape[1:]
-        attn = RaggedVerifyAttention(
-            self.layout.graph_num_tokens, self.layout.num_slots, self.table.shape[1], hq, self.k_cache.shape[2],
-            d, self.k_cache.shape[1], self.q.device, self.q.dtype, num_pages=self.k_cache.shape[0], **kwargs)
+        shape = AttentionShape(self.layout.graph_num_tokens, self.layout.num_slots, self.table.shape[1], hq,
+                               self.k_cache.shape[2], d, self.k_cache.shape[1], num_pages=self.k_cache.shape[0],
+                               **kwargs)
+        attn = RaggedVerifyAttention(shape, self.q.device, self.q.dtype)
         attn.plan(self.layout, self.prefix, self.table)
         return attn
 
@@ -220,8 +221,8 @@ def _two_layouts_same_tier(device, dtype, splits=None, padding_a=4, padding_b=1)
     v_cache = torch.cat([a.v_cache, b.v_cache])
     for case in (a, b):
         case.k_cache, case.v_cache = k_cache, v_cache
-    attn = RaggedVerifyAttention(16, 6, 32, 8, 2, 16, 3, device, dtype, num_pages=k_cache.shape[0], max_verify_len=8,
-                                 num_kv_splits=splits)
+    attn = RaggedVerifyAttention(AttentionShape(16, 6, 32, 8, 2, 16, 3, num_pages=k_cache.shape[0], max_verify_len=8,
+                                                num_kv_splits=splits), device, dtype)
     return a, b, attn
 
 
@@ -246,10 +247,10 @@ def test_replan_smaller_step_clears_the_bigger_ones_tail(name, device):
     big = build_case(5, [3, 2, 4], [9, 13, 2], padding=3, **dims)
     small = build_case(6, [2], [5], **dims)
     small.table = torch.cat([small.table, small.table[:, :1]], 1)   # a different block-table width too
-    sizes = (big.layout.graph_num_tokens, big.layout.num_slots, big.table.shape[1], 4, 2, 8, 4, device, torch.float32)
-    extra = dict(num_pages=max(big.k_cache.shape[0], small.k_cache.shape[0]))
+    shape = AttentionShape(big.layout.graph_num_tokens, big.layout.num_slots, big.table.shape[1], 4, 2, 8, 4,
+                           num_pages=max(big.k_cache.shape[0], small.k_cache.shape[0]))
     with backend(name):
-        reused, fresh = RaggedVerifyAttention(*sizes, **extra), RaggedVerifyAttention(*sizes, **extra)
+        reused, fresh = (RaggedVerifyAttention(shape, device, torch.float32) for _ in range(2))
         reused.plan(big.layout, big.prefix, big.table)
         reused.plan(small.layout, small.prefix, small.table)
         fresh.plan(small.layout, small.prefix, small.table)
@@ -325,9 +326,12 @@ def _small(device, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("make, needle, exc", [
-    (lambda c: RaggedVerifyAttention(4, 2, 2, 6, 4, 8, 4, c.q.device, torch.float32), "num_q_heads=6", ValueError),
-    (lambda c: RaggedVerifyAttention(4, 2, 2, 4, 2, 8, 4, c.q.device, torch.float64), "torch.float64", TypeError),
-    (lambda c: RaggedVerifyAttention(4, 2, 2, 4, 2, 8, 0, c.q.device, torch.float32), "page_size", ValueError),
+    (lambda c: RaggedVerifyAttention(AttentionShape(4, 2, 2, 6, 4, 8, 4), c.q.device, torch.float32), "num_q_heads=6",
+     ValueError),
+    (lambda c: RaggedVerifyAttention(AttentionShape(4, 2, 2, 4, 2, 8, 4), c.q.device, torch.float64), "torch.float64",
+     TypeError),
+    (lambda c: RaggedVerifyAttention(AttentionShape(4, 2, 2, 4, 2, 8, 0), c.q.device, torch.float32), "page_size",
+     ValueError),
     (lambda c: c.attention().run(c.q[:, :2], c.k_cache, c.v_cache), "q must have shape [5, 4, 8]", ValueError),
     (lambda c: c.attention().run(c.q, c.k_cache[:, :, :1], c.v_cache), "k_cache must have shape", ValueError),
     (lambda c: c.attention().run(c.q.double(), c.k_cache, c.v_cache), "q has dtype torch.float64", TypeError),
@@ -342,9 +346,13 @@ def _small(device, dtype=torch.float32):
     (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, [-1, 0], c.table),
      "prefix_lens[0] = -1", ValueError),
     (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, [1.0, 2.0], c.table), "prefix_lens must hold ints, got 1.0", TypeError),
-    (lambda c: RaggedVerifyAttention(2, 2, 4, 4, 2, 8, 4, c.q.device, torch.float32).plan(c.layout, c.prefix, c.table),
+    (lambda c: RaggedVerifyAttention(AttentionShape(2, 2, 4, 4, 2, 8, 4), c.q.device, torch.float32).plan(c.layout,
+                                                                                                          c.prefix,
+                                                                                                          c.table),
      "max_rows=2", ValueError),
-    (lambda c: RaggedVerifyAttention(8, 2, 4, 4, 2, 8, 4, c.q.device, torch.float32).run(c.q, c.k_cache, c.v_cache),
+    (lambda c: RaggedVerifyAttention(AttentionShape(8, 2, 4, 4, 2, 8, 4), c.q.device, torch.float32).run(c.q,
+                                                                                                         c.k_cache,
+                                                                                                         c.v_cache),
      "before plan", RuntimeError),
     (lambda c: write_kv(c.k_new, c.v_new, c.k_cache, c.v_cache, torch.zeros(3, dtype=torch.int32, device=c.q.device)),
      "kv_slots must be", ValueError),
@@ -435,7 +443,7 @@ def test_kv_chunks_follow_live_slots_not_ghosts(device, monkeypatch):
     is cut into chunks (up to the 2 x 8 SMs / 2 kv heads = 8 entries, in BLOCK_N shares), its 40 ghost slots
     are not, and 40 live requests are not cut (a fake GPU of 8 SMs)."""
     monkeypatch.setattr(RA, "sm_count", lambda _device: 8)
-    attn = RaggedVerifyAttention(64, 48, 128, 4, 2, 8, 4, device, torch.float32, max_verify_len=1)
+    attn = RaggedVerifyAttention(AttentionShape(64, 48, 128, 4, 2, 8, 4, max_verify_len=1), device, torch.float32)
     table = torch.arange(40 * 128, dtype=torch.int32).view(40, 128) % 64
     for live, prefix in ((1, 500), (40, 500)):
         lens = torch.ones(live, dtype=torch.int32, device=device)
@@ -465,7 +473,8 @@ def test_plan_reads_nothing_from_the_device(device):
     (`layout.host`) with host prefixes and the device's own block table reads nothing back, twice in a row
     (both staging buffers), and its metadata reach the device in one copy."""
     meta = torch.device("meta")
-    attn = RaggedVerifyAttention(16, 6, 8, 4, 2, 8, 4, meta, torch.float32, max_verify_len=4, num_pages=64)
+    attn = RaggedVerifyAttention(AttentionShape(16, 6, 8, 4, 2, 8, 4, max_verify_len=4, num_pages=64), meta,
+                                 torch.float32)
     copies = []
     real_copy = torch.Tensor.copy_
     with pytest.MonkeyPatch.context() as mp:

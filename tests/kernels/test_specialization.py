@@ -17,7 +17,7 @@ import torch
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from dspark import RaggedVerifyAttention, RaggedVerifyLayout
+from dspark import AttentionShape, RaggedVerifyAttention, RaggedVerifyLayout
 from dspark.kernels import accept as A
 from dspark.kernels import kv_write as KV
 from dspark.kernels import layout as L
@@ -110,8 +110,8 @@ def test_attention_one_variant_for_every_tier_and_batch(device, triton_backend, 
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, page_size, width = 4, 2, 16, 4, 8
     max_rows, max_slots, pages = 48, 12, 128
-    attn = RaggedVerifyAttention(max_rows, max_slots, pages, hq, hkv, d, page_size, device, torch.float32,
-                                 max_verify_len=width, num_pages=64)
+    attn = RaggedVerifyAttention(AttentionShape(max_rows, max_slots, pages, hq, hkv, d, page_size,
+                                                max_verify_len=width, num_pages=64), device, torch.float32)
     kc = torch.randn(64, page_size, hkv, d, generator=gen).to(device)
     vc = torch.randn(64, page_size, hkv, d, generator=gen).to(device)
     counts = set()

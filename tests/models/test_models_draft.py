@@ -22,7 +22,7 @@ from dspark.models.draft import (  # noqa: E402
 from dspark.models.paged_attend import PagedAttend  # noqa: E402
 from dspark.models.train_draft import main, tiny_target  # noqa: E402
 from dspark.serve.kv_cache import PagedKVCache  # noqa: E402
-from dspark.verify.attention import RaggedVerifyAttention  # noqa: E402
+from dspark.verify.attention import AttentionShape, RaggedVerifyAttention  # noqa: E402
 from dspark.verify.layout import RaggedVerifyLayout  # noqa: E402
 
 
@@ -84,8 +84,8 @@ def test_packed_forward_over_paged_cache_equals_dense(device_target, device):
     cache = PagedKVCache(num_layers=g.num_layers, num_heads=g.num_kv_heads, head_dim=g.head_dim, num_pages=8,
                          page_size=4, device=device)
     table = cache.admit(2, 12)
-    attn = RaggedVerifyAttention(32, 3, int(table.shape[1]), g.num_q_heads, g.num_kv_heads, g.head_dim, 4,
-                                 device, torch.float32, sm_scale=g.sm_scale, num_pages=8)
+    attn = RaggedVerifyAttention(AttentionShape(32, 3, int(table.shape[1]), g.num_q_heads, g.num_kv_heads, g.head_dim,
+                                                4, sm_scale=g.sm_scale, num_pages=8), device, torch.float32)
     for lo, hi in ((lambda i: 0, lambda i: first[i]), (lambda i: first[i], lambda i: lens[i])):
         spans = [(lo(i), hi(i)) for i in range(2)]
         layout = RaggedVerifyLayout.from_verify_lens(torch.tensor([b - a for a, b in spans], dtype=torch.int32,

@@ -63,9 +63,10 @@ class PagedBatch:
         self.v = torch.full_like(self.k, float("nan"))
         perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
         self.block_table = perm[: batch * per_req].to(self.device, torch.int32).reshape(batch, per_req)
-        self.attn = dspark.RaggedVerifyAttention(
-            MAX_ROWS, batch + MAX_ROWS, per_req, g.num_q_heads, g.num_kv_heads, g.head_dim, PAGE_SIZE, self.device,
-            torch.float32, sm_scale=g.sm_scale, num_pages=num_pages)
+        self.attn = dspark.RaggedVerifyAttention(dspark.AttentionShape(MAX_ROWS, batch + MAX_ROWS, per_req,
+                                                                       g.num_q_heads, g.num_kv_heads, g.head_dim,
+                                                                       PAGE_SIZE, sm_scale=g.sm_scale,
+                                                                       num_pages=num_pages), self.device, torch.float32)
         self.lm = lm
 
     def logits(self, tokens: torch.Tensor, layout: dspark.RaggedVerifyLayout, prefix_lens: torch.Tensor

@@ -26,6 +26,7 @@ from dspark import (
     TpAgreement,
     VerifyPlanner,
 )
+from dspark.verify.attention import AttentionShape
 
 CFG = ScheduleConfig(gamma=2)
 S = torch.tensor([[0.9, 0.5], [0.6, 0.2]])
@@ -135,7 +136,8 @@ CASES = [
     ("verify_attention", lambda: dspark.verify_attention([1.0], torch.zeros(1), torch.zeros(1), layout(), [0, 0],
                                                          torch.zeros(2, 1, dtype=torch.long)), TypeError,
      r"q must be a torch.Tensor, got list"),
-    ("RaggedVerifyAttention", lambda: RaggedVerifyAttention(8, 4, 2, 2, 2, 8, 4, "cpu", torch.float32).plan([2, 3], [0, 0], None),
+    ("RaggedVerifyAttention", lambda: RaggedVerifyAttention(AttentionShape(8, 4, 2, 2, 2, 8, 4), "cpu",
+                                                            torch.float32).plan([2, 3], [0, 0], None),
      TypeError, r"layout must be a RaggedVerifyLayout, got list"),
     ("TierGraphRunner", lambda: TierGraphRunner(lambda b: b, "8", 2, "cpu", width=3, row_inputs={}), ValueError,
      r"tiers must be positive ints"),
