@@ -39,6 +39,7 @@ CPU_ONLY_MODULES = {
     "test_profiling.py": "step timers and cost-model fits of the profiling sweeps on the CPU",
     "test_public_api.py": "the pinned names of the public API",
     "test_imports.py": "the package's import graph, read from the source",
+    "test_signatures.py": "parameter counts of the public callables, read from the source",
     "test_public_boundaries.py": "argument checks of every public callable on small CPU inputs",
     "test_tiered_cost.py": "the tiered cost model's fit and io (host arithmetic)",
     "test_validate.py": "the shared boundary checks on CPU scalars and tensors",
