@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.util.fileio import atomic_write_text, read_json
+from dspark.util.fileio import atomic_write_text, load_json_as
 
 SCHEMA_VERSION = 1
 
@@ -338,11 +338,7 @@ class CostModel(abc.ABC):
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CostModel":
         """Read and validate a saved model; every error names the file and what is wrong."""
-        d = read_json(path)
-        try:
-            return cls.from_dict(d)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{path}: {e}") from None
+        return load_json_as(path, cls.from_dict)
 
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON: equal on every rank that holds the same table."""

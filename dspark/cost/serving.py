@@ -45,7 +45,7 @@ from dspark.cost.step import (
     kv_priced,
     prefill_from_dict,
 )
-from dspark.util.fileio import read_json, write_json_atomic
+from dspark.util.fileio import load_json_as, write_json_atomic
 from dspark.util.validate import check_int, check_real, check_type
 
 SCHEMA = "dspark.serving_cost"
@@ -217,11 +217,7 @@ class ServingCost:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ServingCost":
         """Read and validate a saved serving cost; every error names the file."""
-        d = read_json(path)
-        try:
-            return cls.from_dict(d)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{path}: {e}") from None
+        return load_json_as(path, cls.from_dict)
 
 
 def _check_coverage(model: CostModel, max_requests: int) -> None:

@@ -8,9 +8,11 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from dspark.util.validate import check_path
+
+T = TypeVar("T")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -55,6 +57,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, obj: object) -> Path:
     """Write strict JSON (no NaN) atomically."""
     return atomic_write_text(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
+
+
+def load_json_as(path: str | os.PathLike, from_dict: Callable[[object], T]) -> T:
+    """`from_dict` of a JSON file's contents; its ValueError / TypeError re-raised as a ValueError naming the file."""
+    d = read_json(path)
+    try:
+        return from_dict(d)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def read_json(path: str | os.PathLike) -> object:

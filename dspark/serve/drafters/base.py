@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from dspark.models.geometry import ModelGeometry
+from dspark.serve.attention import batch_attention
 from dspark.serve.kv_cache import PagedKVCache
 from dspark.serve.sampling import Sampling
 from dspark.serve.scheduler import Batch
@@ -76,6 +77,28 @@ class Drafter:
 
     def finish(self) -> None:
         """The run ended (also on error): release what `start` took."""
+
+
+class CachedDrafter(Drafter):
+    """A drafter over its own paged KV cache (`cache`, made by `bind`): per run it sizes its attention and tracks
+    how many of each slot's tokens the cache holds (`_cached`), so `propose` catches up on the rest."""
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        """The drafting model's geometry (heads, layers, positions)."""
+        raise NotImplementedError
+
+    def start(self, batch: Batch, max_rows: int) -> None:
+        s = batch.num_slots
+        self.cache.admit(s, batch.tokens.shape[1] - 1)
+        self._attn = batch_attention(self.cache, self.geometry, s * max_rows, s + 1)
+        self._cached = torch.zeros(s, dtype=torch.int64)
+
+    def admit(self, slots: Tensor) -> None:
+        self._cached[slots] = 0
+
+    def finish(self) -> None:
+        self.cache.release()
 
 
 def model_cache(geometry: ModelGeometry, pages: int, page_size: int, device: torch.device,

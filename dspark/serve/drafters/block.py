@@ -9,9 +9,9 @@ from torch import Tensor
 
 from dspark.calibration.online import draft_features
 from dspark.models.draft import DraftModel
+from dspark.models.geometry import ModelGeometry
 from dspark.models.paged_attend import PagedAttend
-from dspark.serve.attention import batch_attention
-from dspark.serve.drafters.base import Drafter, Drafts, Source, catch_up_layout, model_cache
+from dspark.serve.drafters.base import CachedDrafter, Drafts, Source, catch_up_layout, model_cache
 from dspark.serve.sampling import Sampling
 from dspark.serve.scheduler import Batch
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from dspark.serve.runner import LiveTarget
 
 
-class BlockDrafter(Drafter):
+class BlockDrafter(CachedDrafter):
     """dspark's block draft (`DraftModel`): one ragged forward over each request's uncached tokens reading the
     target's hidden states one position back (the bound decoder's `LiveTarget.hidden`), then the chain
     proposes all k at once."""
@@ -47,17 +47,9 @@ class BlockDrafter(Drafter):
                                                               dtype), states, device
         return bound
 
-    def start(self, batch: Batch, max_rows: int) -> None:
-        s = batch.num_slots
-        self.cache.admit(s, batch.tokens.shape[1] - 1)
-        self._attn = batch_attention(self.cache, self.draft.geometry, s * max_rows, s + 1)
-        self._cached = torch.zeros(s, dtype=torch.int64)
-
-    def admit(self, slots: Tensor) -> None:
-        self._cached[slots] = 0
-
-    def finish(self) -> None:
-        self.cache.release()
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self.draft.geometry
 
     def propose(self, batch: Batch, slots: Tensor, k: int, source: Source, sampling: Sampling) -> Drafts:
         layout, prefix, pos, slot = catch_up_layout(batch, slots, self._cached, self.device)

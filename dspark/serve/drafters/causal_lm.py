@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from dspark.calibration.online import draft_features
+from dspark.models.geometry import ModelGeometry
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import PreTrainedModel, TransformersCausalLM
-from dspark.serve.attention import batch_attention
-from dspark.serve.drafters.base import Drafter, Drafts, Source, catch_up_layout, model_cache
+from dspark.serve.drafters.base import CachedDrafter, Drafts, Source, catch_up_layout, model_cache
 from dspark.serve.sampling import Sampling
 from dspark.serve.scheduler import Batch
 from dspark.verify.layout import RaggedVerifyLayout
@@ -53,7 +53,7 @@ def check_same_tokenizer(target_tokenizer: Any, draft_tokenizer: Any) -> None:
                              f"but {b} for the drafter")
 
 
-class CausalLMDrafter(Drafter):
+class CausalLMDrafter(CachedDrafter):
     """Draft with a small causal LM of the target's family (module docstring).
 
     model: a `TransformersCausalLM`, or a transformers `PreTrainedModel` (wrapped: its attention becomes
@@ -82,17 +82,9 @@ class CausalLMDrafter(Drafter):
         bound.cache = model_cache(self.model.geometry, pages, page_size, device, self.model.hf_model.dtype)
         return bound
 
-    def start(self, batch: Batch, max_rows: int) -> None:
-        s = batch.num_slots
-        self.cache.admit(s, batch.tokens.shape[1] - 1)
-        self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1)
-        self._cached = torch.zeros(s, dtype=torch.int64)
-
-    def admit(self, slots: Tensor) -> None:
-        self._cached[slots] = 0
-
-    def finish(self) -> None:
-        self.cache.release()
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self.model.geometry
 
     def _last_logits(self, ids: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, table: Tensor) -> Tensor:
         """[B, V] logits of each request's last row of one forward over `layout`'s packed rows `ids`."""
