@@ -1,7 +1,7 @@
 """Ascend 910C port layer. Imports torch_npu / triton-ascend lazily, only where a device call is made.
 
 - `runtime`: NPU detection, device name, vector/AI core counts.
-- `AscendVerifyMetadata`: ragged TARGET_VERIFY metadata (and today's static values) from a layout.
+- `AscendVerifyMetadata`: ragged TARGET_VERIFY metadata (and the static path's values) from a layout.
 - `NpuGraphBackend`, `VerifyMetadataBuffers`: NPU graph tiers with host-parameter refresh.
 - `launch`: the grid = vector-cores launch policy and the kernel-source checker.
 - `RaggedGraphCapability`, `choose_npu_verify_mode`: compact only for verified configurations.

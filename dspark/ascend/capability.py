@@ -1,8 +1,8 @@
 """Which NPU configurations may replay ragged (compact) verify graphs, and the mode decision.
 
 An NPU configuration is admitted to compact verify only after its eager and graph equivalence checks
-passed (bring-up ladder steps 1 and 2, `perf/ascend_bringup.py`) and were recorded here. Anything else
-falls back to static verify with a logged reason, as today's 910C recipes do.
+passed (bring-up ladder steps 1 and 2, docs/ascend.md) and were recorded here. Anything else falls back to
+static verify with a logged reason, as the static 910C recipes do.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class RaggedGraphCapability:
 
 def choose_npu_verify_mode(requested_mode: VerifyMode | str, capability: CapabilityStatus) -> tuple[VerifyMode, str]:
     """The verify mode an NPU step runs, and why. Static and cap-accept keep the fixed-width geometry
-    today's NPU metadata supports; compact needs a verified configuration, else static (logged)."""
+    the static NPU metadata supports; compact needs a verified configuration, else static (logged)."""
     mode = VerifyMode.parse(requested_mode)
     if not isinstance(capability, CapabilityStatus):
         raise TypeError(f"capability must be a CapabilityStatus, got {type(capability).__name__}")

@@ -1,15 +1,15 @@
 """Ragged TARGET_VERIFY metadata for the Ascend DSV4 attention and compressor path.
 
-Today's NPU verify path assumes one width N for every request (`actual_seq_lengths_q = [N, 2N, ..]`,
+The static NPU verify path assumes one width N for every request (`actual_seq_lengths_q = [N, 2N, ..]`,
 compressor positions from `live_seq_len + N`). `AscendVerifyMetadata.from_layout` computes every field
-from a `RaggedVerifyLayout` instead (ascend.md section 3); `from_static` computes today's fixed-width
-values by the fixed-width rule, so a uniform layout can be checked against it field for field.
+from a `RaggedVerifyLayout` instead (ascend.md section 3); `from_static` computes the static path's
+fixed-width values by the fixed-width rule, so a uniform layout can be checked against it field for field.
 
 Slots past the real requests are ghosts: `seqused = 0`, KV length 1, `start_pos = 0`, packed positions 0,
-write slot 0. Two deliberate differences from today's formulas (ascend.md section 3):
-- the compressed-entry buffers are `max(1, min(t, t // r + S))` with S slots where today's use B
+write slot 0. Two deliberate differences from the static path's formulas (ascend.md section 3):
+- the compressed-entry buffers are `max(1, min(t, t // r + S))` with S slots where the static path uses B
   requests: a graph buffer must depend on the tier and the captured slots only (S = B when eager);
-- `seqused = v` for every real request, also when L = 0; today's static path masks with `L > 0` to spot
+- `seqused = v` for every real request, also when L = 0; the static path masks with `L > 0` to spot
   padded batch entries, which here are explicit ghost slots.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ index) and takes the k-th largest. The host path takes the k-th largest value t 
 sorted window, or one partition), every candidate >= t, and drops the ties at t past the k-th in
 position-major order (rare: a tie needs equal float32 survivals). It exists because at planner sizes a
 torch op costs microseconds of dispatch and the allocation is a dozen of them; numpy does the same work in
-a fraction of that (perf/planner_bench.py).
+a fraction of that.
 
 Flattening the window position-major (index i = j * B + r) makes the tie order simply
 "smaller i first", so the kernel's selection is the set

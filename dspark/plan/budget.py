@@ -48,7 +48,7 @@ class HostSurvival:
 
     The budget scan and the allocation both take it in place of the tensor, so a step planned on the host
     pays one device-to-host copy and one sort of its candidate window (`window`, kept for the config last
-    asked): small numpy arrays cost far less per call than a chain of torch ops (perf/planner_bench.py).
+    asked): small numpy arrays cost far less per call than a chain of torch ops.
     """
 
     __slots__ = ("values", "_cfg", "_ranked", "_num_valid")

@@ -73,8 +73,7 @@ class VerifyStep:
     compile_model: run the model's dense layers (everything but the attention, which stays the planned
     kernel) through `compiled_model_rows`: one torch.compile with a dynamic row dimension shared by every
     step and tier (each tier is then captured from the same graphs), compiled during the first capture's
-    warm-up; default True on CUDA, False elsewhere (on the CPU its compile time and speed-up are measured
-    by perf/engine_compile.py).
+    warm-up; default True on CUDA, False elsewhere.
     """
 
     def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, *, tiers: Sequence[int], width: int,

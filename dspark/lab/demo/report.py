@@ -1,7 +1,7 @@
 """The demo's report: one table row per (batch size, policy) from every lockstep round, and the goal lines.
 
 Speed-ups are medians over rounds of the same round's ratio (policies are compared within a lockstep round,
-never across runs one after another: `perf/engine_timing_noise.py` shows why); the best fixed k is the
+never across runs one after another: docs/demo.md says why); the best fixed k is the
 fixed k with the highest paired speed-up over fixed-0.
 """
 from __future__ import annotations
