@@ -322,6 +322,11 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
     model, curves = scale_batches(fill_monotone(fitted, samples), (plain, *drafting), tiers, max_requests)
     plain, drafting = curves[0], curves[1:]
     per_kv, context = kv or (0.0, 0.0)
+    # the KV slope comes from other runs than the plain steps: under timing noise it is held so that the profiled
+    # context's share is at most half of every plain step (a plain step is never priced at or below zero)
+    kv_most = min(0.5 * s / (context * b) for b, s in zip(plain.batch_sizes, plain.seconds)) if context else per_kv
+    kv_held = per_kv > kv_most
+    per_kv = min(per_kv, kv_most)
     drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
                 for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
     # the priced gamma-deep draft taken out: a gamma-deep step prices at the measured whole step. The draft phase
@@ -347,6 +352,9 @@ def profiled_cost(samples: Sequence[ProfileSample], plain: BatchCurve, drafting:
          "per KV token: 0 (the profiled steps hold the profile's own contexts)")
         + "; prefill: fit_prefill over the drafting runs' first admissions",
         f"machine: {platform.platform()}, torch {torch.__version__}")
+    if kv_held:
+        sources += (f"the KV slope held to {per_kv * 1e6:.3f} us: half of the smallest plain step per profiled "
+                    f"context token (timing noise)",)
     if held != taken:
         sources += (f"the draft taken out held to half the cheapest cell at B = "
                     f"{[b for b, h, t in zip(model.batch_probes, held, taken) if h != t]} (timing noise)",)

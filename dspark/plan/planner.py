@@ -145,10 +145,10 @@ class VerifyPlanner:
             "lag": repr(self.lag), "num_slots": repr(self.ring.num_slots if self.ring is not None else None),
         }
 
-    def best_rate(self, survival: Tensor) -> float:
-        """The best expected committed tokens per second over every budget for calibrated `survival` [B, gamma]
-        (a lagged read of the ring): theta at `choose_budget`'s argmax under this planner's cost model."""
-        return choose_budget(survival, self.cost_model, self.cfg).theta
+    def best_decision(self, survival: Tensor) -> BudgetDecision:
+        """`choose_budget` for calibrated `survival` [B, gamma] (a lagged read of the ring) under this planner's
+        cost model and schedule: the budget of the best expected committed tokens per second (`theta`)."""
+        return choose_budget(survival, self.cost_model, self.cfg)
 
     def plan(self, logits: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
         """Plan one verify step.

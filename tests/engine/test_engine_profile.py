@@ -143,3 +143,29 @@ def test_a_draft_phase_longer_than_a_step_never_prices_the_target_at_or_below_ze
         cells = [float(cost.verify.step_seconds(b, m)) for m in range(b, 4 * b + 1)]
         assert min(cells) > 0, (b, cells)
     assert any("held to half the cheapest cell at B = [1, 4]" in s for s in cost.sources), cost.sources
+
+
+@pytest.mark.cpu_only(reason="fits a table from synthetic samples")
+def test_a_kv_slope_larger_than_the_plain_steps_never_prices_plain_at_or_below_zero():
+    """The KV slope comes from other runs than the plain steps (CI's device_check dry run met a slope whose
+    context share exceeded the plain step under load): it is held so that the share is at most half of every
+    plain step, and the file says so; a plausible slope is kept as measured."""
+    from dspark.cost.serving import BatchCurve, PrefillCost
+    from dspark.lab.profile import profile_points, profiled_cost
+
+    tiers = (1, 2, 3, 4, 8, 12, 16)
+    grid = profile_points((1, 4), 3, tiers)
+    samples = [ProfileSample(b, m, 1e-3 * (2 + 0.1 * m)) for b, m in grid]
+    plain = BatchCurve((1, 4), (1.5e-3, 2e-3))
+    drafting = [BatchCurve((1, 4), (1e-4 * k, 2e-4 * k)) for k in (1, 2, 3)]
+
+    def fit(per_kv: float):
+        return profiled_cost(samples, plain, drafting, PrefillCost(0.0, 1e-5), gamma=3, tiers=tiers, max_requests=4,
+                             name="noisy", description="", parameters={}, kv=(per_kv, 10.0))
+
+    noisy = fit(1e-3)  # 10 tokens x 1 ms: 10 ms of context per request, over every plain step
+    assert noisy.per_kv_token == pytest.approx(0.5 * 2e-3 / (10.0 * 4))  # half of B = 4's plain step per token
+    assert all(noisy.plain_seconds(b) > 0 for b in (1, 2, 3, 4))
+    assert any("KV slope held" in s for s in noisy.sources), noisy.sources
+    calm = fit(1e-6)
+    assert calm.per_kv_token == 1e-6 and not any("KV slope held" in s for s in calm.sources)

@@ -139,6 +139,8 @@ CASES = [
     ("RaggedVerifyAttention", lambda: RaggedVerifyAttention(AttentionShape(8, 4, 2, 2, 2, 8, 4), "cpu",
                                                             torch.float32).plan([2, 3], [0, 0], None),
      TypeError, r"layout must be a RaggedVerifyLayout, got list"),
+    ("AttentionShape", lambda: AttentionShape(8, 4, 2, 6, 4, 8, 4), ValueError,
+     r"num_q_heads=6 is not a multiple of num_kv_heads=4"),
     ("TierGraphRunner", lambda: TierGraphRunner(lambda b: b, "8", 2, "cpu", width=3, row_inputs={}), ValueError,
      r"tiers must be positive ints"),
     ("StsRecorder", lambda: StsRecorder(3, gamma=2), TypeError, r"out_dir must be a str or PathLike, got int: 3"),

@@ -282,12 +282,15 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     def served_by(name: str) -> SpecDecoder:
         return ngram if name.startswith(NGRAM) else decoder
 
+    # the gate prices the block draft's catch-up as profiled (0 without a serving cost)
+    gate = GateSettings.probing(probe, serving.drafter.per_catch_up_token if serving is not None else 0.0)
+
     def make_for(name: str, b: int):
         if name.startswith(NGRAM):
             return make_policy(name[len(NGRAM):], gamma, functools.partial(planner, b), plain.step_seconds,
                                GateSettings.probing(probe), ngram_estimator)
-        return make_policy(name, gamma, functools.partial(planner, b), plain.step_seconds, GateSettings.probing(probe),
-                           estimator, choose_depth=cfg.lag == 0 and serving is not None)
+        return make_policy(name, gamma, functools.partial(planner, b), plain.step_seconds, gate, estimator,
+                           choose_depth=cfg.lag == 0 and serving is not None)
 
     decoders = {name: served_by(name).fork() for name in names}  # one per policy: each round runs them in lockstep
     records: dict[tuple[str, int], list[StepRecord]] = {}  # round 1's steps: the plots

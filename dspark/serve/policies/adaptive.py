@@ -142,7 +142,8 @@ class Adaptive(Policy):
             for depth, planner in sorted(self._planners.items()):
                 accepted, verified = self.feedback.predict(depth)
                 rows = min(max(b, round(b * (1 + verified))), b * planner.cfg.width)
-                rate = b * (1 + accepted) / float(planner.cost_model.seconds_curve(b, rows, 1)[0])
+                seconds = float(planner.cost_model.seconds_curve(b, rows, 1)[0]) + self._catch_up_seconds(b, accepted)
+                rate = b * (1 + accepted) / seconds
                 if rate > best[1]:  # ties to the shallower depth
                     best = (depth, rate)
             return best
@@ -153,7 +154,15 @@ class Adaptive(Policy):
         new = self._unseen[slots.cpu()] > 0
         if new.any() and not new.all():
             lagged[new] = lagged[~new].mean(0)
-        return self.gamma, planner.best_rate(lagged)
+        decision = planner.best_decision(lagged)
+        if not self.gate.settings.catch_up_per_token:
+            return self.gamma, float(decision.theta)
+        tau = float(decision.tau)
+        return self.gamma, tau / (float(decision.step_seconds) + self._catch_up_seconds(b, tau / b - 1))
+
+    def _catch_up_seconds(self, b: int, accepted: float) -> float:
+        """The drafter's catch-up before the next proposal: b requests x (accepted drafts + plain steps' tokens)."""
+        return self.gate.settings.catch_up_per_token * b * (accepted + self.gate.plain_run)
 
     def confidence(self, drafts: Drafts) -> Tensor:
         if self.estimator is None:
