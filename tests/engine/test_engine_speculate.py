@@ -51,41 +51,6 @@ def test_decision_compares_lagged_theta_with_plain_throughput(device) -> None:
     assert not decide()
 
 
-@pytest.mark.parametrize("realised", [False, True])
-def test_the_gate_prices_the_drafts_catch_up(device, realised: bool) -> None:
-    """A speculative step also pays the drafter's catch-up: b requests x (accepted drafts + the plain steps'
-    tokens since its last proposal), at the gate's price per token. Lagged survival of ones (tau = 8 per 10 ms,
-    800 tok/s) or realised full acceptance (the same) beat plain's 400 tok/s unpriced; at 1 ms per token the
-    first step's catch-up of 2 x 3 drafts makes it 8 tokens per 16 ms (500 tok/s): still speculate; after
-    plain steps each request also catches up their tokens and plain wins."""
-    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
-
-    def policy(price: float) -> Adaptive:
-        planner = _planner(device=device)
-        planner.ring.write(slots, gens, torch.ones(2, GAMMA, device=device))
-        pol = Adaptive(planner, plain_seconds=lambda b: b / 400.0,
-                       gate=GateSettings(probe_every=8, max_probe_every=8, cost_window=None,
-                                         catch_up_per_token=price),
-                       feedback=FeedbackSettings(decay=0.5 if realised else None, prior_weight=0))
-        if realised:
-            pol.plan(torch.full((2, GAMMA), 8.0, device=device), slots, gens)
-            pol.observe(torch.full((2,), GAMMA + 1, device=device))  # every draft accepted
-        return pol
-
-    assert policy(0.0).speculate(slots, gens)
-    priced = policy(1e-3)
-    assert priced.speculate(slots, gens)  # 8 / (10 + 6) ms = 500 tok/s > 400
-    assert policy(4e-3).speculate(slots, gens) is False  # 8 / (10 + 24) ms < 400
-    for plain_steps, speculates in ((1, True), (2, False)):  # 8 / (10 + 8) ms = 444 tok/s; 8 / 20 ms = 400
-        after = policy(1e-3)
-        for _ in range(plain_steps):  # each plain step adds one token per request to the next catch-up
-            after.gate.went_plain(2 / 400.0)
-        after.gate.decided = None
-        assert after.speculate(slots, gens) is speculates, plain_steps
-    with pytest.raises(ValueError, match="catch_up_per_token"):
-        GateSettings(catch_up_per_token=-1.0)
-
-
 def test_realised_acceptance_decides_once_observed(device) -> None:
     """Before any outcome the lagged survival predicts; afterwards the moving averages of accepted / verified
     drafts per request do: confident survival, but nothing accepted -> plain; accepted again -> speculate.

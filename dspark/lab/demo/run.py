@@ -282,13 +282,12 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     def served_by(name: str) -> SpecDecoder:
         return ngram if name.startswith(NGRAM) else decoder
 
-    # the gate prices the block draft's catch-up as profiled (0 without a serving cost)
-    gate = GateSettings.probing(probe, serving.drafter.per_catch_up_token if serving is not None else 0.0)
+    gate = GateSettings.probing(probe)
 
     def make_for(name: str, b: int):
         if name.startswith(NGRAM):
             return make_policy(name[len(NGRAM):], gamma, functools.partial(planner, b), plain.step_seconds,
-                               GateSettings.probing(probe), ngram_estimator)
+                               gate, ngram_estimator)
         return make_policy(name, gamma, functools.partial(planner, b), plain.step_seconds, gate, estimator,
                            choose_depth=cfg.lag == 0 and serving is not None)
 

@@ -164,11 +164,7 @@ class Lab:
         that B's run as a server's would)."""
         est = self.estimators.setdefault(b, OnlineAcceptanceEstimator(self.gamma)) if name == "adaptive-est" else None
         return make_policy(name, self.gamma, functools.partial(self.planner, b), self.cost.believed_plain(self.context),
-                           self.gate(), est, choose_depth=self.choose_depth and self.lag == 0)
-
-    def gate(self) -> GateSettings:
-        """The adaptive policies' gate: the lab's probe settings and the believed drafter's catch-up price."""
-        return GateSettings.probing(self.probe, self.cost.drafter.per_catch_up_token)
+                           GateSettings.probing(self.probe), est, choose_depth=self.choose_depth and self.lag == 0)
 
     def run(self, policy: str | Policy, b: int, ids: Tensor | None = None, mode: VerifyMode = VerifyMode.COMPACT,
             timed: TimedReplay | None = None) -> GenerateResult:

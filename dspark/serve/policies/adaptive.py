@@ -142,8 +142,7 @@ class Adaptive(Policy):
             for depth, planner in sorted(self._planners.items()):
                 accepted, verified = self.feedback.predict(depth)
                 rows = min(max(b, round(b * (1 + verified))), b * planner.cfg.width)
-                seconds = float(planner.cost_model.seconds_curve(b, rows, 1)[0]) + self._catch_up_seconds(b, accepted)
-                rate = b * (1 + accepted) / seconds
+                rate = b * (1 + accepted) / float(planner.cost_model.seconds_curve(b, rows, 1)[0])
                 if rate > best[1]:  # ties to the shallower depth
                     best = (depth, rate)
             return best
@@ -154,15 +153,7 @@ class Adaptive(Policy):
         new = self._unseen[slots.cpu()] > 0
         if new.any() and not new.all():
             lagged[new] = lagged[~new].mean(0)
-        decision = planner.best_decision(lagged)
-        if not self.gate.settings.catch_up_per_token:
-            return self.gamma, float(decision.theta)
-        tau = float(decision.tau)
-        return self.gamma, tau / (float(decision.step_seconds) + self._catch_up_seconds(b, tau / b - 1))
-
-    def _catch_up_seconds(self, b: int, accepted: float) -> float:
-        """The drafter's catch-up before the next proposal: b requests x (accepted drafts + plain steps' tokens)."""
-        return self.gate.settings.catch_up_per_token * b * (accepted + self.gate.plain_run)
+        return self.gamma, float(planner.best_decision(lagged).theta)
 
     def confidence(self, drafts: Drafts) -> Tensor:
         if self.estimator is None:

@@ -10,38 +10,32 @@ speculative steps so the second, free of the draft's catch-up, is timed. Why eac
 from __future__ import annotations
 
 import collections
-import math
 import statistics
 from dataclasses import dataclass
 
-from dspark.util.validate import check_int, check_real
+from dspark.util.validate import check_int
 
 
 @dataclass(frozen=True)
 class GateSettings:
     """probe_every / max_probe_every: plain steps in a row before a probe (the first interval, its cap);
-    cost_window: measured / predicted ratios per median (None: the profiled costs are used as they are);
-    catch_up_per_token: seconds the drafter spends per token it catches up (the tokens committed since its last
-    proposal beyond each root: the accepted drafts, every plain step's token), priced into the speculative step
-    the gate compares with a plain one (0: not priced; a serving cost's `drafter.per_catch_up_token`)."""
+    cost_window: measured / predicted ratios per median (None: the profiled costs are used as they are)."""
 
     probe_every: int = 8
     max_probe_every: int = 64
     cost_window: int | None = 9
-    catch_up_per_token: float = 0.0
 
     @classmethod
-    def probing(cls, probe: tuple[int, int, bool], catch_up_per_token: float = 0.0) -> GateSettings:
-        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps) and the catch-up price."""
+    def probing(cls, probe: tuple[int, int, bool]) -> GateSettings:
+        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps)."""
         every, most, cost_feedback = probe
-        return cls(every, most, 9 if cost_feedback else None, catch_up_per_token)
+        return cls(every, most, 9 if cost_feedback else None)
 
     def __post_init__(self) -> None:
         check_int("probe_every", self.probe_every, 1)
         check_int("max_probe_every", self.max_probe_every, self.probe_every)
         if self.cost_window is not None:
             check_int("cost_window", self.cost_window, 1)
-        check_real("catch_up_per_token", self.catch_up_per_token, 0, math.inf, high_open=True)
 
 
 class SpeculationGate:
@@ -56,11 +50,6 @@ class SpeculationGate:
         self._plain_run = 0  # plain steps since the last speculative step
         self._interval = settings.probe_every  # plain steps before the next probe
         self._probe_left = 0  # speculative steps of the current probe still to run
-
-    @property
-    def plain_run(self) -> int:
-        """Plain steps since the last speculative step (tokens per request the next proposal catches up)."""
-        return self._plain_run
 
     def probe(self) -> bool | None:
         """Whether the probe schedule forces this step: True to speculate at full depth (a probe starts), False to
