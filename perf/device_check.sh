@@ -50,9 +50,9 @@ step env 15 $PY perf/device_check.py env --device $DEV --out "$OUT/env.json"
 # the device suite (every test that takes --device; cpu_only ones run in CI): kernels and verify first
 step suite_kernels_verify 120 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests/kernels tests/verify
 step suite_graphs_compile 60 env TORCH_LOGS=recompiles,graph_breaks $PY -m pytest --device $DEV -m "not cpu_only" \
-  "${RUN[@]}" tests/engine/test_engine_graphs.py tests/engine/test_engine_compile.py tests/package/test_compile_public.py
+  "${RUN[@]}" tests/serve/test_engine_graphs.py tests/serve/test_engine_compile.py tests/package/test_compile_public.py
 step suite_rest 60 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests --ignore=tests/kernels \
-  --ignore=tests/verify --ignore=tests/engine/test_engine_graphs.py --ignore=tests/engine/test_engine_compile.py \
+  --ignore=tests/verify --ignore=tests/serve/test_engine_graphs.py --ignore=tests/serve/test_engine_compile.py \
   --ignore=tests/package/test_compile_public.py
 step attention_bench 70 $PY perf/attention_bench.py --device $DEV "${BENCH[@]}" --out "$OUT/attention_bench.json"
 step measure 145 $PY perf/device_check.py measure --device $DEV "${MEASURE[@]}" --out "$OUT/measure.json" \

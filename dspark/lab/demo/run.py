@@ -389,6 +389,6 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                else "") for f in summary["ngram"]["family"]))
     echo(f"greedy losslessness: {lossless_checks} runs identical to target-only greedy decoding, which equals "
          f"transformers' generate(do_sample=False) on {generate_checks} requests"
-         if not cfg.sampling else "sampling mode: losslessness is distributional (see tests/engine/test_engine.py)")
+         if not cfg.sampling else "sampling mode: losslessness is distributional (see tests/serve/test_engine.py)")
     echo(f"wrote {cfg.out}/ (demo.json, cost_model.json, PNGs) in {summary['seconds']:.0f}s")
     return summary

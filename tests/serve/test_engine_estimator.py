@@ -14,7 +14,7 @@ from dspark.plan.planner import VerifyPlanner
 from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
-from tests.engine.test_engine import _prompts
+from tests.serve.test_engine import _prompts
 from tests.engine_models import tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,8 +12,8 @@ from dspark.serve.engine import SpecDecoder
 from dspark.serve.outcome import finish
 from dspark.serve.policies import Adaptive, FixedK, Oracle
 from dspark.serve.policies.gate import GateSettings
-from tests.engine.test_engine import _prompts
-from tests.engine.test_engine_speculate import GAMMA, _planner
+from tests.serve.test_engine import _prompts
+from tests.serve.test_engine_speculate import GAMMA, _planner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

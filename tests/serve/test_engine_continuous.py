@@ -10,8 +10,8 @@ from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK, Oracle
 from dspark.serve.policies.gate import GateSettings
-from tests.engine.test_engine import _prompts
-from tests.engine.test_engine_speculate import GAMMA, _planner
+from tests.serve.test_engine import _prompts
+from tests.serve.test_engine_speculate import GAMMA, _planner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,7 +13,7 @@ from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
 from dspark.serve.policies.adaptive import FeedbackSettings
 from dspark.serve.policies.gate import GateSettings
-from tests.engine.test_engine import _prompts
+from tests.serve.test_engine import _prompts
 from tests.engine_models import tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,7 @@ import torch
 
 from dspark.lab.replay.lab import queue_ids
 from dspark.lab.replay.variants import VARIANTS, OracleSurvival, variant_lab
-from tests.replay.test_replay_lab import GAMMA, _lab, synthetic_trace
+from tests.lab.test_replay_lab import GAMMA, _lab, synthetic_trace
 
 pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
 

@@ -29,7 +29,7 @@ from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK, Policy, PolicyPlan
 from dspark.serve.policies.gate import GateSettings
 from dspark.verify.attention import RaggedVerifyAttention
-from tests.engine.test_engine import _prompts
+from tests.serve.test_engine import _prompts
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_only(
     reason="counts Python-level validator calls; the device only changes where tensors live")]
