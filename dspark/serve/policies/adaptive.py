@@ -167,7 +167,7 @@ class Adaptive(Policy):
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
              prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
-        self.gate.decided = None  # the lag ring holds new survival
+        self.gate.forget()  # the lag ring holds new survival
         self.gate.expect(None if self._catch_up else p.decision.step_seconds)
         self._catch_up = False
         if self.planner.ring is not None:
@@ -182,7 +182,7 @@ class Adaptive(Policy):
         own yet) and re-decide."""
         if self.planner.ring is not None:
             self._unseen[slots] = self.planner.ring.lag
-        self.gate.decided = None
+        self.gate.forget()
 
     def observe_seconds(self, seconds: float) -> None:
         self.gate.observe_seconds(seconds)
@@ -196,7 +196,7 @@ class Adaptive(Policy):
             # a plain step observes nothing: its B outcomes count as the long-run mean (the recent average
             # describes text that has moved on), so one bad streak cannot keep a small batch plain
             self.feedback.observe_plain(outcome.requests.numel())
-            self.gate.decided = None
+            self.gate.forget()
         if self._pending is None:
             return
         plan, self._pending = self._pending, None
@@ -204,4 +204,4 @@ class Adaptive(Policy):
         host = torch.cat([plan.verify_lens[:, None].to(torch.float64), plan.survival.to(torch.float64)], 1).cpu()
         vl = host[:, 0].numpy().astype(np.int64)
         self.feedback.observe_plan(vl, host[:, 1:].numpy(), commit_lens.numpy())
-        self.gate.decided = None
+        self.gate.forget()

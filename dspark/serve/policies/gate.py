@@ -64,6 +64,10 @@ class SpeculationGate:
             return True
         return None
 
+    def forget(self) -> None:
+        """What the last decision read has changed (new survival, an admission, an outcome): decide again."""
+        self.decided = None
+
     def decide(self, b: int, depth: int, speculative_rate: float, plain_seconds: float) -> None:
         """Compare the best speculative step's predicted tokens / s with a plain step of `plain_seconds`, each
         rescaled by its measured cost ratio."""
