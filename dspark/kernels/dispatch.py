@@ -59,13 +59,16 @@ def backend() -> str:
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the kernels should run as Triton for these tensors. Without triton installed `auto`
-    runs the torch reference everywhere, and forcing `triton` is an error that says what to install."""
+    runs the torch reference everywhere, and forcing `triton` is an error that says what to install.
+    Forced `triton` runs CPU tensors only under the interpreter (`TRITON_INTERPRET=1`); without it a
+    compiled Triton kernel cannot read host memory, so they take the torch reference."""
     choice = backend()
     if choice == "triton" and not _triton.available():
         raise RuntimeError(f"{BACKEND_ENV}=triton but triton is not installed: {_triton.INSTALL_HINT}")
+    on_accelerator = any(t.device.type in ("cuda", "npu") for t in tensors)
     if choice != "auto":
-        return choice == "triton"
-    return _triton.available() and any(t.device.type in ("cuda", "npu") for t in tensors)
+        return choice == "triton" and (on_accelerator or os.environ.get("TRITON_INTERPRET") == "1")
+    return _triton.available() and on_accelerator
 
 
 def use_host(*tensors: torch.Tensor) -> bool:

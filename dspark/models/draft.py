@@ -99,7 +99,8 @@ class RMSNorm(nn.RMSNorm):
 
 class DraftModel(nn.Module):
     """The draft. `embed` [V, d] and `lm_head` [V, d] are the target's frozen weights (not copied, not saved);
-    `vocab_ids` [draft_vocab_size] are the target ids the draft can propose (saved with the weights)."""
+    `vocab_ids` [draft_vocab_size] are the target ids the draft can propose (saved with the weights). Its own
+    weights are made on `embed`'s device."""
 
     def __init__(self, cfg: DraftConfig, embed: Tensor, lm_head: Tensor, vocab_ids: Tensor):
         super().__init__()
@@ -141,6 +142,7 @@ class DraftModel(nn.Module):
         ang = torch.arange(cfg.max_seq_len, dtype=torch.float64)[:, None] * inv[None, :]
         self.register_buffer("rope_cos", torch.cos(ang).float(), persistent=False)
         self.register_buffer("rope_sin", torch.sin(ang).float(), persistent=False)
+        self.to(embed.device)  # its own weights where the target's shared matrices are
 
     # -- the decoder block -------------------------------------------------------------------------------
     def _inputs(self, tokens: Tensor, features: Tensor) -> Tensor:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import DynamicCache
 
 from dspark.util.validate import check_int
 
@@ -36,13 +39,15 @@ def greedy_streams(model: nn.Module, prompts: Tensor, new_tokens: int, *, batch:
                          f"{limit}")
     head, base, device = model.get_output_embeddings(), model.base_model, model.device
     toks, hids = [], []
+    # transformers renamed the forward's `past_key_values` to `cache` in 5.2x: name whichever this one takes
+    cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
     for i, x in enumerate(prompts.to(device).split(batch)):
-        out = base(input_ids=x, use_cache=True)
-        cache, hs, seq = out.cache, [out.last_hidden_state], [x]
+        cache = DynamicCache(config=model.config)
+        hs, seq = [base(input_ids=x, use_cache=True, **{cache_kw: cache}).last_hidden_state], [x]
         for j in range(new_tokens):
             seq.append(head(hs[-1][:, -1]).argmax(-1, keepdim=True))
             if j + 1 < new_tokens:  # the last token needs no hidden state
-                hs.append(base(input_ids=seq[-1], cache=cache, use_cache=True).last_hidden_state)
+                hs.append(base(input_ids=seq[-1], use_cache=True, **{cache_kw: cache}).last_hidden_state)
         toks.append(torch.cat(seq, 1))
         hids.append(torch.cat(hs, 1).float())
         if log is not None:

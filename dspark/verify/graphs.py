@@ -244,8 +244,8 @@ class TierGraphRunner:
             bufs = StepBuffers(rows={n: r[:tier] for n, r in rows.items()}, slot_lens=meta["slot_lens"][:s],
                                seqused=meta["seqused"][:s], slot_qo_indptr=meta["slot_qo_indptr"][: s + 1],
                                row_slot=meta["row_slot"][:tier], row_within=meta["row_within"][:tier])
-            idle = RaggedVerifyLayout.from_verify_lens(
-                torch.zeros(0, dtype=torch.int32, device=self.device), tiers=[tier], graph_slots=s, width=self.width)
+            idle = RaggedVerifyLayout.from_verify_lens(  # built on the host, moved: the plan reads no device
+                torch.zeros(0, dtype=torch.int32), tiers=[tier], graph_slots=s, width=self.width).to(self.device)
             _load_layout(bufs, idle)
             self._prepare(idle)
             self._buffers[tier] = bufs

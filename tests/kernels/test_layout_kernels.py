@@ -115,7 +115,7 @@ def test_pack_and_scatter(policy, b, w, extra, seed, tail, dtype, device):
 
 
 def test_pack_non_contiguous_source_and_nan(device):
-    lay = RaggedVerifyLayout.from_verify_lens([3, 1, 2], tiers=[8], width=3)
+    lay = RaggedVerifyLayout.from_verify_lens([3, 1, 2], tiers=[8], width=3).to(device)
     base = torch.randn(3, 5, 4, device=device)
     base[1, 2] = float("nan")
     strided = base[:, 1:4]  # a view with row stride 4 * 5
@@ -134,3 +134,19 @@ def test_dispatch_uses_kernels(triton_backend, device):
     packed = lay.pack(x, fill=0.5)
     assert torch.equal(packed, k.pack_ref(x, lay.row_slot, lay.row_within, 7, 0.5))
     assert torch.equal(lay.scatter(packed, fill=-1.0), k.scatter_ref(packed, lay.qo_indptr, 4, 7, -1.0))
+
+
+@pytest.mark.cpu_only(reason="the dispatch rule for host tensors")
+def test_forced_triton_runs_host_tensors_only_under_the_interpreter(triton_backend, monkeypatch):
+    """A compiled Triton kernel cannot read host memory: forced `triton` sends CPU tensors to the kernels
+    only under TRITON_INTERPRET=1, and a CPU layout still builds beside a GPU (the torch reference)."""
+    host = torch.tensor([2, 4, 1], dtype=torch.int32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.use_triton(host)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not dispatch.use_triton(host)
+    lay = RaggedVerifyLayout.from_verify_lens(host, tiers=[9], width=4)
+    assert torch.equal(lay.row_slot, k.row_maps_ref(lay.slot_lens, lay.graph_num_tokens)[0])
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dispatch.use_triton(host)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 import warnings
 
 import pytest
@@ -37,6 +38,13 @@ def _in_cost_model() -> bool:
     return frame is not None and f"dspark{os.sep}cost{os.sep}" in frame.f_code.co_filename
 
 
+def _dspark_caller() -> str:
+    """file:line of the innermost dspark frame on the stack (where a stray read was made)."""
+    marker = f"{os.sep}dspark{os.sep}"
+    frames = [f for f in traceback.extract_stack() if marker in f.filename]
+    return f"{frames[-1].filename.split(marker)[-1]}:{frames[-1].lineno}" if frames else "outside dspark"
+
+
 class HostReads(TorchFunctionMode):
     """Counts host reads of tensors outside `exempt` (function level); `inside` suppresses nested counts."""
 
@@ -49,7 +57,7 @@ class HostReads(TorchFunctionMode):
         if func in READS and not self.inside and not any(a is e for a in args[:1] for e in self.exempt) \
                 and not _in_cost_model():
             self.count += 1
-            self.where.append(getattr(func, "__name__", str(func)))
+            self.where.append(f"{getattr(func, '__name__', func)} at {_dspark_caller()}")
         self.inside += func in READS
         try:
             return func(*args, **kwargs)
@@ -168,4 +176,4 @@ def test_cuda_step_syncs_only_at_the_boundary(sync_free, per_step, device, monke
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchronizing CUDA operation" in str(w.message) for w in seen)
-        assert len(calls) == per_step and syncs <= per_step, [str(w.message) for w in seen]
+        assert len(calls) == per_step and syncs <= per_step, [f"{w.filename}:{w.lineno}: {w.message}" for w in seen]

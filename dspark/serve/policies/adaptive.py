@@ -203,5 +203,5 @@ class Adaptive(Policy):
         # one host read of the planner's own (already checked) lengths and survival
         host = torch.cat([plan.verify_lens[:, None].to(torch.float64), plan.survival.to(torch.float64)], 1).cpu()
         vl = host[:, 0].numpy().astype(np.int64)
-        self.feedback.observe_plan(vl, host[:, 1:].numpy(), commit_lens.numpy())
+        self.feedback.observe_plan(vl, host[:, 1:].numpy(), commit_lens.cpu().numpy())
         self.gate.forget()
