@@ -9,9 +9,8 @@ commits exactly the engine's tokens.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import inspect
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
