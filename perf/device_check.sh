@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one device call of at most 9 minutes (the step limits below sum to 540 s). Uses the
+# The prepared GPU check: one device call of at most 10 minutes (the step limits below sum to 600 s). Uses the
 # machine's own python3 (torch, triton, transformers); nothing is installed or carried beyond the tree. Every
 # step runs under its own `timeout` and a failed or cut step does not stop the next. Writes to $OUT (default
 # perf/results/device/): device_check.log (every step's output), device_check.json (each step's exit and
@@ -7,6 +7,7 @@
 # measure.json, <gpu>-measured-llama8b.json (a serving cost the policy lab loads), replay.json, demo.json.
 #   usage: bash perf/device_check.sh          (from the repository root, on a CUDA machine)
 #          bash perf/device_check.sh --dry    (any CPU: the same steps on a tiny model, the suites only collected)
+#          SKIP="attention_bench demo" bash perf/device_check.sh   (a rerun that leaves out the named steps)
 set -uo pipefail
 DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
@@ -39,6 +40,7 @@ else
 fi
 step() {  # step NAME SECONDS CMD...: run with a time limit, append to the log, record `name rc seconds`
   local name=$1 limit=$2; shift 2
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "== $name: skipped (SKIP)" | tee -a "$LOG"; return; fi
   echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
   local t0=$SECONDS
   timeout "$limit" "$@" >> "$LOG" 2>&1
@@ -51,7 +53,7 @@ step env 15 $PY perf/device_check.py env --device $DEV --out "$OUT/env.json"
 step suite_kernels_verify 120 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests/kernels tests/verify
 step suite_graphs_compile 60 env TORCH_LOGS=recompiles,graph_breaks $PY -m pytest --device $DEV -m "not cpu_only" \
   "${RUN[@]}" tests/serve/test_engine_graphs.py tests/serve/test_engine_compile.py tests/package/test_compile_public.py
-step suite_rest 60 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests --ignore=tests/kernels \
+step suite_rest 120 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests --ignore=tests/kernels \
   --ignore=tests/verify --ignore=tests/serve/test_engine_graphs.py --ignore=tests/serve/test_engine_compile.py \
   --ignore=tests/package/test_compile_public.py
 step attention_bench 70 $PY perf/attention_bench.py --device $DEV "${BENCH[@]}" --out "$OUT/attention_bench.json"
@@ -59,8 +61,10 @@ step measure 145 $PY perf/device_check.py measure --device $DEV "${MEASURE[@]}" 
   --cost-dir "$OUT"
 step replay 55 $PY perf/device_check.py replay --measure "$OUT/measure.json" "${REPLAY[@]}" --out "$OUT/replay.json"
 step demo 5 $PY perf/device_check.py demo --device $DEV --out "$OUT/demo.json"
+INPUTS=()
+for n in env attention_bench measure replay demo; do [[ " ${SKIP:-} " == *" $n "* ]] || INPUTS+=("$OUT/$n.json"); done
 step collect 10 $PY perf/device_check.py collect --status "$STATUS" --log "$LOG" --out "$OUT/device_check.json" \
-  --inputs "$OUT/env.json" "$OUT/attention_bench.json" "$OUT/measure.json" "$OUT/replay.json" "$OUT/demo.json"
+  --inputs "${INPUTS[@]}"
 rm -f "$STATUS"
 echo "wrote $LOG and $OUT/device_check.json"
 $PY -c "import json, sys; r = json.load(open(sys.argv[1])); sys.exit(0 if r['passed'] else 1)" "$OUT/device_check.json"
