@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one device call of at most 10 minutes (the step limits below sum to 600 s). Uses the
+# The prepared GPU check: one device call of at most 9 minutes (the step limits below sum to 540 s). Uses the
 # machine's own python3 (torch, triton, transformers); nothing is installed or carried beyond the tree. Every
 # step runs under its own `timeout` and a failed or cut step does not stop the next. Writes to $OUT (default
 # perf/results/device/): device_check.log (every step's output), device_check.json (each step's exit and
@@ -50,13 +50,13 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, append to the log, 
 }
 step env 15 $PY perf/device_check.py env --device $DEV --out "$OUT/env.json"
 # the device suite (every test that takes --device; cpu_only ones run in CI): kernels and verify first
-step suite_kernels_verify 120 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests/kernels tests/verify
+step suite_kernels_verify 110 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests/kernels tests/verify
 step suite_graphs_compile 60 env TORCH_LOGS=recompiles,graph_breaks $PY -m pytest --device $DEV -m "not cpu_only" \
   "${RUN[@]}" tests/serve/test_engine_graphs.py tests/serve/test_engine_compile.py tests/package/test_compile_public.py
-step suite_rest 120 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests --ignore=tests/kernels \
+step suite_rest 100 $PY -m pytest --device $DEV -m "not cpu_only" "${RUN[@]}" tests --ignore=tests/kernels \
   --ignore=tests/verify --ignore=tests/serve/test_engine_graphs.py --ignore=tests/serve/test_engine_compile.py \
   --ignore=tests/package/test_compile_public.py
-step attention_bench 70 $PY perf/attention_bench.py --device $DEV "${BENCH[@]}" --out "$OUT/attention_bench.json"
+step attention_bench 40 $PY perf/attention_bench.py --device $DEV "${BENCH[@]}" --out "$OUT/attention_bench.json"
 step measure 145 $PY perf/device_check.py measure --device $DEV "${MEASURE[@]}" --out "$OUT/measure.json" \
   --cost-dir "$OUT"
 step replay 55 $PY perf/device_check.py replay --measure "$OUT/measure.json" "${REPLAY[@]}" --out "$OUT/replay.json"
