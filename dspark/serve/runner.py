@@ -60,13 +60,14 @@ def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: Ragge
     if mode is VerifyMode.COMPACT:
         if layout is not None:
             check_layout_fits(layout, verify_lens.numel(), tiers, graph_slots)
-        else:
-            layout = RaggedVerifyLayout.from_checked(verify_lens, tiers, graph_slots, width, total_rows=int(host.sum()))
+        else:  # built from the host lengths and moved: the attention's plan reads the host copy, no device
+            layout = RaggedVerifyLayout.from_checked(host.to(torch.int32), tiers, graph_slots, width,
+                                                     total_rows=int(host.sum())).to(verify_lens.device)
         return layout, verify_lens
     b = verify_lens.numel()
-    full = torch.full_like(verify_lens, width)
-    layout = RaggedVerifyLayout.from_checked(full, tiers, graph_slots, width, total_rows=b * width)
-    return layout, full if mode is VerifyMode.STATIC else verify_lens
+    full = torch.full((b,), width, dtype=torch.int32)
+    layout = RaggedVerifyLayout.from_checked(full, tiers, graph_slots, width, total_rows=b * width).to(verify_lens.device)
+    return layout, layout.verify_lens if mode is VerifyMode.STATIC else verify_lens
 
 
 class Target:
@@ -156,12 +157,13 @@ class LiveTarget(Target):
         self.hidden[slots[layout.row_slot[:real].long()], positions[:real]] = hidden[:real]
 
     def prefill(self, batch: Batch, slots: Tensor) -> None:
-        rows = (batch.prompt_lens[slots] - 1).to(torch.int32)
+        rows = (batch.prompt_lens[slots] - 1).to(torch.int32).cpu()  # the one host read of an admission
         if not bool((rows > 0).all()):  # a one-token prompt is its root alone: nothing to prefill
             slots, rows = slots[rows > 0], rows[rows > 0]
             if not slots.numel():
                 return
         layout = RaggedVerifyLayout.from_checked(rows, (), None, int(rows.max()), total_rows=int(rows.sum()))
+        layout = layout.to(self.device)
         dev_slots = slots.to(self.device)
         pos = layout.positions(torch.zeros(slots.numel(), dtype=torch.int64, device=self.device))
         ids = batch.tokens[dev_slots[layout.row_slot[: layout.total_rows].long()], pos[: layout.total_rows]]
