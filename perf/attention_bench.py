@@ -21,6 +21,7 @@ every method runs uncompiled at small shapes: a functional smoke run, not a perf
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -133,9 +134,11 @@ def verify_mask(p: dict) -> torch.Tensor:
     return torch.arange(p["kv_len"], device=p["device"])[None, :] < p["prefix"] + j + 1
 
 
-def run_dspark(p: dict) -> Callable[[], torch.Tensor]:
+def run_dspark(p: dict, splits: int | None = None) -> Callable[[], torch.Tensor]:
+    """dspark's ragged verify attention; `splits`: kv chunks forced per slot (None: the plan's own choice)."""
     attn = RaggedVerifyAttention(AttentionShape(p["b"] * p["w"], p["b"], p["table"].shape[1], p["hq"], p["hkv"],
-                                                p["d"], p["page_size"], max_verify_len=p["w"]), p["device"], p["dtype"])
+                                                p["d"], p["page_size"], max_verify_len=p["w"], num_kv_splits=splits),
+                                 p["device"], p["dtype"])
     attn.plan(p["layout"], [p["prefix"]] * p["b"], p["table"])
     out = torch.empty_like(p["q"])
     return lambda: attn.run(p["q"], p["k_cache"], p["v_cache"], out=out)
@@ -330,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--page-size", type=at_least(1), default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--repeats", type=at_least(1), default=20)
+    ap.add_argument("--kv-splits", type=at_least(1), nargs="*", default=[],
+                    help="also time dspark with this many kv chunks forced per slot (one column each)")
     ap.add_argument("--max-kv-tokens", type=at_least(1), default=4_000_000, help="skip shapes with more cached tokens")
     ap.add_argument("--peak-gbps", type=POSITIVE_REAL, default=None,
                     help="peak HBM bandwidth in GB/s (default: HBM_PEAK by the device's name)")
@@ -350,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
                              for w in args.width or ([2, 4, 8, 16] if gpu else [2, 8])
                              for prefix in args.prefix or ([512, 4096, 32768] if gpu else [512, 2048])]
     methods: dict[str, Callable[[dict], Callable[[], torch.Tensor]]] = {
-        "dspark": run_dspark, "sdpa-per-request": run_sdpa, "flex": run_flex}
+        "dspark": run_dspark, **{f"dspark-splits{n}": functools.partial(run_dspark, splits=n) for n in args.kv_splits},
+        "sdpa-per-request": run_sdpa, "flex": run_flex}
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
         methods["varlen"] = run_varlen
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         t = times["dspark"]
         gbps = bytes_moved(p) / t / 1e9 if t else None
         timed_ok = {k: v for k, v in times.items() if v}
-        best = min((k for k in timed_ok if k != "dspark"), key=timed_ok.get, default=None)
+        best = min((k for k in timed_ok if not k.startswith("dspark")), key=timed_ok.get, default=None)
         row = dict(batch=b, width=w, prefix=prefix, cache_elements=p["k_cache"].numel(), seconds=times,
                    max_abs_diff_vs_dspark=errors, timing=how, bytes=bytes_moved(p), dspark_gbps=gbps,
                    dspark_pct_peak=100 * gbps * 1e9 / peak_bps if gbps and peak_bps else None,
