@@ -23,6 +23,7 @@ from torch import Tensor
 
 from dspark.kernels import dispatch
 from dspark.util.validate import check_int, check_tensor, check_type, first_duplicate
+from dspark.verify import boundary
 
 
 def _check_matrix(name: str, x: object) -> Tensor:
@@ -282,14 +283,15 @@ class SurvivalLagRing:
         return HostRingRow(values_np, stamps_np, event)
 
     def _read(self, slots: Tensor, generations: Tensor) -> Tensor:
-        slots = slots.to(self._values.device, torch.long)
-        gens = generations.to(self._values.device, torch.int64)
+        slots = boundary.to_device(slots, self._values.device, torch.long)
+        gens = boundary.to_device(generations, self._values.device, torch.int64)
         vals = self._values[self._cursor].index_select(0, slots)
         fresh = self._stamps[self._cursor].index_select(0, slots) == gens
         return torch.where(fresh.unsqueeze(1), vals, torch.ones_like(vals))
 
     def _write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
-        slots = slots.to(self._values.device, torch.long)
+        slots = boundary.to_device(slots, self._values.device, torch.long)
         self._values[self._cursor].index_copy_(0, slots, survival.to(self._values))
-        self._stamps[self._cursor].index_copy_(0, slots, generations.to(self._stamps))
+        self._stamps[self._cursor].index_copy_(0, slots, boundary.to_device(generations, self._stamps.device,
+                                                                             self._stamps.dtype))
         self._cursor = (self._cursor + 1) % self.lag

@@ -164,13 +164,13 @@ class LiveTarget(Target):
                 return
         layout = RaggedVerifyLayout.from_checked(rows, (), None, int(rows.max()), total_rows=int(rows.sum()))
         layout = layout.to(self.device)
-        dev_slots = slots.to(self.device)
+        dev_slots = boundary.to_device(slots, self.device)
         pos = layout.positions(torch.zeros(slots.numel(), dtype=torch.int64, device=self.device))
         ids = batch.tokens[dev_slots[layout.row_slot[: layout.total_rows].long()], pos[: layout.total_rows]]
         self.forward(ids, layout, torch.zeros(slots.numel(), dtype=torch.int64), dev_slots)
 
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
-        logits = self.forward(batch.roots(slots), layout, batch.lens[slots] - 1, slots.to(self.device))
+        logits = self.forward(batch.roots(slots), layout, batch.lens[slots] - 1, boundary.to_device(slots, self.device))
         return sampling.tokens(logits)
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
@@ -178,8 +178,9 @@ class LiveTarget(Target):
         prefix, width = batch.lens[slots] - 1, drafts.tokens.shape[1] + 1
         graph_slots, step = self._width(width)
         layout, _ = mode_layout(mode, verify_lens, width, layout, self.tiers, graph_slots)
-        vin = inputs_from_checked(mode, verify_lens, batch.roots(slots), drafts.tokens, prefix.to(self.device), layout)
-        dev_slots = slots.to(self.device)
+        vin = inputs_from_checked(mode, verify_lens, batch.roots(slots), drafts.tokens,
+                                  boundary.to_device(prefix, self.device), layout)
+        dev_slots = boundary.to_device(slots, self.device)
         if step is None or (vin.layout.tier is None and vin.layout.eager_reason is None):
             return Verified(vin.layout, vin.caps, self.forward(vin.input_ids, vin.layout, prefix, dev_slots))
         positions = step.bind(vin.layout, prefix, self.cache.block_table[dev_slots])

@@ -23,6 +23,7 @@ from dspark.models.paged_attend import PlannedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.serve.kv_cache import PagedKVCache
 from dspark.util.validate import check_int
+from dspark.verify import boundary
 from dspark.verify.attention import AttentionShape, RaggedVerifyAttention
 from dspark.verify.graphs import GraphBackend, RowSpec, StepBuffers, TierGraphRunner
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers
@@ -124,7 +125,7 @@ class VerifyStep:
         """Set the requests the next `runner.run(layout, tokens=, positions=)` attends over (prefix_lens [B] cached
         tokens, block_table [B, P] their pages); returns the rows' positions [>= total_rows] int64."""
         self._context = (prefix_lens, block_table)
-        return layout.positions(prefix_lens.to(device=self.device, dtype=torch.int64))
+        return layout.positions(boundary.to_device(prefix_lens, self.device, torch.int64))
 
     def _plan(self, layout: RaggedVerifyLayout) -> None:
         """The runner's `prepare` hook: the attention's host-side plan for the layout about to run."""

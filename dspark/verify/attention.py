@@ -26,6 +26,7 @@ from dspark.util.validate import (
     check_type,
     int_tensor,
 )
+from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout
 
 
@@ -174,7 +175,7 @@ class RaggedVerifyAttention:
             self._block_table[:b, : table.shape[1]].copy_(table)
             self._block_table[:b, table.shape[1]:].zero_()
             self._block_table[b: self._table_rows].zero_()
-            positions = layout.positions(prefix.to(self.device))
+            positions = layout.positions(boundary.to_device(prefix, self.device))
             self._kv_slots[:rows].copy_(layout.kv_slots(positions, table, self.page_size))
         self._table_rows = b
         self.num_rows = rows

@@ -9,13 +9,15 @@ A verify step needs at most two things on the host, and reads each in one call o
 2. after accept, the commit lengths (the next step's positions and the stop test).
 
 Everything between (survival, curves, allocation, layout maps, pack / scatter, accept) stays on the
-device and compiles under `torch.compile(fullgraph=True)`. tests/plan/test_host_boundary.py counts every host
+device and compiles under `torch.compile(fullgraph=True)`. Host values go the other way through `to_device`,
+which does not wait for the device. tests/plan/test_host_boundary.py counts every host
 read of a step on the CPU and proves none happens outside this function; the cuda-marked sync test in
 tests/plan/test_planner.py asserts the same on a GPU.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 from torch import Tensor
 
 
@@ -23,3 +25,10 @@ def to_host(values: Tensor) -> np.ndarray:
     """`values` as a host numpy array: one device-to-host copy that waits for the device (a sync off the
     CPU, a view on the CPU). The only host read of a verify step; see the module docstring."""
     return values.detach().cpu().numpy()
+
+
+def to_device(values: Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+    """`values` on `device` (as `dtype`): a host-to-device copy that does not wait for the device (the driver
+    stages a pageable source at once), the same tensor where it already is. The way a step's host values
+    (slot ids, prefix lengths) reach the device: a blocking copy would synchronize the stream each time."""
+    return values.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")

@@ -177,3 +177,23 @@ def test_cuda_step_syncs_only_at_the_boundary(sync_free, per_step, device, monke
                 torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchronizing CUDA operation" in str(w.message) for w in seen)
         assert len(calls) == per_step and syncs <= per_step, [f"{w.filename}:{w.lineno}: {w.message}" for w in seen]
+
+
+@pytest.mark.cpu_only(reason="the copy flags of the boundary's host-to-device helper")
+def test_host_values_reach_the_device_without_a_wait(monkeypatch):
+    """`boundary.to_device` copies host values to an accelerator non-blocking (a blocking copy synchronizes the
+    stream: the GPU run counted 4 such syncs per planned step from the lag ring's slot ids) and never so
+    towards the host."""
+    seen = []
+    real = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        seen.append((str(kwargs.get("device")), kwargs.get("non_blocking")))
+        return real(self, *args, **kwargs)
+
+    x = torch.arange(5)
+    want = x.to(torch.int32)
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    assert boundary.to_device(x, "meta", torch.int32).dtype == torch.int32
+    assert torch.equal(boundary.to_device(x, "cpu", torch.int32), want)
+    assert seen == [("meta", True), ("cpu", False)]
