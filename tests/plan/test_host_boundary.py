@@ -46,16 +46,19 @@ def _dspark_caller() -> str:
 
 
 class HostReads(TorchFunctionMode):
-    """Counts host reads of tensors outside `exempt` (function level); `inside` suppresses nested counts."""
+    """Counts host reads of tensors outside `exempt` (function level); `inside` suppresses nested counts. On an
+    accelerator (`device` not the CPU) a read of a CPU tensor is no device read and is not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.count, self.where, self.inside, self.exempt = 0, [], 0, set()
+        self.host_is_free = torch.device(device).type != "cpu"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        on_host = bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"
         if func in READS and not self.inside and not any(a is e for a in args[:1] for e in self.exempt) \
-                and not _in_cost_model():
+                and not _in_cost_model() and not (self.host_is_free and on_host):
             self.count += 1
             self.where.append(f"{getattr(func, '__name__', func)} at {_dspark_caller()}")
         self.inside += func in READS
@@ -79,12 +82,12 @@ class ScalarReads(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def counting(monkeypatch):
+def counting(monkeypatch, device: torch.device | str = "cpu"):
     """(HostReads, ScalarReads, boundary calls list) with `boundary.to_host` wrapped: its own reads are the
     boundary's, counted there, not as stray reads."""
     calls = []
     real = boundary.to_host
-    functions = HostReads()
+    functions = HostReads(device)
 
     def to_host(values):
         calls.append(tuple(values.shape))
@@ -140,7 +143,7 @@ def test_a_step_reads_the_host_only_through_the_boundary(lag, sync_free, tiers, 
     for step in steps:  # warm-up: the cost model's platform check; each batch size's seconds curve, read once
         one_step(planner, *step, HostReads())  # from the host-side cost table and cached on the device
     for z, slots, gens, draft, target in steps:
-        with counting(monkeypatch) as (functions, scalars, calls):
+        with counting(monkeypatch, device) as (functions, scalars, calls):
             commit = one_step(planner, z, slots, gens, draft, target, functions)
         assert functions.count == 0 and scalars.count == 0, functions.where
         assert len(calls) == per_step, calls
@@ -150,7 +153,7 @@ def test_a_step_reads_the_host_only_through_the_boundary(lag, sync_free, tiers, 
 def test_the_counter_sees_a_stray_read(device, monkeypatch):
     """The counting modes are not blind: a `.item()` and an `int()` outside the boundary are both caught."""
     x = torch.arange(3, device=device)
-    with counting(monkeypatch) as (functions, scalars, calls):
+    with counting(monkeypatch, device) as (functions, scalars, calls):
         x.sum().item()
         int(x[1])
         boundary.to_host(x)
@@ -168,7 +171,7 @@ def test_cuda_step_syncs_only_at_the_boundary(sync_free, per_step, device, monke
         one_step(planner, *step, HostReads())
     torch.cuda.synchronize()
     for z, slots, gens, draft, target in steps:
-        with warnings.catch_warnings(record=True) as seen, counting(monkeypatch) as (functions, _, calls):
+        with warnings.catch_warnings(record=True) as seen, counting(monkeypatch, device) as (functions, _, calls):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
