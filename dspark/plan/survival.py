@@ -268,7 +268,7 @@ class SurvivalLagRing:
         """Start copying the ring row the next `exchange` reads (values and generation stamps) to the host,
         without waiting for it: what the sync-free planner budgets the next step from. On CUDA the copy
         goes to pinned memory behind an event; the step's commit-length read waits for it anyway."""
-        pin = self._values.device.type == "cuda"
+        pin = boundary.pinned(self._values.device)
         if self._host_row is None:  # host buffers and their numpy views, made once
             values = torch.empty(self._values.shape[1:], dtype=self._values.dtype, pin_memory=pin)
             stamps = torch.empty(self._stamps.shape[1:], dtype=self._stamps.dtype, pin_memory=pin)
@@ -276,11 +276,7 @@ class SurvivalLagRing:
         values, stamps, values_np, stamps_np = self._host_row
         values.copy_(self._values[self._cursor], non_blocking=pin)
         stamps.copy_(self._stamps[self._cursor], non_blocking=pin)
-        event = None
-        if pin:
-            event = torch.cuda.Event()
-            event.record()
-        return HostRingRow(values_np, stamps_np, event)
+        return HostRingRow(values_np, stamps_np, boundary.copy_done(self._values.device) if pin else None)
 
     def _read(self, slots: Tensor, generations: Tensor) -> Tensor:
         slots = boundary.to_device(slots, self._values.device, torch.long)

@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 from typing import Any, Sequence
 
-import torch
 from torch import Tensor
 
 from dspark.config import VerifyMode
@@ -40,6 +39,7 @@ from dspark.serve.scheduler import Batch, Scheduler
 from dspark.serve.step import Engine, serve
 from dspark.serve.tier_step import VerifySteps, graph_slot_count
 from dspark.util.validate import check_type
+from dspark.verify import boundary
 from dspark.verify.layout import check_tiers
 
 
@@ -165,5 +165,4 @@ class SpecDecoder:
     def _sync(self) -> None:
         """End of a timed step or prefill on an accelerator: wait for its kernels, so the step is charged its own
         device time (else the next step's first read, maybe another lockstep run's, would be charged for it)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        boundary.synchronize(self.device)

@@ -111,9 +111,8 @@ class RaggedVerifyAttention:
         # plan writes a host staging buffer and clears only what that buffer's previous plan left behind: the
         # device buffer itself on the CPU; else two host buffers in turn (pinned for CUDA, each reused once
         # its previous copy has finished: an event), copied with one non-blocking copy per plan
-        pin = self.device.type == "cuda"
-        self._staging = [self._flat] if self.device.type == "cpu" else \
-            [_metadata_buffer(self._sizes(), torch.device("cpu"), pin) for _ in range(2)]
+        self._staging = [self._flat] if boundary.on_host(self._flat) else \
+            [_metadata_buffer(self._sizes(), torch.device("cpu"), boundary.pinned(self.device)) for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
         self._stage_filled = [(0, 0, 0, 0, 0)] * len(self._staging)  # (B, S, rows, table rows, work) each holds
         self._turn, self._table_rows = 0, 0  # next staging buffer; block-table rows the device may hold
@@ -152,14 +151,14 @@ class RaggedVerifyAttention:
             raise ValueError(f"layout has {s} slots / {rows} rows; this plan holds at most "
                              f"max_slots={self.max_slots} / max_rows={self.max_rows}")
         host_layout = layout.host if layout.host is not None else layout
-        if host_layout.verify_lens.device.type != "cpu":
+        if not boundary.on_host(host_layout.verify_lens):
             host_layout = host_layout.to("cpu")  # a layout built on the device: read back once
         longest = int(host_layout.slot_lens.max()) if s else 0
         if self.max_verify_len is not None and longest > self.max_verify_len:
             raise ValueError(f"a slot has {longest} rows > max_verify_len={self.max_verify_len}")
         prefix = _host_ints("prefix_lens", prefix_lens, (b,))
         check_nonnegative("prefix_lens", prefix)
-        on_device = block_table.device.type != "cpu"
+        on_device = not boundary.on_host(block_table)
         table = int_tensor("block_table", block_table, torch.int32 if on_device else torch.int64)
         if table.dim() != 2 or table.shape[0] != b or table.shape[1] > self.max_pages_per_slot:
             raise ValueError(f"block_table must be [B={b}, P<={self.max_pages_per_slot}], got {tuple(table.shape)}")
@@ -254,9 +253,7 @@ class RaggedVerifyAttention:
             if table is not None:
                 end += max(b, self._table_rows) * self.max_pages_per_slot
             self._flat[:end].copy_(self._staging[turn][:end], non_blocking=True)
-            if self.device.type == "cuda":
-                self._copied[turn] = torch.cuda.Event()
-                self._copied[turn].record()
+            self._copied[turn] = boundary.copy_done(self.device)
 
     def plan_work(self, layout: RaggedVerifyLayout, prefix: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The Triton kernel's work list and kv chunks per slot for a host layout and its prefixes [B]

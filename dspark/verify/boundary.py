@@ -13,8 +13,13 @@ device and compiles under `torch.compile(fullgraph=True)`. Host values go the ot
 which does not wait for the device. tests/plan/test_host_boundary.py counts every host
 read of a step on the CPU and proves none happens outside this function; the cuda-marked sync test in
 tests/plan/test_planner.py asserts the same on a GPU.
+
+The module also owns the other host-or-device choices of a step (`on_host`, `pinned`, `copy_done`,
+`synchronize`): callers ask these instead of testing device types themselves.
 """
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 import torch
@@ -32,3 +37,33 @@ def to_device(values: Tensor, device: torch.device | str, dtype: torch.dtype | N
     stages a pageable source at once), the same tensor where it already is. The way a step's host values
     (slot ids, prefix lengths) reach the device: a blocking copy would synchronize the stream each time."""
     return values.to(device=device, dtype=dtype, non_blocking=torch.device(device).type != "cpu")
+
+
+def on_host(values: Tensor) -> bool:
+    """True for a tensor in host memory (read without a copy)."""
+    return values.device.type == "cpu"
+
+
+def pinned(device: torch.device | str) -> bool:
+    """True when host buffers staged for `device` are pinned (page-locked: CUDA copies them asynchronously)."""
+    return torch.device(device).type == "cuda"
+
+
+def copy_done(device: torch.device | str) -> torch.cuda.Event | None:
+    """An event recorded after the copies just issued towards / from `device` (CUDA), None where none is needed:
+    a staging buffer is reused only once its previous copy has finished."""
+    if torch.device(device).type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on `device` (CUDA or an Ascend NPU); nothing on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        importlib.import_module("torch_npu")
+        torch.npu.synchronize(device)

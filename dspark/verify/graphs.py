@@ -269,7 +269,7 @@ class TierGraphRunner:
         are read to the host once (none for a list or a CPU tensor), the layout is built there and moved to
         the runner's device in one copy, keeping the host one (`layout.host`) for the attention's plan."""
         lens = int_tensor("verify_lens", verify_lens, torch.int32)
-        if lens.device.type != "cpu":
+        if not boundary.on_host(lens):
             lens = torch.from_numpy(boundary.to_host(lens))
         return self._host_layout(lens).to(self.device)
 

@@ -225,18 +225,17 @@ class RaggedVerifyLayout:
         tensors = [getattr(self, n) for n in names]
         if all(t.device == device for t in tensors):
             return self
-        # host -> device may run behind the host; device -> host must land before the caller reads it
-        async_copy = device.type != "cpu"
+        to_host = device.type == "cpu"
         if all(t.dtype == torch.int32 for t in tensors):  # always, for a layout built by this class
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            if flat.device.type == "cpu" and device.type == "cuda":
+            if boundary.on_host(flat) and boundary.pinned(device):
                 flat = flat.pin_memory()
-            parts = flat.to(device, non_blocking=async_copy).split([t.numel() for t in tensors])
+            # to the device: no wait; to the host: the copy lands before the caller reads it
+            parts = (flat.cpu() if to_host else boundary.to_device(flat, device)).split([t.numel() for t in tensors])
             moved = {n: p.view(t.shape) for n, p, t in zip(names, parts, tensors)}
         else:
-            moved = {n: t.to(device, non_blocking=async_copy) for n, t in zip(names, tensors)}
-        on_host = self.verify_lens.device.type == "cpu"
-        host = None if device.type == "cpu" else (self if on_host else self.host)
+            moved = {n: t.cpu() if to_host else boundary.to_device(t, device) for n, t in zip(names, tensors)}
+        host = None if to_host else (self if boundary.on_host(self.verify_lens) else self.host)
         return dataclasses.replace(self, **moved, host=host)
 
     def positions(self, prefix_lens: Tensor) -> Tensor:

@@ -200,3 +200,8 @@ def test_host_values_reach_the_device_without_a_wait(monkeypatch):
     assert boundary.to_device(x, "meta", torch.int32).dtype == torch.int32
     assert torch.equal(boundary.to_device(x, "cpu", torch.int32), want)
     assert seen == [("meta", True), ("cpu", False)]
+    monkeypatch.undo()
+    assert boundary.on_host(x) and not boundary.on_host(x.to("meta"))
+    assert boundary.pinned("cuda") and not boundary.pinned("cpu") and not boundary.pinned("meta")
+    assert boundary.copy_done("cpu") is None
+    boundary.synchronize("cpu")  # nothing to wait for

@@ -40,6 +40,7 @@ from dspark.serve.scheduler import Batch
 from dspark.serve.step import Engine
 from dspark.serve.tier_step import VerifySteps
 from dspark.util.validate import check_int, check_type
+from dspark.verify import boundary
 from dspark.verify.accept import AcceptResult
 from dspark.verify.layout import RaggedVerifyLayout
 
@@ -76,8 +77,7 @@ class TimedTraceDrafter(Drafter):
         drafts = trace_drafts(self.trace, self.ids, batch, slots, k, source, ran.catch_up)
         moved = {f: getattr(drafts, f).to(self.device) for f in ("tokens", "confidence_logits", "features")
                  if getattr(drafts, f) is not None}
-        if self.device.type == "cuda":  # the proposal is ready when the planner reads it, as a live drafter's
-            torch.cuda.synchronize(self.device)
+        boundary.synchronize(self.device)  # the proposal is ready when the planner reads it, as a live drafter's
         return dataclasses.replace(drafts, **moved)
 
 
@@ -159,5 +159,4 @@ class TimedReplay:
 
     def _sync(self) -> None:
         """End of a timed phase: wait for the device (`SpecDecoder._sync`)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        boundary.synchronize(self.device)
