@@ -66,7 +66,8 @@ def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: Ragge
         return layout, verify_lens
     b = verify_lens.numel()
     full = torch.full((b,), width, dtype=torch.int32)
-    layout = RaggedVerifyLayout.from_checked(full, tiers, graph_slots, width, total_rows=b * width).to(verify_lens.device)
+    layout = RaggedVerifyLayout.from_checked(full, tiers, graph_slots, width, total_rows=b * width)
+    layout = layout.to(verify_lens.device)
     return layout, layout.verify_lens if mode is VerifyMode.STATIC else verify_lens
 
 

@@ -51,7 +51,7 @@ class Batch:
     def roots(self, slots: Tensor) -> Tensor:
         """[B] device: the last committed token of each of `slots` (host ids)."""
         dev = self.tokens.device
-        return self.tokens[slots.to(dev), (self.lens[slots] - 1).to(dev)]
+        return self.tokens[boundary.to_device(slots, dev), boundary.to_device(self.lens[slots] - 1, dev)]
 
     def commit(self, slots: Tensor, tokens: Tensor, commit_lens: Tensor, stop_ids: Tensor | None) -> Tensor:
         """Append each request's committed tokens ([B, W] device, the first commit_lens [B] of each row);
@@ -59,10 +59,10 @@ class Batch:
         just past it, so tokens after it in the same step are not part of the output)."""
         dev, w = self.tokens.device, tokens.shape[1]
         cols = torch.arange(w, device=dev)
-        start = self.lens[slots].to(dev)
+        start = boundary.to_device(self.lens[slots], dev)
         commit_dev = commit_lens.to(torch.int64)
         idx = torch.where(cols[None, :] < commit_dev[:, None], start[:, None] + cols[None, :], self.tokens.shape[1] - 1)
-        self.tokens[slots.to(dev)[:, None].expand(-1, w), idx] = tokens
+        self.tokens[boundary.to_device(slots, dev)[:, None].expand(-1, w), idx] = tokens
         if stop_ids is None:
             commit = torch.from_numpy(boundary.to_host(commit_dev))  # the step's commit read
         else:

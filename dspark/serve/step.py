@@ -29,6 +29,7 @@ from dspark.serve.policies.base import Policy, PolicyPlan
 from dspark.serve.runner import Target
 from dspark.serve.sampling import Sampling
 from dspark.serve.scheduler import Batch, Scheduler
+from dspark.verify import boundary
 from dspark.verify.accept import AcceptResult
 from dspark.verify.layout import RaggedVerifyLayout
 
@@ -53,7 +54,7 @@ def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | N
     b, dev = slots.numel(), batch.tokens.device
     now = engine.clock
     t0 = now()
-    layout = RaggedVerifyLayout.from_checked(torch.ones(b, dtype=torch.int32), (), None, 1, total_rows=b)
+    layout = RaggedVerifyLayout.from_checked(torch.ones(b, dtype=torch.int32), (), None, 1, total_rows=b).to(dev)
     token = engine.target.plain(batch, slots, layout, engine.sampling)
     t1 = now()
     ones = torch.ones(b, dtype=torch.int32, device=dev)
@@ -88,8 +89,8 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
         return prepassed[-1]
 
     host_t0 = time.perf_counter()
-    plan = policy.plan(conf, slots.to(batch.tokens.device), batch.generations[slots.to(batch.tokens.device)],
-                       prepass=prepass)
+    dev_slots = boundary.to_device(slots, batch.tokens.device)
+    plan = policy.plan(conf, dev_slots, batch.generations[dev_slots], prepass=prepass)
     times.host_plan = time.perf_counter() - host_t0
     t2 = now()
     times.plan += t2 - t1 - untimed[0]
@@ -138,8 +139,8 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
                 break
             lens = batch.lens[slots].clone()
             t0 = now()
-            speculate = policy.num_drafts > 0 and policy.speculate(slots.to(batch.tokens.device),
-                                                                   batch.generations[slots.to(batch.tokens.device)])
+            dev_slots = boundary.to_device(slots, batch.tokens.device)
+            speculate = policy.num_drafts > 0 and policy.speculate(dev_slots, batch.generations[dev_slots])
             decided = now() - t0
             if speculate:
                 out, commit = speculative_step(engine, batch, slots, policy, stop_ids, decided)

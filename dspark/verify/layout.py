@@ -247,9 +247,10 @@ class RaggedVerifyLayout:
         pad = torch.zeros(self.num_slots - self.num_requests, dtype=torch.int64, device=prefix_lens.device)
         per_slot = torch.cat([prefix_lens.to(torch.int64), pad])
         device = prefix_lens.device
-        pos = (per_slot.index_select(0, self.row_slot.to(device=device, dtype=torch.int64))
-               + self.row_within.to(device=device, dtype=torch.int64))
-        return torch.where(self.row_valid.to(device), pos, torch.zeros_like(pos))
+        # a host layout's maps reach the device without a wait
+        pos = (per_slot.index_select(0, boundary.to_device(self.row_slot, device, torch.int64))
+               + boundary.to_device(self.row_within, device, torch.int64))
+        return torch.where(boundary.to_device(self.row_valid, device), pos, torch.zeros_like(pos))
 
     def kv_slots(self, positions: Tensor, block_table: Tensor, page_size: int) -> Tensor:
         """[graph_num_tokens] int64 flat KV write slot of each row, PAD_SLOT (-1) for padding rows.
@@ -261,9 +262,9 @@ class RaggedVerifyLayout:
         device = block_table.device
         # one zero row and column appended so padding rows (and empty tables) index something
         table = torch.nn.functional.pad(block_table.to(torch.int64), (0, 1, 0, 1))
-        valid = self.row_valid.to(device)
-        req = torch.where(valid, self.row_slot.to(device=device, dtype=torch.int64), self.num_requests)
-        pos = torch.where(valid, positions.to(device=device, dtype=torch.int64), 0)
+        valid = boundary.to_device(self.row_valid, device)
+        req = torch.where(valid, boundary.to_device(self.row_slot, device, torch.int64), self.num_requests)
+        pos = torch.where(valid, boundary.to_device(positions, device, torch.int64), 0)
         slots = table[req, pos // page_size] * page_size + pos % page_size
         return torch.where(valid, slots, torch.full_like(slots, PAD_SLOT))
 

@@ -26,6 +26,7 @@ from dspark.serve.attention import batch_attention
 from dspark.serve.kv_cache import PagedKVCache
 from dspark.serve.sampling import Sampling
 from dspark.serve.scheduler import Batch
+from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout
 
 if TYPE_CHECKING:
@@ -116,8 +117,9 @@ def catch_up_layout(batch: Batch, slots: Tensor, cached: Tensor, device: torch.d
     lens = batch.lens[slots]
     rows = lens - cached[slots]
     prefix = lens - rows
-    layout = RaggedVerifyLayout.from_checked(rows.to(torch.int32).to(device), (), None, None,
-                                             total_rows=int(rows.sum()))
+    # built from the host lengths and moved: the attention's plan reads the host copy
+    layout = RaggedVerifyLayout.from_checked(rows.to(torch.int32), (), None, None,
+                                             total_rows=int(rows.sum())).to(device)
     real = layout.total_rows
-    pos = layout.positions(prefix.to(device))[:real]
-    return layout, prefix, pos, slots.to(device)[layout.row_slot[:real].long()]
+    pos = layout.positions(boundary.to_device(prefix, device))[:real]
+    return layout, prefix, pos, boundary.to_device(slots, device)[layout.row_slot[:real].long()]

@@ -14,6 +14,7 @@ from dspark.models.paged_attend import PagedAttend
 from dspark.serve.drafters.base import CachedDrafter, Drafts, Source, catch_up_layout, model_cache
 from dspark.serve.sampling import Sampling
 from dspark.serve.scheduler import Batch
+from dspark.verify import boundary
 
 if TYPE_CHECKING:
     from dspark.models.transformers_lm import TransformersCausalLM
@@ -57,7 +58,7 @@ class BlockDrafter(CachedDrafter):
         hidden = self.states.hidden
         feats = hidden[slot, (pos - 1).clamp(min=0)].to(self.cache.k.dtype) * (pos > 0)[:, None]  # h_{t-1}; 0 at 0
         attend = PagedAttend(self._attn, self.cache.k, self.cache.v, layout, prefix,
-                             self.cache.block_table[slots.to(self.device)])
+                             self.cache.block_table[boundary.to_device(slots, self.device)])
         h = self.draft(ids, attend.positions, feats, attend)
         self._cached[slots] = batch.lens[slots]
         hk, reduced = self.draft.chain(h.index_select(0, layout.qo_indptr[1:].long() - 1), k)

@@ -27,6 +27,7 @@ from dspark.models.transformers_lm import PreTrainedModel, TransformersCausalLM
 from dspark.serve.drafters.base import CachedDrafter, Drafts, Source, catch_up_layout, model_cache
 from dspark.serve.sampling import Sampling
 from dspark.serve.scheduler import Batch
+from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class CausalLMDrafter(CachedDrafter):
 
     def propose(self, batch: Batch, slots: Tensor, k: int, source: Source, sampling: Sampling) -> Drafts:
         layout, prefix, pos, slot = catch_up_layout(batch, slots, self._cached, self.device)
-        table = self.cache.block_table[slots.to(self.device)]
+        table = self.cache.block_table[boundary.to_device(slots, self.device)]
         lens = batch.lens[slots]
         self._cached[slots] = lens
         logits = [self._last_logits(batch.tokens[slot, pos], layout, prefix, table)]

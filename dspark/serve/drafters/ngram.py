@@ -31,6 +31,7 @@ from dspark.serve.drafters.base import Drafter, Drafts, Source
 from dspark.serve.sampling import Sampling
 from dspark.serve.scheduler import Batch
 from dspark.util.validate import check_int
+from dspark.verify import boundary
 
 if TYPE_CHECKING:
     from dspark.serve.runner import LiveTarget
@@ -62,7 +63,8 @@ class NgramDrafter(Drafter):
 
     def propose(self, batch: Batch, slots: Tensor, k: int, source: Source, sampling: Sampling) -> Drafts:
         dev = batch.tokens.device
-        tokens, features = lookup(batch.tokens[slots.to(dev)], batch.lens[slots].to(dev), k, self.n_min, self.n_max)
+        tokens, features = lookup(batch.tokens[boundary.to_device(slots, dev)],
+                                  boundary.to_device(batch.lens[slots], dev), k, self.n_min, self.n_max)
         probs = None
         if sampling.enabled:
             probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
