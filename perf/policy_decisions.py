@@ -1,0 +1,120 @@
+"""Why a policy misses: the adaptive gate's decisions in the lab, and a demo's step phases per policy.
+
+`lab`: replays the shipped trace through `adaptive` on one cost model and batch size (`dspark.lab.replay.Lab`)
+with a spy on the gate (`SpeculationGate.decide`): per full-batch decision the depth chosen, the predicted
+speculative and plain tok/s (believed costs) and the rates of every depth from the realised averages; then
+fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: committed tokens over the
+run's seconds).
+`demo`: a `dspark demo` output's demo.json: per (policy, B) the medians over full-batch steps (every round) of
+the draft, plan and verify seconds and the verify rows, the drafts per step, and the rows' tiers.
+
+    PYTHONPATH=. python perf/policy_decisions.py lab --cost cpu-measured --batch 64 [--out PATH]
+    PYTHONPATH=. python perf/policy_decisions.py demo demo_out/demo.json [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, output_path
+
+
+def lab(cost_name: str, b: int) -> dict:
+    """The gate's decisions at B = b on `cost_name`, and the fixed / adaptive run tok/s beside them."""
+    from dspark.cost.serving import load_serving_cost
+    from dspark.lab.replay.lab import Lab
+    from dspark.lab.replay.trace import load_trace
+    from dspark.lab.replay.variants import fit_trace_temperatures
+
+    trace = load_trace()
+    temps, _ = fit_trace_temperatures(trace, 3)
+    study = Lab(trace, load_serving_cost(cost_name, width=4), 3, temperatures=temps)
+    policy = study.policy("adaptive", b)
+    gate, decisions = policy.gate, []
+    decide = gate.decide
+
+    def spy(n: int, depth: int, rate: float, plain_seconds: float) -> None:
+        decide(n, depth, rate, plain_seconds)
+        if n != b:
+            return
+        by_depth = {}
+        if policy.feedback.mean is not None:
+            for k, planner in sorted(policy._planners.items()):
+                accepted, verified = policy.feedback.predict(k)
+                rows = min(max(n, round(n * (1 + verified))), n * planner.cfg.width)
+                by_depth[k] = n * (1 + accepted) / float(planner.cost_model.seconds_curve(n, rows, 1)[0])
+        decisions.append({"speculate": gate.decided[1], "depth": depth, "speculative_tok_s": rate,
+                          "plain_tok_s": n / plain_seconds, "realised_tok_s_by_depth": by_depth})
+
+    gate.decide = spy
+    runs = {}
+    for name in ("fixed-0", "fixed-1", "fixed-2", "fixed-3", "adaptive"):
+        res = study.run(policy if name == "adaptive" else name, b)
+        runs[name] = sum(int(s.commit_lens.sum()) for s in res.steps) / res.seconds
+    finite = [d for d in decisions if d["speculative_tok_s"] != float("inf")]
+    return {"cost": cost_name, "batch": b, "decisions": len(decisions),
+            "plain_decisions": sum(not d["speculate"] for d in decisions),
+            "depths_when_speculating": dict(collections.Counter(d["depth"] for d in decisions if d["speculate"])),
+            "median_speculative_tok_s": statistics.median(d["speculative_tok_s"] for d in finite) if finite else None,
+            "plain_tok_s": decisions[0]["plain_tok_s"] if decisions else None,
+            "last": decisions[-1] if decisions else None, "run_tok_s": runs}
+
+
+def demo(path: Path) -> dict:
+    """Per (policy, B) medians of a demo run's full-batch steps."""
+    steps = json.loads(path.read_text())["steps"]
+    out = {}
+    for key, rounds in steps.items():
+        b = int(key.rsplit("@", 1)[1])
+        full = [s for run in rounds for s in run if s["batch"] == b]
+        if not full:
+            continue
+        med = {f: statistics.median(s[f] for s in full) for f in ("t_draft", "t_plan", "t_verify", "rows")}
+        out[key] = {"steps": len(full), **med, "proposed_per_step": statistics.median(s["proposed"] for s in full),
+                    "rows_seen": dict(collections.Counter(s["rows"] for s in full))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("lab")
+    a.add_argument("--cost", default="cpu-measured")
+    a.add_argument("--batch", type=at_least(1), default=64)
+    a.add_argument("--out", type=output_path(), default=None)
+    d = sub.add_parser("demo")
+    d.add_argument("demo_json", type=Path)
+    d.add_argument("--out", type=output_path(), default=None)
+    args = ap.parse_args(argv)
+    if args.what == "lab":
+        report = lab(args.cost, args.batch)
+        print(f"{args.cost} B={args.batch}: {report['plain_decisions']} of {report['decisions']} full-batch "
+              f"decisions plain; depths when speculating {report['depths_when_speculating']}")
+        print(f"  median predicted speculative {report['median_speculative_tok_s']:.1f} tok/s against plain "
+              f"{report['plain_tok_s']:.1f} (believed costs); at the last decision: "
+              + ", ".join(f"depth {k} {v:.1f}" for k, v in report["last"]["realised_tok_s_by_depth"].items()))
+        best = max((v, k) for k, v in report["run_tok_s"].items() if k != "adaptive")
+        print("  run tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in report["run_tok_s"].items())
+              + f"; adaptive / best fixed ({best[1]}) {report['run_tok_s']['adaptive'] / best[0]:.3f}")
+    else:
+        if not args.demo_json.is_file():
+            print(f"{args.demo_json} is not a file: give a `dspark demo` output's demo.json", file=sys.stderr)
+            return 2
+        report = demo(args.demo_json)
+        print(f"{'policy@B':>16} {'steps':>5} {'draft ms':>8} {'plan ms':>7} {'verify ms':>9} {'rows':>5} "
+              f"{'drafts':>6}  rows seen")
+        for key, r in report.items():
+            print(f"{key:>16} {r['steps']:>5} {1e3 * r['t_draft']:>8.1f} {1e3 * r['t_plan']:>7.2f} "
+                  f"{1e3 * r['t_verify']:>9.1f} {r['rows']:>5.0f} {r['proposed_per_step']:>6.0f}  {r['rows_seen']}")
+    if args.out is not None:
+        print(f"wrote {atomic_write_text(args.out, json.dumps(report, indent=2))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

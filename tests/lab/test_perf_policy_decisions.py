@@ -1,0 +1,39 @@
+"""perf/policy_decisions.py: the demo phases are medians over every round's full-batch steps only; a missing
+demo.json is refused with a message naming it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu_only(reason="a perf script's host arithmetic")
+PATH = Path(__file__).resolve().parents[2] / "perf" / "policy_decisions.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("perf_policy_decisions", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(batch: int, draft: float, rows: int) -> dict:
+    return {"batch": batch, "t_draft": draft, "t_plan": 1e-3, "t_verify": 0.1 + rows * 1e-3, "rows": rows,
+            "proposed": 2 * batch}
+
+
+def test_demo_phases_take_full_batch_steps_of_every_round(tmp_path: Path, capsys) -> None:
+    rounds = [[_step(4, 0.010, 12), _step(4, 0.030, 8), _step(2, 0.900, 4)], [_step(4, 0.020, 12)]]
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps({"steps": {"adaptive@4": rounds}}))
+    out = tmp_path / "phases.json"
+    assert _script().main(["demo", str(path), "--out", str(out)]) == 0
+    got = json.loads(out.read_text())["adaptive@4"]
+    assert got["steps"] == 3 and got["t_draft"] == pytest.approx(0.020) and got["rows"] == 12
+    assert got["rows_seen"] == {"12": 2, "8": 1}  # the B = 2 tail step is left out
+    assert _script().main(["demo", str(tmp_path / "none.json")]) == 2
+    assert "none.json is not a file" in capsys.readouterr().err
