@@ -9,7 +9,7 @@ run's seconds).
 the draft, plan and verify seconds and the verify rows, the drafts per step, and the rows' tiers.
 
     PYTHONPATH=. python perf/policy_decisions.py lab --cost cpu-measured --batch 64 [--out PATH]
-    PYTHONPATH=. python perf/policy_decisions.py demo demo_out/demo.json [--out PATH]
+    PYTHONPATH=. python perf/policy_decisions.py demo [--demo-json demo_out/demo.json] [--out PATH]
 """
 from __future__ import annotations
 
@@ -82,14 +82,11 @@ def demo(path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="what", required=True)
-    a = sub.add_parser("lab")
-    a.add_argument("--cost", default="cpu-measured")
-    a.add_argument("--batch", type=at_least(1), default=64)
-    a.add_argument("--out", type=output_path(), default=None)
-    d = sub.add_parser("demo")
-    d.add_argument("demo_json", type=Path)
-    d.add_argument("--out", type=output_path(), default=None)
+    ap.add_argument("what", choices=["lab", "demo"])
+    ap.add_argument("--cost", default="cpu-measured", help="lab: the serving cost model's name")
+    ap.add_argument("--batch", type=at_least(1), default=64, help="lab: the batch size B")
+    ap.add_argument("--demo-json", type=Path, default=Path("demo_out/demo.json"), help="demo: a demo's demo.json")
+    ap.add_argument("--out", type=output_path(), default=None)
     args = ap.parse_args(argv)
     if args.what == "lab":
         report = lab(args.cost, args.batch)

@@ -31,9 +31,9 @@ def test_demo_phases_take_full_batch_steps_of_every_round(tmp_path: Path, capsys
     path = tmp_path / "demo.json"
     path.write_text(json.dumps({"steps": {"adaptive@4": rounds}}))
     out = tmp_path / "phases.json"
-    assert _script().main(["demo", str(path), "--out", str(out)]) == 0
+    assert _script().main(["demo", "--demo-json", str(path), "--out", str(out)]) == 0
     got = json.loads(out.read_text())["adaptive@4"]
     assert got["steps"] == 3 and got["t_draft"] == pytest.approx(0.020) and got["rows"] == 12
     assert got["rows_seen"] == {"12": 2, "8": 1}  # the B = 2 tail step is left out
-    assert _script().main(["demo", str(tmp_path / "none.json")]) == 2
+    assert _script().main(["demo", "--demo-json", str(tmp_path / "none.json")]) == 2
     assert "none.json is not a file" in capsys.readouterr().err
