@@ -28,7 +28,7 @@ from dspark.models.corpus import prompt_windows
 from dspark.plan.allocate import allocate_verify_lens
 from dspark.plan.budget import HostSurvival, greedy_budget
 from dspark.plan.planner import VerifyPlanner
-from dspark.plan.survival import survival_from_checked
+from dspark.plan.survival import _survival
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
@@ -96,11 +96,11 @@ def main() -> None:
         planner = VerifyPlanner(cfg, cost, lag=0, num_slots=b)
         slots, gens = torch.arange(b), torch.zeros(b, dtype=torch.int64)
         z = full[len(full) // 2]
-        host = survival_from_checked(z, None).numpy()
+        host = _survival(z, None).numpy()
         budget = greedy_budget(HostSurvival(host), cost, cfg).budget
         lens = allocate_verify_lens(HostSurvival(host), budget, cfg)
         parts = {
-            "survival": lambda: survival_from_checked(z, None),
+            "survival": lambda: _survival(z, None),
             "greedy_budget": lambda: greedy_budget(HostSurvival(host), cost, cfg),
             "allocation": lambda: allocate_verify_lens(HostSurvival(host), budget, cfg),
             "layout": lambda: RaggedVerifyLayout.from_verify_lens(lens, width=cfg.width),

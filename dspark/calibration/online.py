@@ -41,7 +41,7 @@ from torch import Tensor
 from dspark.calibration.recorder import censored_labels
 from dspark.parallel.agreement import EstimatorAgreement
 from dspark.parallel.tp import ParallelConfig
-from dspark.plan.survival import survival_from_checked
+from dspark.plan.survival import _survival
 from dspark.util.validate import check_int, check_tensor, check_type
 
 FEATURES = ("top1_log_odds", "top2_margin", "entropy")
@@ -174,7 +174,7 @@ class OnlineAcceptanceEstimator:
 
     def survival(self, draft_logits: Tensor) -> Tensor:
         """Estimated survival [B, gamma] float32: `calibrated_survival(confidence_logits(draft_logits))`."""
-        return survival_from_checked(self.confidence_logits(draft_logits), None)
+        return _survival(self.confidence_logits(draft_logits), None)
 
     def observe(self, *, verify_lens: Tensor, correct_lens: Tensor | None = None, labels: Tensor | None = None,
                 features: Tensor | None = None) -> None:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dspark.config import ScheduleConfig
 from dspark.kernels import topk
-from dspark.plan.budget import HostSurvival, _check_survival, check_config, plan_on_host_checked
+from dspark.plan.budget import HostSurvival, _check_survival, _plan_on_host, check_config
 from dspark.plan.survival import monotone_survival
 
 
@@ -47,12 +47,12 @@ def allocate_verify_lens(survival: Tensor | HostSurvival, budget: int | Tensor, 
     if not (torch.compiler.is_compiling() and isinstance(budget, Tensor)):
         budget = check_budget(budget)
     if isinstance(survival, HostSurvival):
-        return allocate_checked(survival, budget, cfg)
-    host = plan_on_host_checked(survival, calibrated=False, small_batches=False)
-    return allocate_checked(monotone_survival(survival) if host is None else host, budget, cfg)
+        return _allocate(survival, budget, cfg)
+    host = _plan_on_host(survival, calibrated=False, small_batches=False)
+    return _allocate(monotone_survival(survival) if host is None else host, budget, cfg)
 
 
-def allocate_checked(survival: Tensor | HostSurvival, budget: int | Tensor, cfg: ScheduleConfig) -> Tensor:
+def _allocate(survival: Tensor | HostSurvival, budget: int | Tensor, cfg: ScheduleConfig) -> Tensor:
     """`allocate_verify_lens` without checks or repair.
 
     Args:

@@ -89,10 +89,10 @@ def plan_on_host(survival: Tensor, cfg: ScheduleConfig, *, calibrated: bool = Fa
         and always inside `torch.compile`.
     """
     _check_survival(survival, cfg)
-    return plan_on_host_checked(survival, calibrated, small_batches)
+    return _plan_on_host(survival, calibrated, small_batches)
 
 
-def plan_on_host_checked(survival: Tensor, calibrated: bool, small_batches: bool) -> HostSurvival | None:
+def _plan_on_host(survival: Tensor, calibrated: bool, small_batches: bool) -> HostSurvival | None:
     """`plan_on_host` without its checks (survival a floating [B, gamma] tensor of the planner's config)."""
     if dispatch.use_host(survival) or (small_batches and dispatch.use_host() and survival.numel() <= HOST_PLAN_MAX):
         return host_survival(survival, calibrated)

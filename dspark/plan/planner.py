@@ -25,8 +25,8 @@ they live on the CPU, as they should).
 
 Checks: the configuration, cost model (its W), tiers, temperatures and lag are validated once, at
 construction; a step checks only its own inputs (logits shape, slots / generations) and the cost model's
-platform once per device type, then runs the unchecked stages (`survival_from_checked`, `host_decision` /
-`traced_decision`, `allocate_checked`, `RaggedVerifyLayout.from_checked`).
+platform once per device type, then runs the unchecked stages (`_survival`, `host_decision` /
+`traced_decision`, `_allocate`, `RaggedVerifyLayout._from_lens`).
 """
 from __future__ import annotations
 
@@ -40,23 +40,23 @@ from torch import Tensor
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, check_cost_model
 from dspark.parallel import DpTier, ParallelAgreement, ParallelConfig
-from dspark.plan.allocate import allocate_checked
+from dspark.plan.allocate import _allocate
 from dspark.plan.budget import (
     BudgetDecision,
     HostSurvival,
+    _plan_on_host,
     check_config,
     choose_budget,
     host_decision,
     host_survival,
-    plan_on_host_checked,
     seconds_over_window,
     traced_decision,
 )
 from dspark.plan.survival import (
     SurvivalLagRing,
     _check_matrix,
+    _survival,
     check_temperatures,
-    survival_from_checked,
 )
 from dspark.util.validate import check_int, check_tensor, check_type
 from dspark.verify import boundary
@@ -117,7 +117,7 @@ class VerifyPlanner:
         if graph_slots is not None:
             check_int("graph_slots", graph_slots, 1)
         self.cost_model = cost_model
-        self._platform_checked: str | None = None  # device type the cost model's platform was checked for
+        self._platform_seen: str | None = None  # device type the cost model's platform was checked for
         self.lag = lag
         self.tiers = check_tiers(tiers)
         self._tier_tensors: dict[torch.device, Tensor] = {}
@@ -162,13 +162,13 @@ class VerifyPlanner:
             and tiers were checked at construction, and the stages below run unchecked.
         """
         b = self._check_step(logits, slots, generations)
-        survival = survival_from_checked(logits, self.temperatures)
+        survival = _survival(logits, self.temperatures)
         if self.sync_free:
             return self._plan_sync_free(survival, slots, generations)
         cfg = self.cfg
         small = self.ring is None and self.parallel is None
-        host = plan_on_host_checked(survival, calibrated=True, small_batches=small)
-        lagged = None if self.ring is None else self.ring.exchange_checked(slots, generations, survival).to(survival.device)
+        host = _plan_on_host(survival, calibrated=True, small_batches=small)
+        lagged = None if self.ring is None else self.ring._exchange(slots, generations, survival).to(survival.device)
         if host is None:
             decision, live_valid = self._device_decision(survival, lagged)
         else:
@@ -178,7 +178,7 @@ class VerifyPlanner:
                                      seconds=self._host_seconds(b), tiers=self.tiers or None)
             live_valid = host.window(cfg)[1]
         offered, _ = tier_fill(decision.budget, b, cfg.floor, self.tiers)
-        verify_lens = allocate_checked(survival if host is None else host, offered, cfg)
+        verify_lens = _allocate(survival if host is None else host, offered, cfg)
         dp = None
         if self.parallel is not None:
             verify_lens = self.parallel.verify_lens(verify_lens)
@@ -186,7 +186,7 @@ class VerifyPlanner:
             layout, dp = self.parallel.dp.step(verify_lens)
         else:
             total = None if self.parallel is not None else b * cfg.floor + min(offered, live_valid)
-            layout = RaggedVerifyLayout.from_checked(verify_lens, self.tiers, self.graph_slots, cfg.width,
+            layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width,
                                                      total_rows=total)
             if layout.verify_lens.device != survival.device:  # planned on the host for an accelerator
                 layout = layout.to(survival.device)
@@ -205,9 +205,9 @@ class VerifyPlanner:
                     raise ValueError(f"{name} must be [B={b}] (one per request of logits {tuple(logits.shape)}), "
                                      f"got shape {tuple(v.shape)}")
             self.ring.check(slots, generations)
-        if logits.device.type != self._platform_checked:  # the run's platform: where its logits live
+        if logits.device.type != self._platform_seen:  # the run's platform: where its logits live
             check_cost_model(self.cost_model, platform=logits.device.type)
-            self._platform_checked = logits.device.type
+            self._platform_seen = logits.device.type
         return b
 
     def _host_seconds(self, b: int) -> np.ndarray:
@@ -249,13 +249,13 @@ class VerifyPlanner:
     def _plan_sync_free(self, survival: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
         """lag >= 1 without a device read: the budget from the host copy of the ring row this step reads."""
         lagged = self._next_row.read(slots, generations)
-        self.ring.write_checked(slots, generations, survival)
+        self.ring._write(slots, generations, survival)
         self._next_row = self.ring.next_row_to_host()
         b, cfg = survival.shape[0], self.cfg
         decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self._host_seconds(b))
         offered, tier = tier_fill(decision.budget, b, cfg.floor, self.tiers)
-        verify_lens = allocate_checked(survival, offered, cfg)
+        verify_lens = _allocate(survival, offered, cfg)
         # no tier fixes the rows: the layout reads its total (the step's one read)
-        layout = RaggedVerifyLayout.from_checked(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier)
+        layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier)
         executed = None if layout.total_rows is None else layout.total_rows - b * cfg.floor
         return VerifyPlan(verify_lens, layout, decision, survival, executed, offered)

@@ -78,10 +78,10 @@ def calibrated_survival(logits: Tensor, temperatures: Tensor | Sequence[float] |
     if gamma == 0:
         raise ValueError("logits must have at least one draft position (gamma >= 1), got shape "
                          f"{tuple(z.shape)}")
-    return survival_from_checked(z, None if temperatures is None else check_temperatures(temperatures, gamma))
+    return _survival(z, None if temperatures is None else check_temperatures(temperatures, gamma))
 
 
-def survival_from_checked(logits: Tensor, temperatures: Tensor | None) -> Tensor:
+def _survival(logits: Tensor, temperatures: Tensor | None) -> Tensor:
     """`calibrated_survival` without its checks, for callers that validated once (same bits).
 
     Args:
@@ -247,18 +247,14 @@ class SurvivalLagRing:
     def write(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
         """Store live survival for these slots, stamped with their generation, and advance one step."""
         self.check(slots, generations, survival)
-        self.write_checked(slots, generations, survival)
-
-    def write_checked(self, slots: Tensor, generations: Tensor, survival: Tensor) -> None:
-        """`write` without its checks, for a planner that validated the step's inputs once."""
         self._write(slots, generations, survival)
 
     def exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
         """read() then write() with one validation: the lagged survival for this step, the live one stored."""
         self.check(slots, generations, survival)
-        return self.exchange_checked(slots, generations, survival)
+        return self._exchange(slots, generations, survival)
 
-    def exchange_checked(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
+    def _exchange(self, slots: Tensor, generations: Tensor, survival: Tensor) -> Tensor:
         """`exchange` without its checks, for a planner that validated the step's inputs once."""
         lagged = self._read(slots, generations)
         self._write(slots, generations, survival)

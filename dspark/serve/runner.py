@@ -25,8 +25,8 @@ from dspark.serve.scheduler import Batch
 from dspark.serve.tier_step import VerifySteps, graph_slot_count
 from dspark.util.validate import check_verify_lens
 from dspark.verify import boundary
-from dspark.verify.accept import AcceptResult, greedy_from_checked, sampling_from_checked
-from dspark.verify.inputs import check_layout_fits, inputs_from_checked
+from dspark.verify.accept import AcceptResult, _accept_greedy, _accept_sampling
+from dspark.verify.inputs import _verify_inputs, check_layout_fits
 from dspark.verify.layout import RaggedVerifyLayout
 
 
@@ -61,12 +61,12 @@ def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: Ragge
         if layout is not None:
             check_layout_fits(layout, verify_lens.numel(), tiers, graph_slots)
         else:  # built from the host lengths and moved: the attention's plan reads the host copy, no device
-            layout = RaggedVerifyLayout.from_checked(host.to(torch.int32), tiers, graph_slots, width,
+            layout = RaggedVerifyLayout._from_lens(host.to(torch.int32), tiers, graph_slots, width,
                                                      total_rows=int(host.sum())).to(verify_lens.device)
         return layout, verify_lens
     b = verify_lens.numel()
     full = torch.full((b,), width, dtype=torch.int32)
-    layout = RaggedVerifyLayout.from_checked(full, tiers, graph_slots, width, total_rows=b * width)
+    layout = RaggedVerifyLayout._from_lens(full, tiers, graph_slots, width, total_rows=b * width)
     layout = layout.to(verify_lens.device)
     return layout, layout.verify_lens if mode is VerifyMode.STATIC else verify_lens
 
@@ -163,7 +163,7 @@ class LiveTarget(Target):
             slots, rows = slots[rows > 0], rows[rows > 0]
             if not slots.numel():
                 return
-        layout = RaggedVerifyLayout.from_checked(rows, (), None, int(rows.max()), total_rows=int(rows.sum()))
+        layout = RaggedVerifyLayout._from_lens(rows, (), None, int(rows.max()), total_rows=int(rows.sum()))
         layout = layout.to(self.device)
         dev_slots = boundary.to_device(slots, self.device)
         pos = layout.positions(torch.zeros(slots.numel(), dtype=torch.int64, device=self.device))
@@ -179,7 +179,7 @@ class LiveTarget(Target):
         prefix, width = batch.lens[slots] - 1, drafts.tokens.shape[1] + 1
         graph_slots, step = self._width(width)
         layout, _ = mode_layout(mode, verify_lens, width, layout, self.tiers, graph_slots)
-        vin = inputs_from_checked(mode, verify_lens, batch.roots(slots), drafts.tokens,
+        vin = _verify_inputs(mode, verify_lens, batch.roots(slots), drafts.tokens,
                                   boundary.to_device(prefix, self.device), layout)
         dev_slots = boundary.to_device(slots, self.device)
         if step is None or (vin.layout.tier is None and vin.layout.eager_reason is None):
@@ -191,6 +191,6 @@ class LiveTarget(Target):
 
     def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:
         if sampling.enabled:
-            return sampling_from_checked(drafts.tokens, drafts.probs, sampling.probs(verified.rows), verified.caps,
+            return _accept_sampling(drafts.tokens, drafts.probs, sampling.probs(verified.rows), verified.caps,
                                          generator=sampling.generator, layout=verified.layout)
-        return greedy_from_checked(drafts.tokens, verified.rows, verified.caps, layout=verified.layout)
+        return _accept_greedy(drafts.tokens, verified.rows, verified.caps, layout=verified.layout)

@@ -55,10 +55,10 @@ def accept_greedy(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tens
     Returns the AcceptResult (same fields eager and traced).
     """
     _check_common(draft_tokens, target_logits, verify_lens, layout, "target_logits")
-    return greedy_from_checked(draft_tokens, target_logits, verify_lens, layout)
+    return _accept_greedy(draft_tokens, target_logits, verify_lens, layout)
 
 
-def greedy_from_checked(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tensor,
+def _accept_greedy(draft_tokens: Tensor, target_logits: Tensor, verify_lens: Tensor,
                         layout: RaggedVerifyLayout | None = None) -> AcceptResult:
     """`accept_greedy` without its checks (no host read), for a step whose lengths and drafts were validated
     or made by the caller; arguments as `accept_greedy`."""
@@ -90,10 +90,10 @@ def accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Ten
         verified = torch.arange(gamma + 1, device=vl.device)[None, :] < vl[:, None]
         _check_probs("target_probs", _row_stats(target_probs, row_start, gamma + 1), verified)
         _check_probs("draft_probs", _row_stats(draft_probs, None, gamma), verified[:, 1:])
-    return sampling_from_checked(draft_tokens, draft_probs, target_probs, verify_lens, generator, layout)
+    return _accept_sampling(draft_tokens, draft_probs, target_probs, verify_lens, generator, layout)
 
 
-def sampling_from_checked(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, verify_lens: Tensor,
+def _accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, verify_lens: Tensor,
                           generator: torch.Generator | None = None,
                           layout: RaggedVerifyLayout | None = None) -> AcceptResult:
     """`accept_sampling` without its checks (no host read); arguments as `accept_sampling`."""

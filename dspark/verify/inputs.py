@@ -87,14 +87,14 @@ def build_verify_inputs(
         raise ValueError(f"layout was built for verify_lens {host[2].tolist()}, not {host_vl.tolist()}")
     if layout is None:
         total = int(host_vl.sum()) if compact else b * w
-        layout = RaggedVerifyLayout.from_checked(vl if compact else torch.full_like(vl, w), check_tiers(tiers), graph_slots,
+        layout = RaggedVerifyLayout._from_lens(vl if compact else torch.full_like(vl, w), check_tiers(tiers), graph_slots,
                                                  w, total_rows=total)
     if block_table is not None or page_size is not None:
         _check_block_table(block_table, page_size, b, host_prefix + (host_vl if compact else w))
-    return inputs_from_checked(mode, vl, root_tokens, draft_tokens, prefix, layout, block_table, page_size)
+    return _verify_inputs(mode, vl, root_tokens, draft_tokens, prefix, layout, block_table, page_size)
 
 
-def inputs_from_checked(mode: VerifyMode, verify_lens: Tensor, root_tokens: Tensor, draft_tokens: Tensor,
+def _verify_inputs(mode: VerifyMode, verify_lens: Tensor, root_tokens: Tensor, draft_tokens: Tensor,
                         prefix_lens: Tensor, layout: RaggedVerifyLayout, block_table: Tensor | None = None,
                         page_size: int | None = None) -> VerifyInputs:
     """`build_verify_inputs` without its checks or host read, for a step that validated its inputs once.

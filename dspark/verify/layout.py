@@ -153,11 +153,11 @@ class RaggedVerifyLayout:
             if b and (lens_np.min() < 1 or (width is not None and lens_np.max() > width)):
                 check_verify_lens(vl.cpu(), width if width is not None else int(lens_np.max()))  # names the value
             total_rows = int(lens_np.sum())
-        return cls.from_checked(vl, tiers_t, graph_slots, width, total_rows=total_rows, graph_rows=graph_rows,
+        return cls._from_lens(vl, tiers_t, graph_slots, width, total_rows=total_rows, graph_rows=graph_rows,
                                 on_overflow=on_overflow)
 
     @classmethod
-    def from_checked(cls, verify_lens: Tensor, tiers: tuple[int, ...], graph_slots: int | None, width: int | None, *,
+    def _from_lens(cls, verify_lens: Tensor, tiers: tuple[int, ...], graph_slots: int | None, width: int | None, *,
                      total_rows: int | None = None, graph_rows: int | None = None,
                      on_overflow: str = "eager") -> "RaggedVerifyLayout":
         """`from_verify_lens` without its argument checks, for callers that validated once.

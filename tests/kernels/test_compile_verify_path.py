@@ -72,7 +72,7 @@ def survival_inputs(seed: int, b: int, gamma: int, device) -> tuple:
 def monotone(seed: int, b: int, gamma: int, device) -> torch.Tensor:
     """Calibrated survival with ties (rounded) and values below eps."""
     z, _ = survival_inputs(seed, b, gamma, device)
-    s = su.survival_from_checked(z, None)
+    s = su._survival(z, None)
     return torch.where(s > 0.5, (s * 8).round() / 8, s * 1e-6 * (seed % 3))
 
 
@@ -88,7 +88,7 @@ def lens(seed: int, b: int, w: int, device) -> torch.Tensor:
 def test_survival_compiles(seed, b, gamma, temps, backend, device):
     z, t = survival_inputs(seed, b, gamma, device)
     t = t if temps else None
-    assert_same(compiled(su.survival_from_checked, backend)(z, t), su.survival_from_checked(z, t))
+    assert_same(compiled(su._survival, backend)(z, t), su._survival(z, t))
     assert_same(compiled(su.monotone_survival, backend)(z.nan_to_num(0.3)), su.monotone_survival(z.nan_to_num(0.3)))
 
 
@@ -191,7 +191,7 @@ def test_accept_compiles(seed, b, gamma, vocab, packed, backend, device):
     draft, target, vl, layout = _accept_case(seed, b, gamma, vocab, packed, device)
 
     def greedy(d, t, v):
-        return _fields(va.greedy_from_checked(d, t, v, layout=layout))
+        return _fields(va._accept_greedy(d, t, v, layout=layout))
 
     assert_same(compiled(greedy, backend)(draft, target, vl), _fields(va.accept_greedy(draft, target, vl, layout)))
     row_start = None if layout is None else layout.qo_indptr[:-1]
@@ -244,7 +244,7 @@ def _inductor_cases(device):
     case, meta, outputs = _attention_inputs(7, 3, device)
     case2, meta2, outputs2 = _attention_inputs(8, 4, device)
     return [
-        ("survival", su.survival_from_checked, survival_inputs(1, 5, 4, device), survival_inputs(2, 9, 4, device)),
+        ("survival", su._survival, survival_inputs(1, 5, 4, device), survival_inputs(2, 9, 4, device)),
         ("budget", bu.theta_curves_torch, (s, seconds, 1, 6, 1e-6), (s2, seconds2, 1, 6, 1e-6)),
         ("allocate", topk.verify_lens_ref, (s, torch.tensor(7, device=device), 1, 6, 1e-6),
          (s2, torch.tensor(11, device=device), 1, 6, 1e-6)),

@@ -34,7 +34,6 @@ STILL_WIDE = {
     "lab/sweep.py:profile_steps": 9,
     "cost/tiered.py:TieredCostModel.__init__": 9,
     "calibration/recorder.py:StsRecorder.record": 9,
-    "verify/inputs.py:inputs_from_checked": 8,
     "verify/attention.py:verify_attention": 8,
     "models/confidence_fit.py:head_stage": 8,
     "lab/profile.py:profile_step_costs": 8,
@@ -88,3 +87,10 @@ def test_the_serving_entry_points_are_narrow() -> None:
                  "verify/attention.py:RaggedVerifyAttention.__init__", "serve/policies/adaptive.py:Adaptive.__init__",
                  "serve/policies/registry.py:make_policy", "serve/step.py:serve"):
         assert found[name] <= MOST, (name, found[name])
+
+
+def test_no_public_unchecked_twins() -> None:
+    """The public edge validates and what runs inside is private: no public `*_checked` / `*_unchecked` callable
+    beside its checked twin."""
+    twins = [k for k in _public_callables() if k.rsplit(".", 1)[-1].split(":")[-1].endswith(("_checked", "_unchecked"))]
+    assert not twins, f"make the trusting inner function private (a leading underscore): {twins}"

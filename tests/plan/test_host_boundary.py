@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
 from dspark.kernels import dispatch
 from dspark.verify import boundary
-from dspark.verify.accept import greedy_from_checked
+from dspark.verify.accept import _accept_greedy
 
 GAMMA, SLOTS = 5, 16
 TIERS = (8, 16, 32, 64, 96)
@@ -127,7 +127,7 @@ def one_step(planner, z, slots, gens, draft, target, reads):
     layout = plan.layout
     packed = target.reshape(-1, target.shape[-1]).index_select(
         0, (layout.row_slot.clamp(max=z.shape[0] - 1) * (GAMMA + 1) + layout.row_within).to(torch.int64))
-    result = greedy_from_checked(draft, packed, plan.verify_lens, layout=layout)
+    result = _accept_greedy(draft, packed, plan.verify_lens, layout=layout)
     return boundary.to_host(result.commit_lens)
 
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dspark import SurvivalLagRing, calibrated_survival, monotone_survival
-from dspark.plan.survival import check_temperatures, monotone_host, survival_from_checked
+from dspark.plan.survival import _survival, check_temperatures, monotone_host
 
 
 def test_teaching_example_survival(device):
@@ -58,9 +58,9 @@ def test_a_requests_survival_bits_do_not_depend_on_its_batch(case, tempered, dev
 
 def test_a_finite_logit_whose_ratio_overflows_keeps_its_confidence(device):
     for z in (torch.tensor([[3e38, -3e38]]), torch.tensor([[1e300, -1e300]], dtype=torch.float64)):
-        c = survival_from_checked(z.to(device)[:, :1], check_temperatures([0.5], 1))
+        c = _survival(z.to(device)[:, :1], check_temperatures([0.5], 1))
         assert c.item() == 1.0
-        assert survival_from_checked(z.to(device)[:, 1:], check_temperatures([0.5], 1)).item() == 0.0
+        assert _survival(z.to(device)[:, 1:], check_temperatures([0.5], 1)).item() == 0.0
     assert calibrated_survival(torch.tensor([[3e38, 3e38]], device=device), [0.5, 0.25]).tolist() == [[1.0, 1.0]]
 
 
@@ -73,7 +73,7 @@ def test_non_finite_logits_give_zero_confidence(device):
 
 
 @given(b=st.integers(1, 9), g=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
-def test_fixed_order_float32_product_and_checked_path(b, g, seed, device):
+def test_fixed_order_float32_product_and_unchecked_path(b, g, seed, device):
     """Bit for bit: divide and sigmoid in float64, one rounding to float32, then a left-to-right float32
     product (no double accumulation, no scan); the planner's pre-validated path gives the same bits."""
     gen = torch.Generator().manual_seed(seed)
@@ -86,7 +86,7 @@ def test_fixed_order_float32_product_and_checked_path(b, g, seed, device):
     for k in range(1, g):
         want[:, k] = want[:, k - 1] * c[:, k]
     assert torch.equal(s, want)
-    assert torch.equal(survival_from_checked(z, temps), s)
+    assert torch.equal(_survival(z, temps), s)
     # the torch path (on the CPU it serves tensors that require grad) gives the same bits
     assert torch.equal(calibrated_survival(z.clone().requires_grad_(), temps).detach(), s)
 

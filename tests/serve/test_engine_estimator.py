@@ -14,8 +14,8 @@ from dspark.plan.planner import VerifyPlanner
 from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
-from tests.serve.test_engine import _prompts
 from tests.engine_models import tiny_models
+from tests.serve.test_engine import _prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,8 +13,8 @@ from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
 from dspark.serve.policies.adaptive import FeedbackSettings
 from dspark.serve.policies.gate import GateSettings
-from tests.serve.test_engine import _prompts
 from tests.engine_models import tiny_models
+from tests.serve.test_engine import _prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -103,11 +103,11 @@ def test_to_moves_every_tensor_and_keeps_the_geometry(device):
 
 @given(b=st.integers(1, 9), gamma=st.integers(1, 6), seed=st.integers(0, 2**31 - 1), pad=st.integers(0, 7),
        mode=st.sampled_from(["static", "cap-accept", "compact"]))
-def test_inputs_from_checked_equal_the_checked_build(b, gamma, seed, pad, mode, device):
-    """The engine's unchecked entry (`inputs_from_checked`, over a layout built once) builds what the public,
+def test_private_verify_inputs_equal_the_checked_build(b, gamma, seed, pad, mode, device):
+    """The engine's unchecked entry (`_verify_inputs`, over a layout built once) builds what the public,
     checked `build_verify_inputs` builds."""
     from dspark import VerifyMode, build_verify_inputs
-    from dspark.verify.inputs import inputs_from_checked
+    from dspark.verify.inputs import _verify_inputs
 
     g, w = torch.Generator().manual_seed(seed), gamma + 1
     vl = torch.randint(1, w + 1, (b,), generator=g, dtype=torch.int32).to(device)
@@ -120,8 +120,8 @@ def test_inputs_from_checked_equal_the_checked_build(b, gamma, seed, pad, mode, 
     want = build_verify_inputs(mode, vl, root, drafts, prefix, tiers=tiers, graph_slots=slots, block_table=table,
                                page_size=4)
     lens = vl if mode == "compact" else torch.full_like(vl, w)
-    layout = RaggedVerifyLayout.from_checked(lens, tuple(tiers), slots, w, total_rows=rows)
-    got = inputs_from_checked(VerifyMode(mode), vl, root, drafts, prefix.to(torch.int64), layout, table, 4)
+    layout = RaggedVerifyLayout._from_lens(lens, tuple(tiers), slots, w, total_rows=rows)
+    got = _verify_inputs(VerifyMode(mode), vl, root, drafts, prefix.to(torch.int64), layout, table, 4)
     for name in ("input_ids", "positions", "kv_slots", "caps"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert got.layout.graph_num_tokens == want.layout.graph_num_tokens == rows + pad

@@ -90,7 +90,7 @@ class SimTarget(Target):
 
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
         self.clock.advance(self.cost.price(step_work(batch, slots, slots.numel(), 0)))
-        return self.trace.greedy_from_checked(*positions(batch, slots, self.ids), 1)
+        return self.trace._greedy_block(*positions(batch, slots, self.ids), 1)
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:
@@ -108,7 +108,7 @@ def trace_drafts(trace: Trace, ids: Tensor, batch: Batch, slots: Tensor, k: int,
     """The recorded block's first k drafts at the position of each request in `slots` (host ids; ids [N]: the
     trace request of each queued request), with the head's confidence logits or, for source "features", the
     estimator's features (host tensors, float32 as the live drafter computed them)."""
-    block = trace.block_from_checked(*positions(batch, slots, ids))
+    block = trace._block(*positions(batch, slots, ids))
     tokens = block.drafts[:, :k].to(torch.int64)
     if source == "features":
         return Drafts(tokens, features=block.features[:, :k], catch_up=catch_up)
@@ -118,12 +118,12 @@ def trace_drafts(trace: Trace, ids: Tensor, batch: Batch, slots: Tensor, k: int,
 def trace_accept(trace: Trace, requests: Tensor, t: Tensor, caps: Tensor, k: int) -> AcceptResult:
     """What the trace says a step of k drafts commits for trace requests [B] at positions t [B] (host), capped
     to caps [B] (host) rows: `min(a(t), cap - 1) + 1` tokens of the greedy continuation (-1 past them)."""
-    accepted = trace.block_from_checked(requests, t).accepted.clamp(max=k)
+    accepted = trace._block(requests, t).accepted.clamp(max=k)
     caps = caps.to(torch.int64)
     correct = torch.minimum(accepted, caps - 1)
     commit = correct + 1
     cols = torch.arange(k + 1)
-    tokens = torch.where(cols[None, :] < commit[:, None], trace.greedy_from_checked(requests, t, k + 1), -1)
+    tokens = torch.where(cols[None, :] < commit[:, None], trace._greedy_block(requests, t, k + 1), -1)
     proposed = cols[None, :k] < (caps - 1)[:, None]
     return AcceptResult(correct_lens=correct.to(torch.int32), commit_lens=commit.to(torch.int32),
                         bonus=tokens.gather(1, correct[:, None]).squeeze(1), tokens=tokens, proposed=proposed,

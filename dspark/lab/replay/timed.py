@@ -101,7 +101,7 @@ class TimedTraceTarget(Target):
 
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
         self.live.plain(model_batch(batch, self.vocab), slots, layout, sampling)  # the model's tokens: discarded
-        return self.trace.greedy_from_checked(*positions(batch, slots, self.ids), 1).to(self.live.device)
+        return self.trace._greedy_block(*positions(batch, slots, self.ids), 1).to(self.live.device)
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:

@@ -149,9 +149,9 @@ class Trace:
     def block(self, requests: Tensor, t: Tensor) -> TraceBlock:
         """The recorded values of requests [B] (int64) at positions t [B] (each in [0, N_i)), each [B, ...]."""
         self._rows(requests, t, 0)
-        return self.block_from_checked(requests, t)
+        return self._block(requests, t)
 
-    def block_from_checked(self, requests: Tensor, t: Tensor) -> TraceBlock:
+    def _block(self, requests: Tensor, t: Tensor) -> TraceBlock:
         """`block` without its checks (the replay's own positions)."""
         rows = self.position_offsets[requests] + t
         return TraceBlock(self.drafts[rows], self.confidence_logits[rows], self.features[rows], self.accepted[rows],
@@ -167,9 +167,9 @@ class Trace:
         """Greedy continuation tokens [B, width] int64 of requests [B] at positions t..t+width-1 (t + width <=
         N_i + gamma): the tokens a verify of `width` rows from position t commits at most."""
         self._check_window(requests, t, width)
-        return self.greedy_from_checked(requests, t, width)
+        return self._greedy_block(requests, t, width)
 
-    def greedy_from_checked(self, requests: Tensor, t: Tensor, width: int) -> Tensor:
+    def _greedy_block(self, requests: Tensor, t: Tensor, width: int) -> Tensor:
         """`greedy_block` without its checks (the replay's own positions)."""
         return self.continuation[self._cont_index(requests, t, width)]
 

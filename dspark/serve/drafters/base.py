@@ -118,7 +118,7 @@ def catch_up_layout(batch: Batch, slots: Tensor, cached: Tensor, device: torch.d
     rows = lens - cached[slots]
     prefix = lens - rows
     # built from the host lengths and moved: the attention's plan reads the host copy
-    layout = RaggedVerifyLayout.from_checked(rows.to(torch.int32), (), None, None,
+    layout = RaggedVerifyLayout._from_lens(rows.to(torch.int32), (), None, None,
                                              total_rows=int(rows.sum())).to(device)
     real = layout.total_rows
     pos = layout.positions(boundary.to_device(prefix, device))[:real]

@@ -99,7 +99,7 @@ class CausalLMDrafter(CachedDrafter):
         lens = batch.lens[slots]
         self._cached[slots] = lens
         logits = [self._last_logits(batch.tokens[slot, pos], layout, prefix, table)]
-        one_row = RaggedVerifyLayout.from_checked(torch.ones(slots.numel(), dtype=torch.int32, device=self.device),
+        one_row = RaggedVerifyLayout._from_lens(torch.ones(slots.numel(), dtype=torch.int32, device=self.device),
                                                   (), None, None, total_rows=slots.numel())
         tokens, warped, probs = [], [], []
         for i in range(k):
