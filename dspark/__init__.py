@@ -12,18 +12,21 @@ from dspark.calibration.confidence import (
     previous_tokens,
     soft_accept_target,
 )
-from dspark.calibration.fit import Calibration, fit_sts, fit_temperatures
+from dspark.calibration.fit import Calibration, FitOptions, fit_sts, fit_temperatures
 from dspark.calibration.metrics import auroc, brier, ece, nll, top2_margin
 from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
-from dspark.calibration.recorder import StsData, StsRecorder, load_sts
+from dspark.calibration.recorder import StsData, StsOutcome, StsRecorder, load_sts
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import (
     AdditiveCostModel,
+    BatchTerm,
     CostModel,
     FitReport,
     ProfileSample,
+    RowTerm,
     StepsPerSecondTable,
     TieredCostModel,
+    TierTerm,
     check_cost_model,
     load_cost_model,
     register_cost_model,
@@ -45,13 +48,13 @@ from dspark.plan.budget import (
     greedy_budget,
     tau_curve,
 )
-from dspark.plan.planner import VerifyPlan, VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlan, VerifyPlanner
 from dspark.plan.survival import SurvivalLagRing, calibrated_survival, monotone_survival
 from dspark.telemetry import StepRecord, acceptance, tau_bias
 from dspark.verify.accept import AcceptResult, accept_greedy, accept_sampling
 from dspark.verify.attention import AttentionShape, RaggedVerifyAttention, verify_attention, write_kv
-from dspark.verify.graphs import GraphBackend, StepBuffers, TierGraphRunner
-from dspark.verify.inputs import VerifyInputs, build_verify_inputs
+from dspark.verify.graphs import GraphBackend, StepBuffers, TierGraphRunner, TierSpec
+from dspark.verify.inputs import PagedKV, VerifyExecution, VerifyInputs, build_verify_inputs
 from dspark.verify.layout import RaggedVerifyLayout
 from dspark.verify.manifest import TierManifest
 
@@ -85,6 +88,9 @@ __all__ = [
     "tau_bias",
     "AcceptResult",
     "AdditiveCostModel",
+    "BatchTerm",
+    "RowTerm",
+    "TierTerm",
     "AttentionShape",
     "BudgetDecision",
     "Calibration",
@@ -101,11 +107,13 @@ __all__ = [
     "ProfileSample",
     "StsData",
     "StsRecorder",
+    "StsOutcome",
     "auroc",
     "brier",
     "confidence_loss",
     "ece",
     "fit_sts",
+    "FitOptions",
     "fit_temperatures",
     "load_sts",
     "nll",
@@ -120,13 +128,17 @@ __all__ = [
     "TieredCostModel",
     "SurvivalLagRing",
     "VerifyInputs",
+    "VerifyExecution",
+    "PagedKV",
     "TpAgreement",
     "TpDisagreementError",
     "TierGraphRunner",
+    "TierSpec",
     "TierManifest",
     "VerifyMode",
     "VerifyPlan",
     "VerifyPlanner",
+    "PlannerSettings",
     "accept_greedy",
     "accept_sampling",
     "allocate_verify_lens",

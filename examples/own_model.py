@@ -52,8 +52,8 @@ def main() -> None:
     greedy = [reference.generate(p[None], max_new_tokens=gamma + 2, do_sample=False)[0, len(p):] for p in prompts]
     drafts = torch.stack([greedy[0][1: gamma + 1], torch.randint(0, 128, (gamma,))])
     verify_lens = torch.tensor([4, 2], dtype=torch.int32)
-    inputs = dspark.build_verify_inputs("compact", verify_lens, roots, drafts, lens, tiers=(8,), graph_slots=batch + 1,
-                                        block_table=block_table, page_size=page_size)
+    inputs = dspark.build_verify_inputs(dspark.VerifyExecution("compact", tiers=(8,), graph_slots=batch + 1),
+                                        verify_lens, roots, drafts, lens, kv=dspark.PagedKV(block_table, page_size))
     logits = forward(inputs.input_ids, inputs.layout, lens)
     result = dspark.accept_greedy(drafts, logits, verify_lens=inputs.caps, layout=inputs.layout)
 

@@ -178,13 +178,13 @@ def model_graph_checks(device: str) -> list[Check]:
 def _graph_replays(target, cache, device: str, dev: torch.device) -> list[Check]:
     from dspark.models.paged_attend import PagedAttend
     from dspark.serve.attention import batch_attention
-    from dspark.serve.tier_step import VerifyStep
+    from dspark.serve.tier_step import VerifyStep, VerifyStepShape
 
     g = target.geometry
     table = cache.block_table
     backend = NpuGraphBackend(dev, warmup=0) if device == "npu" else EmulatedGraphBackend(warmup=0)
     with npu_attention(target, _op(device), graph_backend=backend):
-        step = VerifyStep(target, cache, tiers=(8,), width=N, max_requests=2, backend=backend)
+        step = VerifyStep(target, cache, VerifyStepShape((8,), width=N, max_requests=2), backend=backend)
     reference = batch_attention(cache, g, 16, 8)
     checks = []
     for lens, prefix in (([4, 4], [5, 9]), ([1, 1], [20, 3]), ([3, 1], [7, 30])):

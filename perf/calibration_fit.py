@@ -17,7 +17,7 @@ import time
 import torch
 
 from dspark.calibration.fit import evaluate, fit_temperatures, split_by_request
-from dspark.calibration.recorder import StsRecorder, load_sts
+from dspark.calibration.recorder import StsOutcome, StsRecorder, load_sts
 from dspark.util.fileio import atomic_write_text
 from dspark.util.options import at_least, output_path
 
@@ -30,7 +30,8 @@ def synthetic_steps(rows: int, temps: torch.Tensor, batch: int, seed: int):
         z = torch.randn(batch, g, generator=gen) * 2.5 + 3.0
         acc = torch.rand(batch, g, generator=gen) < torch.sigmoid(z / temps)
         yield dict(confidence_logits=z, verify_lens=torch.randint(2, g + 2, (batch,), generator=gen),
-                   request_ids=torch.arange(s, s + batch) // 16, correct_lens=torch.cumprod(acc.int(), 1).sum(1),
+                   request_ids=torch.arange(s, s + batch) // 16,
+                   outcome=StsOutcome(correct_lens=torch.cumprod(acc.int(), 1).sum(1)),
                    draft_logits=torch.randn(batch, g, 32, generator=gen))
 
 

@@ -169,7 +169,8 @@ def per_layer_seconds(geometry: str, layers: int, batch_sizes: list[int], tiers:
     """{(B, tier): seconds one decoder layer adds to the engine's verify forward}, from `VerifyStepAdapter`
     (the engine's verify step, graph-replayed per tier) at `layers` and 2 x `layers` layers: the difference /
     layers, clipped at 0."""
-    from dspark.lab.sweep import VerifyStepAdapter, profile_steps
+    from dspark.lab.sweep import SweepCache, SweepTiming, VerifyStepAdapter, profile_steps
+    from dspark.serve.tier_step import VerifyStepShape
 
     seconds: dict[int, dict[tuple[int, int], float]] = {}
     for n in (layers, 2 * layers):
@@ -177,9 +178,9 @@ def per_layer_seconds(geometry: str, layers: int, batch_sizes: list[int], tiers:
         seconds[n] = {}
         for b in batch_sizes:
             own = [t for t in tiers if b <= t <= b * width]
-            adapter = VerifyStepAdapter(model, tiers=own, width=width, max_requests=b, device=device,
-                                        context=context, compile_model=False)
-            for s in profile_steps(adapter, [(b, t) for t in own], repeats=repeats):
+            adapter = VerifyStepAdapter(model, VerifyStepShape(own, width, b), SweepCache(context), device=device,
+                                        compile_model=False)
+            for s in profile_steps(adapter, [(b, t) for t in own], timing=SweepTiming(repeats=repeats)):
                 seconds[n][(b, s.rows)] = s.seconds
             del adapter
         del model
@@ -203,8 +204,9 @@ def scale_layers(cost, per_layer: dict, measured: int, layers: int):
     """The ServingCost of a `layers`-layer model from one profiled with `measured` layers: every verify table
     cell and plain step + (layers - measured) x its per-layer seconds, KV and prefill terms x layers / measured;
     the drafter as measured (its own size)."""
+    from dspark.cost.base import BatchTerm
     from dspark.cost.serving import BatchCurve, PrefillCost
-    from dspark.cost.tiered import TieredCostModel
+    from dspark.cost.tiered import TieredCostModel, TierTerm
     from dspark.verify.layout import round_up_to_tier
 
     if layers == measured:
@@ -212,8 +214,8 @@ def scale_layers(cost, per_layer: dict, measured: int, layers: int):
     v, extra, ratio = cost.verify, layers - measured, layers / measured
     table = [[s + extra * _cell(per_layer, b, t, v.width) for t, s in zip(v.tiers, row)]
              for b, row in zip(v.batch_probes, v.table)]
-    verify = TieredCostModel(v.bias, v.batch_probes, v.alpha, v.tiers, v.phi, table=table, platform=v.platform,
-                             width=v.width, fit_report=v.fit_report)
+    verify = TieredCostModel(v.bias, BatchTerm(v.batch_probes, v.alpha), TierTerm(v.tiers, v.phi), table=table,
+                             platform=v.platform, width=v.width, fit_report=v.fit_report)
     plain = BatchCurve(cost.plain.batch_sizes, [
         s + extra * _cell(per_layer, b, round_up_to_tier(b, v.tiers) if b <= v.tiers[-1] else b, v.width)
         for b, s in zip(cost.plain.batch_sizes, cost.plain.seconds)])
@@ -235,8 +237,8 @@ def _extend(curve, max_requests: int):
 def measure(args: argparse.Namespace) -> dict:
     """Profile the 8B-shaped (or tiny) target through the engine and write its serving cost (module docstring)."""
     from dspark.cost.serving import BatchCurve, DraftCost
-    from dspark.cost.shipped import doublings
-    from dspark.lab.profile import profile_drafting, profile_serving_cost
+    from dspark.cost.shipped import ServingCostSpec, doublings
+    from dspark.lab.profile import ProfileRuns, profile_drafting, profile_serving_cost
     from dspark.lab.replay.lab import mean_context
     from dspark.lab.replay.trace import load_trace
     from dspark.serve.engine import SpecDecoder
@@ -279,17 +281,17 @@ def measure(args: argparse.Namespace) -> dict:
                   "prompt_len": context, "long_prompt_len": long_context, "dtype": args.dtype,
                   "layers": full, "layers_measured": layers, "drafter": args.drafter, "weights": "random",
                   "compile": False}
-    cost = profile_serving_cost(decoder(kinds[args.drafter]), prompts, gamma, sizes, tiers, tokens=args.tokens,
-                                repeats=args.repeats, max_requests=args.max_requests,
-                                name=name, description="", parameters=parameters, long_prompts=long_prompts,
+    runs = ProfileRuns(args.tokens, args.repeats)
+    spec = ServingCostSpec(name, "", gamma=gamma, max_requests=args.max_requests, tiers=tiers, parameters=parameters)
+    cost = profile_serving_cost(decoder(kinds[args.drafter]), prompts, sizes, spec, runs=runs,
+                                long_prompts=long_prompts,
                                 progress=lambda msg: print(f"[{time.perf_counter() - t_start:6.1f} s] {args.drafter} "
                                                            f"{msg}", flush=True))
     report["profile_seconds"] = time.perf_counter() - t_start
     curves = {args.drafter: cost.drafter}
     for kind in (k for k in DRAFT_KINDS if k != args.drafter):
         try:
-            depths = [profile_drafting(decoder(kinds[kind])(b), prompts[:b], gamma, tokens=args.tokens,
-                                       repeats=args.repeats)[0] for b in sizes]
+            depths = [profile_drafting(decoder(kinds[kind])(b), prompts[:b], gamma, runs=runs)[0] for b in sizes]
             per_depth = [_extend(BatchCurve(tuple(sizes), [max(d[k], 1e-9) for d in depths]), args.max_requests)
                          for k in range(gamma)]
             if DRAFT_KINDS[kind] == "chain":  # a deeper proposal never costs less (as profiled_cost does)

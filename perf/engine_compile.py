@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from dspark.lab.sweep import VerifyStepAdapter
+from dspark.lab.sweep import SweepCache, VerifyStepAdapter
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.tier_step import VerifyStepShape
 from dspark.util.fileio import atomic_write_text
 from dspark.util.options import at_least, output_path
 
@@ -42,8 +43,8 @@ def target(name: str) -> TransformersCausalLM:
 
 def build(name: str, compile_model: bool) -> tuple[VerifyStepAdapter, float]:
     t0 = time.perf_counter()
-    adapter = VerifyStepAdapter(target(name), tiers=TIERS, width=WIDTH, max_requests=REQUESTS, context=CONTEXT,
-                                compile_model=compile_model, seed=1)
+    adapter = VerifyStepAdapter(target(name), VerifyStepShape(TIERS, WIDTH, REQUESTS), SweepCache(CONTEXT, seed=1),
+                                compile_model=compile_model)
     return adapter, time.perf_counter() - t0
 
 

@@ -21,13 +21,13 @@ from typing import Callable
 import torch
 
 from dspark.config import ScheduleConfig
-from dspark.cost import AdditiveCostModel
+from dspark.cost import AdditiveCostModel, BatchTerm, RowTerm
 from dspark.lab.demo.run import load_models, request_lengths
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.plan.allocate import allocate_verify_lens
 from dspark.plan.budget import HostSurvival, greedy_budget
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.plan.survival import _survival
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
@@ -43,7 +43,8 @@ def _cost(gamma: int) -> AdditiveCostModel:
     """A convex-in-rows step cost of this CPU's order (2 ms + B-dependent + 40 us per verify row): the
     budget's size matters here, not the exact seconds."""
     rows = [1, 64, 448]
-    return AdditiveCostModel(2e-3, [1, 64], [0.0, 8e-3], rows, [0.0, 40e-6 * 63, 40e-6 * 447], width=gamma + 1)
+    return AdditiveCostModel(2e-3, BatchTerm([1, 64], [0.0, 8e-3]), RowTerm(rows, [0.0, 40e-6 * 63, 40e-6 * 447]),
+                             width=gamma + 1)
 
 
 def _median_us(fn: Callable[[], object], calls: int) -> float:
@@ -76,7 +77,7 @@ def main() -> None:
         queue, counts = prompts[: 3 * b], lengths[: 3 * b]
 
         def policies() -> dict:
-            return {"adaptive": Adaptive(VerifyPlanner(cfg, cost, lag=0, num_slots=b)),
+            return {"adaptive": Adaptive(VerifyPlanner(cfg, cost, PlannerSettings(lag=0, num_slots=b))),
                     f"fixed-{args.gamma}": FixedK(args.gamma)}
 
         for name, policy in policies().items():  # warm-up at this B
@@ -93,7 +94,7 @@ def main() -> None:
             row["in_loop_ms"][name] = {**med, "plan_share": share, "steps": len(ss)}
             print(f"{b:>4} {name:<9} " + " ".join(f"{med[p]:>10.3f}" for p in PHASES) + f" {100 * share:>9.1f}%")
         full = [s.confidence_logits for s in steps["adaptive"] if s.confidence_logits.shape[0] == b][:200]
-        planner = VerifyPlanner(cfg, cost, lag=0, num_slots=b)
+        planner = VerifyPlanner(cfg, cost, PlannerSettings(lag=0, num_slots=b))
         slots, gens = torch.arange(b), torch.zeros(b, dtype=torch.int64)
         z = full[len(full) // 2]
         host = _survival(z, None).numpy()

@@ -38,11 +38,11 @@ import torch
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig
-from dspark.lab.profile import fit_cost_model, profile_points, profile_step_costs
+from dspark.lab.profile import ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows, stdlib_files
 from dspark.models.transformers_lm import TransformersCausalLM
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig
 from dspark.serve.drafters.ngram import NgramDrafter
 from dspark.serve.engine import SpecDecoder
@@ -198,12 +198,13 @@ def adaptive_est(decoder: SpecDecoder, prompts: list[list[int]], gamma: int, slo
     n-gram drafter's own steps), one estimator shared by every run (as in a server); and the profile."""
     grid = profile_points([slots], gamma)
     samples, plain = profile_step_costs(decoder.fork(reserve_new_tokens=new_tokens), prompts, grid, gamma,
-                                        tokens=min(12, new_tokens), repeats=1)
+                                        runs=ProfileRuns(tokens=min(12, new_tokens), repeats=1))
     cost, fit, _ = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-cpu")
     estimator = OnlineAcceptanceEstimator(gamma)
 
     def make() -> Policy:
-        planner = VerifyPlanner(ScheduleConfig(gamma=gamma), cost, lag=0, num_slots=slots, temperatures=None)
+        planner = VerifyPlanner(ScheduleConfig(gamma=gamma), cost, PlannerSettings(lag=0, num_slots=slots),
+                                temperatures=None)
         return Adaptive(planner, plain.step_seconds, gate=GateSettings(cost_window=None), estimator=estimator)
     return make, {"samples": [[s.num_requests, s.rows, s.seconds] for s in samples], "plain": plain.to_dict(),
                   "fit_rms": fit.rms}

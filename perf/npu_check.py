@@ -63,7 +63,7 @@ def _rank_checks(rank: int, world: int, device_name: str) -> dict:
     """One rank of the TP and DP rungs (run by `run_local_gloo`; the default group is gloo)."""
     import torch.distributed as dist
 
-    from dspark import ScheduleConfig, StepsPerSecondTable, VerifyPlanner
+    from dspark import PlannerSettings, ScheduleConfig, StepsPerSecondTable, VerifyPlanner
     from dspark.ascend import AscendVerifyMetadata
     from dspark.parallel import DpTierAgreement, TpAgreement, TpDisagreementError
     from dspark.verify.layout import RaggedVerifyLayout
@@ -77,7 +77,7 @@ def _rank_checks(rank: int, world: int, device_name: str) -> dict:
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(6, WIDTH - 1, generator=gen) * 2 + 1).to(dev)
     cost = StepsPerSecondTable([1, 8, 16, 24], [100.0, 95.0, 60.0, 40.0], width=WIDTH)
-    planner = VerifyPlanner(ScheduleConfig(gamma=WIDTH - 1), cost, lag=0, device=dev)
+    planner = VerifyPlanner(ScheduleConfig(gamma=WIDTH - 1), cost, PlannerSettings(lag=0), device=dev)
     plan = planner.plan(logits, torch.arange(6), torch.zeros(6, dtype=torch.int64))
     tp = TpAgreement(tp_group)
     checks["tp: replicated inputs agree"] = torch.equal(tp.agree(plan.verify_lens).cpu(), plan.verify_lens.cpu())

@@ -42,11 +42,11 @@ from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.lab.calibrate import block_outcomes
 from dspark.lab.demo.run import load_models, request_lengths
-from dspark.lab.profile import fit_cost_model, profile_points, profile_step_costs
+from dspark.lab.profile import ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.models.streams import greedy_streams
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
@@ -153,7 +153,7 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
     grid = profile_points(args.batch_sizes, gamma, decoder.tiers)
     t0 = time.perf_counter()
     samples, plain = profile_step_costs(decoder.fork(reserve_new_tokens=int(lengths.max())), prompts, grid, gamma,
-                                        tokens=args.max_new_tokens, repeats=args.profile_repeats)
+                                        runs=ProfileRuns(args.max_new_tokens, args.profile_repeats))
     cost, _, _ = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-cpu", tiers=decoder.tiers)
     print(f"profiled {len(grid)} points in {time.perf_counter() - t0:.0f} s")
     sched = ScheduleConfig(gamma=gamma)
@@ -162,8 +162,9 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
         if name.startswith("fixed-"):
             return FixedK(int(name[6:]))
         t = temps if name == "adaptive-head" else None
-        planner = VerifyPlanner(sched, cost, lag=0, num_slots=bmax, temperatures=t, tiers=decoder.tiers or None,
-                                graph_slots=decoder.graph_slots(b, gamma + 1))
+        planning = PlannerSettings(lag=0, num_slots=bmax, tiers=decoder.tiers or None,
+                                   graph_slots=decoder.graph_slots(b, gamma + 1))
+        planner = VerifyPlanner(sched, cost, planning, temperatures=t)
         return Adaptive(planner, plain.step_seconds, gate=GateSettings(8, 64, cost_window=None),
                         estimator=est if name == "adaptive-estimator" else None)
 

@@ -13,9 +13,10 @@ import dspark
 
 STAGES = ["dspark.plan.survival", "dspark.plan.budget", "dspark.plan.allocate", "dspark.verify.layout"]
 cfg = dspark.ScheduleConfig(gamma=4)
-cost = dspark.AdditiveCostModel(1e-3, [1, 8], [0.0, 1e-4], [1, 40], [0.0, 1e-3], width=5, platform="unknown")
+cost = dspark.AdditiveCostModel(1e-3, dspark.BatchTerm([1, 8], [0.0, 1e-4]), dspark.RowTerm([1, 40], [0.0, 1e-3]),
+                                width=5, platform="unknown")
 for lag in (0, 1):
-    planner = dspark.VerifyPlanner(cfg, cost, lag=lag, num_slots=8)
+    planner = dspark.VerifyPlanner(cfg, cost, dspark.PlannerSettings(lag=lag, num_slots=8))
     logits = torch.randn(8, 4)
     slots, gens = torch.arange(8), torch.ones(8, dtype=torch.int64)
     planner.plan(logits, slots, gens)  # warm (first-call checks)

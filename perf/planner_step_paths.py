@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
+from dspark import AdditiveCostModel, BatchTerm, PlannerSettings, RowTerm, ScheduleConfig, VerifyPlanner
 from dspark.kernels import dispatch
 from dspark.util.fileio import atomic_write_text
 from dspark.util.options import at_least, output_path
@@ -39,8 +39,8 @@ PATHS = ("host", "device", "sync_free")
 
 def bench_cost() -> AdditiveCostModel:
     """An illustrative additive table spanning every benchmarked shape (values are made up)."""
-    return AdditiveCostModel(3e-3, [1, 64, 1024], [0.0, 1e-3, 6e-3], [0, 256, 4096, 20000],
-                             [0.0, 1.5e-3, 30e-3, 160e-3], platform="unknown")
+    return AdditiveCostModel(3e-3, BatchTerm([1, 64, 1024], [0.0, 1e-3, 6e-3]),
+                             RowTerm([0, 256, 4096, 20000], [0.0, 1.5e-3, 30e-3, 160e-3]), platform="unknown")
 
 
 def steps(b: int, count: int, device: torch.device) -> list[torch.Tensor]:
@@ -63,8 +63,9 @@ def time_path(path: str, b: int, logits: list[torch.Tensor], repeats: int, devic
 
     boundary.to_host = counted
     try:
-        planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), bench_cost(), lag=1, tiers=TIERS, num_slots=b,
-                                graph_slots=b + TIERS[-1] // (GAMMA + 1), device=device, sync_free=path == "sync_free")
+        planning = PlannerSettings(lag=1, num_slots=b, sync_free=path == "sync_free", tiers=TIERS,
+                                   graph_slots=b + TIERS[-1] // (GAMMA + 1))
+        planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), bench_cost(), planning, device=device)
         slots, gens = torch.arange(b), torch.zeros(b, dtype=torch.int64)
         lens = [planner.plan(z, slots, gens).verify_lens.cpu() for z in logits]  # also the warm-up
         reads[0] = 0

@@ -82,7 +82,7 @@ def load(args: argparse.Namespace):
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
-    from dspark.lab.replay.record import record_trace
+    from dspark.lab.replay.record import RecordSettings, record_trace
     from dspark.lab.replay.workload import Request
     from tests.engine_models import VOCAB, tiny_models
 
@@ -91,7 +91,8 @@ def load(args: argparse.Namespace):
     requests = [Request(("code", "chat", "copy")[i % 3], torch.randint(3, VOCAB, (int(p),), generator=g), int(n))
                 for i, (p, n) in enumerate(zip(torch.randint(4, 9, (24,), generator=g),
                                                torch.randint(3, 12, (24,), generator=g)))]
-    trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=gamma, max_batch=4)
+    trace = record_trace(target, draft, requests, draft_sha256="0" * 64,
+                         settings=RecordSettings(gamma=gamma, max_batch=4))
     prompts = [torch.randint(3, VOCAB, (max(args.batch_sizes), n), generator=g) for n in (8, 24)]
     return target, draft, prompts, trace, "the tests' tiny Llama"
 
@@ -107,17 +108,19 @@ def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: list[t
     """The named cost, or with `same-run` this machine profiled now on the decoder's tier ladder."""
     if args.cost != "same-run":
         return load_serving_cost(args.cost, width=args.gamma + 1)
-    from dspark.lab.profile import profile_serving_cost
+    from dspark.cost.shipped import ServingCostSpec
+    from dspark.lab.profile import ProfileRuns, profile_serving_cost
 
     sizes, w, ladder = sorted({1, *args.batch_sizes}), args.gamma + 1, decoder.tiers
     top = int(trace.new_tokens.max())
+    spec = ServingCostSpec("same-run", "this CPU, profiled by perf/replay_live.py in the run it is compared with",
+                           gamma=args.gamma, max_requests=max(sizes), tiers=ladder,
+                           parameters={"gamma": args.gamma, "batch_sizes": sizes, "tier_ladder": list(ladder),
+                                       "draft_sha256": trace.meta.get("draft_sha256")})
     return profile_serving_cost(
         lambda b: decoder.fork(tiers=[t for t in ladder if b <= t <= b * w] or None, reserve_new_tokens=top),
-        prompts[0], args.gamma, sizes, ladder, tokens=PROFILE_TOKENS, repeats=args.profile_repeats,
-        max_requests=max(sizes), name="same-run", description="this CPU, profiled by perf/replay_live.py in the run "
-        "it is compared with", parameters={"gamma": args.gamma, "batch_sizes": sizes, "tier_ladder": list(ladder),
-                                           "draft_sha256": trace.meta.get("draft_sha256")},
-        long_prompts=prompts[1], progress=bar)
+        prompts[0], sizes, spec, runs=ProfileRuns(PROFILE_TOKENS, args.profile_repeats), long_prompts=prompts[1],
+        progress=bar)
 
 
 def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, queue: ServingQueue, cost: ServingCost,

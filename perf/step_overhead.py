@@ -24,10 +24,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import dspark
 from dspark.config import ScheduleConfig
-from dspark.cost import AdditiveCostModel
+from dspark.cost import AdditiveCostModel, BatchTerm, RowTerm
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.transformers_lm import TransformersCausalLM
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> dict:
     target, draft = models()
     timers = [Timed(target), Timed(draft)]
     decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2 * max(args.batch_sizes) * 128))
-    cost = AdditiveCostModel(2e-3, [1, 256], [0.0, 2e-3], [0, 2048], [0.0, 1e-3], width=GAMMA + 1)
+    cost = AdditiveCostModel(2e-3, BatchTerm([1, 256], [0.0, 2e-3]), RowTerm([0, 2048], [0.0, 1e-3]), width=GAMMA + 1)
     rows = {}
     with torch.no_grad():
         for b in args.batch_sizes:
-            planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, lag=0, num_slots=b)
+            planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, PlannerSettings(lag=0, num_slots=b))
             for name, policy in (("adaptive", lambda: Adaptive(planner)), (f"fixed-{GAMMA}", lambda: FixedK(GAMMA))):
                 measure(decoder, policy(), b, 4, timers)  # warm-up
                 rows[f"{name}@{b}"] = measure(decoder, policy(), b, args.new_tokens, timers)

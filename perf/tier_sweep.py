@@ -38,6 +38,8 @@ from dspark.lab.progress import StageProgress
 from dspark.lab.sweep import (
     STATS,
     StepAdapter,
+    SweepCache,
+    SweepTiming,
     VerifyStepAdapter,
     dense_rows,
     fit_cost_models,
@@ -45,6 +47,7 @@ from dspark.lab.sweep import (
     tier_rows,
 )
 from dspark.serve.clock import CLOCKS
+from dspark.serve.tier_step import VerifyStepShape
 from dspark.util.fileio import atomic_write, write_json_atomic
 from dspark.util.options import at_least, int_list, output_path, usable_device
 from dspark.verify.layout import check_tiers
@@ -70,7 +73,9 @@ def make_adapter(spec: str, args: argparse.Namespace, device: torch.device) -> S
     """`model` (the engine's verify step of `--model`) or `module:factory` for a user's model."""
     common = {"tiers": args.tiers, "width": args.width, "max_requests": max(args.batches), "device": device}
     if spec == "model":
-        return VerifyStepAdapter(load_target(args.model), **common, context=args.context, seed=args.seed)
+        shape = VerifyStepShape(args.tiers, args.width, max(args.batches))
+        return VerifyStepAdapter(load_target(args.model), shape, SweepCache(args.context, seed=args.seed),
+                                 device=device)
     mod, _, attr = spec.partition(":")
     factory: Callable[..., StepAdapter] = getattr(importlib.import_module(mod), attr)
     return factory(**common)
@@ -169,8 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.repeats} repeats of {args.inner}, tiers {args.tiers}, B {args.batches}, W {args.width}, "
           f"clock {args.clock}, {args.stat} over repeats")
     t0 = time.perf_counter()
-    samples = profile_steps(adapter, points, warmup=args.warmup, repeats=args.repeats, inner=args.inner,
-                            seed=args.seed, clock=args.clock, stat=args.stat,
+    timing = SweepTiming(warmup=args.warmup, repeats=args.repeats, inner=args.inner, seed=args.seed,
+                         clock=args.clock, stat=args.stat)
+    samples = profile_steps(adapter, points, timing=timing,
                             progress=lambda done, total, bar=StageProgress(): bar("steps", done, total))
     elapsed = time.perf_counter() - t0
     fit_on = [s for s in samples if (s.num_requests, s.rows) in pinned]

@@ -38,7 +38,7 @@ from dspark.serve.kv_cache import PagedKVCache
 from dspark.util.fileio import atomic_write, write_json_atomic
 from dspark.util.options import at_least, output_path
 from dspark.verify.attention import RaggedVerifyAttention
-from dspark.verify.inputs import build_verify_inputs
+from dspark.verify.inputs import VerifyExecution, build_verify_inputs
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers
 
 MODES = (VerifyMode.STATIC, VerifyMode.CAP_ACCEPT, VerifyMode.COMPACT)
@@ -106,8 +106,8 @@ class VerifyBench:
 
     def forward(self, mode: VerifyMode, verify_lens: Tensor) -> tuple[Tensor, RaggedVerifyLayout]:
         """(logits [rows, V], layout) of one verify forward in `mode`, as the engine's verify phase runs it."""
-        vin = build_verify_inputs(mode, verify_lens, self.root, self.drafts, self.prefix, tiers=self.tiers or None,
-                                  graph_slots=self.slots)
+        vin = build_verify_inputs(VerifyExecution(mode, self.tiers or None, self.slots), verify_lens, self.root,
+                                  self.drafts, self.prefix)
         return self._run(vin.input_ids, vin.layout, self.prefix), vin.layout
 
 

@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from dspark.lab.sweep import VerifyStepAdapter
+from dspark.lab.sweep import SweepCache, VerifyStepAdapter
+from dspark.serve.tier_step import VerifyStepShape
 from dspark.util.fileio import atomic_write_text
 from dspark.util.options import at_least, output_path
 from dspark.verify.layout import tier_ladder
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     target, _ = load_smollm2()
     tiers = tier_ladder(sorted({1, 4, args.batch}), args.width)
     before = rss_mib()
-    step = VerifyStepAdapter(target, tiers=tiers, width=args.width, max_requests=args.batch, context=args.context)
+    step = VerifyStepAdapter(target, VerifyStepShape(tiers, args.width, args.batch), SweepCache(args.context))
     captured = rss_mib()
     for b, rows in ((args.batch, args.batch * args.width // 2), (max(1, args.batch // 4), args.batch)):
         step.prepare(b, rows)

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from dspark.models.confidence_fit import fit_confidence, stream_rows
-from dspark.models.distil import distil
+from dspark.models.distil import DistilConfig, distil
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.stream_store import labelled_streams
 from dspark.models.transformers_lm import TransformersCausalLM
@@ -45,8 +45,10 @@ def tiny_models(vocab: int = VOCAB, seed: int = 0, gamma: int = 4, steps: int = 
                        max_seq_len=max_seq_len)
     torch.manual_seed(seed + 2)
     draft = DraftModel(dcfg, emb, head, torch.arange(vocab))
-    distil(draft, {"code": streams.select(slice(0, 32))}, steps=steps, rows=256, lr=2e-3, weight_decay=0.1,
-           soft_weight=0.5, feature_weight=0.5, seed=seed, log=lambda _: None)
+    distil(draft, {"code": streams.select(slice(0, 32))}, DistilConfig(steps=steps, rows=256, lr=2e-3,
+                                                                         weight_decay=0.1, soft_weight=0.5,
+                                                                         feature_weight=0.5, seed=seed),
+           log=lambda _: None)
     rest = streams.select(slice(32, None))
     fit_confidence(draft, stream_rows(draft, rest.tokens, rest.hidden, 8), 3)  # moderate logits
     return TransformersCausalLM(hf), draft.eval()

@@ -183,6 +183,27 @@ def check_fit_options(*, method: str = "nll", bounds: tuple[float, float] = (0.0
     check_int("seed", seed, 0)
 
 
+@dataclass(frozen=True)
+class FitOptions:
+    """How `fit_sts` fits and reports, checked when built (`check_fit_options`).
+
+    method: the per-position objective (`METHODS`); bounds: the temperature search interval (0 < low < high);
+    num_bins: ECE bins; holdout_fraction: the share of request ids held out for the report; bootstrap / level:
+    resamples and level of its intervals; seed: the held-out split and the bootstrap draws.
+    """
+
+    method: str = "nll"
+    bounds: tuple[float, float] = (0.05, 20.0)
+    num_bins: int = 15
+    holdout_fraction: float = 0.25
+    bootstrap: int = 200
+    level: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_fit_options(**asdict(self))
+
+
 def fit_temperatures(logits: Tensor, labels: Tensor, *, method: str = "nll",
                      bounds: tuple[float, float] = (0.05, 20.0), num_bins: int = 15,
                      progress: Progress | None = None) -> list[PositionFit]:
@@ -345,13 +366,21 @@ def _summary(data: StsData, held: Tensor, policy: str) -> dict:
             "soft_accept_mean_per_position": soft_mean.tolist()}
 
 
-def fit_sts(data: StsData, *, policy: str | None = None, method: str = "nll",
-            bounds: tuple[float, float] = (0.05, 20.0), num_bins: int = 15, holdout_fraction: float = 0.25,
-            bootstrap: int = 200, level: float = 0.95, seed: int = 0,
+def fit_sts(data: StsData, options: FitOptions = FitOptions(), *, policy: str | None = None,
             progress: Progress | None = None) -> Calibration:
-    """Fit STS temperatures for one acceptance policy on the train requests; report on held-out ones."""
-    check_fit_options(method=method, bounds=bounds, num_bins=num_bins, holdout_fraction=holdout_fraction,
-                      bootstrap=bootstrap, level=level, seed=seed)
+    """Fit STS temperatures for one acceptance policy on the train requests; report on held-out ones.
+
+    Args:
+        data: the recorded rows (`load_sts`).
+        options: the objective, search bounds, ECE bins, held-out share, bootstrap and seed.
+        policy: the acceptance policy to fit (`POLICIES`; None: the one the data holds).
+        progress: stage progress callback.
+    Returns:
+        The Calibration: temperatures [gamma], the held-out report and warnings.
+    """
+    check_type("options", options, FitOptions)
+    method, bounds, num_bins, bootstrap = options.method, options.bounds, options.num_bins, options.bootstrap
+    level, seed = options.level, options.seed
     data = check_type("data", data, StsData).cpu().validate()
     if data.num_rows == 0:
         raise ValueError("empty STS data: no rows to calibrate on")
@@ -365,7 +394,7 @@ def fit_sts(data: StsData, *, policy: str | None = None, method: str = "nll",
     data = data.select(data.policy == POLICIES.index(policy))
     if data.num_rows == 0:
         raise ValueError(f"no rows recorded under policy {policy!r} (present: {present})")
-    held = split_by_request(data.request_ids, holdout_fraction, seed)
+    held = split_by_request(data.request_ids, options.holdout_fraction, seed)
     train = data.select(~held)
     fits = fit_temperatures(train.logits, train.labels, method=method, bounds=bounds, num_bins=num_bins,
                             progress=progress)

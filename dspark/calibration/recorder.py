@@ -146,6 +146,27 @@ def censored_labels(verify_lens: Tensor, gamma: int, *, correct_lens: Tensor | N
     return torch.where(observed, mask.to(torch.float32), torch.tensor(float("nan")))
 
 
+@dataclass(frozen=True)
+class StsOutcome:
+    """What the target accepted of a step's drafts, as `StsRecorder.record` labels it, checked when built.
+
+    Exactly one of correct_lens [B] (drafts accepted, capped or not) or labels [B, gamma] (0/1 prefix mask); policy:
+    how they were accepted (`POLICIES`: greedy match or rejection sampling); soft_accept [B, gamma]: optional
+    1 - TV(q, p). Their values are checked against the step's verify lengths when recorded.
+    """
+
+    correct_lens: Tensor | None = None
+    labels: Tensor | None = None
+    policy: str = "greedy"
+    soft_accept: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.correct_lens is None) == (self.labels is None):
+            raise ValueError("give exactly one of correct_lens [B] or labels [B, gamma]")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+
 class StsRecorder:
     """Collects STS rows from a decode loop (one `record` call per step) and writes crash-safe shards.
 
@@ -171,27 +192,29 @@ class StsRecorder:
         self.closed = False
         atexit.register(self.close)
 
-    def record(self, confidence_logits: Tensor, *, verify_lens: Tensor, request_ids: Tensor,
-               correct_lens: Tensor | None = None, labels: Tensor | None = None, policy: str = "greedy",
-               soft_accept: Tensor | None = None, draft_logits: Tensor | None = None,
-               step: int | None = None) -> None:
+    def record(self, confidence_logits: Tensor, *, verify_lens: Tensor, request_ids: Tensor, outcome: StsOutcome,
+               draft_logits: Tensor | None = None, step: int | None = None) -> None:
         """Record one decode step for B requests.
 
-        confidence_logits [B, gamma]; verify_lens [B] (rows verified, root included); request_ids [B] ints;
-        exactly one of correct_lens [B] (drafts accepted, capped or not) or labels [B, gamma] (0/1 prefix mask);
-        soft_accept [B, gamma] optional 1 - TV; draft_logits [B, gamma, V] optional (for the margin baseline).
+        Args:
+            confidence_logits: [B, gamma].
+            verify_lens: [B] rows verified, root included; request_ids: [B] ints.
+            outcome: what was accepted (correct_lens [B] or labels [B, gamma]), under which policy, and the
+                optional soft acceptance [B, gamma].
+            draft_logits: [B, gamma, V] optional (for the margin baseline).
+            step: the step recorded (default: one more than the last).
         """
         if self.closed:
             raise RuntimeError("StsRecorder.record called after close()")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        check_type("outcome", outcome, StsOutcome)
+        policy, soft_accept = outcome.policy, outcome.soft_accept
         z = confidence_logits
         if not isinstance(z, Tensor) or z.dim() != 2 or z.shape[1] != self.gamma:
             got = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
             raise ValueError(f"confidence_logits must be [B, {self.gamma}], got {got}")
         b, g = z.shape
         vl = _as_rows("verify_lens", verify_lens, (b,), torch.int64)
-        censored = censored_labels(vl, g, correct_lens=correct_lens, labels=labels)
+        censored = censored_labels(vl, g, correct_lens=outcome.correct_lens, labels=outcome.labels)
         observed = torch.isfinite(censored)
         nan = torch.tensor(float("nan"))
         soft = _as_rows("soft_accept", soft_accept, (b, g), torch.float32)

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from dspark.calibration.fit import METHODS, check_fit_options, fit_sts
+from dspark.calibration.fit import METHODS, FitOptions, fit_sts
 from dspark.calibration.recorder import POLICIES, load_sts
 from dspark.lab.progress import StageProgress
 from dspark.util.validate import check_output_path
@@ -33,9 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Check the options and outputs, load shards, fit, write the plots and the JSON, print a per-position
     summary."""
-    options = dict(method=args.method, bounds=tuple(args.bounds), num_bins=args.bins, holdout_fraction=args.holdout,
-                   bootstrap=args.bootstrap, seed=args.seed)
-    check_fit_options(**options)
+    options = FitOptions(method=args.method, bounds=tuple(args.bounds), num_bins=args.bins,
+                         holdout_fraction=args.holdout, bootstrap=args.bootstrap, seed=args.seed)
     check_output_path("--out", args.out)
     if args.plots:
         check_output_path("--plots", args.plots, folder=True)
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--plots needs matplotlib: pip install 'dspark[plot]' (or leave out --plots)")
     progress = StageProgress()
     data = load_sts(args.shards, progress=lambda i, n, _p: progress("load", i, n))
-    calib = fit_sts(data, policy=args.policy, progress=progress, **options)
+    calib = fit_sts(data, options, policy=args.policy, progress=progress)
     print("held-out, cumulative event; ECE floor = ECE a perfectly calibrated predictor gets on this many rows")
     print(f"{'pos':>3} {'T':>8} {'rows':>7} {'ECE before':>11} {'ECE after':>10} {'ECE floor':>10} {'AUROC head':>11} "
           f"{'AUROC margin':>13}")

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from dspark.config import ScheduleConfig
-from dspark.cost import AdditiveCostModel
+from dspark.cost import AdditiveCostModel, BatchTerm, RowTerm
 from dspark.plan.allocate import allocate_verify_lens
 from dspark.plan.budget import BudgetDecision, expected_commit
-from dspark.plan.planner import VerifyPlan, VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlan, VerifyPlanner
 from dspark.util.fileio import atomic_write, atomic_write_text
 from dspark.util.options import usable_device
 from dspark.util.validate import check_output_path
@@ -29,10 +29,8 @@ def illustrative_cost_model() -> AdditiveCostModel:
     """ILLUSTRATIVE step-cost table (made-up milliseconds with a cliff past 64 rows), not measured."""
     return AdditiveCostModel(
         bias=4.0e-3,
-        batch_probes=[1, 16, 64],
-        alpha=[0.0, 0.4e-3, 1.6e-3],
-        row_probes=[0, 32, 64, 65, 96],
-        theta=[0.0, 0.6e-3, 2.2e-3, 3.8e-3, 5.0e-3],
+        batch_term=BatchTerm(batch_probes=[1, 16, 64], alpha=[0.0, 0.4e-3, 1.6e-3]),
+        row_term=RowTerm(row_probes=[0, 32, 64, 65, 96], theta=[0.0, 0.6e-3, 2.2e-3, 3.8e-3, 5.0e-3]),
         platform="unknown",  # made up, not measured: no platform to check
         width=GAMMA + 1,
     )
@@ -93,7 +91,7 @@ def run(device: str = "cpu", out: str = "plan_demo_out") -> int:
     dev = usable_device(device)
     cfg = ScheduleConfig(gamma=GAMMA)
     cost = illustrative_cost_model()
-    planner = VerifyPlanner(cfg, cost, lag=1, tiers=TIERS, num_slots=NUM_REQUESTS, device=dev)
+    planner = VerifyPlanner(cfg, cost, PlannerSettings(lag=1, num_slots=NUM_REQUESTS, tiers=TIERS), device=dev)
     logits = example_logits(dev)
     slots = torch.arange(NUM_REQUESTS)
     gens = torch.zeros(NUM_REQUESTS, dtype=torch.int64)

@@ -15,9 +15,10 @@ are built by `shipped` from the published H100 fit, the H200 roofline of `roofli
 schema version, the `kind` registry) and `check_cost_model`, the one rule where a table meets a run.
 Fits refuse what they cannot identify (a rank-deficient design); `lsq` is their non-negative solver.
 """
-from dspark.cost.additive import AdditiveCostModel, bin_rows
+from dspark.cost.additive import AdditiveCostModel, RowTerm, bin_rows
 from dspark.cost.base import (
     SCHEMA_VERSION,
+    BatchTerm,
     CostModel,
     FitReport,
     ProfileSample,
@@ -28,11 +29,12 @@ from dspark.cost.base import (
 from dspark.cost.roofline import Accelerator, BlockDraftGeometry, Forward, LlamaGeometry
 from dspark.cost.serving import BatchCurve, ServingCost, load_serving_cost, perturbed, serving_cost_names
 from dspark.cost.steps import StepsPerSecondTable
-from dspark.cost.tiered import TieredCostModel, serving_tiers, tier_edge_errors
+from dspark.cost.tiered import TieredCostModel, TierTerm, serving_tiers, tier_edge_errors
 
 __all__ = [
-    "SCHEMA_VERSION", "Accelerator", "AdditiveCostModel", "BatchCurve", "BlockDraftGeometry", "CostModel", "FitReport",
-    "Forward", "LlamaGeometry", "ProfileSample", "ServingCost", "StepsPerSecondTable", "TieredCostModel", "bin_rows",
+    "SCHEMA_VERSION", "Accelerator", "AdditiveCostModel", "BatchCurve", "BatchTerm", "BlockDraftGeometry", "CostModel",
+    "FitReport", "Forward", "LlamaGeometry", "ProfileSample", "RowTerm", "ServingCost", "StepsPerSecondTable",
+    "TierTerm", "TieredCostModel", "bin_rows",
     "check_cost_model", "load_cost_model", "load_serving_cost", "perturbed", "register_cost_model",
     "serving_cost_names", "serving_tiers", "tier_edge_errors",
 ]

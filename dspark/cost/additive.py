@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from dspark.cost.base import (
     MAX_ROW_PROBE,
+    BatchTerm,
     CostModel,
     FitReport,
     ProfileSample,
@@ -27,6 +29,7 @@ from dspark.cost.base import (
     require_full_rank,
 )
 from dspark.cost.lsq import nonnegative_lstsq
+from dspark.util.validate import check_type
 
 
 def bin_rows(rows: int, row_bin: int) -> int:
@@ -39,6 +42,21 @@ def _confounded(batch_probes: Sequence[int], row_probes: Sequence[int]) -> str:
             "with other (B, M) pairs, e.g. off-diagonal)")
 
 
+@dataclass(frozen=True)
+class RowTerm:
+    """theta(M) of `AdditiveCostModel`: seconds `theta[i]` at `row_probes[i]` verify rows (ints in
+    [0, MAX_ROW_PROBE], strictly increasing; finite values, one per probe), read linearly between the probes,
+    the end values held."""
+
+    row_probes: Sequence[int]
+    theta: Sequence[float]
+
+    def __post_init__(self) -> None:
+        probes = check_probes("row_probes", self.row_probes, 0, MAX_ROW_PROBE)
+        object.__setattr__(self, "row_probes", probes)
+        object.__setattr__(self, "theta", check_values("theta", self.theta, len(probes), False))
+
+
 @register_cost_model
 class AdditiveCostModel(CostModel):
     """T(B, M) = bias + alpha(B) + theta(M), alpha and theta linearly interpolated between probes.
@@ -47,19 +65,24 @@ class AdditiveCostModel(CostModel):
     theta is read from a dense per-row table built once per device (row probes up to MAX_ROW_PROBE).
     Validation requires the predicted step time to be positive at every probe pair, which makes it
     positive everywhere (interpolation stays within the probe values).
+
+    Args:
+        bias: seconds every step pays.
+        batch_term: alpha(B) (`BatchTerm`); row_term: theta(M) (`RowTerm`). The model exposes their probes and
+            values flat: `batch_probes`, `alpha`, `row_probes`, `theta`.
+        platform / width / fit_report: as `CostModel`.
     """
 
     kind = "additive"
 
-    def __init__(self, bias: float, batch_probes: Sequence[int], alpha: Sequence[float],
-                 row_probes: Sequence[int], theta: Sequence[float], *, platform: str = "unknown",
+    def __init__(self, bias: float, batch_term: BatchTerm, row_term: RowTerm, *, platform: str = "unknown",
                  width: int | None = None, fit_report: FitReport | None = None):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
         self.bias = check_scalar("bias", bias)
-        self.batch_probes = check_probes("batch_probes", batch_probes, 1)
-        self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
-        self.row_probes = check_probes("row_probes", row_probes, 0, MAX_ROW_PROBE)
-        self.theta = check_values("theta", theta, len(self.row_probes), False)
+        check_type("batch_term", batch_term, BatchTerm)
+        check_type("row_term", row_term, RowTerm)
+        self.batch_probes, self.alpha = batch_term.batch_probes, batch_term.alpha
+        self.row_probes, self.theta = row_term.row_probes, row_term.theta
         low = self.bias + min(self.alpha) + min(self.theta)
         if not low > 0:
             raise ValueError(
@@ -94,7 +117,7 @@ class AdditiveCostModel(CostModel):
 
     @classmethod
     def _from_payload(cls, d: dict[str, Any], **common: Any) -> "AdditiveCostModel":
-        return cls(d["bias"], d["batch_probes"], d["alpha"], d["row_probes"], d["theta"], **common)
+        return cls(d["bias"], BatchTerm(d["batch_probes"], d["alpha"]), RowTerm(d["row_probes"], d["theta"]), **common)
 
     @classmethod
     def fit(cls, samples: Sequence[ProfileSample], *, row_bin: int = 64, platform: str = "unknown",
@@ -137,7 +160,8 @@ class AdditiveCostModel(CostModel):
         coef = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
         alpha = [0.0] + coef[1:1 + len(bcol)]
         theta = [0.0] + coef[1 + len(bcol):]
-        model = cls(coef[0], batch_probes, alpha, row_probes, theta, platform=platform, width=width)
+        model = cls(coef[0], BatchTerm(batch_probes, alpha), RowTerm(row_probes, theta), platform=platform,
+                    width=width)
         report = FitReport.from_predictions(
             y.tolist(), [model.step_seconds(s.num_requests, s.rows) for s in samples],
             extras={"row_bin": row_bin, "rank": rank},
@@ -168,8 +192,8 @@ class AdditiveCostModel(CostModel):
         weights = coef[free.shape[1]:]
         theta = np.maximum(0.0, np.array(row_probes, dtype=np.float64)[:, None] - knots[None, :]) @ weights
         alpha = [0.0] + coef[1:free.shape[1]].tolist()
-        model = cls(float(coef[0]), batch_probes, alpha, row_probes, theta.tolist(), platform=platform,
-                    width=width)
+        model = cls(float(coef[0]), BatchTerm(batch_probes, alpha), RowTerm(row_probes, theta.tolist()),
+                    platform=platform, width=width)
         report = FitReport.from_predictions(
             y.tolist(), [model.step_seconds(s.num_requests, s.rows) for s in samples],
             extras={"row_bin": row_bin, "convex_rows": True, "rank": rank},

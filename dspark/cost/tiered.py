@@ -2,12 +2,14 @@
 error of a cost model at tier edges (`tier_edge_errors`) and the tiers worth replaying (`serving_tiers`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from dspark.cost.base import (
+    BatchTerm,
     CostModel,
     FitReport,
     ProfileSample,
@@ -20,6 +22,7 @@ from dspark.cost.base import (
     register_cost_model,
     require_full_rank,
 )
+from dspark.util.validate import check_type
 
 
 def tier_index(rows: Tensor, tiers: Tensor) -> Tensor:
@@ -93,6 +96,20 @@ def _components(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[
     return list(groups.values())
 
 
+@dataclass(frozen=True)
+class TierTerm:
+    """phi(tier) of `TieredCostModel`: seconds `phi[i]` of a step that replays tier `tiers[i]` (ints >= 1,
+    strictly increasing; finite values, one per tier)."""
+
+    tiers: Sequence[int]
+    phi: Sequence[float]
+
+    def __post_init__(self) -> None:
+        tiers = check_probes("tiers", self.tiers, 1)
+        object.__setattr__(self, "tiers", tiers)
+        object.__setattr__(self, "phi", check_values("phi", self.phi, len(tiers), False))
+
+
 @register_cost_model
 class TieredCostModel(CostModel):
     """Cost keyed on the tier the step replays: T(B, M) = bias + alpha(B) + phi(tier(M)).
@@ -104,19 +121,26 @@ class TieredCostModel(CostModel):
     (held outside them). With `table` ([batch probe][tier] seconds) the dense table replaces
     bias + alpha + phi (still linear in B per tier). Past the largest tier the step would run eager:
     the model predicts +inf there, so the planner never chooses to leave the captured tiers.
+
+    Args:
+        bias: seconds every step pays.
+        batch_term: alpha(B) (`BatchTerm`); tier_term: phi(tier) (`TierTerm`). The model exposes their probes and
+            values flat: `batch_probes`, `alpha`, `tiers`, `phi`.
+        table: [batch probe][tier] seconds replacing bias + alpha + phi, or None.
+        platform / width / fit_report: as `CostModel`.
     """
 
     kind = "tiered"
 
-    def __init__(self, bias: float, batch_probes: Sequence[int], alpha: Sequence[float], tiers: Sequence[int],
-                 phi: Sequence[float], *, table: Sequence[Sequence[float]] | None = None,
-                 platform: str = "unknown", width: int | None = None, fit_report: FitReport | None = None):
+    def __init__(self, bias: float, batch_term: BatchTerm, tier_term: TierTerm, *,
+                 table: Sequence[Sequence[float]] | None = None, platform: str = "unknown", width: int | None = None,
+                 fit_report: FitReport | None = None):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
         self.bias = check_scalar("bias", bias)
-        self.batch_probes = check_probes("batch_probes", batch_probes, 1)
-        self.alpha = check_values("alpha", alpha, len(self.batch_probes), False)
-        self.tiers = check_probes("tiers", tiers, 1)
-        self.phi = check_values("phi", phi, len(self.tiers), False)
+        check_type("batch_term", batch_term, BatchTerm)
+        check_type("tier_term", tier_term, TierTerm)
+        self.batch_probes, self.alpha = batch_term.batch_probes, batch_term.alpha
+        self.tiers, self.phi = tier_term.tiers, tier_term.phi
         self.table: tuple[tuple[float, ...], ...] | None = None
         grid = [[self.bias + a + p for p in self.phi] for a in self.alpha]
         if table is not None:
@@ -168,7 +192,8 @@ class TieredCostModel(CostModel):
 
     @classmethod
     def _from_payload(cls, d: dict[str, Any], **common: Any) -> "TieredCostModel":
-        return cls(d["bias"], d["batch_probes"], d["alpha"], d["tiers"], d["phi"], table=d.get("table"), **common)
+        return cls(d["bias"], BatchTerm(d["batch_probes"], d["alpha"]), TierTerm(d["tiers"], d["phi"]),
+                   table=d.get("table"), **common)
 
     @classmethod
     def fit(cls, samples: Sequence[ProfileSample], *, tiers: Sequence[int], dense: bool = False,
@@ -214,10 +239,10 @@ class TieredCostModel(CostModel):
         coef = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
         alpha = [0.0] + coef[1:1 + len(bcol)]
         phi = [0.0] + coef[1 + len(bcol):]
-        model = cls(coef[0], batch_probes, alpha, tiers, phi, platform=platform, width=width)
+        terms = BatchTerm(batch_probes, alpha), TierTerm(tiers, phi)
+        model = cls(coef[0], *terms, platform=platform, width=width)
         if dense:
-            model = cls(coef[0], batch_probes, alpha, tiers, phi, table=_cell_medians(model, samples, pairs),
-                        platform=platform, width=width)
+            model = cls(coef[0], *terms, table=_cell_medians(model, samples, pairs), platform=platform, width=width)
         report = FitReport.from_predictions(
             y.tolist(), [model.step_seconds(s.num_requests, s.rows) for s in samples],
             extras={"rank": rank, "dense": dense, "tier_edge_error": tier_edge_errors(model, samples, tiers)},

@@ -19,22 +19,67 @@ quarter of the requests and reports calibration metrics on them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from dspark.calibration.fit import Calibration, fit_sts
-from dspark.calibration.recorder import StsData, StsRecorder, load_sts
+from dspark.calibration.fit import Calibration, FitOptions, fit_sts
+from dspark.calibration.recorder import StsData, StsOutcome, StsRecorder, load_sts
 from dspark.config import VerifyMode
 from dspark.models.draft import DraftModel
 from dspark.models.streams import features, greedy_streams
 from dspark.serve.config import GREEDY, SamplingParams
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import FixedK
+from dspark.util.validate import check_int, check_type
 
 STARTS = ("steps", "all")
 RECORDERS = ("decode", "teacher_forced")
+
+
+@dataclass(frozen=True)
+class TeacherForcing:
+    """How `record_sts_teacher_forced` records (the module note).
+
+    Args:
+        starts: `steps` (the decode loop's step boundaries) or `all` (every start L in [P, P + max_new_tokens)).
+        batch: requests whose greedy streams are decoded at a time.
+        rows: requests per draft block pass (its token logits are [rows, starts, gamma, V]).
+    """
+
+    starts: str = "steps"
+    batch: int = 512
+    rows: int = 64
+
+    def __post_init__(self) -> None:
+        if self.starts not in STARTS:
+            raise ValueError(f"starts must be one of {STARTS}, got {self.starts!r}")
+        check_int("batch", self.batch, 1)
+        check_int("rows", self.rows, 1)
+
+
+@dataclass(frozen=True)
+class StsRecording:
+    """How `record_and_fit` records its STS rows.
+
+    Args:
+        sampling: the acceptance the rows record (greedy at temperature 0); its seed also seeds the fit's bootstrap.
+        recorder: `decode` (`record_sts`: the decode loop, any acceptance) or `teacher_forced`
+            (`record_sts_teacher_forced`: greedy only).
+    """
+
+    sampling: SamplingParams = GREEDY
+    recorder: str = "decode"
+
+    def __post_init__(self) -> None:
+        check_type("sampling", self.sampling, SamplingParams)
+        if self.recorder not in RECORDERS:
+            raise ValueError(f"recorder must be one of {RECORDERS}, got {self.recorder!r}")
+        if self.recorder == "teacher_forced" and not self.sampling.greedy:
+            raise ValueError("recorder='teacher_forced' records greedy acceptance only; use recorder='decode' "
+                             "for sampling")
 
 
 def record_sts(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int, shard_dir: Path, *,
@@ -47,8 +92,8 @@ def record_sts(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens
     with StsRecorder(shard_dir, gamma=gamma) as rec:
         for step, s in enumerate(res.steps):
             rec.record(s.confidence_logits.cpu(), verify_lens=s.caps.cpu(), request_ids=s.requests,
-                       correct_lens=s.correct_lens.cpu(), draft_logits=s.draft_logits.cpu(), policy=policy,
-                       step=step)
+                       outcome=StsOutcome(correct_lens=s.correct_lens.cpu(), policy=policy),
+                       draft_logits=s.draft_logits.cpu(), step=step)
     return load_sts([shard_dir])
 
 
@@ -88,18 +133,19 @@ def _step_starts(accepted: Tensor) -> list[tuple[Tensor, Tensor]]:
 
 
 def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int,
-                              shard_dir: Path, *, starts: str = "steps", batch: int = 512, rows: int = 64) -> StsData:
+                              shard_dir: Path, *, forcing: TeacherForcing = TeacherForcing()) -> StsData:
     """Greedy STS rows of the engine's draft and target without the decode loop (see the module note).
 
-    Streams are decoded `batch` requests at a time and the draft's block pass runs `rows` requests at a
-    time (its token logits are [rows, starts, gamma, V]).
-    Returns the loaded rows.
+    Args:
+        prompts: [N, P] recording prompts; gamma: the draft positions recorded (<= the draft's block);
+        max_new_tokens: the greedy stream recorded per request; shard_dir: where the STS shards are written.
+        forcing: the starts recorded and the batching of the streams and the block pass (`TeacherForcing`).
+
+    Returns:
+        The loaded rows.
     """
-    if starts not in STARTS:
-        raise ValueError(f"starts must be one of {STARTS}, got {starts!r}")
-    for name, v in (("batch", batch), ("rows", rows)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    check_type("forcing", forcing, TeacherForcing)
+    starts, batch, rows = forcing.starts, forcing.batch, forcing.rows
     draft, p = decoder.draft, prompts.shape[1]
     if not 1 <= gamma <= draft.gamma:
         raise ValueError(f"gamma must be in [1, {draft.gamma}] (the draft's block), got {gamma!r}")
@@ -117,23 +163,22 @@ def record_sts_teacher_forced(decoder: SpecDecoder, prompts: Tensor, gamma: int,
                     for i in range(max_new_tokens)]
                 for step, (reqs, off) in enumerate(steps):
                     rec.record(conf[reqs, off].cpu(), verify_lens=full.expand(reqs.numel()),
-                               request_ids=reqs.cpu() + first + sub, correct_lens=accepted[reqs, off].cpu(),
+                               request_ids=reqs.cpu() + first + sub,
+                               outcome=StsOutcome(correct_lens=accepted[reqs, off].cpu()),
                                draft_logits=logits[reqs, off].cpu(), step=step)
     return load_sts([shard_dir])
 
 
 def record_and_fit(decoder: SpecDecoder, prompts: Tensor, gamma: int, max_new_tokens: int, shard_dir: Path, *,
-                   sampling: SamplingParams = GREEDY, bootstrap: int = 50, recorder: str = "decode") -> Calibration:
-    """Record (`record_sts`, or with recorder="teacher_forced" `record_sts_teacher_forced`, greedy only)
-    and fit the per-position temperatures (NLL) with a held-out report, its bootstrap seeded with `sampling.seed`."""
-    if recorder not in RECORDERS:
-        raise ValueError(f"recorder must be one of {RECORDERS}, got {recorder!r}")
-    if recorder == "teacher_forced":
-        if not sampling.greedy:
-            raise ValueError("recorder='teacher_forced' records greedy acceptance only; use recorder='decode' "
-                             "for sampling")
+                   recording: StsRecording = StsRecording(), bootstrap: int = 50) -> Calibration:
+    """Record (`record_sts`, or with recording.recorder="teacher_forced" `record_sts_teacher_forced`, greedy only)
+    and fit the per-position temperatures (NLL) with a held-out report, its bootstrap seeded with
+    `recording.sampling.seed`."""
+    check_type("recording", recording, StsRecording)
+    sampling = recording.sampling
+    if recording.recorder == "teacher_forced":
         data = record_sts_teacher_forced(decoder, prompts, gamma, max_new_tokens, shard_dir)
     else:
         data = record_sts(decoder, prompts, gamma, max_new_tokens, shard_dir, sampling=sampling)
-    return fit_sts(data, policy="greedy" if sampling.greedy else "sampling", method="nll", bootstrap=bootstrap,
-                   seed=sampling.seed)
+    return fit_sts(data, FitOptions(method="nll", bootstrap=bootstrap, seed=sampling.seed),
+                   policy="greedy" if sampling.greedy else "sampling")

@@ -17,10 +17,10 @@ import torch
 
 from dspark.cost.base import check_probes
 from dspark.cost.serving import COST_MODELS_DIR, ServingCost
-from dspark.cost.shipped import ANALYTIC, LONG_PROMPT, doublings
+from dspark.cost.shipped import ANALYTIC, LONG_PROMPT, ServingCostSpec, doublings
 from dspark.lab.demo.config import DemoConfig, demo_clock, demo_tiers, length_range
 from dspark.lab.demo.run import load_models
-from dspark.lab.profile import profile_serving_cost
+from dspark.lab.profile import ProfileRuns, profile_serving_cost
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
 from dspark.serve.config import EngineConfig
@@ -54,9 +54,9 @@ def cpu_measured(*, gamma: int = 3, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16
     parameters = {"gamma": gamma, "batch_sizes": list(sizes), "repeats": repeats, "seed": seed,
                   "tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len, "threads": cfg.threads,
                   "clock": demo_clock(cfg), "tier_ladder": list(tiers), "draft_sha256": file_sha256(DEFAULT_WEIGHTS)}
-    cost = profile_serving_cost(decoder, prompts, gamma, sizes, tiers, tokens=cfg.max_new_tokens, repeats=repeats,
-                                max_requests=max_requests, name="cpu-measured",
-                                description="", parameters={**parameters, "long_prompt_len": LONG_PROMPT},
+    spec = ServingCostSpec("cpu-measured", "", gamma=gamma, max_requests=max_requests, tiers=tiers,
+                           parameters={**parameters, "long_prompt_len": LONG_PROMPT})
+    cost = profile_serving_cost(decoder, prompts, sizes, spec, runs=ProfileRuns(cfg.max_new_tokens, repeats),
                                 long_prompts=long)
     loads = [load, os.getloadavg()[0]]
     return dataclasses.replace(

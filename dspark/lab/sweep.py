@@ -33,10 +33,10 @@ from dspark.cost import (
 )
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.plan.budget import choose_budget, tau_curve
-from dspark.serve.clock import step_timer
+from dspark.serve.clock import CLOCKS, step_timer
 from dspark.serve.kv_cache import PagedKVCache
-from dspark.serve.tier_step import VerifyStep
-from dspark.util.validate import check_int
+from dspark.serve.tier_step import VerifyStep, VerifyStepShape
+from dspark.util.validate import check_int, check_type
 from dspark.verify.graphs import GraphBackend
 from dspark.verify.layout import check_tiers, round_up_to_tier, split_rows
 
@@ -83,20 +83,46 @@ def dense_rows(num_requests: int, width: int, floor: int = 1) -> list[int]:
 STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 
 
-def profile_steps(adapter: StepAdapter, points: Sequence[tuple[int, int]], *, warmup: int = 1,
-                  repeats: int = 5, inner: int = 1, seed: int = 0, clock: str = "wall", stat: str = "median",
-                  progress: Callable[[int, int], None] | None = None) -> list[ProfileSample]:
-    """Median seconds of `adapter.step()` at each (num_requests, rows) point, in the order given.
+@dataclass(frozen=True)
+class SweepTiming:
+    """How `profile_steps` times each point.
 
-    warmup: untimed steps right before each timed one. inner: steps per timing (their mean is one
-    repeat's value; averages out sub-step jitter). clock: see `step_timer` (CPU only). stat: `median`
-    over repeats, or `min` (contention on a shared machine only ever slows a step down).
+    Args:
+        warmup: untimed steps right before each timed one.
+        repeats: passes over all points, each in a fresh random order drawn from `seed`.
+        inner: steps per timing (their mean is one repeat's value; averages out sub-step jitter).
+        clock: see `step_timer` (`thread`: CPU only).
+        stat: `median` over repeats, or `min` (contention on a shared machine only ever slows a step down).
+    """
+
+    warmup: int = 1
+    repeats: int = 5
+    inner: int = 1
+    seed: int = 0
+    clock: str = "wall"
+    stat: str = "median"
+
+    def __post_init__(self) -> None:
+        check_int("warmup", self.warmup, 0)
+        check_int("repeats", self.repeats, 1)
+        check_int("inner", self.inner, 1)
+        check_int("seed", self.seed, 0)
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}")
+        if self.stat not in STATS:
+            raise ValueError(f"stat must be one of {sorted(STATS)}, got {self.stat!r}")
+
+
+def profile_steps(adapter: StepAdapter, points: Sequence[tuple[int, int]], *, timing: SweepTiming = SweepTiming(),
+                  progress: Callable[[int, int], None] | None = None) -> list[ProfileSample]:
+    """Seconds of `adapter.step()` at each (num_requests, rows) point, in the order given: `timing.stat` (the
+    median by default) over `timing.repeats` interleaved passes.
+
     progress(done, total) is called after each timed step.
     """
-    if stat not in STATS:
-        raise ValueError(f"stat must be one of {sorted(STATS)}, got {stat!r}")
-    if warmup < 0 or repeats < 1 or inner < 1:
-        raise ValueError(f"need warmup >= 0, repeats >= 1 and inner >= 1, got {warmup}, {repeats}, {inner}")
+    check_type("timing", timing, SweepTiming)
+    warmup, repeats, inner, seed, clock, stat = (timing.warmup, timing.repeats, timing.inner, timing.seed,
+                                                 timing.clock, timing.stat)
     pts = list(dict.fromkeys(points))
     timer = step_timer(adapter.device, clock)
     times: dict[tuple[int, int], list[float]] = {p: [] for p in pts}
@@ -185,19 +211,39 @@ def budget_regret(survivals: Sequence[Tensor], models: Mapping[str, CostModel],
     return out
 
 
+@dataclass(frozen=True)
+class SweepCache:
+    """The paged KV cache a swept verify step attends over: `context` cached tokens per request (random K/V) in
+    pages of `page_size` tokens; `seed` draws the cache and each step's random token ids."""
+
+    context: int = 32
+    page_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("context", self.context, 0)
+        check_int("page_size", self.page_size, 1)
+        check_int("seed", self.seed, 0)
+
+
 class VerifyStepAdapter:
     """`dspark.lab.sweep.StepAdapter` for a target's `VerifyStep`: the engine's verify forward of B requests
-    over `context` cached tokens each (random token ids, random cached K/V), padded to its tier.
+    over `cache.context` cached tokens each (random token ids, random cached K/V), padded to its tier.
 
-    graph_slots: as for `VerifyStep`; name: what the sweep's files are called after (default
-    `<model_type>-L<layers>-d<hidden>-ctx<context>`).
+    Args:
+        target: the model whose verify step is swept (moved to `device`).
+        shape: the step's tiers, width W, max_requests and graph slots (`VerifyStepShape`).
+        cache: the cached context, its page size and the seed of the random inputs (`SweepCache`).
+        device / backend / compile_model: as for `VerifyStep`.
+        name: what the sweep's files are called after (default `<model_type>-L<layers>-d<hidden>-ctx<context>`).
     """
 
-    def __init__(self, target: TransformersCausalLM, *, tiers: Sequence[int], width: int, max_requests: int,
-                 device: torch.device | str = "cpu", backend: GraphBackend | None = None, context: int = 32,
-                 page_size: int = 16, graph_slots: int | Sequence[int] | None = None, seed: int = 0,
-                 name: str | None = None, compile_model: bool | None = None) -> None:
-        check_int("context", context, 0)
+    def __init__(self, target: TransformersCausalLM, shape: VerifyStepShape, cache: SweepCache = SweepCache(), *,
+                 device: torch.device | str = "cpu", backend: GraphBackend | None = None, name: str | None = None,
+                 compile_model: bool | None = None) -> None:
+        check_type("shape", shape, VerifyStepShape)
+        check_type("cache", cache, SweepCache)
+        width, max_requests, context, page_size = shape.width, shape.max_requests, cache.context, cache.page_size
         g, self.device = target.geometry, torch.device(device)
         if context + width > g.max_seq_len:
             raise ValueError(f"context {context} + width {width} exceeds the target's max_seq_len {g.max_seq_len}")
@@ -209,11 +255,10 @@ class VerifyStepAdapter:
                                   num_pages=max_requests * per_request, page_size=page_size, device=self.device,
                                   dtype=target.hf_model.dtype)
         self.cache.admit(max_requests, context + width)
-        self._gen = torch.Generator().manual_seed(seed)
+        self._gen = torch.Generator().manual_seed(cache.seed)
         for buf in (self.cache.k, self.cache.v):
             buf.copy_(torch.randn(buf.shape, generator=self._gen))
-        self.verify = VerifyStep(target, self.cache, tiers=tiers, width=width, max_requests=max_requests,
-                                 graph_slots=graph_slots, backend=backend, model_id=self.name,
+        self.verify = VerifyStep(target, self.cache, shape, backend=backend, model_id=self.name,
                                  compile_model=compile_model)
         self.runner = self.verify.runner
         self.context, self.width, self.max_requests = context, width, max_requests

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,6 +18,7 @@ from dspark.models.draft import DraftModel
 from dspark.models.draft_file import round_to_file
 from dspark.models.stream_store import Streams
 from dspark.models.streams import features, stream_labels
+from dspark.util.validate import check_int, check_real
 
 Rows = tuple[Tensor, Tensor, Tensor, Tensor]  # head inputs [R, g, H], previous tokens, labels, masks [R, g]
 
@@ -129,23 +131,38 @@ def _cat(parts: list[Rows]) -> Rows:
     return tuple(torch.cat([p[i] for p in parts]) for i in range(4))  # type: ignore[return-value]
 
 
-def head_stage(draft: DraftModel, head: dict[str, Streams], held: dict[str, Streams], *, seed: int, iters: int,
-               l2: float, log: Callable[[str], None], split: str = "calibration") -> tuple[dict, dict]:
-    """Reset the head (`seed`), fit it on the rows of every kind's `head` streams, then measure on `held`.
+@dataclass(frozen=True)
+class HeadFitConfig:
+    """The head stage's fit, checked when built: `reset_head`'s `seed`, `fit_confidence`'s L-BFGS `iters` and `l2`
+    weight."""
+
+    seed: int
+    iters: int
+    l2: float = HEAD_L2
+
+    def __post_init__(self) -> None:
+        check_int("seed", self.seed, 0)
+        check_int("iters", self.iters, 1)
+        check_real("l2", self.l2, 0, math.inf, high_open=True)
+
+
+def head_stage(draft: DraftModel, head: dict[str, Streams], held: dict[str, Streams], config: HeadFitConfig, *,
+               log: Callable[[str], None], split: str = "calibration") -> tuple[dict, dict]:
+    """Reset the head (`config.seed`), fit it on the rows of every kind's `head` streams, then measure on `held`.
 
     Args:
         draft: the trained draft (its head is refitted in place).
         head, held: {kind: greedy Streams} of the fit split and of the held-out split.
-        seed, iters, l2: `reset_head`'s seed, `fit_confidence`'s L-BFGS iterations and L2 weight.
+        config: the reset's seed, the L-BFGS iterations and L2 weight.
         log: progress lines.
         split: the fit split's name, recorded.
     Returns:
         (manifest entries: held-out acceptance (code) and per kind, head losses and reports; wall seconds).
     """
-    wall, t0 = {}, time.perf_counter()
-    reset_head(draft, seed)
+    wall, t0, l2 = {}, time.perf_counter(), config.l2
+    reset_head(draft, config.seed)
     fit_rows = _cat([stream_rows(draft, s.tokens, s.hidden, s.prompt_len) for s in head.values()])
-    fit_confidence(draft, fit_rows, iters, l2)
+    fit_confidence(draft, fit_rows, config.iters, l2)
     round_to_file(draft)
     fit = head_report(draft, fit_rows)
     wall["confidence_head"] = time.perf_counter() - t0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor
 from dspark.models.draft import DraftModel
 from dspark.models.stream_store import Streams
 from dspark.models.streams import features
+from dspark.util.validate import check_int, check_real
 
 Log = Callable[[str], None]
 
@@ -71,26 +73,50 @@ def step_loss(draft: DraftModel, tokens: Tensor, hidden: Tensor, labels: Tensor,
     return loss, hits.float() / valid.sum((0, 1)).clamp_min(1)
 
 
-def distil(draft: DraftModel, sets: dict[str, Streams], *, steps: int, rows: int, lr: float, weight_decay: float,
-           soft_weight: float, feature_weight: float, seed: int, log: Log) -> None:
+@dataclass(frozen=True)
+class DistilConfig:
+    """The distillation's schedule and loss, checked when built.
+
+    steps: optimiser steps; rows: training rows per step (streams per step: rows // (T - 2) of the step's kind, at
+    least 1); lr, weight_decay: AdamW (betas 0.9 / 0.95), warm-up over steps // 20, cosine decay to 0.1 lr;
+    soft_weight: weight of the soft cross-entropy against the target's distribution (1 - it: hard), in [0, 1];
+    feature_weight: weight of the relative state error; seed: the draw of kinds and streams.
+    """
+
+    steps: int
+    rows: int
+    lr: float
+    weight_decay: float
+    soft_weight: float
+    feature_weight: float
+    seed: int
+
+    def __post_init__(self) -> None:
+        check_int("steps", self.steps, 0)
+        check_int("rows", self.rows, 1)
+        check_int("seed", self.seed, 0)
+        check_real("lr", self.lr, 0, math.inf, low_open=True, high_open=True)
+        for name in ("weight_decay", "feature_weight"):
+            check_real(name, getattr(self, name), 0, math.inf, high_open=True)
+        check_real("soft_weight", self.soft_weight, 0, 1)
+
+
+def distil(draft: DraftModel, sets: dict[str, Streams], config: DistilConfig, *, log: Log) -> None:
     """Train `draft` in place on the streams of every kind in `sets` ({kind: Streams}).
 
     Args:
         draft: the draft (its target's embedding and output rows are frozen buffers).
         sets: labelled streams per kind.
-        steps: optimiser steps.
-        rows: training rows per step (streams per step: rows // (T - 2) of the step's kind, at least 1).
-        lr, weight_decay: AdamW (betas 0.9 / 0.95), warm-up over steps // 20, cosine decay to 0.1 lr.
-        soft_weight: weight of the soft cross-entropy against the target's distribution (1 - it: hard).
-        feature_weight: weight of the relative state error.
-        seed: the draw of kinds and streams.
+        config: the steps, rows per step, optimiser, loss weights and seed.
         log: progress lines (40 over the run).
     """
+    steps, rows, lr, seed = config.steps, config.rows, config.lr, config.seed
+    soft_weight, feature_weight = config.soft_weight, config.feature_weight
     kinds, device = sorted(sets), draft.vocab_ids.device
     data = {k: (sets[k], *row_labels(draft, sets[k])) for k in kinds}
     weight = torch.tensor([float((data[k][1] >= 0).sum()) for k in kinds])
     params = [q for q in draft.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(seed)
     warm, t0, shown = max(1, steps // 20), time.perf_counter(), []
     draft.train()

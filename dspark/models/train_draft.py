@@ -35,14 +35,14 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from dspark.models.confidence_fit import HEAD_L2, head_stage
+from dspark.models.confidence_fit import HEAD_L2, HeadFitConfig, head_stage
 from dspark.models.corpus import Encode
-from dspark.models.distil import distil
+from dspark.models.distil import DistilConfig, distil
 from dspark.models.draft import DEFAULT_WEIGHTS, DraftConfig, DraftModel, load_draft, manifest_path
 from dspark.models.draft_file import round_to_file, save_draft
 from dspark.models.kinds import KINDS, PROMPT_LEN
 from dspark.models.stream_store import Streams
-from dspark.models.train_data import kind_streams, text_streams
+from dspark.models.train_data import StreamSpec, kind_streams, text_streams
 from dspark.util.options import int_list
 from dspark.util.validate import check_int, check_output_path, check_real
 
@@ -162,9 +162,16 @@ def _coverage(s: Streams, vocab: Tensor) -> float:
 def eval_sets(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, cache: Path | None, log: Log
               ) -> tuple[dict[str, Streams], dict[str, Streams]]:
     """(head streams of the calibration split (seed + 1), held-out streams (seed)): {kind: Streams} each."""
-    kw = dict(new_tokens=cfg.new_tokens, code_len=cfg.prompt_len, batch=cfg.gen_batch, cache=cache, log=log)
-    return (kind_streams(target, HEAD_SPLIT, encode, cfg.head_streams, seed=cfg.seed + 1, **kw),
-            kind_streams(target, "heldout", encode, cfg.heldout_streams, seed=cfg.seed, **kw))
+    kw = dict(new_tokens=cfg.new_tokens, code_len=cfg.prompt_len, log=log)
+    head = StreamSpec(HEAD_SPLIT, cfg.seed + 1, cfg.gen_batch, cache)
+    held = StreamSpec("heldout", cfg.seed, cfg.gen_batch, cache)
+    return (kind_streams(target, encode, head, cfg.head_streams, **kw),
+            kind_streams(target, encode, held, cfg.heldout_streams, **kw))
+
+
+def _head_fit(cfg: TrainDraftConfig) -> HeadFitConfig:
+    """The head stage's fit of a run (seed + 2): the same in a full run and a refit."""
+    return HeadFitConfig(cfg.seed + 2, cfg.head_iters, cfg.head_l2)
 
 
 def _draft_config(cfg: TrainDraftConfig, target: nn.Module) -> DraftConfig:
@@ -180,11 +187,12 @@ def _draft_config(cfg: TrainDraftConfig, target: nn.Module) -> DraftConfig:
 def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, cache: Path | None, log: Log) -> dict:
     """The whole run: target streams (stage 1), vocabulary, distillation, head stage, save; returns the manifest."""
     wall, t0 = {}, time.perf_counter()
-    kw = dict(batch=cfg.gen_batch, cache=cache, log=log, seed=cfg.seed)
+    train_spec = StreamSpec("train", cfg.seed, cfg.gen_batch, cache)
     sets = {} if not cfg.steps else {  # steps 0 keeps the init's body: no training streams
-        **text_streams(target, "train", encode, cfg.text_windows, cfg.prose_windows, length=cfg.window_len, **kw),
-        **kind_streams(target, "train", encode, cfg.train_streams, new_tokens=cfg.train_new_tokens,
-                       code_len=cfg.prompt_len, **kw)}
+        **text_streams(target, encode, train_spec, cfg.text_windows, cfg.prose_windows, length=cfg.window_len,
+                       log=log),
+        **kind_streams(target, encode, train_spec, cfg.train_streams, new_tokens=cfg.train_new_tokens,
+                       code_len=cfg.prompt_len, log=log)}
     head, held = eval_sets(cfg, target, encode, cache, log)
     wall["stage1_read"] = time.perf_counter() - t0
     wall["target_streams"] = sum(s.seconds for d in (sets, head, held) for s in d.values())
@@ -199,12 +207,12 @@ def train(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Path, c
     init = {} if start is None else warm_start(draft, start, Path(cfg.init))
     t1 = time.perf_counter()
     if cfg.steps:
-        distil(draft, sets, steps=cfg.steps, rows=cfg.rows, lr=cfg.lr, weight_decay=cfg.weight_decay,
-               soft_weight=cfg.soft_weight, feature_weight=cfg.feature_weight, seed=cfg.seed + 1, log=log)
+        distil(draft, sets, DistilConfig(steps=cfg.steps, rows=cfg.rows, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                         soft_weight=cfg.soft_weight, feature_weight=cfg.feature_weight,
+                                         seed=cfg.seed + 1), log=log)
     round_to_file(draft)
     wall["distil"] = time.perf_counter() - t1
-    entries, head_wall = head_stage(draft, head, held, seed=cfg.seed + 2, iters=cfg.head_iters, l2=cfg.head_l2,
-                                    log=log, split=HEAD_SPLIT)
+    entries, head_wall = head_stage(draft, head, held, _head_fit(cfg), log=log, split=HEAD_SPLIT)
     wall.update(head_wall)
     wall["total"] = wall["target_streams"] + wall["distil"] + sum(head_wall.values())
     if init:
@@ -257,8 +265,7 @@ def refit_head(cfg: TrainDraftConfig, target: nn.Module, encode: Encode, out: Pa
     t0 = time.perf_counter()
     head, held = eval_sets(cfg, target, encode, cache, log)
     streams_s = time.perf_counter() - t0
-    entries, head_wall = head_stage(draft, head, held, seed=cfg.seed + 2, iters=cfg.head_iters, l2=cfg.head_l2,
-                                    log=log, split=HEAD_SPLIT)
+    entries, head_wall = head_stage(draft, head, held, _head_fit(cfg), log=log, split=HEAD_SPLIT)
     wall = {**old["wall_s"], **{k: round(v, 1) for k, v in head_wall.items()}}
     coverage = {**old["vocab_coverage"], "heldout": {k: _coverage(s, draft.vocab_ids) for k, s in held.items()}}
     return save_draft(draft, target, out, {

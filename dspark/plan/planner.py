@@ -83,6 +83,34 @@ class VerifyPlan:
     dp: DpTier | None = None
 
 
+@dataclass(frozen=True)
+class PlannerSettings:
+    """How a `VerifyPlanner` plans besides its schedule and cost model, checked when built.
+
+    lag: the budget reads survival at least `lag` steps old from a ring of `num_slots` request-pool slots
+    (0: no ring, the greedy scan over live survival); sync_free: choose that budget on the host from the ring
+    row the previous step copied, with no device read (needs lag >= 1); tiers: captured graph token tiers,
+    strictly increasing (None or empty: eager, no tier fill); graph_slots: the captured slot count S handed to
+    the layout (None: B + 1 when padding exists).
+    """
+
+    lag: int = 1
+    num_slots: int = 256
+    sync_free: bool = False
+    tiers: Sequence[int] | None = None
+    graph_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("lag", self.lag, 0)
+        check_int("num_slots", self.num_slots, 1)
+        check_type("sync_free", self.sync_free, bool)
+        if self.sync_free and self.lag < 1:
+            raise ValueError(f"sync_free=True needs lag >= 1 (a lagged ring row to read), got lag={self.lag}")
+        object.__setattr__(self, "tiers", check_tiers(self.tiers))
+        if self.graph_slots is not None:
+            check_int("graph_slots", self.graph_slots, 1)
+
+
 def tier_fill(budget: int, num_requests: int, floor: int, tiers: Sequence[int]) -> tuple[int, int | None]:
     """(the budget that fills the tier B * F + budget rows round up to, that tier); past the largest tier, or
     without tiers, (budget, None)."""
@@ -93,37 +121,31 @@ def tier_fill(budget: int, num_requests: int, floor: int, tiers: Sequence[int]) 
 class VerifyPlanner:
     """Stateful planner: owns the survival lag ring; one `plan` per verify step.
 
-    num_slots: request-pool slots the ring tracks; temperatures: STS per-position temperatures
-    (None = 1); tiers: captured graph token tiers (None = eager, no fill); graph_slots: captured slot
-    count S handed to the layout (None = B + 1 when padding exists); parallel: TP/DP process groups
-    (start-up compares the cost table's fingerprint and `planning_config` across them; a rank that differs
-    in either is refused on every rank).
+    settings: the lag, its ring's slots, sync-free reading, graph tiers and slots (`PlannerSettings`);
+    temperatures: STS per-position temperatures (None = 1); device: where the ring lives; parallel: TP/DP
+    process groups (start-up compares the cost table's fingerprint and `planning_config` across them; a rank
+    that differs in either is refused on every rank).
     The cost model must fit the run (`check_cost_model`): its W at construction, its platform at the
     first `plan` on each device type.
     """
 
-    def __init__(self, cfg: ScheduleConfig, cost_model: CostModel, lag: int = 1,
-                 tiers: Sequence[int] | None = None, num_slots: int = 256,
-                 temperatures: Tensor | Sequence[float] | None = None, graph_slots: int | None = None,
-                 device: torch.device | str = "cpu", parallel: ParallelConfig | None = None,
-                 sync_free: bool = False):
+    def __init__(self, cfg: ScheduleConfig, cost_model: CostModel, settings: PlannerSettings = PlannerSettings(),
+                 temperatures: Tensor | Sequence[float] | None = None, device: torch.device | str = "cpu",
+                 parallel: ParallelConfig | None = None):
         self.cfg = check_config(cfg)
-        check_type("sync_free", sync_free, bool)
-        if sync_free and (lag < 1 or parallel is not None):
-            raise ValueError(f"sync_free=True needs lag >= 1 and no parallel agreement, got lag={lag}, "
-                             f"parallel={parallel!r}")
+        self.settings = check_type("settings", settings, PlannerSettings)
+        lag, sync_free = settings.lag, settings.sync_free
+        if sync_free and parallel is not None:
+            raise ValueError(f"sync_free=True needs no parallel agreement, got parallel={parallel!r}")
         check_cost_model(cost_model, width=cfg.width)
-        check_int("lag", lag, 0)
-        if graph_slots is not None:
-            check_int("graph_slots", graph_slots, 1)
         self.cost_model = cost_model
         self._platform_seen: str | None = None  # device type the cost model's platform was checked for
         self.lag = lag
-        self.tiers = check_tiers(tiers)
+        self.tiers = settings.tiers
         self._tier_tensors: dict[torch.device, Tensor] = {}
-        self.graph_slots = graph_slots
+        self.graph_slots = graph_slots = settings.graph_slots
         self.temperatures = None if temperatures is None else check_temperatures(temperatures, cfg.gamma)
-        self.ring = SurvivalLagRing(num_slots, cfg.gamma, lag, device) if lag > 0 else None
+        self.ring = SurvivalLagRing(settings.num_slots, cfg.gamma, lag, device) if lag > 0 else None
         self.sync_free = sync_free
         self._next_row = self.ring.next_row_to_host() if sync_free else None
         self._seconds: dict[tuple[int, torch.device], Tensor] = {}  # T(B, B*F + b) per (B, device)

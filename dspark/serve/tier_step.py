@@ -14,6 +14,7 @@ tables profile exactly what the engine replays.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -22,10 +23,10 @@ from torch import Tensor
 from dspark.models.paged_attend import PlannedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.serve.kv_cache import PagedKVCache
-from dspark.util.validate import check_int
+from dspark.util.validate import check_int, check_type
 from dspark.verify import boundary
 from dspark.verify.attention import AttentionShape, RaggedVerifyAttention
-from dspark.verify.graphs import GraphBackend, RowSpec, StepBuffers, TierGraphRunner
+from dspark.verify.graphs import GraphBackend, RowSpec, StepBuffers, TierGraphRunner, TierSpec
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers
 
 ROW_INPUTS: dict[str, RowSpec] = {"tokens": ((), torch.int64), "positions": ((), torch.int64)}
@@ -55,6 +56,33 @@ def graph_slot_count(max_requests: int, tiers: Sequence[int], width: int) -> int
     return max_requests + -(-check_tiers(tiers)[-1] // width)
 
 
+@dataclass(frozen=True)
+class VerifyStepShape:
+    """What a `VerifyStep` is sized for, checked when built: up to `max_requests` requests of <= `width` rows
+    each, captured once per tier of `tiers` (at least one) with `graph_slots` slots (one, or one per tier; default
+    `graph_slot_count(max_requests, tiers, width)`; kept as one per tier)."""
+
+    tiers: Sequence[int]
+    width: int
+    max_requests: int
+    graph_slots: int | Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        check_int("width", self.width, 1)
+        check_int("max_requests", self.max_requests, 1)
+        tiers = check_tiers(self.tiers)
+        if not tiers:
+            raise ValueError("tiers must hold at least one token tier to capture, got none")
+        slots = graph_slot_count(self.max_requests, tiers, self.width) if self.graph_slots is None else self.graph_slots
+        object.__setattr__(self, "tiers", tiers)
+        object.__setattr__(self, "graph_slots", TierSpec(tiers, slots, self.width).slots)
+
+    @property
+    def tier_spec(self) -> TierSpec:
+        """What the step's runner captures: these tiers, slots and W."""
+        return TierSpec(self.tiers, self.graph_slots, self.width)
+
+
 class VerifyOutput(NamedTuple):
     """The real rows of one verify forward."""
 
@@ -64,12 +92,10 @@ class VerifyOutput(NamedTuple):
 
 
 class VerifyStep:
-    """The target's verify forward over `cache` for up to `max_requests` requests of <= `width` rows each,
-    captured once per tier of `tiers` (the runner is `self.runner`; its replay / eager counts are the
-    telemetry of which tier each step replayed).
+    """The target's verify forward over `cache` for the requests, rows and tiers of `shape` (`VerifyStepShape`),
+    captured once per tier (the runner is `self.runner`; its replay / eager counts are the telemetry of which
+    tier each step replayed).
 
-    graph_slots: the runner's slot count (one, or one per tier); default
-    `graph_slot_count(max_requests, tiers, width)`.
     `cache.block_table` must be admitted (its page count per request sizes the attention's block table).
     compile_model: run the model's dense layers (everything but the attention, which stays the planned
     kernel) through `compiled_model_rows`: one torch.compile with a dynamic row dimension shared by every
@@ -77,30 +103,25 @@ class VerifyStep:
     warm-up; default True on CUDA, False elsewhere.
     """
 
-    def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, *, tiers: Sequence[int], width: int,
-                 max_requests: int, graph_slots: int | Sequence[int] | None = None, backend: GraphBackend | None = None,
-                 model_id: str = "", compile_model: bool | None = None) -> None:
-        check_int("width", width, 1)
+    def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, shape: VerifyStepShape, *,
+                 backend: GraphBackend | None = None, model_id: str = "", compile_model: bool | None = None) -> None:
+        check_type("shape", shape, VerifyStepShape)
         if compile_model is not None and not isinstance(compile_model, bool):
             raise TypeError(f"compile_model must be a bool or None, got {compile_model!r}")
-        check_int("max_requests", max_requests, 1)
-        tiers = check_tiers(tiers)
-        if not tiers:
-            raise ValueError("tiers must hold at least one token tier to capture, got none")
+        tiers, width, max_requests = shape.tiers, shape.width, shape.max_requests
         if cache.block_table.dim() != 2 or cache.block_table.shape[1] < 1:
             raise ValueError(f"cache has no admitted block table (shape {list(cache.block_table.shape)}): "
                              f"admit the batch before building its verify step")
         g, device = target.geometry, cache.k.device
         _, num_pages, page_size, kv_heads, head_dim = cache.k.shape
         pages_per_request = int(cache.block_table.shape[1])
-        graph_slots = graph_slot_count(max_requests, tiers, width) if graph_slots is None else graph_slots
-        max_slots = max(max_requests, graph_slots if isinstance(graph_slots, int) else max(graph_slots))
-        self.target, self.device = target, device
+        max_slots = max(max_requests, *shape.graph_slots)
+        self.target, self.device, self.shape = target, device, shape
         attention = target.attention_backend or RaggedVerifyAttention  # the target's attention backend
-        shape = AttentionShape(max(tiers[-1], max_requests * width), max_slots, pages_per_request, g.num_q_heads,
+        sized = AttentionShape(max(tiers[-1], max_requests * width), max_slots, pages_per_request, g.num_q_heads,
                                kv_heads, head_dim, page_size, sm_scale=g.sm_scale, max_verify_len=width,
                                num_pages=num_pages)
-        self.attn = attention(shape, device, cache.k.dtype)
+        self.attn = attention(sized, device, cache.k.dtype)
         self._attend = PlannedAttend(self.attn, cache.k, cache.v)
         self.compile_model = device.type == "cuda" if compile_model is None else compile_model
         # what `_plan` plans with: no request for the idle layouts of the captures, then each step's own
@@ -108,8 +129,8 @@ class VerifyStep:
                          torch.zeros(0, pages_per_request, dtype=torch.int32, device=device))
         if device.type == "npu" and backend is None:
             import dspark.ascend  # noqa: F401  (registers the NPU graph backend)
-        self.runner = TierGraphRunner(self._forward, tiers, graph_slots, device, backend, width=width,
-                                      row_inputs=ROW_INPUTS, model_id=model_id, prepare=self._plan).capture()
+        self.runner = TierGraphRunner(self._forward, shape.tier_spec, device, backend, row_inputs=ROW_INPUTS,
+                                      model_id=model_id, prepare=self._plan).capture()
 
     def __call__(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix_lens: Tensor,
                  block_table: Tensor) -> VerifyOutput:
@@ -157,6 +178,6 @@ class VerifySteps:
             return None
         key = (max_requests, width, int(self.cache.block_table.shape[1]))
         if key not in self._steps:
-            self._steps[key] = VerifyStep(self.target, self.cache, tiers=self.tiers, width=width,
-                                          max_requests=max_requests, compile_model=self.compile_model)
+            self._steps[key] = VerifyStep(self.target, self.cache, VerifyStepShape(self.tiers, width, max_requests),
+                                          compile_model=self.compile_model)
         return self._steps[key]

@@ -304,10 +304,24 @@ class RaggedVerifyAttention:
         return out
 
 
-def verify_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, layout: RaggedVerifyLayout,
+def verify_attention(q: Tensor, kv_cache: tuple[Tensor, Tensor], layout: RaggedVerifyLayout,
                      prefix_lens: Tensor | Sequence[int], block_table: Tensor, *, sm_scale: float | None = None,
                      return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """One-shot plan + run sized to this call (eager use; capture a `RaggedVerifyAttention` for graphs)."""
+    """One-shot plan + run sized to this call (eager use; capture a `RaggedVerifyAttention` for graphs).
+
+    Args:
+        q: [rows, Hq, D] the layout's packed query rows.
+        kv_cache: (k_cache, v_cache), each [pages, page_size, Hkv, D] (FlashInfer's paged_kv_cache pair).
+        layout: the step's RaggedVerifyLayout; prefix_lens [B] committed kv length of each request.
+        block_table: [B, P] page ids of each request.
+        sm_scale: softmax scale (default 1 / sqrt(D)); return_lse: also return lse [rows, Hq] fp32.
+    Returns:
+        out [rows, Hq, D], or (out, lse) with return_lse.
+    """
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+        got = f"{len(kv_cache)} items" if isinstance(kv_cache, (tuple, list)) else type(kv_cache).__name__
+        raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair, got {got}")
+    k_cache, v_cache = kv_cache
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
         check_tensor(name, t)
     check_type("layout", layout, RaggedVerifyLayout)

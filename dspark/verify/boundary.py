@@ -4,7 +4,7 @@ A verify step needs at most two things on the host, and reads each in one call o
 
 1. before the forward, the numbers that fix its verify rows, hence its tier: the planner's budget
    decision and its live candidate count (`VerifyPlanner.plan`), or with lag = 0 on a small batch the
-   survival it budgets on the host; sync-free planning (`VerifyPlanner(sync_free=True)`, lag >= 1) reads
+   survival it budgets on the host; sync-free planning (`PlannerSettings(sync_free=True)`, lag >= 1) reads
    nothing here, its rows being fixed by the previous step's survival copied asynchronously;
 2. after accept, the commit lengths (the next step's positions and the stop test).
 

@@ -21,10 +21,10 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 import torch
 from torch import Tensor
 
-from dspark.util.validate import int_tensor
+from dspark.util.validate import check_type, int_tensor
 from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
-from dspark.verify.manifest import TierManifest
+from dspark.verify.manifest import TierManifest, check_capture
 
 log = logging.getLogger(__name__)
 
@@ -165,14 +165,31 @@ class StepBuffers:
 
 
 
+@dataclass(frozen=True)
+class TierSpec:
+    """What a `TierGraphRunner` captures, checked when built: `tiers` strictly increasing token counts (at least
+    one); `slots` the slot count S of each, ghost slots included (one int for every tier, or one per tier; a padded
+    step of B requests needs B + ceil(padding / W) <= S, so `max_requests + ceil(tier / W)` always suffices);
+    `width` W, the most rows per request. Tiers and slots are kept as tuples, one slot count per tier."""
+
+    tiers: Sequence[int]
+    slots: int | Sequence[int]
+    width: int
+
+    def __post_init__(self) -> None:
+        tiers = check_tiers(self.tiers)
+        slots = (self.slots,) * len(tiers) if isinstance(self.slots, int) else self.slots
+        tiers, slots = check_capture(tiers, slots, self.width)
+        object.__setattr__(self, "tiers", tiers)
+        object.__setattr__(self, "slots", slots)
+
+
 class TierGraphRunner:
     """Capture `step_fn` once per token tier and replay the smallest tier that holds a step's rows.
 
     step_fn(StepBuffers) -> Tensor | dict[str, Tensor] (row-major outputs `[num_tokens, ...]`). It must
     be capturable: static shapes, no host sync, no writes for rows where `row_valid` is False.
-    tiers: strictly increasing token counts. slots_per_tier: one int for every tier or one per tier
-    (slot count S incl. ghost slots; a padded step with B requests needs B + ceil(padding / W) <= S, so
-    `max_requests + ceil(tier / W)` always suffices). width: W, the most rows per request.
+    spec: the tiers, their slot counts and W (`TierSpec`).
     row_inputs: name -> (trailing shape, dtype) of every per-row input the step reads.
     prepare(layout): host work the step needs for each layout it runs (the attention's `plan`), called
     with the tier's idle layout before its capture and with the live layout before every replay (inside
@@ -182,36 +199,34 @@ class TierGraphRunner:
     def __init__(
         self,
         step_fn: Callable[[StepBuffers], StepOutput],
-        tiers: Sequence[int],
-        slots_per_tier: int | Sequence[int],
+        spec: TierSpec,
         device: torch.device | str,
         backend: GraphBackend | None = None,
         *,
-        width: int,
         row_inputs: Mapping[str, RowSpec],
         model_id: str = "",
         prepare: Callable[[RaggedVerifyLayout], None] | None = None,
     ) -> None:
+        check_type("spec", spec, TierSpec)
         device = torch.device(device)
-        tiers_t = check_tiers(tiers)
-        slots = (slots_per_tier,) * len(tiers_t) if isinstance(slots_per_tier, int) else tuple(slots_per_tier)
-        self.manifest = TierManifest(tiers=tiers_t, slots=slots, width=width, platform=device.type,
+        self.manifest = TierManifest(tiers=spec.tiers, slots=spec.slots, width=spec.width, platform=device.type,
                                      model_id=model_id, device_name=_device_name(device))
-        for name, spec in row_inputs.items():
-            if (not isinstance(spec, tuple) or len(spec) != 2 or not isinstance(spec[1], torch.dtype)
-                    or not all(isinstance(d, int) and d >= 0 for d in spec[0])):
-                raise TypeError(f"row_inputs[{name!r}] must be ((dims...), torch.dtype), got {spec!r}")
+        for name, row in row_inputs.items():
+            if (not isinstance(row, tuple) or len(row) != 2 or not isinstance(row[1], torch.dtype)
+                    or not all(isinstance(d, int) and d >= 0 for d in row[0])):
+                raise TypeError(f"row_inputs[{name!r}] must be ((dims...), torch.dtype), got {row!r}")
         self.step_fn = step_fn
         self.prepare = prepare
         self.device = device
         self.backend = backend if backend is not None else default_backend(device)
         self.row_inputs = dict(row_inputs)
-        self.tiers = tiers_t
-        self.width = width
+        self.spec = spec
+        self.tiers = spec.tiers
+        self.width = spec.width
         self._graphs: dict[int, object] = {}
         self._buffers: dict[int, StepBuffers] = {}
         self._outputs: dict[int, StepOutput] = {}
-        self.replays = {t: 0 for t in tiers_t}
+        self.replays = {t: 0 for t in spec.tiers}
         self.eager_steps = 0
 
     @classmethod
@@ -220,7 +235,7 @@ class TierGraphRunner:
                       row_inputs: Mapping[str, RowSpec],
                       prepare: Callable[[RaggedVerifyLayout], None] | None = None) -> "TierGraphRunner":
         """A runner for the tiers and slot counts a manifest records (same width and model id)."""
-        return cls(step_fn, manifest.tiers, manifest.slots, device, backend, width=manifest.width,
+        return cls(step_fn, TierSpec(manifest.tiers, manifest.slots, manifest.width), device, backend,
                    row_inputs=row_inputs, model_id=manifest.model_id, prepare=prepare)
 
     @property

@@ -23,6 +23,8 @@ from dspark.util.validate import (
     check_int,
     check_kv_fits,
     check_nonnegative,
+    check_tensor,
+    check_type,
     check_verify_lens,
 )
 from dspark.verify.layout import PAD_SLOT, RaggedVerifyLayout, check_tiers  # noqa: F401  (PAD_SLOT: re-exported)
@@ -47,29 +49,65 @@ class VerifyInputs:
     caps: Tensor
 
 
+@dataclass(frozen=True)
+class VerifyExecution:
+    """How a run's verify forwards execute, checked when built: the `mode` (a VerifyMode or its name), and the
+    captured graph `tiers` (strictly increasing token counts; None or empty: eager, no padding) and slot count
+    `graph_slots` (S, ghost slots included; None: B + ceil(padding / W)) the rows are padded to."""
+
+    mode: VerifyMode | str
+    tiers: Sequence[int] | None = None
+    graph_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", VerifyMode.parse(self.mode))
+        object.__setattr__(self, "tiers", check_tiers(self.tiers))
+        if self.graph_slots is not None:
+            check_int("graph_slots", self.graph_slots, 1)
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """Where a paged KV cache keeps each request's tokens, checked when built: `block_table` [B, pages] integer
+    page ids per request and `page_size` tokens per page; position `pos` of request r is KV slot
+    `block_table[r, pos // page_size] * page_size + pos % page_size`."""
+
+    block_table: Tensor
+    page_size: int
+
+    def __post_init__(self) -> None:
+        table = check_tensor("block_table", self.block_table)
+        check_int("page_size", self.page_size, 1)
+        if table.dim() != 2 or table.dtype.is_floating_point:
+            raise ValueError(f"block_table must be an integer [B, pages] tensor, got {table.dtype} "
+                             f"{tuple(table.shape)}")
+
+
 def build_verify_inputs(
-    mode: VerifyMode | str,
+    execution: VerifyExecution,
     verify_lens: Tensor,
     root_tokens: Tensor,
     draft_tokens: Tensor,
     prefix_lens: Tensor,
     *,
-    tiers: Sequence[int] | None = None,
-    graph_slots: int | None = None,
-    block_table: Tensor | None = None,
-    page_size: int | None = None,
+    kv: PagedKV | None = None,
     layout: RaggedVerifyLayout | None = None,
 ) -> VerifyInputs:
-    """Verify inputs for `mode`: ids, positions, KV write slots, the layout and the accept caps.
+    """Verify inputs for `execution.mode`: ids, positions, KV write slots, the layout and the accept caps.
 
-    verify_lens [B] int in [1, W]; root_tokens [B]; draft_tokens [B, gamma]; prefix_lens [B] (tokens
-    already in the KV cache, so the root sits at position prefix_len); tiers / graph_slots: captured graph
-    tiers and slot count (padding to the smallest tier >= rows); block_table [B, pages] and page_size:
-    KV slot of (r, pos) = `block_table[r, pos // page_size] * page_size + pos % page_size`.
-    layout (compact only): the layout the planner already built from these verify_lens with the same tiers
-    and graph slots (`VerifyPlan.layout`), reused instead of built a second time; its lengths are checked.
+    Args:
+        execution: the mode, and the graph tiers / slot count the rows pad to (the smallest tier >= rows).
+        verify_lens: [B] int in [1, W]; root_tokens [B]; draft_tokens [B, gamma].
+        prefix_lens: [B] tokens already in the KV cache (the root sits at position prefix_len).
+        kv: the cache's block table [B, pages] and page size (None: no KV write slots).
+        layout: compact only: the layout the planner already built from these verify_lens with the same tiers
+            and graph slots (`VerifyPlan.layout`), reused instead of built a second time; its lengths are checked.
+    Returns:
+        The VerifyInputs.
     """
-    mode = VerifyMode.parse(mode)
+    check_type("execution", execution, VerifyExecution)
+    check_type("kv", kv, PagedKV, optional=True)
+    mode, tiers, graph_slots = execution.mode, execution.tiers, execution.graph_slots
     b, gamma = _check_tokens(root_tokens, draft_tokens)
     w = gamma + 1
     device = draft_tokens.device
@@ -87,11 +125,12 @@ def build_verify_inputs(
         raise ValueError(f"layout was built for verify_lens {host[2].tolist()}, not {host_vl.tolist()}")
     if layout is None:
         total = int(host_vl.sum()) if compact else b * w
-        layout = RaggedVerifyLayout._from_lens(vl if compact else torch.full_like(vl, w), check_tiers(tiers), graph_slots,
-                                                 w, total_rows=total)
-    if block_table is not None or page_size is not None:
-        _check_block_table(block_table, page_size, b, host_prefix + (host_vl if compact else w))
-    return _verify_inputs(mode, vl, root_tokens, draft_tokens, prefix, layout, block_table, page_size)
+        layout = RaggedVerifyLayout._from_lens(vl if compact else torch.full_like(vl, w), tiers, graph_slots, w,
+                                                 total_rows=total)
+    if kv is None:
+        return _verify_inputs(mode, vl, root_tokens, draft_tokens, prefix, layout)
+    _check_block_table(kv, b, host_prefix + (host_vl if compact else w))
+    return _verify_inputs(mode, vl, root_tokens, draft_tokens, prefix, layout, kv.block_table, kv.page_size)
 
 
 def _verify_inputs(mode: VerifyMode, verify_lens: Tensor, root_tokens: Tensor, draft_tokens: Tensor,
@@ -165,12 +204,9 @@ def _check_lens(name: str, values: Tensor, b: int, device: torch.device) -> Tens
     return values.to(device=device, dtype=torch.int32)
 
 
-def _check_block_table(block_table: Tensor | None, page_size: int | None, b: int, ends: Tensor) -> None:
-    """Both given, integer table [B, pages], and every written position inside the request's pages."""
-    if block_table is None or page_size is None:
-        raise ValueError("block_table and page_size go together: give both or neither")
-    check_int("page_size", page_size, 1)
-    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype.is_floating_point:
+def _check_block_table(kv: PagedKV, b: int, ends: Tensor) -> None:
+    """A table row per request, and every written position inside the request's pages."""
+    if kv.block_table.shape[0] != b:
         raise ValueError(f"block_table must be an integer [B={b}, pages] tensor, got "
-                         f"{block_table.dtype} {tuple(block_table.shape)}")
-    check_kv_fits(ends, block_table.shape[1], page_size)
+                         f"{kv.block_table.dtype} {tuple(kv.block_table.shape)}")
+    check_kv_fits(ends, kv.block_table.shape[1], kv.page_size)

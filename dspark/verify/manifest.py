@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from dspark.util.fileio import read_json, write_json_atomic
 from dspark.util.validate import check_int
@@ -13,6 +14,23 @@ from dspark.verify.layout import check_tiers
 MANIFEST_SCHEMA = "dspark.tier_manifest"
 MANIFEST_VERSION = 1
 PLATFORMS = ("cpu", "cuda", "npu")
+
+
+def check_capture(tiers: Sequence[int], slots: Sequence[int], width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(tiers, slots) as tuples when they describe a capture: at least one strictly increasing tier, W = `width`
+    >= 1, one slot count per tier, each >= 1 and enough slots of W rows to fill its tier; ValueError otherwise."""
+    tiers = check_tiers(tiers)
+    if not tiers:
+        raise ValueError("a tier manifest needs at least one tier")
+    check_int("width", width, 1)
+    slots = tuple(slots)
+    if len(slots) != len(tiers):
+        raise ValueError(f"need one slot count per tier: tiers {list(tiers)}, slots {list(slots)}")
+    for t, s in zip(tiers, slots):
+        check_int(f"slots for tier {t}", s, 1)
+        if s * width < t:
+            raise ValueError(f"tier {t} cannot be filled: {s} slots x width {width} = {s * width} rows")
+    return tiers, slots
 
 
 @dataclass(frozen=True)
@@ -27,23 +45,11 @@ class TierManifest:
     device_name: str = ""
 
     def __post_init__(self) -> None:
-        tiers = check_tiers(self.tiers)
-        if not tiers:
-            raise ValueError("a tier manifest needs at least one tier")
-        check_int("width", self.width, 1)
+        tiers, slots = check_capture(self.tiers, self.slots, self.width)
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
         if not isinstance(self.model_id, str) or not isinstance(self.device_name, str):
             raise TypeError(f"model_id and device_name must be str, got {self.model_id!r}, {self.device_name!r}")
-        slots = tuple(self.slots)
-        if len(slots) != len(tiers):
-            raise ValueError(f"need one slot count per tier: tiers {list(tiers)}, slots {list(slots)}")
-        for t, s in zip(tiers, slots):
-            check_int(f"slots for tier {t}", s, 1)
-            if s * self.width < t:
-                raise ValueError(
-                    f"tier {t} cannot be filled: {s} slots x width {self.width} = {s * self.width} rows"
-                )
         object.__setattr__(self, "tiers", tiers)
         object.__setattr__(self, "slots", slots)
 

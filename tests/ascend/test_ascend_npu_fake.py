@@ -283,8 +283,8 @@ def test_tier_graph_runner_drives_the_npu_backend(fake_npu: list) -> None:
         backend.updatable(lambda: seen.append(host_bufs[tier].host["actual_seq_lengths_q"]))
         return bufs.rows["x"] * 2
 
-    runner = graphs.TierGraphRunner(step, tiers=[4, 8], slots_per_tier=4, device="cpu", backend=backend,
-                                    width=4, row_inputs={"x": ((), torch.float32)})
+    runner = graphs.TierGraphRunner(step, graphs.TierSpec([4, 8], slots=4, width=4), device="cpu", backend=backend,
+                                    row_inputs={"x": ((), torch.float32)})
     runner.capture()
     assert fake_npu.count("pool") == 1 and [c for c in fake_npu if isinstance(c, tuple)] == [("capture", "POOL")] * 2
     fake_npu.clear()

@@ -85,7 +85,7 @@ def test_emulator_equals_brute_force_and_dspark_attention(case) -> None:
     attn.run(q, kc, vc, out=out)
     want = brute_force(q, kc, vc, lens, prefix, table, attn.sm_scale, hq // hkv)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out, verify_attention(q, kc, vc, layout, prefix, table), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, verify_attention(q, (kc, vc), layout, prefix, table), rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=10, deadline=None)

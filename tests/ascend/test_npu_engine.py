@@ -13,7 +13,7 @@ from dspark.ascend.emulator import EmulatedGraphBackend, FusedInferAttentionEmul
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import StepsPerSecondTable
 from dspark.models.paged_attend import PagedAttend
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.attention import batch_attention
 from dspark.serve.config import EngineConfig
 from dspark.serve.drafters.causal_lm import CausalLMDrafter
@@ -22,7 +22,7 @@ from dspark.serve.engine import SpecDecoder
 from dspark.serve.kv_cache import PagedKVCache
 from dspark.serve.policies import Adaptive, FixedK, Oracle
 from dspark.serve.policies.gate import GateSettings
-from dspark.serve.tier_step import VerifyStep, graph_slot_count
+from dspark.serve.tier_step import VerifyStep, VerifyStepShape, graph_slot_count
 from tests.engine_models import VOCAB, tiny_models
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -36,9 +36,9 @@ GAMMA = 3
 
 def _policies(tiers, max_batch):
     """Fixed-k, oracle and adaptive (its planner padding to the decoder's tiers and graph slots)."""
-    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), StepsPerSecondTable([1], [100.0], width=GAMMA + 1),
-                            tiers=tiers, num_slots=8,
-                            graph_slots=graph_slot_count(max_batch, tiers, GAMMA + 1) if tiers else None)
+    planning = PlannerSettings(num_slots=8, tiers=tiers,
+                               graph_slots=graph_slot_count(max_batch, tiers, GAMMA + 1) if tiers else None)
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), StepsPerSecondTable([1], [100.0], width=GAMMA + 1), planning)
     return [FixedK(GAMMA), Oracle(GAMMA), Adaptive(planner, lambda b: 0.004 * b, gate=GateSettings(probe_every=2))]
 
 
@@ -120,7 +120,7 @@ def test_tier_steps_through_the_npu_graph_backend_replay_eager(monkeypatch: pyte
         buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(0)))
     backend = EmulatedGraphBackend(warmup=0)
     with npu_attention(target, graph_backend=backend):
-        step = VerifyStep(target, cache, tiers=(8,), width=4, max_requests=2, backend=backend)
+        step = VerifyStep(target, cache, VerifyStepShape((8,), width=4, max_requests=2), backend=backend)
     captured = list(fake.npu.log)
     assert captured.count("group_begin") == captured.count("group_end") == g.num_layers
     reference = batch_attention(cache, g, 16, 8)

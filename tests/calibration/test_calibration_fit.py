@@ -9,15 +9,18 @@ import torch
 
 from dspark.calibration.fit import (
     Calibration,
+    FitOptions,
     fit_sts,
     fit_temperatures,
     split_by_request,
 )
 from dspark.calibration.metrics import Sample, metric_functions
 from dspark.calibration.plots import plot_reliability
-from dspark.calibration.recorder import POLICIES, StsData, StsRecorder
+from dspark.calibration.recorder import POLICIES, StsData, StsOutcome, StsRecorder
 from dspark.cli import main as cli_main
 from dspark.plan.survival import calibrated_survival
+
+NO_BOOTSTRAP = FitOptions(bootstrap=0)
 
 
 def synthetic(n, temps, seed, device, *, policy="greedy", censor=True, margin_signal=False, rid_offset=0,
@@ -55,10 +58,10 @@ def test_nll_fit_recovers_known_temperatures(device):
 def test_fit_sts_report_improves_heldout_calibration(device):
     temps = [0.5, 2.0, 1.0]
     d = synthetic(12_000, temps, 1, device, soft=True)  # soft proxy = the uncalibrated sigmoid(z)
-    cal = fit_sts(d, method="brier", bootstrap=10, num_bins=10)
+    cal = fit_sts(d, FitOptions(method="brier", bootstrap=10, num_bins=10))
     assert all(abs(a / b - 1) < 0.15 for a, b in zip(cal.temperatures, temps)), cal.temperatures
     assert cal.policy == "greedy" and cal.gamma == 3 and cal.warnings == []
-    no_margin = fit_sts(StsData(**{**d.__dict__, "margin": torch.full_like(d.margin, float("nan"))}), bootstrap=0)
+    no_margin = fit_sts(StsData(**{**d.__dict__, "margin": torch.full_like(d.margin, float("nan"))}), NO_BOOTSTRAP)
     assert any("no margin baseline" in w for w in no_margin.warnings)
     assert "auroc_margin" not in no_margin.metrics["positions"][0]["cumulative"]
     assert cal.data["requests"] == 1500 and 0 < cal.data["heldout_requests"] < 1500
@@ -83,7 +86,7 @@ def test_ece_grid_collapse_on_tiny_data_is_reported(device):
     d = StsData(logits=z.cpu(), labels=y, soft=torch.full_like(y, float("nan")), margin=torch.full_like(y, float("nan")),
                 verify_lens=torch.full((6,), 2, dtype=torch.int32), policy=torch.zeros(6, dtype=torch.int8),
                 request_ids=torch.tensor([0, 0, 1, 1, 2, 3]), steps=torch.zeros(6, dtype=torch.int64))
-    cal = fit_sts(d, method="ece", bootstrap=0, holdout_fraction=0.25)
+    cal = fit_sts(d, FitOptions(method="ece", bootstrap=0, holdout_fraction=0.25))
     assert cal.metrics["fit"][0]["collapsed"]
     assert any("collapsed all" in w and "one ECE bin" in w for w in cal.warnings), cal.warnings
 
@@ -120,18 +123,18 @@ def test_separate_fits_per_policy(device):
     sampled = synthetic(20_000, [2.0, 1.0], 3, device, policy="sampling", rid_offset=10**6)
     mixed = StsData.concat([greedy, sampled])
     with pytest.raises(ValueError, match=r"mixes acceptance policies \['greedy', 'sampling'\]"):
-        fit_sts(mixed, bootstrap=0)
-    g = fit_sts(mixed, policy="greedy", bootstrap=0)
-    s = fit_sts(mixed, policy="sampling", bootstrap=0)
+        fit_sts(mixed, NO_BOOTSTRAP)
+    g = fit_sts(mixed, NO_BOOTSTRAP, policy="greedy")
+    s = fit_sts(mixed, NO_BOOTSTRAP, policy="sampling")
     assert g.temperatures[0] == pytest.approx(0.5, rel=0.1) and s.temperatures[0] == pytest.approx(2.0, rel=0.1)
     assert g.data["rows"] == s.data["rows"] == 20_000
 
 
 def test_margin_baseline_comparison(device):
-    strong = fit_sts(synthetic(4_000, [1.0, 1.0], 4, device, margin_signal=True), bootstrap=0)
+    strong = fit_sts(synthetic(4_000, [1.0, 1.0], 4, device, margin_signal=True), NO_BOOTSTRAP)
     assert strong.metrics["head_worse_than_margin"]["conditional"] == [0, 1]
     assert any("ranks worse" in w for w in strong.warnings)
-    noise = fit_sts(synthetic(4_000, [1.0, 1.0], 4, device), bootstrap=0)
+    noise = fit_sts(synthetic(4_000, [1.0, 1.0], 4, device), NO_BOOTSTRAP)
     assert noise.metrics["head_worse_than_margin"] == {"conditional": [], "cumulative": []}
     rep = noise.metrics["positions"][0]["conditional"]
     assert rep["after"]["auroc"]["value"] > rep["auroc_margin"]["value"] + 0.1
@@ -148,7 +151,11 @@ def test_fit_bad_input(device):
     with pytest.raises(ValueError, match="bounds.*2.0, 1.0"):
         fit_temperatures(d.logits, d.labels, bounds=(2.0, 1.0))
     with pytest.raises(ValueError, match="method.*'ece2'"):
-        fit_sts(d, method="ece2")
+        FitOptions(method="ece2")
+    with pytest.raises(ValueError, match=r"holdout_fraction must be a number in \(0, 1\), got 1.5"):
+        FitOptions(holdout_fraction=1.5)
+    with pytest.raises(TypeError, match="options must be a FitOptions, got dict"):
+        fit_sts(d, {"method": "nll"})
     nan = float("nan")
     with pytest.raises(ValueError, match=r"labels must be a contiguous prefix.*row 1 is \[1, 0, 1\]"):
         fit_temperatures(torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]]))
@@ -213,7 +220,7 @@ def test_calibrate_command_writes_json_and_plots(tmp_path, capsys):
         for s in range(0, 3_000, 500):
             sl = slice(s, s + 500)
             rec.record(d.logits[sl], verify_lens=d.verify_lens[sl], request_ids=d.request_ids[sl],
-                       labels=torch.nan_to_num(d.labels[sl]), draft_logits=torch.randn(500, 2, 5))
+                       outcome=StsOutcome(labels=torch.nan_to_num(d.labels[sl])), draft_logits=torch.randn(500, 2, 5))
     rc = cli_main(["calibrate", str(tmp_path / "shards"), "--out", str(tmp_path / "c.json"),
                          "--plots", str(tmp_path / "plots"), "--bootstrap", "5"])
     assert rc == 0

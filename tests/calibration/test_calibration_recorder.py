@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.calibration.recorder import SHARD_FORMAT, StsRecorder, load_shard, load_sts
+from dspark.calibration.recorder import SHARD_FORMAT, StsOutcome, StsRecorder, load_shard, load_sts
 
 NAN = float("nan")
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,11 +21,12 @@ def test_record_labels_censoring_and_roundtrip(device, tmp_path):
     with StsRecorder(tmp_path, gamma=g, rank=3) as rec:
         rec.record(z, verify_lens=torch.tensor([5, 3, 1], device=device),
                    request_ids=torch.tensor([10, 11, 12], device=device),
-                   correct_lens=torch.tensor([2, 4, 0], device=device),
-                   soft_accept=torch.full((3, g), 0.5, device=device),
+                   outcome=StsOutcome(correct_lens=torch.tensor([2, 4, 0], device=device),
+                                         soft_accept=torch.full((3, g), 0.5, device=device)),
                    draft_logits=torch.arange(3 * g * 3, dtype=torch.float32, device=device).reshape(3, g, 3))
         rec.record(z[:1], verify_lens=torch.tensor([3], device=device), request_ids=torch.tensor([10], device=device),
-                   labels=torch.tensor([[1, 0, 0, 0]], device=device), policy="sampling", step=9)
+                   outcome=StsOutcome(labels=torch.tensor([[1, 0, 0, 0]], device=device), policy="sampling"),
+                   step=9)
     assert [p.name for p in rec.shards] == ["sts-rank00003-000000.pt"]
     d = load_sts([tmp_path])
     lab = d.labels.tolist()
@@ -41,7 +42,8 @@ def test_record_labels_censoring_and_roundtrip(device, tmp_path):
 
 def test_shards_split_per_rank_and_numbering_continues(tmp_path):
     z = torch.zeros(3, 2)
-    kw = dict(verify_lens=torch.full((3,), 3), request_ids=torch.arange(3), correct_lens=torch.ones(3, dtype=torch.long))
+    kw = dict(verify_lens=torch.full((3,), 3), request_ids=torch.arange(3),
+              outcome=StsOutcome(correct_lens=torch.ones(3, dtype=torch.long)))
     for rank in (0, 1):
         rec = StsRecorder(tmp_path, gamma=2, rank=rank, shard_rows=5)
         for _ in range(4):
@@ -63,22 +65,26 @@ def test_record_bad_input(tmp_path):
     rec = StsRecorder(tmp_path, gamma=3)
     z = torch.zeros(2, 3)
     ok = dict(verify_lens=torch.tensor([4, 4]), request_ids=torch.tensor([0, 1]))
+    one = StsOutcome(correct_lens=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match=r"row 1 is \[0, 1, 1\]"):
-        rec.record(z, labels=torch.tensor([[1, 0, 0], [0, 1, 1]]), **ok)
+        rec.record(z, outcome=StsOutcome(labels=torch.tensor([[1, 0, 0], [0, 1, 1]])), **ok)
     with pytest.raises(ValueError, match="exactly one"):
-        rec.record(z, **ok)
+        StsOutcome()
+    with pytest.raises(TypeError, match="outcome must be a StsOutcome, got dict"):
+        rec.record(z, outcome={"correct_lens": torch.tensor([1, 1])}, **ok)
     with pytest.raises(ValueError, match=r"correct_lens must lie in \[0, 3\], got \[1, 4\]"):
-        rec.record(z, correct_lens=torch.tensor([1, 4]), **ok)
+        rec.record(z, outcome=StsOutcome(correct_lens=torch.tensor([1, 4])), **ok)
     with pytest.raises(ValueError, match=r"verify_lens must lie in \[1, 4\], got \[0, 4\]"):
-        rec.record(z, correct_lens=torch.tensor([1, 1]), verify_lens=torch.tensor([0, 4]), request_ids=ok["request_ids"])
+        rec.record(z, outcome=one, verify_lens=torch.tensor([0, 4]), request_ids=ok["request_ids"])
     with pytest.raises(ValueError, match="policy.*'topk'"):
-        rec.record(z, correct_lens=torch.tensor([1, 1]), policy="topk", **ok)
+        StsOutcome(correct_lens=torch.tensor([1, 1]), policy="topk")
     with pytest.raises(ValueError, match=r"\[B, 3\], got \(2, 2\)"):
-        rec.record(torch.zeros(2, 2), correct_lens=torch.tensor([1, 1]), **ok)
+        rec.record(torch.zeros(2, 2), outcome=one, **ok)
     with pytest.raises(TypeError, match="request_ids must be an integer or bool tensor, got torch.float32"):
-        rec.record(z, correct_lens=torch.tensor([1, 1]), verify_lens=ok["verify_lens"], request_ids=torch.zeros(2))
+        rec.record(z, outcome=one, verify_lens=ok["verify_lens"], request_ids=torch.zeros(2))
     with pytest.raises(ValueError, match=r"soft_accept\[1, 2\] = 1.5"):
-        rec.record(z, correct_lens=torch.tensor([1, 1]), soft_accept=torch.tensor([[0.5] * 3, [0.5, 0.5, 1.5]]), **ok)
+        rec.record(z, outcome=StsOutcome(correct_lens=torch.tensor([1, 1]),
+                                            soft_accept=torch.tensor([[0.5] * 3, [0.5, 0.5, 1.5]])), **ok)
     with pytest.raises(ValueError, match="gamma must be an int >= 1, got 0"):
         StsRecorder(tmp_path, gamma=0)
     rec.close()
@@ -138,10 +144,11 @@ _CHILD = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     for step in range(3 if mode == "kill" else 1):
         rec.record(torch.randn(50, 3, generator=g), verify_lens=torch.full((50,), 4),
-                   request_ids=torch.arange(50), correct_lens=torch.randint(0, 4, (50,), generator=g))
+                   request_ids=torch.arange(50),
+                   outcome=cr.StsOutcome(correct_lens=torch.randint(0, 4, (50,), generator=g)))
     if mode == "exit":
         rec.record(torch.randn(7, 3, generator=g), verify_lens=torch.full((7,), 2),
-                   request_ids=torch.arange(7), correct_lens=torch.zeros(7, dtype=torch.long))
+                   request_ids=torch.arange(7), outcome=cr.StsOutcome(correct_lens=torch.zeros(7, dtype=torch.long)))
     print("done", flush=True)  # "exit": leaves without close(); atexit must flush the 7 pending rows
 """)
 

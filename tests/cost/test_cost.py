@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from dspark import (
     AdditiveCostModel,
+    BatchTerm,
     CostModel,
     FitReport,
     ProfileSample,
+    RowTerm,
     StepsPerSecondTable,
     load_cost_model,
     register_cost_model,
@@ -26,7 +28,8 @@ def sps() -> StepsPerSecondTable:
 
 
 def additive() -> AdditiveCostModel:
-    return AdditiveCostModel(1e-3, [1, 8], [0.0, 2e-3], [0, 64, 128], [0.0, 1e-3, 4e-3], platform="test-npu")
+    return AdditiveCostModel(1e-3, BatchTerm([1, 8], [0.0, 2e-3]), RowTerm([0, 64, 128], [0.0, 1e-3, 4e-3]),
+                             platform="test-npu")
 
 
 def test_floor_lookup_scalar_and_vectorized(device):

@@ -7,6 +7,7 @@ import torch
 
 from dspark import ProfileSample, ScheduleConfig, TierManifest, load_cost_model
 from dspark.lab.sweep import (
+    SweepTiming,
     budget_regret,
     dense_rows,
     fit_cost_models,
@@ -73,14 +74,17 @@ def test_profile_steps_interleaves_warms_up_and_takes_medians(monkeypatch):
     monkeypatch.setattr(prof, "step_timer", fake_timer)
     seen = []
     pts = [(1, 3), (2, 5), (1, 3), (4, 9)]
-    out = profile_steps(adapter, pts, warmup=2, repeats=3, progress=lambda d, t: seen.append((d, t)))
+    out = profile_steps(adapter, pts, timing=SweepTiming(warmup=2, repeats=3),
+                        progress=lambda d, t: seen.append((d, t)))
     assert [(s.num_requests, s.rows, s.seconds) for s in out] == [(1, 3, 3.0), (2, 5, 5.0), (4, 9, 9.0)]
     assert adapter.steps == 3 * 3 * (2 + 1) and len(adapter.prepared) == 9
     passes = [adapter.prepared[i:i + 3] for i in (0, 3, 6)]
     assert all(sorted(p) == [(1, 3), (2, 5), (4, 9)] for p in passes)  # every pass visits every point once
     assert seen == [(d, 9) for d in range(1, 10)]
-    with pytest.raises(ValueError, match="repeats >= 1"):
-        profile_steps(adapter, pts, repeats=0)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1, got 0"):
+        SweepTiming(repeats=0)
+    with pytest.raises(ValueError, match="stat must be one of"):
+        SweepTiming(stat="mean")
 
 
 def test_step_timer_measures_cpu_work():

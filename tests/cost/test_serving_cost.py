@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.cost import ProfileSample, TieredCostModel
+from dspark.cost import BatchTerm, ProfileSample, TieredCostModel, TierTerm
 from dspark.cost.roofline import LlamaGeometry
 from dspark.cost.serving import (
     COST_MODELS_DIR,
@@ -106,7 +106,8 @@ def test_fill_monotone_keeps_measured_cells_and_makes_every_b_non_decreasing_in_
         row[measured[0]: measured[-1] + 1] = sorted(row[measured[0]: measured[-1] + 1])  # a PAV-fitted span
         table.append(row)
         samples += [ProfileSample(b, tiers[i], row[i]) for i in measured]
-    model = TieredCostModel(0.0, probes, [0.0] * len(probes), tiers, [0.0] * len(tiers), table=table, width=w)
+    model = TieredCostModel(0.0, BatchTerm(probes, [0.0] * len(probes)), TierTerm(tiers, [0.0] * len(tiers)),
+                            table=table, width=w)
     filled = fill_monotone(model, samples)
     for s in samples:
         assert filled.table[probes.index(s.num_requests)][tiers.index(s.rows)] == s.seconds
@@ -438,9 +439,9 @@ def _chain(*depths: tuple[float, ...], probes: tuple[int, ...] = (1, 4)) -> Draf
     (lambda: _cost(plain=BatchCurve((1, 2), (0.1, 0.2))), "plain must cover B = 1..max_requests = 4, got batch "
                                                           "sizes 1..2"),
     (lambda: _cost(parameters={"x": math.nan}), "parameters must hold JSON values"),
-    (lambda: _cost(verify=TieredCostModel(0.01, [1], [0.0], [1, 8], [0.0, 0.001], width=4)),
+    (lambda: _cost(verify=TieredCostModel(0.01, BatchTerm([1], [0.0]), TierTerm([1, 8], [0.0, 0.001]), width=4)),
      "verify predicts inf s at B=3, M=9"),
-    (lambda: _cost(verify=TieredCostModel(0.01, [1], [0.0], [16], [0.0])), "width None"),
+    (lambda: _cost(verify=TieredCostModel(0.01, BatchTerm([1], [0.0]), TierTerm([16], [0.0]))), "width None"),
     (lambda: _cost(per_kv_token=-1e-9), "per_kv_token must be a number in [0, inf), got -1e-09"),
     (lambda: _cost(per_kv_token=math.nan), "per_kv_token must be a number in [0, inf), got nan"),
     (lambda: _cost(drafter=_chain((0.1, 0.2), (0.2, 0.3))), "the drafter is priced for depths 1..2 but verify "
@@ -468,7 +469,8 @@ def _chain(*depths: tuple[float, ...], probes: tuple[int, ...] = (1, 4)) -> Draf
     (lambda: h200_roofline_llama8b(max_requests=0), "max_requests must be an int >= 1, got 0"),
     (lambda: h200_roofline_llama8b(draft_vocab=0), "vocab must be an int >= 1, got 0"),
     (lambda: H200.forward_seconds(SMOLLM2_135M.forward(), rows=0, requests=1, context=1), "rows must be an int >= 1"),
-    (lambda: fill_monotone(TieredCostModel(0.01, [1], [0.0], [4], [0.0]), [ProfileSample(1, 4, 0.1)]),
+    (lambda: fill_monotone(TieredCostModel(0.01, BatchTerm([1], [0.0]), TierTerm([4], [0.0])),
+                           [ProfileSample(1, 4, 0.1)]),
      "fill_monotone needs a TieredCostModel with a table"),
 ])
 def test_bad_input_is_refused_naming_the_argument(call, message: str) -> None:

@@ -8,15 +8,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.cost import AdditiveCostModel, CostModel, TieredCostModel
+from dspark.cost import AdditiveCostModel, BatchTerm, CostModel, RowTerm, TieredCostModel, TierTerm
 from dspark.cost.shifted import ShiftedCostModel
 
 pytestmark = pytest.mark.cpu_only(reason="cost models are host-side tables")
 
 
 def _bases():
-    return [AdditiveCostModel(2e-3, [1, 8, 64], [0.0, 1e-3, 5e-3], [1, 16, 256], [1e-4, 2e-3, 9e-3], width=4),
-            TieredCostModel(1e-3, [1, 16], [0.0, 2e-3], [4, 8, 32, 128], [1e-3, 2e-3, 4e-3, 9e-3], width=4)]
+    return [AdditiveCostModel(2e-3, BatchTerm([1, 8, 64], [0.0, 1e-3, 5e-3]), RowTerm([1, 16, 256], [1e-4, 2e-3, 9e-3]),
+                              width=4),
+            TieredCostModel(1e-3, BatchTerm([1, 16], [0.0, 2e-3]), TierTerm([4, 8, 32, 128], [1e-3, 2e-3, 4e-3, 9e-3]),
+                            width=4)]
 
 
 @settings(max_examples=40, deadline=None)

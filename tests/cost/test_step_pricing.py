@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.cost import AdditiveCostModel, TieredCostModel
+from dspark.cost import AdditiveCostModel, BatchTerm, RowTerm, TieredCostModel, TierTerm
 from dspark.cost.serving import (
     DRAFTER_KINDS,
     KV_LAYOUTS,
@@ -90,13 +90,14 @@ def serving_costs(draw) -> ServingCost:
     bp = _probes(draw, max_requests)
     if draw(st.booleans()):
         rp = _probes(draw, max_requests * w)
-        verify = AdditiveCostModel(draw(st.floats(1e-4, 1e-2)), bp, draw(st.lists(sec, min_size=len(bp),
-                                                                                      max_size=len(bp))),
-                                   rp, draw(st.lists(sec, min_size=len(rp), max_size=len(rp))), width=w)
+        alpha = BatchTerm(bp, draw(st.lists(sec, min_size=len(bp), max_size=len(bp))))
+        theta = RowTerm(rp, draw(st.lists(sec, min_size=len(rp), max_size=len(rp))))
+        verify = AdditiveCostModel(draw(st.floats(1e-4, 1e-2)), alpha, theta, width=w)
     else:
         tiers = _probes(draw, max_requests * w)
         table = [draw(st.lists(sec, min_size=len(tiers), max_size=len(tiers))) for _ in bp]
-        verify = TieredCostModel(0.0, bp, [0.0] * len(bp), tiers, [0.0] * len(tiers), table=table, width=w)
+        verify = TieredCostModel(0.0, BatchTerm(bp, [0.0] * len(bp)), TierTerm(tiers, [0.0] * len(tiers)), table=table,
+                                 width=w)
     pp = _probes(draw, max_requests)
     plain = BatchCurve(pp, draw(st.lists(sec, min_size=len(pp), max_size=len(pp))))
     kind, dp = draw(st.sampled_from(DRAFTER_KINDS)), _probes(draw, max_requests)

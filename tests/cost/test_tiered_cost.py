@@ -8,10 +8,12 @@ from hypothesis import strategies as st
 
 from dspark import (
     AdditiveCostModel,
+    BatchTerm,
     CostModel,
     ProfileSample,
     ScheduleConfig,
     TieredCostModel,
+    TierTerm,
     check_cost_model,
     choose_budget,
     load_cost_model,
@@ -52,7 +54,7 @@ def test_fit_recovers_a_noise_free_staircase_and_lookup_uses_the_runtime_round_u
 @given(tiers=st.lists(st.integers(1, 300), min_size=1, max_size=8, unique=True).map(sorted),
        rows=st.lists(st.integers(0, 320), min_size=1, max_size=20))
 def test_tier_lookup_equals_layout_round_up(tiers, rows):
-    model = TieredCostModel(1e-3, [1], [0.0], tiers, [1e-4 * (i + 1) for i in range(len(tiers))])
+    model = TieredCostModel(1e-3, BatchTerm([1], [0.0]), TierTerm(tiers, [1e-4 * (i + 1) for i in range(len(tiers))]))
     got = model.step_seconds(1, torch.tensor(rows))
     for m, sec in zip(rows, got.tolist()):
         t = round_up_to_tier(m, tiers)
@@ -100,18 +102,20 @@ def test_fit_rejects_bad_designs():
     (dict(table=[[1e-3, 2e-3], [1e-3, float("inf")]]), "finite"),
 ])
 def test_constructor_validation(kwargs, needle):
-    base = dict(bias=1e-4, batch_probes=[1, 4], alpha=[0.0, 1e-5], tiers=[8, 16], phi=[1e-3, 2e-3])
+    d = {**dict(bias=1e-4, batch_probes=[1, 4], alpha=[0.0, 1e-5], tiers=[8, 16], phi=[1e-3, 2e-3]), **kwargs}
     with pytest.raises(ValueError, match=needle):
-        TieredCostModel(**{**base, **kwargs})
+        TieredCostModel(d["bias"], BatchTerm(d["batch_probes"], d["alpha"]), TierTerm(d["tiers"], d["phi"]),
+                        table=d.get("table"))
 
 
 def test_unreachable_corners_may_be_non_positive():
     # with W=4, B <= 2 verifies at most 8 rows: probe B=1 (serving B in [1, 2)) never replays tier 64
     table = [[1e-3, 2e-3, -1.0], [1.1e-3, 2.1e-3, 4e-3], [1.2e-3, 2.2e-3, 5e-3]]
-    model = TieredCostModel(1e-4, [1, 2, 16], [0.0, 1e-5, 5e-4], [4, 8, 64], [1e-3, 2e-3, 4e-3], table=table, width=4)
+    terms = BatchTerm([1, 2, 16], [0.0, 1e-5, 5e-4]), TierTerm([4, 8, 64], [1e-3, 2e-3, 4e-3])
+    model = TieredCostModel(1e-4, *terms, table=table, width=4)
     assert model.step_seconds(16, 60) == pytest.approx(5e-3) and model.step_seconds(2, 8) == pytest.approx(2.1e-3)
     with pytest.raises(ValueError, match="at B=1, tier 64 is -1.0"):  # W=8: B=2 reaches 16 rows -> tier 64
-        TieredCostModel(1e-4, [1, 2, 16], [0.0, 1e-5, 5e-4], [4, 8, 64], [1e-3, 2e-3, 4e-3], table=table, width=8)
+        TieredCostModel(1e-4, *terms, table=table, width=8)
 
 
 def test_load_refuses_corrupt_or_foreign_tables(tmp_path):

@@ -335,17 +335,20 @@ def _small(device, dtype=torch.float32):
     (lambda c: c.attention().run(c.q[:, :2], c.k_cache, c.v_cache), "q must have shape [5, 4, 8]", ValueError),
     (lambda c: c.attention().run(c.q, c.k_cache[:, :, :1], c.v_cache), "k_cache must have shape", ValueError),
     (lambda c: c.attention().run(c.q.double(), c.k_cache, c.v_cache), "q has dtype torch.float64", TypeError),
-    (lambda c: verify_attention(c.q.double(), c.k_cache, c.v_cache, c.layout, c.prefix, c.table),
+    (lambda c: verify_attention(c.q.double(), (c.k_cache, c.v_cache), c.layout, c.prefix, c.table),
      "torch.float64 is not supported", TypeError),
-    (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, c.prefix + 10, c.table),
+    (lambda c: verify_attention(c.q, (c.k_cache, c.v_cache), c.layout, c.prefix + 10, c.table),
      "request 0 writes positions up to 16", ValueError),
-    (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, c.prefix, c.table * 0 - 1),
+    (lambda c: verify_attention(c.q, (c.k_cache, c.v_cache), c.layout, c.prefix, c.table * 0 - 1),
      "block_table[0, 0] = -1", ValueError),
-    (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, c.prefix, c.table + 100),
+    (lambda c: verify_attention(c.q, (c.k_cache, c.v_cache), c.layout, c.prefix, c.table + 100),
      "is not a page id in [0, ", ValueError),
-    (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, [-1, 0], c.table),
+    (lambda c: verify_attention(c.q, (c.k_cache, c.v_cache), c.layout, [-1, 0], c.table),
      "prefix_lens[0] = -1", ValueError),
-    (lambda c: verify_attention(c.q, c.k_cache, c.v_cache, c.layout, [1.0, 2.0], c.table), "prefix_lens must hold ints, got 1.0", TypeError),
+    (lambda c: verify_attention(c.q, (c.k_cache, c.v_cache), c.layout, [1.0, 2.0], c.table),
+     "prefix_lens must hold ints, got 1.0", TypeError),
+    (lambda c: verify_attention(c.q, c.k_cache, c.layout, c.prefix, c.table),
+     "kv_cache must be a (k_cache, v_cache) pair, got Tensor", TypeError),
     (lambda c: RaggedVerifyAttention(AttentionShape(2, 2, 4, 4, 2, 8, 4), c.q.device, torch.float32).plan(c.layout,
                                                                                                           c.prefix,
                                                                                                           c.table),
@@ -368,7 +371,7 @@ def test_bad_input_names_the_value(make, needle, exc, device):
 def test_verify_attention_one_shot_returns_lse(device):
     case = _small(device)
     write_kv(case.k_new, case.v_new, case.k_cache, case.v_cache, case.attention().kv_slots)
-    out, lse = verify_attention(case.q, case.k_cache, case.v_cache, case.layout, case.prefix, case.table,
+    out, lse = verify_attention(case.q, (case.k_cache, case.v_cache), case.layout, case.prefix, case.table,
                                 sm_scale=0.3, return_lse=True)
     ref, ref_lse = ragged_attention_ref(case.q, case.k_cache, case.v_cache, case.attention(sm_scale=0.3).meta, 0.3)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

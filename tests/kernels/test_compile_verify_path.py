@@ -95,13 +95,14 @@ def test_survival_compiles(seed, b, gamma, temps, backend, device):
 # ---------------------------------------------------------------- budget
 
 def _budget_case(seed, b, gamma, floor_gap, device):
-    from dspark import AdditiveCostModel, ScheduleConfig, TieredCostModel
+    from dspark import AdditiveCostModel, BatchTerm, RowTerm, ScheduleConfig, TieredCostModel, TierTerm
 
     cfg = ScheduleConfig(gamma=gamma, min_verify_len=1 + floor_gap % gamma, max_verify_len=None)
     if seed % 2:  # a staircase: the greedy scan admits a tier's candidates together
-        cost = TieredCostModel(2e-3, [1, 16], [0.0, 1e-3], [2, 5, 9, 16, 30, 64], [0.0, 0.3e-3, 1e-3, 1.2e-3, 4e-3, 9e-3])
+        cost = TieredCostModel(2e-3, BatchTerm([1, 16], [0.0, 1e-3]),
+                               TierTerm([2, 5, 9, 16, 30, 64], [0.0, 0.3e-3, 1e-3, 1.2e-3, 4e-3, 9e-3]))
     else:  # rows past the last probe are held flat: one run
-        cost = AdditiveCostModel(2e-3, [1, 16], [0.0, 1e-3], [0, 8, 40], [0.0, 0.4e-3, 8e-3])
+        cost = AdditiveCostModel(2e-3, BatchTerm([1, 16], [0.0, 1e-3]), RowTerm([0, 8, 40], [0.0, 0.4e-3, 8e-3]))
     s = monotone(seed, b, gamma, device)
     seconds = bu.seconds_over_window(cost, b, cfg).to(device)
     return cfg, cost, s, seconds

@@ -171,14 +171,15 @@ def test_speed_ups_are_paired_medians_over_lockstep_rounds(tmp_path: Path) -> No
 
 
 def test_cost_feedback_flag_reaches_the_adaptive_policy() -> None:
-    from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
+    from dspark import AdditiveCostModel, BatchTerm, PlannerSettings, RowTerm, ScheduleConfig, VerifyPlanner
     from dspark.lab.profile import PlainStepCost
     from dspark.serve.policies import make_policy
     from dspark.serve.policies.gate import GateSettings
 
-    cost = AdditiveCostModel(1e-3, [1], [0.0], [1, 3], [0.0, 1e-4])
-    planner = lambda sts=True, depth=2: VerifyPlanner(ScheduleConfig(gamma=2), cost, lag=0, num_slots=4,  # noqa: E731
-                                                temperatures=[1.5, 1.5] if sts else None)
+    cost = AdditiveCostModel(1e-3, BatchTerm([1], [0.0]), RowTerm([1, 3], [0.0, 1e-4]))
+    planner = lambda sts=True, depth=2: VerifyPlanner(ScheduleConfig(gamma=2), cost,  # noqa: E731
+                                                      PlannerSettings(lag=0, num_slots=4),
+                                                      temperatures=[1.5, 1.5] if sts else None)
     plain = PlainStepCost((1,), (1e-3,))
     off = make_policy("adaptive", 2, planner, plain.step_seconds, GateSettings.probing((8, 64, False)))
     on = make_policy("adaptive", 2, planner, plain.step_seconds, GateSettings.probing((8, 64, True)))

@@ -90,7 +90,7 @@ def test_profile_catch_up_recovers_the_seconds_per_caught_up_token(monkeypatch, 
     """A drafter whose proposal costs 40 ms + 3 ms per token caught up beyond the roots, on a clock only the
     drafter advances: the profiled slope is 3 ms, whatever the accepted lengths (the first step catches up the
     prompts, the later ones what the step before committed beyond one)."""
-    from dspark.lab.profile import profile_catch_up
+    from dspark.lab.profile import ProfileRuns, profile_catch_up
     from dspark.serve.drafters.block import BlockDrafter
     from dspark.serve.engine import SpecDecoder
     from tests.engine_models import VOCAB, tiny_models
@@ -108,7 +108,8 @@ def test_profile_catch_up_recovers_the_seconds_per_caught_up_token(monkeypatch, 
     dec = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=1024, device=device))
     monkeypatch.setattr(dec, "_now", lambda: clock[0])
     prompts = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
-    assert profile_catch_up(dec, prompts.to(device), 3, tokens=8, repeats=2) == pytest.approx(0.003, rel=1e-6)
+    assert profile_catch_up(dec, prompts.to(device), 3, runs=ProfileRuns(tokens=8, repeats=2)) == pytest.approx(
+        0.003, rel=1e-6)
 
 
 @pytest.mark.cpu_only(reason="which attention path serves a CPU tensor")
@@ -130,15 +131,16 @@ def test_a_draft_phase_longer_than_a_step_never_prices_the_target_at_or_below_ze
     """The draft phase is timed in other runs than the whole steps: under load its median can exceed a step's
     cheapest cell. The part taken out is then held to half that cell, and the file says where."""
     from dspark.cost.serving import BatchCurve, PrefillCost
-    from dspark.lab.profile import profile_points, profiled_cost
+    from dspark.cost.shipped import ServingCostSpec
+    from dspark.lab.profile import ServingProfile, profile_points, profiled_cost
 
     tiers = (1, 2, 3, 4, 8, 12, 16)
     grid = profile_points((1, 4), 3, tiers)
     samples = [ProfileSample(b, m, 1e-3 * (2 + 0.1 * m)) for b, m in grid]
     plain = BatchCurve((1, 4), (1.5e-3, 2e-3))
     drafting = [BatchCurve((1, 4), (1e-3 * k, 5e-3 * k)) for k in (1, 2, 3)]  # 15 ms at B = 4: over every cell
-    cost = profiled_cost(samples, plain, drafting, PrefillCost(0.0, 1e-5), gamma=3, tiers=tiers, max_requests=4,
-                         name="noisy", description="", parameters={})
+    cost = profiled_cost(ServingProfile(samples, plain, drafting, PrefillCost(0.0, 1e-5)),
+                         ServingCostSpec("noisy", "", gamma=3, max_requests=4, tiers=tiers))
     for b in (1, 4):
         cells = [float(cost.verify.step_seconds(b, m)) for m in range(b, 4 * b + 1)]
         assert min(cells) > 0, (b, cells)
@@ -151,7 +153,8 @@ def test_a_kv_slope_larger_than_the_plain_steps_never_prices_plain_at_or_below_z
     context share exceeded the plain step under load): it is held so that the share is at most half of every
     plain step, and the file says so; a plausible slope is kept as measured."""
     from dspark.cost.serving import BatchCurve, PrefillCost
-    from dspark.lab.profile import profile_points, profiled_cost
+    from dspark.cost.shipped import ServingCostSpec
+    from dspark.lab.profile import ServingProfile, profile_points, profiled_cost
 
     tiers = (1, 2, 3, 4, 8, 12, 16)
     grid = profile_points((1, 4), 3, tiers)
@@ -160,8 +163,8 @@ def test_a_kv_slope_larger_than_the_plain_steps_never_prices_plain_at_or_below_z
     drafting = [BatchCurve((1, 4), (1e-4 * k, 2e-4 * k)) for k in (1, 2, 3)]
 
     def fit(per_kv: float):
-        return profiled_cost(samples, plain, drafting, PrefillCost(0.0, 1e-5), gamma=3, tiers=tiers, max_requests=4,
-                             name="noisy", description="", parameters={}, kv=(per_kv, 10.0))
+        return profiled_cost(ServingProfile(samples, plain, drafting, PrefillCost(0.0, 1e-5), kv=(per_kv, 10.0)),
+                             ServingCostSpec("noisy", "", gamma=3, max_requests=4, tiers=tiers))
 
     noisy = fit(1e-3)  # 10 tokens x 1 ms: 10 ms of context per request, over every plain step
     assert noisy.per_kv_token == pytest.approx(0.5 * 2e-3 / (10.0 * 4))  # half of B = 4's plain step per token

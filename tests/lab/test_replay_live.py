@@ -14,7 +14,7 @@ from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
 from dspark.lab.replay.lab import Lab
 from dspark.lab.replay.live import priced_phases, step_agreement, work_of
-from dspark.lab.replay.record import record_trace
+from dspark.lab.replay.record import RecordSettings, record_trace
 from dspark.lab.replay.workload import Request
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
@@ -29,7 +29,8 @@ def _setup():
     g = torch.Generator().manual_seed(7)
     requests = [Request("code" if i % 2 else "chat", torch.randint(3, VOCAB, (int(p),), generator=g), int(n))
                 for i, (p, n) in enumerate(zip(torch.randint(4, 9, (N,), generator=g), torch.randint(3, 12, (N,), generator=g)))]
-    trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=GAMMA, max_batch=4)
+    trace = record_trace(target, draft, requests, draft_sha256="0" * 64,
+                         settings=RecordSettings(gamma=GAMMA, max_batch=4))
     decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096))
     cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8)
     cost = dataclasses.replace(cost, drafter=dataclasses.replace(cost.drafter, per_catch_up_token=20e-6))

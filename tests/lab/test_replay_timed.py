@@ -14,7 +14,7 @@ from engine_models import VOCAB, tiny_llama, tiny_models
 
 from dspark.cost.shipped import h100_llama8b_fitted
 from dspark.lab.replay.lab import Lab
-from dspark.lab.replay.record import record_trace
+from dspark.lab.replay.record import RecordSettings, record_trace
 from dspark.lab.replay.timed import TimedReplay
 from dspark.lab.replay.workload import Request
 from dspark.models.transformers_lm import TransformersCausalLM
@@ -34,7 +34,8 @@ def _setup():
     requests = [Request("code" if i % 2 else "chat", torch.randint(3, VOCAB, (int(p),), generator=g), int(n))
                 for i, (p, n) in enumerate(zip(torch.randint(4, 9, (N,), generator=g),
                                                torch.randint(3, 12, (N,), generator=g)))]
-    trace = record_trace(target, draft, requests, draft_sha256="0" * 64, gamma=GAMMA, max_batch=4)
+    trace = record_trace(target, draft, requests, draft_sha256="0" * 64,
+                         settings=RecordSettings(gamma=GAMMA, max_batch=4))
     return trace, h100_llama8b_fitted(gamma=GAMMA, max_requests=8)
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from dspark.calibration.online import draft_features
 from dspark.lab.replay import record
-from dspark.lab.replay.record import record_trace
+from dspark.lab.replay.record import RecordSettings, record_trace
 from dspark.lab.replay.trace import (
     DEFAULT_TRACE,
     NEAR_TIE,
@@ -50,8 +50,8 @@ def _requests(seed: int, n: int = 10) -> list[Request]:
 
 @functools.lru_cache(maxsize=None)
 def _recorded(seed: int = 0) -> Trace:
-    return record_trace(*tiny_models(gamma=GAMMA), _requests(seed), draft_sha256=SHA, max_batch=4,
-                        meta={"command": f"{RECORD} --tiny"})
+    return record_trace(*tiny_models(gamma=GAMMA), _requests(seed), draft_sha256=SHA,
+                        settings=RecordSettings(max_batch=4), meta={"command": f"{RECORD} --tiny"})
 
 
 def _saved(tmp_path: Path) -> Path:
@@ -65,7 +65,7 @@ def _saved(tmp_path: Path) -> Path:
 def test_the_live_engine_computes_the_trace_at_every_step(device, max_batch) -> None:
     target, draft = tiny_models(gamma=GAMMA)
     requests = _requests(0)
-    trace = record_trace(target, draft, requests, draft_sha256=SHA, max_batch=4, device=device)
+    trace = record_trace(target, draft, requests, draft_sha256=SHA, settings=RecordSettings(max_batch=4, device=device))
     assert trace.meta["argmax_mismatches"]["count"] == 0  # teacher-forced argmax = the decoded continuation
     config = EngineConfig(cache_tokens=4096, page_size=8, device=device, keep_draft_logits=True)
     live = SpecDecoder(target, draft, config).generate([r.prompt for r in requests], trace.new_tokens.clone(),
@@ -111,7 +111,8 @@ def test_record_is_deterministic_per_seed(tmp_path: Path) -> None:
     shas = []
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         path = tmp_path / f"{name}.safetensors"
-        save_trace(record_trace(target, draft, _requests(seed), draft_sha256=SHA, max_batch=4), path)
+        save_trace(record_trace(target, draft, _requests(seed), draft_sha256=SHA, settings=RecordSettings(max_batch=4)),
+                   path)
         shas.append(file_sha256(path))
     assert shas[0] == shas[1] != shas[2]
 

@@ -123,9 +123,9 @@ def verify_step(lm, ref, mode: str, prefix: list[int], verify_lens: list[int], g
     batch.prefill([s[:p] for s, p in zip(seqs, prefix)])
     prefix_t = torch.tensor(prefix, device=batch.device)
     inputs = dspark.build_verify_inputs(
-        mode, torch.tensor(verify_lens, device=batch.device), torch.stack([s[p] for s, p in zip(seqs, prefix)]),
-        torch.stack([s[p + 1: p + w] for s, p in zip(seqs, prefix)]), prefix_t, tiers=tiers,
-        block_table=batch.block_table, page_size=PAGE_SIZE)
+        dspark.VerifyExecution(mode, tiers), torch.tensor(verify_lens, device=batch.device),
+        torch.stack([s[p] for s, p in zip(seqs, prefix)]), torch.stack([s[p + 1: p + w] for s, p in zip(seqs, prefix)]),
+        prefix_t, kv=dspark.PagedKV(batch.block_table, PAGE_SIZE))
     layout = inputs.layout
     ids = torch.where(layout.row_valid, inputs.input_ids, random_tokens(gen, layout.graph_num_tokens, batch.device))
     before = batch.k.clone(), batch.v.clone()

@@ -20,10 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dspark import (
+    BatchTerm,
     RaggedVerifyLayout,
     ScheduleConfig,
     StepsPerSecondTable,
     TieredCostModel,
+    TierTerm,
     accept_greedy,
     allocate_verify_lens,
     calibrated_survival,
@@ -36,7 +38,8 @@ CHEAP = ["eager", "aot_eager"]
 FEW = settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 CONFIGS = [ScheduleConfig(gamma=5), ScheduleConfig(gamma=5, min_verify_len=2, max_verify_len=5),
            ScheduleConfig(gamma=3, survival_eps=0.3)]
-TIERED = TieredCostModel(2e-3, [1, 16], [0.0, 1e-3], [2, 5, 9, 16, 30, 64], [0.0, 0.3e-3, 1e-3, 1.2e-3, 4e-3, 9e-3])
+TIERED = TieredCostModel(2e-3, BatchTerm([1, 16], [0.0, 1e-3]),
+                         TierTerm([2, 5, 9, 16, 30, 64], [0.0, 0.3e-3, 1e-3, 1.2e-3, 4e-3, 9e-3]))
 SPS = StepsPerSecondTable([1, 4, 9, 20, 40], [500.0, 420.0, 300.0, 150.0, 90.0])
 
 

@@ -27,8 +27,8 @@ from dspark.kernels import _triton
 
 assert not _triton.available() and "triton" not in sys.modules
 cfg = dspark.ScheduleConfig(gamma=3)
-cost = dspark.AdditiveCostModel(1e-3, [1], [0.0], [0, 16], [0.0, 1e-3], width=4)
-planner = dspark.VerifyPlanner(cfg, cost, lag=1, tiers=(8, 16), num_slots=4)
+cost = dspark.AdditiveCostModel(1e-3, dspark.BatchTerm([1], [0.0]), dspark.RowTerm([0, 16], [0.0, 1e-3]), width=4)
+planner = dspark.VerifyPlanner(cfg, cost, dspark.PlannerSettings(lag=1, num_slots=4, tiers=(8, 16)))
 logits = torch.tensor([[2.0, 1.0, -1.0], [0.5, 0.5, 0.5], [3.0, 3.0, 3.0]])
 plan = planner.plan(logits, torch.arange(3), torch.zeros(3, dtype=torch.long))
 print(plan.verify_lens.tolist(), plan.layout.tier, plan.layout.graph_num_tokens)

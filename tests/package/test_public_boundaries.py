@@ -11,11 +11,14 @@ import torch
 import dspark
 from dspark import (
     AdditiveCostModel,
+    BatchTerm,
     Calibration,
     ConfidenceHead,
+    PlannerSettings,
     ProfileSample,
     RaggedVerifyAttention,
     RaggedVerifyLayout,
+    RowTerm,
     ScheduleConfig,
     StepsPerSecondTable,
     StsRecorder,
@@ -23,6 +26,7 @@ from dspark import (
     TieredCostModel,
     TierGraphRunner,
     TierManifest,
+    TierTerm,
     TpAgreement,
     VerifyPlanner,
 )
@@ -39,7 +43,7 @@ GENS = torch.tensor([0, 0])
 
 
 def planner() -> VerifyPlanner:
-    return VerifyPlanner(CFG, COST, lag=1, num_slots=4)
+    return VerifyPlanner(CFG, COST, PlannerSettings(lag=1, num_slots=4))
 
 
 def layout() -> RaggedVerifyLayout:
@@ -79,6 +83,10 @@ CASES = [
     ("accept_sampling", lambda: dspark.accept_sampling(DRAFT, PROBS[:, :2].tolist(), PROBS, VL), TypeError,
      r"draft_probs must be a torch.Tensor, got list"),
     ("VerifyPlanner", lambda: VerifyPlanner({"gamma": 2}, COST), TypeError, r"cfg must be a ScheduleConfig, got dict"),
+    ("VerifyPlanner", lambda: VerifyPlanner(CFG, COST, {"lag": 1}), TypeError,
+     r"settings must be a PlannerSettings, got dict: \{'lag': 1\}"),
+    ("PlannerSettings", lambda: PlannerSettings(lag=0, sync_free=True), ValueError,
+     r"sync_free=True needs lag >= 1 \(a lagged ring row to read\), got lag=0"),
     ("VerifyPlanner", lambda: planner().plan(torch.zeros(2, 2), [0, 1], GENS), TypeError,
      r"slots must be a torch.Tensor, got list: \[0, 1\]"),
     ("VerifyPlanner", lambda: planner().plan(torch.zeros(2, 2), torch.tensor([0, 1]), [0, 0]), TypeError,
@@ -90,6 +98,9 @@ CASES = [
      r"slots must be distinct within a step, got slot 1 at positions 0 and 2"),
     ("SurvivalLagRing", lambda: SurvivalLagRing(4, 2).read([1], [0]), TypeError, r"slots must be a torch.Tensor, got list"),
     ("fit_sts", lambda: dspark.fit_sts({"logits": S}), TypeError, r"data must be a StsData, got dict"),
+    ("FitOptions", lambda: dspark.FitOptions(num_bins=0), ValueError, r"num_bins must be an int >= 1, got 0"),
+    ("StsOutcome", lambda: dspark.StsOutcome(correct_lens=torch.tensor([1]), policy="beam"), ValueError,
+     r"policy must be one of \('greedy', 'sampling'\), got 'beam'"),
     ("fit_temperatures", lambda: dspark.fit_temperatures([[0.1]], [[1.0]]), TypeError, r"logits must be a torch.Tensor, got list"),
     ("load_sts", lambda: dspark.load_sts([3]), TypeError, r"paths\[0\] must be a str or PathLike, got int: 3"),
     ("StsData", lambda: dspark.fit_sts([S]), TypeError, r"data must be a StsData, got list"),
@@ -105,10 +116,13 @@ CASES = [
     ("ConfidenceHead", lambda: ConfidenceHead("8"), ValueError, r"hidden_size must be an int >= 1, got '8'"),
     ("ConfidenceHead", lambda: ConfidenceHead(4)([[0.0] * 4]), TypeError, r"hidden must be a torch.Tensor, got list"),
     ("Calibration", lambda: Calibration.load(3), TypeError, r"path must be a str or PathLike, got int: 3"),
-    ("build_verify_inputs", lambda: dspark.build_verify_inputs("compact", VL, [1, 2], DRAFT, torch.tensor([0, 0]),
-                                                             block_table=torch.zeros(2, 1, dtype=torch.long),
-                                                             page_size=4), TypeError,
-     r"root_tokens must be an integer \[B\] tensor, got \[1, 2\]"),
+    ("build_verify_inputs", lambda: dspark.build_verify_inputs(dspark.VerifyExecution("compact"), VL, [1, 2], DRAFT,
+                                                             torch.tensor([0, 0]),
+                                                             kv=dspark.PagedKV(torch.zeros(2, 1, dtype=torch.long), 4)),
+     TypeError, r"root_tokens must be an integer \[B\] tensor, got \[1, 2\]"),
+    ("VerifyExecution", lambda: dspark.VerifyExecution("ragged"), ValueError, r"unknown verify mode 'ragged'"),
+    ("PagedKV", lambda: dspark.PagedKV(torch.zeros(2, 1, dtype=torch.long), "4"), ValueError,
+     r"page_size must be an int >= 1, got '4'"),
     ("load_cost_model", lambda: dspark.load_cost_model(3), TypeError, r"path must be a str or PathLike, got int: 3"),
     ("check_cost_model", lambda: dspark.check_cost_model({}), TypeError, r"cost_model must be a CostModel, got dict"),
     ("check_cost_table", lambda: dspark.check_cost_table(None, 3), ValueError, r"fingerprint must be a non-empty str, got 3"),
@@ -116,11 +130,15 @@ CASES = [
      r"register_cost_model takes a CostModel subclass, got 3"),
     ("StepsPerSecondTable", lambda: StepsPerSecondTable(None, [1.0]), ValueError, r"rows must be a list of ints, got None"),
     ("StepsPerSecondTable", lambda: COST.step_seconds("2", 3), ValueError, r"num_requests must be an int >= 0, got '2'"),
-    ("AdditiveCostModel", lambda: AdditiveCostModel(None, [1], [0.0], [0], [1.0]), ValueError,
+    ("AdditiveCostModel", lambda: AdditiveCostModel(None, BatchTerm([1], [0.0]), RowTerm([0], [1.0])), ValueError,
      r"bias must be a finite number, got None"),
     ("AdditiveCostModel", lambda: AdditiveCostModel.fit([(1, 2, 0.1)]), TypeError,
      r"samples\[0\] must be a ProfileSample, got tuple: \(1, 2, 0.1\)"),
-    ("TieredCostModel", lambda: TieredCostModel(1e-3, [1], [0.0], 64, [1e-3]), ValueError, r"tiers must be a list of ints, got 64"),
+    ("BatchTerm", lambda: BatchTerm([0, 4], [0.0, 1e-3]), ValueError, r"batch_probes\[0\] must be an int >= 1, got 0"),
+    ("RowTerm", lambda: RowTerm([0, 8], [0.0]), ValueError, r"theta must have one value per probe \(2\), got 1"),
+    ("TierTerm", lambda: TierTerm(64, [1e-3]), ValueError, r"tiers must be a list of ints, got 64"),
+    ("TieredCostModel", lambda: TieredCostModel(1e-3, BatchTerm([1], [0.0]), ([64], [1e-3])), TypeError,
+     r"tier_term must be a TierTerm, got tuple"),
     ("ProfileSample", lambda: ProfileSample("1", 2, 0.1), ValueError, r"num_requests must be an int >= 1, got '1'"),
     ("ScheduleConfig", lambda: ScheduleConfig(gamma="2"), TypeError, r"gamma must be an int, got '2'"),
     ("TierManifest", lambda: TierManifest(tiers="8", slots=(1,), width=2, platform="cpu", model_id="x"), ValueError,
@@ -133,7 +151,7 @@ CASES = [
     ("tau_bias", lambda: dspark.tau_bias([], by=("nosuchfield",)), ValueError, r"by must name StepRecord fields, got 'nosuchfield'"),
     ("write_kv", lambda: dspark.write_kv([1.0], torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1)),
      TypeError, r"k must be a torch.Tensor, got list"),
-    ("verify_attention", lambda: dspark.verify_attention([1.0], torch.zeros(1), torch.zeros(1), layout(), [0, 0],
+    ("verify_attention", lambda: dspark.verify_attention([1.0], (torch.zeros(1), torch.zeros(1)), layout(), [0, 0],
                                                          torch.zeros(2, 1, dtype=torch.long)), TypeError,
      r"q must be a torch.Tensor, got list"),
     ("RaggedVerifyAttention", lambda: RaggedVerifyAttention(AttentionShape(8, 4, 2, 2, 2, 8, 4), "cpu",
@@ -141,8 +159,9 @@ CASES = [
      TypeError, r"layout must be a RaggedVerifyLayout, got list"),
     ("AttentionShape", lambda: AttentionShape(8, 4, 2, 6, 4, 8, 4), ValueError,
      r"num_q_heads=6 is not a multiple of num_kv_heads=4"),
-    ("TierGraphRunner", lambda: TierGraphRunner(lambda b: b, "8", 2, "cpu", width=3, row_inputs={}), ValueError,
-     r"tiers must be positive ints"),
+    ("TierGraphRunner", lambda: TierGraphRunner(lambda b: b, [8], "cpu", row_inputs={}), TypeError,
+     r"spec must be a TierSpec, got list: \[8\]"),
+    ("TierSpec", lambda: dspark.TierSpec("8", 2, width=3), ValueError, r"tiers must be positive ints, got '8'"),
     ("StsRecorder", lambda: StsRecorder(3, gamma=2), TypeError, r"out_dir must be a str or PathLike, got int: 3"),
     ("generate", lambda: dspark.generate(["a text", ""], target=None, tokenizer=None), ValueError,
      r"prompts\[1\] must be a non-empty str, got ''"),
@@ -174,7 +193,8 @@ def test_every_public_callable_has_a_bad_input_case():
 
 
 def test_a_null_cost_json_field_is_named(tmp_path):
-    path = AdditiveCostModel(1e-3, [1], [0.0], [0, 8], [0.0, 1e-3], width=8).save(tmp_path / "c.json")
+    cost = AdditiveCostModel(1e-3, BatchTerm([1], [0.0]), RowTerm([0, 8], [0.0, 1e-3]), width=8)
+    path = cost.save(tmp_path / "c.json")
     for field, needle in (("bias", "bias must be a finite number, got None"),
                           ("row_probes", "row_probes must be a list of ints, got None"),
                           ("theta", "theta must be a list of numbers, got None")):

@@ -1,8 +1,6 @@
 """Public callables outside kernels/ take at most 7 parameters (self / cls not counted): settings travel as
-checked objects (`EngineConfig`, `SamplingParams`, `GateSettings`, `AttentionShape`, ...). Read from the source.
-
-`STILL_WIDE` lists the callables not yet regrouped, each with its count today: a new wide callable, or a listed
-one that grows, fails here; a listed one that shrinks to 7 or disappears must leave the list."""
+checked objects (`EngineConfig`, `SamplingParams`, `GateSettings`, `PlannerSettings`, `AttentionShape`, ...).
+Read from the source."""
 from __future__ import annotations
 
 import ast
@@ -18,30 +16,6 @@ ROOT = Path(dspark.__file__).parent
 MOST = 7
 # signatures another library fixes: transformers calls a registered attention function with these arguments
 INTERFACES = {"models/transformers_lm.py:paged_attention"}
-STILL_WIDE = {
-    "lab/profile.py:profiled_cost": 13,
-    "lab/profile.py:profile_serving_cost": 13,
-    "lab/sweep.py:VerifyStepAdapter.__init__": 12,
-    "verify/inputs.py:build_verify_inputs": 10,
-    "plan/planner.py:VerifyPlanner.__init__": 10,
-    "models/train_data.py:text_streams": 10,
-    "models/train_data.py:kind_streams": 10,
-    "models/distil.py:distil": 10,
-    "lab/replay/record.py:record_trace": 10,
-    "calibration/fit.py:fit_sts": 10,
-    "verify/graphs.py:TierGraphRunner.__init__": 9,
-    "serve/tier_step.py:VerifyStep.__init__": 9,
-    "lab/sweep.py:profile_steps": 9,
-    "cost/tiered.py:TieredCostModel.__init__": 9,
-    "calibration/recorder.py:StsRecorder.record": 9,
-    "verify/attention.py:verify_attention": 8,
-    "models/confidence_fit.py:head_stage": 8,
-    "lab/profile.py:profile_step_costs": 8,
-    "lab/calibrate.py:record_sts_teacher_forced": 8,
-    "lab/calibrate.py:record_and_fit": 8,
-    "cost/shipped.py:roofline_cost": 8,
-    "cost/additive.py:AdditiveCostModel.__init__": 8,
-}
 
 
 def _public_callables() -> dict[str, int]:
@@ -74,10 +48,7 @@ def test_public_callables_take_at_most_seven_parameters() -> None:
     found = _public_callables()
     assert "serve/generate.py:generate" in found and "serve/engine.py:SpecDecoder.generate" in found
     wide = {k: n for k, n in found.items() if n > MOST and k not in INTERFACES}
-    new = {k: n for k, n in wide.items() if k not in STILL_WIDE or n > STILL_WIDE[k]}
-    assert not new, f"more than {MOST} parameters (group them in a settings object): {new}"
-    stale = {k: STILL_WIDE[k] for k in STILL_WIDE if wide.get(k) != STILL_WIDE[k]}
-    assert not stale, f"regrouped or gone: update STILL_WIDE: {stale}"
+    assert not wide, f"more than {MOST} parameters (group them in a settings object): {wide}"
 
 
 def test_the_serving_entry_points_are_narrow() -> None:

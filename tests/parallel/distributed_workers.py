@@ -23,7 +23,7 @@ from dspark.parallel import (
     TpAgreement,
     TpDisagreementError,
 )
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.plan.survival import calibrated_survival
 from dspark.verify.layout import RaggedVerifyLayout
 
@@ -125,16 +125,16 @@ def cost_table(rank: int, world: int, group: dist.ProcessGroup) -> dict:
     """Same table on every rank starts; then the last rank restarts with another table and is refused."""
     same, other = cost_tables()
     parallel = ParallelConfig(tp_group=group, dp_group=group)
-    VerifyPlanner(ScheduleConfig(gamma=GAMMA), same, tiers=TIERS, graph_slots=SLOTS, parallel=parallel)
+    VerifyPlanner(ScheduleConfig(gamma=GAMMA), same, PlannerSettings(tiers=TIERS, graph_slots=SLOTS), parallel=parallel)
     try:
-        VerifyPlanner(ScheduleConfig(gamma=GAMMA), other if rank == world - 1 else same, tiers=TIERS,
-                      graph_slots=SLOTS, parallel=parallel)
+        VerifyPlanner(ScheduleConfig(gamma=GAMMA), other if rank == world - 1 else same,
+                      PlannerSettings(tiers=TIERS, graph_slots=SLOTS), parallel=parallel)
     except CostTableMismatchError as e:
         return {"message": str(e), "ranks": list(e.ranks)}
     return {"message": None, "ranks": []}
 
 
-PLANNING_CHANGES = {  # one planning setting the last rank changes -> VerifyPlanner keyword arguments
+PLANNING_CHANGES = {  # one planning setting the last rank changes -> VerifyPlanner / PlannerSettings keywords
     "schedule": {"cfg": ScheduleConfig(gamma=GAMMA, min_verify_len=2)},
     "tiers": {"tiers": [t * 2 for t in TIERS]},
     "graph_slots": {"graph_slots": SLOTS + 1},
@@ -153,8 +153,9 @@ def planning_config(rank: int, world: int, group: dist.ProcessGroup) -> dict:
                   "num_slots": 16, "temperatures": [1.0] * GAMMA}
         if rank == world - 1:
             kwargs |= change
+        planning = PlannerSettings(**{k: kwargs.pop(k) for k in ("tiers", "graph_slots", "lag", "num_slots")})
         try:
-            VerifyPlanner(kwargs.pop("cfg"), cost_tables()[0], **kwargs,
+            VerifyPlanner(kwargs.pop("cfg"), cost_tables()[0], planning, **kwargs,
                           parallel=ParallelConfig(tp_group=group, dp_group=group))
             out[name] = None
         except PlanningConfigMismatchError as e:
@@ -177,8 +178,8 @@ def planner_steps(rank: int, world: int, group: dist.ProcessGroup, tp_pairs: lis
     replica = rank // 2
     parallel = ParallelConfig(tp_group=tp_pairs[replica], dp_group=group,
                               tp_mode="verify" if world > 2 else "broadcast")
-    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost_tables()[0], lag=1, tiers=TIERS,
-                            num_slots=16, graph_slots=SLOTS, parallel=parallel)
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost_tables()[0],
+                            PlannerSettings(lag=1, num_slots=16, tiers=TIERS, graph_slots=SLOTS), parallel=parallel)
     out = []
     for step in range(steps):
         plan = planner.plan(*planner_inputs(replica, step, 16))
@@ -220,7 +221,7 @@ def estimator_steps(rank: int, world: int, group: dist.ProcessGroup | None, step
     verify_lens, whether this rank's own fit differs from the parameters in use, and any TP error."""
     tp = None if mode is None else ParallelConfig(tp_group=group, tp_mode=mode)
     est = OnlineAcceptanceEstimator(GAMMA, parallel=tp, **EST)
-    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost_tables()[0], lag=1, num_slots=16,
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost_tables()[0], PlannerSettings(lag=1, num_slots=16),
                             parallel=None if mode is None else ParallelConfig(tp_group=group))
     out = []
     for step in range(steps):

@@ -30,7 +30,7 @@ from dspark.parallel import (
     verify_lens_hash,
 )
 from dspark.parallel.launch import run_local_gloo
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.verify.layout import round_up_to_tier
 
 STEPS = {  # per launch; spawning ranks dominates the wall time, so each launch runs many steps
@@ -217,8 +217,9 @@ def test_rank_with_any_other_planning_setting_is_refused_on_every_rank(launches,
 @pytest.mark.parametrize("world", [2, 4])
 def test_planner_with_parallel_config_agrees_and_matches_a_single_rank_planner(launches, world):
     ranks = [r["planner"] for r in launches(world)]
-    solo = [VerifyPlanner(ScheduleConfig(gamma=w.GAMMA), w.cost_tables()[0], lag=1, tiers=w.TIERS,
-                          num_slots=16, graph_slots=w.SLOTS) for _ in range(world // 2)]
+    solo = [VerifyPlanner(ScheduleConfig(gamma=w.GAMMA), w.cost_tables()[0],
+                          PlannerSettings(lag=1, num_slots=16, tiers=w.TIERS, graph_slots=w.SLOTS))
+            for _ in range(world // 2)]
     idle_steps = 0
     for step, steps in enumerate(zip(*ranks)):
         for replica, planner in enumerate(solo):

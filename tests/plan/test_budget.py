@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 
 from dspark import (
     AdditiveCostModel,
+    BatchTerm,
+    RowTerm,
     ScheduleConfig,
     StepsPerSecondTable,
     TieredCostModel,
+    TierTerm,
     allocate_verify_lens,
     calibrated_survival,
     choose_budget,
@@ -28,7 +31,8 @@ def cliff_table() -> StepsPerSecondTable:
 
 
 def wavy_additive() -> AdditiveCostModel:
-    return AdditiveCostModel(0.5, [1, 3, 8], [0.0, 0.25, 0.5], [0, 3, 5, 9, 30], [0.0, 0.125, 1.0, 1.25, 4.0])
+    return AdditiveCostModel(0.5, BatchTerm([1, 3, 8], [0.0, 0.25, 0.5]),
+                             RowTerm([0, 3, 5, 9, 30], [0.0, 0.125, 1.0, 1.25, 4.0]))
 
 
 def exhaustive_theta(s, cost, cfg):
@@ -107,7 +111,7 @@ def test_greedy_admits_a_paid_tier_whole(device):
     tier tops; a row-by-row scan would stop at the first tier edge (one candidate never pays for a tier)."""
     cfg = ScheduleConfig(gamma=4)
     s = torch.tensor([[0.9, 0.8, 0.7, 0.6]] * 2, device=device)
-    cost = TieredCostModel(0.1, [2], [0.0], [2, 4, 8, 10], [0.0, 0.05, 0.08, 0.5])
+    cost = TieredCostModel(0.1, BatchTerm([2], [0.0]), TierTerm([2, 4, 8, 10], [0.0, 0.05, 0.08, 0.5]))
     # theta at the tier tops: 2 / 0.1, 3.8 / 0.15, 6.8 / 0.18 (the argmax), 8 / 0.6
     assert greedy_budget(s, cost, cfg).budget == 6 == choose_budget(s, cost, cfg).budget
 
@@ -143,7 +147,8 @@ def test_greedy_with_tiers_crosses_a_tier_edge_a_single_row_would_not(device):
     s = torch.tensor([[0.9, 0.8]] * 2, device=device)
     # T = 1 s + 0.5 s per tier step + 0.01 s per row: theta 1.96, 1.90 (one row into tier 4 does not pay),
     # 2.47 (tier 4's top), 2.24, 2.62 (tier 6's top, the argmax)
-    cost = AdditiveCostModel(1.0, [1, 4], [0.0, 0.0], [2, 3, 4, 5, 6], [0.02, 0.53, 0.54, 1.05, 1.06])
+    cost = AdditiveCostModel(1.0, BatchTerm([1, 4], [0.0, 0.0]),
+                             RowTerm([2, 3, 4, 5, 6], [0.02, 0.53, 0.54, 1.05, 1.06]))
     assert greedy_budget(s, cost, cfg).budget == 0
     assert greedy_budget(s, cost, cfg, tiers=[2, 4, 6]).budget == 4 == choose_budget(s, cost, cfg).budget
 
@@ -232,7 +237,7 @@ def test_greedy_scan_finds_the_argmax_when_cost_is_convex_in_rows(b, gamma, seed
     rows = sorted({*range(1, b * (gamma + 1), max(1, b // 2)), b * (gamma + 1)})
     slopes = np.cumsum(rng.uniform(0, 2e-4, len(rows) - 1))
     theta = np.concatenate([[0.0], np.cumsum(slopes * np.diff(rows))])
-    model = AdditiveCostModel(float(rng.uniform(1e-3, 5e-3)), [1], [0.0], rows, theta.tolist())
+    model = AdditiveCostModel(float(rng.uniform(1e-3, 5e-3)), BatchTerm([1], [0.0]), RowTerm(rows, theta.tolist()))
     cfg = ScheduleConfig(gamma=gamma)
     greedy, free = greedy_budget(survival, model, cfg), choose_budget(survival, model, cfg)
     assert greedy.theta >= free.theta * (1 - 1e-9)

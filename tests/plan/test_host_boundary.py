@@ -21,7 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
+from dspark import AdditiveCostModel, BatchTerm, PlannerSettings, RowTerm, ScheduleConfig, VerifyPlanner
 from dspark.kernels import dispatch
 from dspark.verify import boundary
 from dspark.verify.accept import _accept_greedy
@@ -104,7 +104,7 @@ def counting(monkeypatch, device: torch.device | str = "cpu"):
 
 
 def cost() -> AdditiveCostModel:
-    return AdditiveCostModel(2e-3, [1, 16], [0.0, 1e-3], [0, 8, 40], [0.0, 0.4e-3, 8e-3])
+    return AdditiveCostModel(2e-3, BatchTerm([1, 16], [0.0, 1e-3]), RowTerm([0, 8, 40], [0.0, 0.4e-3, 8e-3]))
 
 
 def batches(steps: int, device, seed: int = 0):
@@ -137,8 +137,9 @@ def one_step(planner, z, slots, gens, draft, target, reads):
 def test_a_step_reads_the_host_only_through_the_boundary(lag, sync_free, tiers, per_step, device, monkeypatch):
     if device.type == "cpu":
         monkeypatch.setenv(dispatch.BACKEND_ENV, "torch")  # the device path, on the CPU
-    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), lag=lag, tiers=tiers, num_slots=SLOTS,
-                            graph_slots=12 + 96 // (GAMMA + 1), device=device, sync_free=sync_free)
+    planning = PlannerSettings(lag=lag, num_slots=SLOTS, sync_free=sync_free, tiers=tiers,
+                               graph_slots=12 + 96 // (GAMMA + 1))
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), planning, device=device)
     steps = list(batches(40, device))
     for step in steps:  # warm-up: the cost model's platform check; each batch size's seconds curve, read once
         one_step(planner, *step, HostReads())  # from the host-side cost table and cached on the device
@@ -164,8 +165,9 @@ def test_the_counter_sees_a_stray_read(device, monkeypatch):
 @pytest.mark.parametrize("sync_free,per_step", [(False, 2), (True, 1)])
 def test_cuda_step_syncs_only_at_the_boundary(sync_free, per_step, device, monkeypatch):
     """On a GPU the same steps synchronize exactly as often as they call the boundary."""
-    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), lag=1, tiers=TIERS, num_slots=SLOTS,
-                            graph_slots=12 + 96 // (GAMMA + 1), device=device, sync_free=sync_free)
+    planning = PlannerSettings(lag=1, num_slots=SLOTS, sync_free=sync_free, tiers=TIERS,
+                               graph_slots=12 + 96 // (GAMMA + 1))
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), planning, device=device)
     steps = list(batches(12, device))
     for step in steps:
         one_step(planner, *step, HostReads())

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import warnings
@@ -9,6 +10,9 @@ from hypothesis import strategies as st
 
 from dspark import (
     AdditiveCostModel,
+    BatchTerm,
+    PlannerSettings,
+    RowTerm,
     ScheduleConfig,
     VerifyPlanner,
     allocate_verify_lens,
@@ -24,7 +28,8 @@ GAMMA = 5
 
 def cost(width=None) -> AdditiveCostModel:
     """Rows get steadily dearer: the argmax lands inside a tier, not at its top."""
-    return AdditiveCostModel(2e-3, [1, 16], [0.0, 1e-3], [0, 8, 40], [0.0, 0.4e-3, 8e-3], width=width)
+    return AdditiveCostModel(2e-3, BatchTerm([1, 16], [0.0, 1e-3]), RowTerm([0, 8, 40], [0.0, 0.4e-3, 8e-3]),
+                             width=width)
 
 
 def logits(b, seed, device):
@@ -38,7 +43,7 @@ def ids(b):
 
 def test_lag_one_budget_comes_from_the_previous_step(device):
     cfg = ScheduleConfig(gamma=GAMMA)
-    planner = VerifyPlanner(cfg, cost(), lag=1, num_slots=8, device=device)
+    planner = VerifyPlanner(cfg, cost(), PlannerSettings(lag=1, num_slots=8), device=device)
     slots, gens = ids(6)
     z0, z1, z2 = logits(6, 0, device), logits(6, 1, device), logits(6, 2, device)
     s0, s1 = calibrated_survival(z0), calibrated_survival(z1)
@@ -64,7 +69,7 @@ def test_lag_one_budget_comes_from_the_previous_step(device):
 
 def test_lag_two_reads_two_steps_back(device):
     cfg = ScheduleConfig(gamma=GAMMA)
-    planner = VerifyPlanner(cfg, cost(), lag=2, num_slots=4, device=device)
+    planner = VerifyPlanner(cfg, cost(), PlannerSettings(lag=2, num_slots=4), device=device)
     slots, gens = ids(4)
     zs = [logits(4, seed, device) for seed in range(3)]
     plans = [planner.plan(z, slots, gens) for z in zs]
@@ -74,7 +79,7 @@ def test_lag_two_reads_two_steps_back(device):
 
 def test_lag_zero_uses_the_greedy_scan_on_live_survival(device):
     cfg = ScheduleConfig(gamma=GAMMA)
-    planner = VerifyPlanner(cfg, cost(), lag=0)
+    planner = VerifyPlanner(cfg, cost(), PlannerSettings(lag=0))
     z = logits(5, 3, device)
     plan = planner.plan(z, *ids(5))
     s = calibrated_survival(z)
@@ -99,7 +104,8 @@ def test_lag_zero_host_path_equals_the_torch_path(b, seed, scale, special, devic
         plans = []
         for backend, on in (("auto", z), ("torch", z.to(device))):
             mp.setenv("DSPARK_KERNEL_BACKEND", backend)
-            plans.append(VerifyPlanner(cfg, cost(), lag=0, temperatures=[1.3, 0.7, 1.0, 2.0, 0.9]).plan(on, *ids(b)))
+            planner = VerifyPlanner(cfg, cost(), PlannerSettings(lag=0), temperatures=[1.3, 0.7, 1.0, 2.0, 0.9])
+            plans.append(planner.plan(on, *ids(b)))
     host, ref = plans
     assert ref.verify_lens.device == z.to(device).device
     assert host.decision.budget == ref.decision.budget and host.decision.theta == ref.decision.theta
@@ -110,7 +116,7 @@ def test_lag_zero_host_path_equals_the_torch_path(b, seed, scale, special, devic
 def test_temperatures_reach_the_live_survival(device):
     cfg = ScheduleConfig(gamma=GAMMA)
     temps = [0.5, 1.0, 2.0, 1.5, 0.8]
-    plan = VerifyPlanner(cfg, cost(), lag=0, temperatures=temps).plan(logits(3, 4, device), *ids(3))
+    plan = VerifyPlanner(cfg, cost(), PlannerSettings(lag=0), temperatures=temps).plan(logits(3, 4, device), *ids(3))
     assert torch.equal(plan.survival, calibrated_survival(logits(3, 4, device), temps))
 
 
@@ -119,7 +125,8 @@ def test_temperatures_reach_the_live_survival(device):
        tiers=st.sampled_from([(8, 16, 24, 32, 48), (4, 12), (64,), (10, 11, 12, 13, 14, 15, 16)]))
 def test_tier_fill_fills_the_paid_tier_and_never_crosses_it(b, seed, lag, tiers, device):
     cfg = ScheduleConfig(gamma=GAMMA, min_verify_len=2, max_verify_len=5)
-    planner = VerifyPlanner(cfg, cost(), lag=lag, tiers=tiers, num_slots=16, graph_slots=24, device=device)
+    planner = VerifyPlanner(cfg, cost(), PlannerSettings(lag=lag, num_slots=16, tiers=tiers, graph_slots=24),
+                            device=device)
     slots, gens = ids(b)
     planner.plan(logits(b, seed + 1, device), slots, gens)
     plan = planner.plan(logits(b, seed, device), slots, gens)
@@ -143,10 +150,10 @@ def test_tier_fill_fills_the_paid_tier_and_never_crosses_it(b, seed, lag, tiers,
 
 def test_tier_fill_example(device):
     cfg = ScheduleConfig(gamma=GAMMA)
-    cliff = AdditiveCostModel(1e-3, [1], [0.0], [0, 10, 11, 40], [0.0, 0.2e-3, 10e-3, 12e-3])
+    cliff = AdditiveCostModel(1e-3, BatchTerm([1], [0.0]), RowTerm([0, 10, 11, 40], [0.0, 0.2e-3, 10e-3, 12e-3]))
     # lag 1 (the argmax over the ring's all-ones rows of new requests): the lag-0 scan's unit is a whole
     # tier, so it never stops inside one
-    planner = VerifyPlanner(cfg, cliff, lag=1, num_slots=4, tiers=(16, 32), graph_slots=8)
+    planner = VerifyPlanner(cfg, cliff, PlannerSettings(lag=1, num_slots=4, tiers=(16, 32), graph_slots=8))
     z = torch.full((4, GAMMA), 6.0, device=device)  # confident: every candidate is valid
     plan = planner.plan(z, *ids(4))
     assert plan.decision.budget == 6 and plan.decision.rows == 10 and plan.budget == plan.tier_budget == 12
@@ -157,7 +164,8 @@ def test_tier_fill_example(device):
 def test_budget_reports_the_rows_executed_when_candidates_run_out(device):
     """B = 1, gamma = 2, tier 64: the tier offers 63 extra rows, but only 2 drafts exist to fill them."""
     cfg = ScheduleConfig(gamma=2)
-    planner = VerifyPlanner(cfg, AdditiveCostModel(1e-3, [1], [0.0], [0, 64], [0.0, 1e-4]), lag=0, tiers=(64,))
+    flat = AdditiveCostModel(1e-3, BatchTerm([1], [0.0]), RowTerm([0, 64], [0.0, 1e-4]))
+    planner = VerifyPlanner(cfg, flat, PlannerSettings(lag=0, tiers=(64,)))
     plan = planner.plan(torch.full((1, 2), 4.0, device=device), *ids(1))
     assert plan.verify_lens.tolist() == [3] and plan.layout.tier == 64
     assert plan.budget == 2 and plan.tier_budget == 63
@@ -165,7 +173,7 @@ def test_budget_reports_the_rows_executed_when_candidates_run_out(device):
 
 def test_nan_logits_and_empty_batch(device):
     cfg = ScheduleConfig(gamma=GAMMA)
-    planner = VerifyPlanner(cfg, cost(), lag=1, num_slots=4, device=device)
+    planner = VerifyPlanner(cfg, cost(), PlannerSettings(lag=1, num_slots=4), device=device)
     z = torch.full((2, GAMMA), 5.0, device=device)
     z[0, 1] = math.nan
     z[1, 0] = -math.inf
@@ -188,12 +196,14 @@ def test_nan_logits_and_empty_batch(device):
 ])
 def test_bad_planner_arguments(kwargs, exc, needle, device):
     args = {"cfg": ScheduleConfig(gamma=GAMMA), "cost_model": cost(), "device": device, **kwargs}
-    with pytest.raises(exc, match=needle):
-        VerifyPlanner(**args)
+    with pytest.raises(exc, match=needle):  # the settings check theirs when built, the planner the rest
+        planning = PlannerSettings(**{f.name: args.pop(f.name) for f in dataclasses.fields(PlannerSettings)
+                                      if f.name in args})
+        VerifyPlanner(**args, settings=planning)
 
 
 def test_bad_plan_inputs(device):
-    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), lag=1, num_slots=4, device=device)
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), PlannerSettings(lag=1, num_slots=4), device=device)
     with pytest.raises(ValueError, match=r"gamma=5.*\(2, 4\)"):
         planner.plan(torch.zeros(2, 4, device=device), *ids(2))
     with pytest.raises(ValueError, match="slots must lie in"):
@@ -252,9 +262,9 @@ def test_host_planned_step_equals_the_triton_path(b, monkeypatch, device):
     must equal the device (Triton, interpreted on the CPU) path field by field."""
     cfg = ScheduleConfig(gamma=GAMMA)
     z = logits(b, 5, device)
-    host = VerifyPlanner(cfg, cost(), lag=0).plan(z, *ids(b))
+    host = VerifyPlanner(cfg, cost(), PlannerSettings(lag=0)).plan(z, *ids(b))
     monkeypatch.setenv("DSPARK_KERNEL_BACKEND", "triton")
-    ref = VerifyPlanner(cfg, cost(), lag=0).plan(z, *ids(b))
+    ref = VerifyPlanner(cfg, cost(), PlannerSettings(lag=0)).plan(z, *ids(b))
     assert host.decision.budget == ref.decision.budget
     for name in ("verify_lens", "qo_indptr", "slot_lens", "slot_qo_indptr", "seqused", "row_slot", "row_within"):
         a, r = getattr(host.layout, name), getattr(ref.layout, name)
@@ -268,7 +278,7 @@ def test_every_entry_refuses_a_cost_model_profiled_at_another_width(entry, devic
     cfg, table = ScheduleConfig(gamma=GAMMA), cost(width=8)
     run = {"choose_budget": lambda: choose_budget(calibrated_survival(logits(3, 0, device)), table, cfg),
            "greedy_budget": lambda: greedy_budget(calibrated_survival(logits(3, 0, device)), table, cfg),
-           "VerifyPlanner": lambda: VerifyPlanner(cfg, table, lag=0)}[entry]
+           "VerifyPlanner": lambda: VerifyPlanner(cfg, table, PlannerSettings(lag=0))}[entry]
     with pytest.raises(ValueError, match=r"profiled for W=8, this run has W=6 \(gamma=5\): re-profile the "
                                          r"verify step at gamma=5 .* or run with gamma=7"):
         run()
@@ -278,10 +288,11 @@ def test_every_entry_refuses_a_cost_model_profiled_at_another_width(entry, devic
 def test_planner_refuses_a_cost_model_profiled_on_another_platform(device):
     other = "npu" if device.type != "npu" else "cuda"
     cfg = ScheduleConfig(gamma=GAMMA)
-    foreign = AdditiveCostModel(2e-3, [1], [0.0], [0, 40], [0.0, 8e-3], platform=f"x86_64-{other}")
-    planner = VerifyPlanner(cfg, foreign, lag=0)
+    foreign = AdditiveCostModel(2e-3, BatchTerm([1], [0.0]), RowTerm([0, 40], [0.0, 8e-3]), platform=f"x86_64-{other}")
+    planner = VerifyPlanner(cfg, foreign, PlannerSettings(lag=0))
     with pytest.raises(ValueError, match=rf"platform 'x86_64-{other}', this run is on '{device.type}': re-profile"):
         planner.plan(logits(2, 0, device), *ids(2))
     for platform in (device.type, f"x86_64-{device.type}", "unknown"):
-        native = AdditiveCostModel(2e-3, [1], [0.0], [0, 40], [0.0, 8e-3], platform=platform)
-        assert VerifyPlanner(cfg, native, lag=0).plan(logits(2, 0, device), *ids(2)).verify_lens.shape == (2,)
+        native = AdditiveCostModel(2e-3, BatchTerm([1], [0.0]), RowTerm([0, 40], [0.0, 8e-3]), platform=platform)
+        planner = VerifyPlanner(cfg, native, PlannerSettings(lag=0))
+        assert planner.plan(logits(2, 0, device), *ids(2)).verify_lens.shape == (2,)

@@ -7,12 +7,14 @@ same verify_lens every step, with requests joining, leaving and slots reused und
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dspark import AdditiveCostModel, ScheduleConfig, VerifyPlanner
+from dspark import AdditiveCostModel, BatchTerm, PlannerSettings, RowTerm, ScheduleConfig, VerifyPlanner
 from dspark.kernels import dispatch
 from dspark.verify.layout import round_up_to_tier
 
@@ -21,7 +23,7 @@ FIXTURE = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, H
 
 
 def cost() -> AdditiveCostModel:
-    return AdditiveCostModel(2e-3, [1, 16], [0.0, 1e-3], [0, 8, 40], [0.0, 0.4e-3, 8e-3])
+    return AdditiveCostModel(2e-3, BatchTerm([1, 16], [0.0, 1e-3]), RowTerm([0, 8, 40], [0.0, 0.4e-3, 8e-3]))
 
 
 def run(seed: int, steps: int, gamma: int, device):
@@ -55,9 +57,10 @@ def test_sync_free_equals_the_synchronous_planner(seed, lag, gamma, floor, cap_g
     with pytest.MonkeyPatch.context() as mp:
         if device_path and device.type == "cpu":
             mp.setenv(dispatch.BACKEND_ENV, "torch")  # the synchronous side plans on the device too
-        kwargs = {"cfg": cfg, "cost_model": cost(), "lag": lag, "tiers": tiers, "num_slots": SLOTS,
-                  "graph_slots": SLOTS + 160 // cfg.width + 1, "device": device}
-        sync, free = VerifyPlanner(**kwargs), VerifyPlanner(**kwargs, sync_free=True)
+        planning = PlannerSettings(lag=lag, num_slots=SLOTS, tiers=tiers, graph_slots=SLOTS + 160 // cfg.width + 1)
+        table = cost()
+        sync = VerifyPlanner(cfg, table, planning, device=device)
+        free = VerifyPlanner(cfg, table, dataclasses.replace(planning, sync_free=True), device=device)
         for step, (logits, slots, gens) in enumerate(run(seed, 120, gamma, device)):
             a, b = sync.plan(logits, slots, gens), free.plan(logits, slots, gens)
             where = f"step {step}"
@@ -82,12 +85,13 @@ def test_sync_free_equals_the_synchronous_planner(seed, lag, gamma, floor, cap_g
                 assert b.layout.graph_num_tokens == a.layout.graph_num_tokens and b.budget == a.budget, where
 
 
-@pytest.mark.parametrize("kwargs", [{"lag": 0}, {"lag": 1, "parallel": object()}])
-def test_sync_free_needs_a_lag_and_no_parallel_agreement(kwargs, device):
+@pytest.mark.parametrize("lag, parallel", [(0, None), (1, object())])
+def test_sync_free_needs_a_lag_and_no_parallel_agreement(lag, parallel, device):
     with pytest.raises((ValueError, TypeError), match="sync_free=True needs lag >= 1|parallel"):
-        VerifyPlanner(ScheduleConfig(gamma=3), cost(), sync_free=True, device=device, **kwargs)
+        VerifyPlanner(ScheduleConfig(gamma=3), cost(), PlannerSettings(lag=lag, sync_free=True), device=device,
+                      parallel=parallel)
 
 
 def test_sync_free_flag_must_be_a_bool(device):
     with pytest.raises(TypeError, match="sync_free"):
-        VerifyPlanner(ScheduleConfig(gamma=3), cost(), sync_free=1, device=device)
+        VerifyPlanner(ScheduleConfig(gamma=3), cost(), PlannerSettings(sync_free=1), device=device)

@@ -18,7 +18,7 @@ from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import StepsPerSecondTable
 from dspark.models.transformers_lm import TransformersCausalLM
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig
 from dspark.serve.drafters.causal_lm import CausalLMDrafter
 from dspark.serve.drafters.ngram import NO_MATCH, NgramDrafter, lookup
@@ -90,7 +90,7 @@ def test_ngram_lookup_examples(device) -> None:
 
 def _planner(device: torch.device) -> VerifyPlanner:
     cost = StepsPerSecondTable([1, 8, 16], [100.0, 90.0, 70.0], width=GAMMA + 1)
-    return VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, lag=1, num_slots=16, device=device)
+    return VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, PlannerSettings(lag=1, num_slots=16), device=device)
 
 
 def _policies(device: torch.device) -> dict[str, Policy]:

@@ -185,11 +185,12 @@ def test_greedy_streams_are_the_engines_greedy_tokens(decoder: SpecDecoder) -> N
 
 def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tmp_path) -> None:
     """The fast recorder is engine data: at the decode loop's step boundaries it records the same rows."""
-    from dspark.lab.calibrate import record_sts, record_sts_teacher_forced
+    from dspark.lab.calibrate import TeacherForcing, record_sts, record_sts_teacher_forced
 
     prompts, gamma, n = _prompts(7, 6, seed=5), 4, 20
     loop = record_sts(decoder, prompts, gamma, n, tmp_path / "loop")
-    fast = record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "fast", starts="steps", batch=3, rows=2)
+    fast = record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "fast",
+                                     forcing=TeacherForcing(starts="steps", batch=3, rows=2))
     accepted = torch.nan_to_num(loop.labels).sum(1)
     assert 0 < float(accepted.mean()) < gamma  # partial acceptance: labels of both kinds are compared
     order = lambda d: torch.argsort(d.request_ids * 1000 + d.steps)  # noqa: E731
@@ -199,7 +200,8 @@ def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tm
     torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(b.margin, a.margin, atol=1e-4, rtol=0)
     # every start: the decode loop's rows sit at start offset L - P = sum of the earlier commits
-    every = record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "all", starts="all", batch=4)
+    every = record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "all",
+                                      forcing=TeacherForcing(starts="all", batch=4))
     assert every.num_rows == 7 * n and torch.equal(torch.unique(every.steps), torch.arange(n))
     commits = accepted[order(loop)].long() + 1
     first = torch.cat([torch.tensor([True]), a.request_ids[1:] != a.request_ids[:-1]])
@@ -211,7 +213,9 @@ def test_teacher_forced_sts_rows_equal_the_decode_loops(decoder: SpecDecoder, tm
     assert torch.equal(c.labels, a.labels)
     torch.testing.assert_close(c.logits, a.logits, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="starts must be one of"):
-        record_sts_teacher_forced(decoder, prompts, gamma, n, tmp_path / "x", starts="some")
+        TeacherForcing(starts="some")
+    with pytest.raises(ValueError, match="rows must be an int >= 1, got 0"):
+        TeacherForcing(rows=0)
     with pytest.raises(ValueError, match="gamma must be in"):
         record_sts_teacher_forced(decoder, prompts, 5, n, tmp_path / "x")
 
@@ -256,14 +260,15 @@ def test_fit_head_reaches_the_logistic_optimum(decoder: SpecDecoder) -> None:
 
 
 def test_record_and_fit_with_the_teacher_forced_recorder(decoder: SpecDecoder, tmp_path) -> None:
-    from dspark.lab.calibrate import record_and_fit
+    from dspark.lab.calibrate import StsRecording, record_and_fit
 
     prompts = _prompts(6, 6, seed=3)
     loop = record_and_fit(decoder, prompts, 4, 12, tmp_path / "a", bootstrap=0)
-    fast = record_and_fit(decoder, prompts, 4, 12, tmp_path / "b", bootstrap=0, recorder="teacher_forced")
+    fast = record_and_fit(decoder, prompts, 4, 12, tmp_path / "b", bootstrap=0,
+                          recording=StsRecording(recorder="teacher_forced"))
     assert fast.data["rows"] == loop.data["rows"]  # the decode loop's very rows
     assert fast.temperatures == pytest.approx(loop.temperatures, rel=1e-3)
     with pytest.raises(ValueError, match="greedy acceptance only"):
-        record_and_fit(decoder, prompts, 4, 12, tmp_path / "c", sampling=SamplingParams(1.0), recorder="teacher_forced")
+        StsRecording(SamplingParams(1.0), recorder="teacher_forced")
     with pytest.raises(ValueError, match="recorder must be one of"):
-        record_and_fit(decoder, prompts, 4, 12, tmp_path / "c", recorder="fast")
+        StsRecording(recorder="fast")

@@ -7,15 +7,15 @@ import pytest
 import torch
 from engine_models import tiny_llama
 
-from dspark.lab.sweep import VerifyStepAdapter
+from dspark.lab.sweep import SweepCache, VerifyStepAdapter
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.serve import tier_step as verify_step
 
 
 def adapter(device, compile_model):
     target = TransformersCausalLM(tiny_llama())
-    return VerifyStepAdapter(target, tiers=(8, 24), width=6, max_requests=4, device=device, context=20, seed=3,
-                             compile_model=compile_model)
+    return VerifyStepAdapter(target, verify_step.VerifyStepShape((8, 24), width=6, max_requests=4),
+                             SweepCache(context=20, seed=3), device=device, compile_model=compile_model)
 
 
 def test_compiled_verify_step_equals_eager(device):
@@ -63,14 +63,14 @@ def test_one_compile_serves_every_tier_step_and_layer(device, monkeypatch):
             hf.config.num_hidden_layers = layers
             hf = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32).eval()
         target = TransformersCausalLM(hf)
-        first = VerifyStepAdapter(target, tiers=(8, 16, 24), width=6, max_requests=6, device=device, context=20,
-                                  seed=3, compile_model=True)
+        first = VerifyStepAdapter(target, verify_step.VerifyStepShape((8, 16, 24), width=6, max_requests=6),
+                                  SweepCache(context=20, seed=3), device=device, compile_model=True)
         counts.append(len(graphs))
         for b, rows in ((4, 22), (2, 7), (6, 31), (5, 27)):  # tiers 24, 8; eager past the largest tier
             first.prepare(b, rows)
             first.step()
-        VerifyStepAdapter(target, tiers=(4, 12, 20), width=5, max_requests=4, device=device, context=20, seed=3,
-                          compile_model=True)
+        VerifyStepAdapter(target, verify_step.VerifyStepShape((4, 12, 20), width=5, max_requests=4),
+                          SweepCache(context=20, seed=3), device=device, compile_model=True)
         assert len(graphs) == counts[-1], f"{layers} layers: {counts[-1]} graphs, then {len(graphs)}"
         assert first.runner.eager_steps == 2
     assert counts[0] == counts[1] < 36, counts

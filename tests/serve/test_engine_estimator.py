@@ -10,7 +10,7 @@ from dspark import OnlineAcceptanceEstimator, draft_features
 from dspark.calibration.recorder import censored_labels
 from dspark.config import ScheduleConfig
 from dspark.cost import StepsPerSecondTable
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
@@ -24,7 +24,7 @@ GAMMA = 3
 
 def _planner(device: torch.device, temperatures: list[float] | None = None, gamma: int = GAMMA) -> VerifyPlanner:
     cost = StepsPerSecondTable([1, 8, 16], [100.0, 90.0, 70.0], width=gamma + 1)
-    return VerifyPlanner(ScheduleConfig(gamma=gamma), cost, lag=1, num_slots=8, device=device,
+    return VerifyPlanner(ScheduleConfig(gamma=gamma), cost, PlannerSettings(lag=1, num_slots=8), device=device,
                          temperatures=temperatures)
 
 

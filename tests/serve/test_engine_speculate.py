@@ -7,7 +7,7 @@ import torch
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import StepsPerSecondTable
 from dspark.lab.profile import PlainStepCost
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
@@ -24,7 +24,7 @@ STEP = 0.01  # the speculative step costs 10 ms whatever the rows
 
 def _planner(lag: int = 1, device: torch.device | str = "cpu") -> VerifyPlanner:
     cost = StepsPerSecondTable([1], [1 / STEP], width=GAMMA + 1)
-    return VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, lag=lag, num_slots=8, device=device)
+    return VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, PlannerSettings(lag=lag, num_slots=8), device=device)
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +292,4 @@ def test_prior_is_the_mean_of_every_plans_prediction(device) -> None:
     long_run = (4 * observed + 8 * sum(predicted) / 2) / (4 + 8)
     assert policy.realised[0] == pytest.approx(long_run, rel=1e-6)
     assert policy.realised[1] == pytest.approx(GAMMA, rel=1e-6)
+

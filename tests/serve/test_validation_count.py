@@ -23,7 +23,7 @@ import dspark.serve.step as step_module
 from dspark.config import ScheduleConfig
 from dspark.cost import StepsPerSecondTable
 from dspark.models import paged_attend
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK, Policy, PolicyPlan
@@ -114,8 +114,8 @@ def models():
 
 def _adaptive(decoder: SpecDecoder, b: int) -> Adaptive:
     planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), StepsPerSecondTable([1], [200.0], width=GAMMA + 1),
-                            lag=1, num_slots=8, tiers=decoder.tiers or None,
-                            graph_slots=decoder.graph_slots(b, GAMMA + 1))
+                            PlannerSettings(lag=1, num_slots=8, tiers=decoder.tiers or None,
+                                            graph_slots=decoder.graph_slots(b, GAMMA + 1)))
     return Adaptive(planner, lambda b: 0.004 * b, gate=GateSettings(probe_every=2))
 
 

@@ -10,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark import RaggedVerifyLayout, TierGraphRunner, TierManifest
-from dspark.lab.sweep import VerifyStepAdapter
+from dspark import RaggedVerifyLayout, TierGraphRunner, TierManifest, TierSpec
+from dspark.lab.sweep import SweepCache, VerifyStepAdapter
 from dspark.models.paged_attend import PagedAttend
 from dspark.models.transformers_lm import TransformersCausalLM
 from dspark.serve.attention import batch_attention
+from dspark.serve.tier_step import VerifyStepShape
 from dspark.verify.graphs import CudaGraphBackend, EagerBackend
 from dspark.verify.layout import split_rows
 from tests.engine_models import VOCAB, tiny_llama
@@ -36,8 +37,8 @@ def tiny_target(device: torch.device) -> TransformersCausalLM:
 
 def make_runner(device, tiers=TIERS, slots=SLOTS, backend=None):
     """(the verify step's adapter: its cache, step and runner; the captured runner)."""
-    step = VerifyStepAdapter(tiny_target(device), tiers=tiers, width=W, max_requests=MAX_REQUESTS, device=device,
-                             backend=backend, context=CONTEXT, page_size=PAGE, graph_slots=slots, seed=3, name="toy")
+    step = VerifyStepAdapter(tiny_target(device), VerifyStepShape(tiers, W, MAX_REQUESTS, slots),
+                             SweepCache(CONTEXT, PAGE, seed=3), device=device, backend=backend, name="toy")
     return step, step.runner
 
 
@@ -285,7 +286,7 @@ def test_backend_protocol_contract(device):
     def prepare(layout):
         events.append(("prepare", layout.tier, layout.num_requests))
 
-    runner = TierGraphRunner(step, TIERS, SLOTS, device, Recording(), width=W,
+    runner = TierGraphRunner(step, TierSpec(TIERS, SLOTS, W), device, Recording(),
                              row_inputs={"x": ((1,), torch.float32)}, prepare=prepare)
     runner.capture()
     assert events == ["pool"] + [e for t in (16, 8, 4) for e in (("prepare", t, 0), ("capture", "the-pool"), "step")]
@@ -316,7 +317,8 @@ def test_runner_keeps_outputs_only_for_static_backends(device, static):
         return kept.setdefault(bufs.num_tokens, out).copy_(out) if static else out
 
     kept: dict[int, torch.Tensor] = {}
-    runner = TierGraphRunner(step, TIERS, SLOTS, device, Backend(), width=W, row_inputs={"x": ((1,), torch.float32)})
+    runner = TierGraphRunner(step, TierSpec(TIERS, SLOTS, W), device, Backend(),
+                             row_inputs={"x": ((1,), torch.float32)})
     runner.capture()
     gc.collect()
     x = torch.tensor([[1.5], [-2.0], [3.0]], device=device)
@@ -335,7 +337,7 @@ def test_runner_layout_is_built_on_the_host_and_moved_once(device):
     """`runner.layout` of host lengths reads nothing from the device (on `meta` a read raises): the layout is
     built on the host, moved in one copy, and keeps its host copy for the attention's plan."""
     meta = torch.device("meta")
-    runner = TierGraphRunner(lambda bufs: bufs.rows["x"], TIERS, SLOTS, "cpu", EagerBackend(), width=W,
+    runner = TierGraphRunner(lambda bufs: bufs.rows["x"], TierSpec(TIERS, SLOTS, W), "cpu", EagerBackend(),
                              row_inputs={"x": ((), torch.int64)})
     runner.device = meta  # (a manifest records no meta platform; the layout needs only the device)
     for lens, tier in (([2, 3, 1], 8), ([4] * 5, None)):

@@ -106,7 +106,7 @@ def test_to_moves_every_tensor_and_keeps_the_geometry(device):
 def test_private_verify_inputs_equal_the_checked_build(b, gamma, seed, pad, mode, device):
     """The engine's unchecked entry (`_verify_inputs`, over a layout built once) builds what the public,
     checked `build_verify_inputs` builds."""
-    from dspark import VerifyMode, build_verify_inputs
+    from dspark import PagedKV, VerifyExecution, VerifyMode, build_verify_inputs
     from dspark.verify.inputs import _verify_inputs
 
     g, w = torch.Generator().manual_seed(seed), gamma + 1
@@ -117,8 +117,7 @@ def test_private_verify_inputs_equal_the_checked_build(b, gamma, seed, pad, mode
     table = torch.randperm(b * 4, generator=g).view(b, 4).to(device)
     rows = int(vl.sum()) if mode == "compact" else b * w
     tiers, slots = [rows + pad], b + 1 + pad
-    want = build_verify_inputs(mode, vl, root, drafts, prefix, tiers=tiers, graph_slots=slots, block_table=table,
-                               page_size=4)
+    want = build_verify_inputs(VerifyExecution(mode, tiers, slots), vl, root, drafts, prefix, kv=PagedKV(table, 4))
     lens = vl if mode == "compact" else torch.full_like(vl, w)
     layout = RaggedVerifyLayout._from_lens(lens, tuple(tiers), slots, w, total_rows=rows)
     got = _verify_inputs(VerifyMode(mode), vl, root, drafts, prefix.to(torch.int64), layout, table, 4)

@@ -45,8 +45,8 @@ from torch import Tensor
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost.serving import BatchCurve, ServingCost
-from dspark.cost.shipped import fit_prefill
-from dspark.lab.calibrate import record_and_fit
+from dspark.cost.shipped import ServingCostSpec, fit_prefill
+from dspark.lab.calibrate import StsRecording, record_and_fit
 from dspark.lab.demo.config import (
     ADAPTIVE,
     NGRAM,
@@ -62,6 +62,8 @@ from dspark.lab.demo.records import step_records
 from dspark.lab.demo.report import format_goals, format_table, goal_check, table_rows
 from dspark.lab.profile import (
     PlainStepCost,
+    ProfileRuns,
+    ServingProfile,
     attention_kv_layout,
     fit_cost_model,
     profile_drafting,
@@ -74,7 +76,7 @@ from dspark.lab.timing import lockstep
 from dspark.models.corpus import Encode, prompt_windows
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.transformers_lm import TransformersCausalLM
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.checks import check_device
 from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.drafters.ngram import NgramDrafter
@@ -189,21 +191,22 @@ def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, sa
     drafting: list[list[float]] = [[] for _ in range(cfg.gamma)]
     prefills, catch_ups = [], []
     for b in sizes:
-        depths, runs, catch_up = profile_drafting(decoder, prompts[:b], cfg.gamma, tokens=cfg.max_new_tokens,
-                                                  repeats=cfg.profile_repeats)
+        depths, admissions, catch_up = profile_drafting(decoder, prompts[:b], cfg.gamma,
+                                                        runs=ProfileRuns(cfg.max_new_tokens, cfg.profile_repeats))
         for k, seconds in enumerate(depths):
             drafting[k].append(seconds)
-        prefills += runs
+        prefills += admissions
         catch_ups.append(catch_up)
         bar(f"profiling the draft per depth, B={b}")
-    return profiled_cost(samples, BatchCurve(tuple(sizes), [plain.step_seconds(b) for b in sizes]),
-                         [BatchCurve(tuple(sizes), d) for d in drafting], fit_prefill(prefills), gamma=cfg.gamma,
-                         tiers=decoder.tiers, max_requests=max(sizes), name="demo",
-                         description="the demo's own profile of this machine (the same run as its live rounds)",
-                         parameters={"gamma": cfg.gamma, "batch_sizes": sizes, "tier_ladder": list(decoder.tiers),
-                                     "draft_sha256": draft_sha256, "prompt_len": cfg.prompt_len,
-                                     "tokens": cfg.max_new_tokens},
-                         catch_up=statistics.median(catch_ups), kv_layout=attention_kv_layout(decoder.device))
+    profile = ServingProfile(samples, BatchCurve(tuple(sizes), [plain.step_seconds(b) for b in sizes]),
+                             [BatchCurve(tuple(sizes), d) for d in drafting], fit_prefill(prefills),
+                             catch_up=statistics.median(catch_ups), kv_layout=attention_kv_layout(decoder.device))
+    spec = ServingCostSpec("demo", "the demo's own profile of this machine (the same run as its live rounds)",
+                           gamma=cfg.gamma, max_requests=max(sizes), tiers=decoder.tiers,
+                           parameters={"gamma": cfg.gamma, "batch_sizes": sizes, "tier_ladder": list(decoder.tiers),
+                                       "draft_sha256": draft_sha256, "prompt_len": cfg.prompt_len,
+                                       "tokens": cfg.max_new_tokens})
+    return profiled_cost(profile, spec)
 
 
 def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[str], tmp: Path,
@@ -236,8 +239,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                    echo if show_progress else None)
     # profiled runs decode the mean output length: their steps see the timed runs' typical context, and a
     # plain-vs-speculative comparison from a dozen steps per run flipped the speculate-or-not decision
-    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, tokens=cfg.max_new_tokens, mode=mode,
-                                        repeats=cfg.profile_repeats,
+    samples, plain = profile_step_costs(decoder, prompts, grid, gamma, mode=mode,
+                                        runs=ProfileRuns(cfg.max_new_tokens, cfg.profile_repeats),
                                         progress=lambda: bar("profiling step cost"))
     cost, fit, row_bin = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-{device.type}",
                                         tiers=decoder.tiers)
@@ -256,8 +259,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     # greedy: the teacher-forced recorder records the decode loop's exact rows on 8 x B_max prompts in seconds;
     # sampling draws its own tokens, so it is recorded by decoding (on B_max prompts)
     sts_prompts = prompt_windows("heldout", encode, (1 if cfg.sampling else 8) * bmax, cfg.prompt_len, cfg.seed + 1)
-    calib = record_and_fit(decoder, sts_prompts, gamma, longest, tmp / "sts_shards", sampling=draws(cfg.seed),
-                           recorder="decode" if cfg.sampling else "teacher_forced")
+    recording = StsRecording(draws(cfg.seed), recorder="decode" if cfg.sampling else "teacher_forced")
+    calib = record_and_fit(decoder, sts_prompts, gamma, longest, tmp / "sts_shards", recording=recording)
     bar("fitting STS temperatures")
     calib.save(tmp / "calibration.json")
     temps = calib.temperatures
@@ -265,9 +268,10 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     def planner(b: int, sts: bool = True, depth: int = gamma) -> VerifyPlanner:
         # depth gamma: the profiled whole-step table; shallower: its target part plus the draft at that depth
         believed = cost if depth == gamma else serving.believed(depth, 0.0)
-        return VerifyPlanner(ScheduleConfig(gamma=depth), believed, lag=cfg.lag, num_slots=bmax,
-                             temperatures=temps[:depth] if sts else None, tiers=decoder.tiers or None,
-                             graph_slots=decoder.graph_slots(b, depth + 1))
+        planning = PlannerSettings(lag=cfg.lag, num_slots=bmax, tiers=decoder.tiers or None,
+                                   graph_slots=decoder.graph_slots(b, depth + 1))
+        return VerifyPlanner(ScheduleConfig(gamma=depth), believed, planning,
+                             temperatures=temps[:depth] if sts else None)
 
     probe = (cfg.probe_every, cfg.max_probe_every, cfg.cost_feedback)
     # adaptive-est: the draft's head off, one online estimator for the whole demo (as in a server: it starts

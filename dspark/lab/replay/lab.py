@@ -25,7 +25,7 @@ from dspark.cost.serving import ServingCost
 from dspark.lab.replay.sim import SimClock, SimTarget, TraceDrafter
 from dspark.lab.replay.timed import TimedReplay
 from dspark.lab.replay.trace import Trace
-from dspark.plan.planner import VerifyPlanner
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.outcome import GenerateResult, finish
 from dspark.serve.policies import Policy, make_policy
 from dspark.serve.policies.gate import GateSettings
@@ -155,9 +155,10 @@ class Lab:
         depth = self.gamma if depth is None else depth
         tiers, w = self.graph_tiers, depth + 1
         temps = None if self.temperatures is None or not sts else list(self.temperatures)[:depth]
-        return VerifyPlanner(ScheduleConfig(gamma=depth), self.cost.believed(depth, self.context), lag=self.lag,
-                             num_slots=b, temperatures=temps, tiers=tiers or None,
-                             graph_slots=graph_slot_count(b, tiers, w) if tiers else None)
+        planning = PlannerSettings(lag=self.lag, num_slots=b, tiers=tiers or None,
+                                   graph_slots=graph_slot_count(b, tiers, w) if tiers else None)
+        return VerifyPlanner(ScheduleConfig(gamma=depth), self.cost.believed(depth, self.context), planning,
+                             temperatures=temps)
 
     def policy(self, name: str, b: int) -> Policy:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over

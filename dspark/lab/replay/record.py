@@ -26,6 +26,7 @@ import io
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -38,6 +39,7 @@ from dspark.lab.replay.trace import DEFAULT_TRACE, RECORD, Trace, save_trace
 from dspark.lab.replay.workload import KINDS, Request, WorkloadSpec, build_workload
 from dspark.models.draft import DEFAULT_WEIGHTS, DraftModel, file_sha256, target_identity
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.checks import check_device
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import FixedK
@@ -115,25 +117,47 @@ def teacher_forced(target: TransformersCausalLM, draft: DraftModel, prompt: Tens
     return {k: v.cpu() for k, v in rows.items()}
 
 
+@dataclass(frozen=True)
+class RecordSettings:
+    """How `record_trace` decodes.
+
+    Args:
+        gamma: drafts per block (None: the draft's full block).
+        eos_token_id: cut each N_i after its first eos (None: no cut).
+        max_batch: requests decoded at once.
+        device: where the models run (`cpu` or `cuda`; a torch.device once checked).
+    """
+
+    gamma: int | None = None
+    eos_token_id: int | None = None
+    max_batch: int = 32
+    device: str | torch.device = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.gamma is not None:
+            check_int("gamma", self.gamma, 1)
+        check_type("eos_token_id", self.eos_token_id, int, optional=True)
+        check_int("max_batch", self.max_batch, 1)
+        object.__setattr__(self, "device", check_device(self.device))
+
+
 def record_trace(target: TransformersCausalLM, draft: DraftModel, requests: Sequence[Request], *,
-                 draft_sha256: str, gamma: int | None = None, eos_token_id: int | None = None, max_batch: int = 32,
-                 device: str | torch.device = "cpu", meta: dict | None = None,
+                 draft_sha256: str, settings: RecordSettings = RecordSettings(), meta: dict | None = None,
                  progress: Progress | None = None) -> Trace:
     """The trace of `requests` (kinds, prompts, max_new_tokens) under `target` and `draft`.
 
-    draft_sha256: the sha256 of the draft's weights file (what `load_trace` matches). gamma: drafts per
-    block (default: the draft's full block). eos_token_id: cut each N_i after its first eos. max_batch:
-    requests decoded at once. meta: entries added to the trace's meta (workload, seed, command). progress: called
-    (stage, done, total) as the stages "greedy" (tokens) and "teacher" (requests) advance."""
+    draft_sha256: the sha256 of the draft's weights file (what `load_trace` matches). settings: gamma, the eos cut,
+    max_batch and device (`RecordSettings`). meta: entries added to the trace's meta (workload, seed, command).
+    progress: called (stage, done, total) as the stages "greedy" (tokens) and "teacher" (requests) advance."""
     check_type("target", target, TransformersCausalLM)
     check_type("draft", draft, DraftModel)
+    check_type("settings", settings, RecordSettings)
     if not isinstance(draft_sha256, str) or len(draft_sha256) != 64 or set(draft_sha256) - set("0123456789abcdef"):
         raise ValueError(f"draft_sha256 must be a 64-character hex sha256, got {draft_sha256!r}")
-    gamma = draft.gamma if gamma is None else check_int("gamma", gamma, 1)
+    gamma = draft.gamma if settings.gamma is None else settings.gamma
     if gamma > draft.gamma:
         raise ValueError(f"gamma={gamma} exceeds the draft's block of {draft.gamma}")
-    check_int("max_batch", max_batch, 1)
-    check_type("eos_token_id", eos_token_id, int, optional=True)
+    eos_token_id, max_batch, device = settings.eos_token_id, settings.max_batch, settings.device
     requests = list(requests)
     _check_requests(requests, gamma, min(target.geometry.max_seq_len, draft.cfg.max_seq_len))
     kinds = tuple(sorted({r.kind for r in requests}, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k)))
@@ -211,8 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = WorkloadSpec(requests=args.requests, seed=args.seed)
     requests = build_workload(tokenizer, spec)
     command = f"{RECORD} --out {args.out} --requests {args.requests} --seed {args.seed}"
-    trace = record_trace(target, draft, requests, draft_sha256=file_sha256(DEFAULT_WEIGHTS),
-                         eos_token_id=tokenizer.eos_token_id, max_batch=args.max_batch, device=args.device,
+    settings = RecordSettings(eos_token_id=tokenizer.eos_token_id, max_batch=args.max_batch, device=args.device)
+    trace = record_trace(target, draft, requests, draft_sha256=file_sha256(DEFAULT_WEIGHTS), settings=settings,
                          meta={"workload": spec.to_dict(), "seed": args.seed, "command": command},
                          progress=StageProgress(lines=20))
     manifest = save_trace(trace, args.out)
