@@ -456,7 +456,7 @@ def replay(measure_json: Path, gamma: int, batch_sizes: tuple[int, ...], min_req
     step. No B starts when it is estimated to end past its part's limit (the B's skipped are named). Writes `out`
     after each B (a run cut at the step's limit keeps what it did)."""
     from dspark.cost.serving import load_serving_cost
-    from dspark.lab.replay.lab import Lab, serving_queue
+    from dspark.lab.replay.lab import UNTIMED_PROBE, Lab, serving_queue
     from dspark.lab.replay.trace import load_trace
     from dspark.lab.replay.variants import fit_trace_temperatures
 
@@ -464,7 +464,8 @@ def replay(measure_json: Path, gamma: int, batch_sizes: tuple[int, ...], min_req
     m = json.loads(measure_json.read_text())
     trace = load_trace()
     temps, _ = fit_trace_temperatures(trace, gamma)
-    lab = Lab(trace, load_serving_cost(m["cost_path"], width=gamma + 1), gamma, temperatures=temps)
+    lab = Lab(trace, load_serving_cost(m["cost_path"], width=gamma + 1), gamma, temperatures=temps,
+              probe=UNTIMED_PROBE)  # the timed replay takes the priced one's steps
     policies = [f"fixed-{k}" for k in range(gamma + 1)] + ["adaptive", "adaptive-est", "oracle"]
     modelled_file = json.loads(POLICY_LAB_RESULTS.read_text()) if POLICY_LAB_RESULTS.is_file() else {}
     modelled = {n: modelled_file.get("cost_models", {}).get(n, {}).get("ratios", {}) for n in MODELLED}

@@ -29,7 +29,7 @@ import torch
 from dspark.config import VerifyMode
 from dspark.cost.serving import ServingCost, load_serving_cost
 from dspark.lab.progress import Progress
-from dspark.lab.replay.lab import Lab, ServingQueue, serving_queue
+from dspark.lab.replay.lab import UNTIMED_PROBE, Lab, ServingQueue, serving_queue
 from dspark.lab.replay.live import priced_phases, step_agreement
 from dspark.lab.replay.report import run_summary
 from dspark.lab.replay.trace import Trace
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     cost = serving_cost(args, decoder, prompts, trace, bar)
     decoder = decoder.fork(tiers=cost.tiers or None)
     temps, _ = fit_trace_temperatures(trace, args.gamma)
-    lab = Lab(trace, cost, args.gamma, temperatures=temps)
+    lab = Lab(trace, cost, args.gamma, temperatures=temps, probe=UNTIMED_PROBE)  # live takes the replay's steps
     cells: dict = {}
     for b, queue in qs.items():
         # forks per B, released after: a decoder keeps a captured step, with buffers for every tier, per B it ran

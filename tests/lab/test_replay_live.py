@@ -12,7 +12,7 @@ from engine_models import VOCAB, tiny_models
 
 from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
-from dspark.lab.replay.lab import Lab
+from dspark.lab.replay.lab import UNTIMED_PROBE, Lab
 from dspark.lab.replay.live import priced_phases, step_agreement, work_of
 from dspark.lab.replay.record import RecordSettings, record_trace
 from dspark.lab.replay.workload import Request
@@ -34,7 +34,7 @@ def _setup():
     decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096))
     cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8)
     cost = dataclasses.replace(cost, drafter=dataclasses.replace(cost.drafter, per_catch_up_token=20e-6))
-    return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False)
+    return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False, probe=UNTIMED_PROBE)
 
 
 @pytest.mark.parametrize("b", [1, 4])

@@ -13,7 +13,7 @@ from drafter_models import llama
 from engine_models import VOCAB, tiny_llama, tiny_models
 
 from dspark.cost.shipped import h100_llama8b_fitted
-from dspark.lab.replay.lab import Lab
+from dspark.lab.replay.lab import UNTIMED_PROBE, Lab
 from dspark.lab.replay.record import RecordSettings, record_trace
 from dspark.lab.replay.timed import TimedReplay
 from dspark.lab.replay.workload import Request
@@ -41,7 +41,7 @@ def _setup():
 
 def _lab(tiers: bool) -> Lab:
     trace, cost = _setup()
-    return Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=tiers)
+    return Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=tiers, probe=UNTIMED_PROBE)
 
 
 class Forwards:

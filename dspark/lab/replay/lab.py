@@ -37,6 +37,9 @@ from dspark.util.validate import check_int, check_type
 REQUESTS_PER_SLOT = 8  # measured requests per slot
 FILL_PER_SLOT = 4  # requests per slot queued after the measured ones: every measured request runs at full concurrency
 MAX_REPEATS = 8  # the most times one trace request may appear in a recycled queue
+# the gate without its measured-cost feedback: decisions read no step time, so a live or timed run takes the
+# replay's steps one for one (perf/replay_live.py, the timed replay); the lab's default is the library's gate
+UNTIMED_PROBE = (8, 64, False)
 
 
 def queue_ids(trace: Trace, n: int, *, seed: int = 0, max_repeats: int = MAX_REPEATS) -> Tensor:
@@ -108,7 +111,9 @@ class Lab:
     model's graph tiers (False: eager, every row priced as is); reality: the cost model the simulated target
     runs on (default `cost`, what the policies believe); context: the KV tokens per request the policies'
     cost beliefs assume (None: the trace's `mean_context`); the simulated target prices each request's own;
-    choose_depth: the adaptive policies choose the draft depth per step (lag 0 only)."""
+    choose_depth: the adaptive policies choose the draft depth per step (lag 0 only); probe: the adaptive
+    gate's (probe_every, max_probe_every, cost feedback), `GateSettings.probing` (default: the library's
+    `GateSettings()`; `UNTIMED_PROBE` where a live or timed run must take the same steps)."""
 
     trace: Trace
     cost: ServingCost
@@ -117,7 +122,7 @@ class Lab:
     lag: int = 0
     tiers: bool = True
     reality: ServingCost | None = None
-    probe: tuple[int, int, bool] = (8, 64, False)
+    probe: tuple[int, int, bool] = (8, 64, True)
     estimators: dict[int, OnlineAcceptanceEstimator] = field(default_factory=dict)
     context: float | None = None
     choose_depth: bool = True
@@ -160,12 +165,17 @@ class Lab:
         return VerifyPlanner(ScheduleConfig(gamma=depth), self.cost.believed(depth, self.context), planning,
                              temperatures=temps)
 
+    @property
+    def gate(self) -> GateSettings:
+        """The adaptive policies' gate: the lab's probe schedule, the drafter's catch-up priced as believed."""
+        return GateSettings.probing(self.probe, self.cost.drafter.per_catch_up_token)
+
     def policy(self, name: str, b: int) -> Policy:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over
         that B's run as a server's would)."""
         est = self.estimators.setdefault(b, OnlineAcceptanceEstimator(self.gamma)) if name == "adaptive-est" else None
         return make_policy(name, self.gamma, functools.partial(self.planner, b), self.cost.believed_plain(self.context),
-                           GateSettings.probing(self.probe), est, choose_depth=self.choose_depth and self.lag == 0)
+                           self.gate, est, choose_depth=self.choose_depth and self.lag == 0)
 
     def run(self, policy: str | Policy, b: int, ids: Tensor | None = None, mode: VerifyMode = VerifyMode.COMPACT,
             timed: TimedReplay | None = None) -> GenerateResult:

@@ -21,7 +21,6 @@ from dspark.lab.replay.lab import Lab
 from dspark.lab.replay.trace import Trace
 from dspark.serve.drafters.base import Drafts
 from dspark.serve.policies import Adaptive, Policy, PolicyPlan
-from dspark.serve.policies.gate import GateSettings
 from dspark.verify.accept import AcceptResult
 
 VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
@@ -112,7 +111,7 @@ def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
         return replace(base, temperatures=[t * scale for t in temps]), "adaptive"
     if name in ("uniform", "oracle survival"):
         lab = replace(base, temperatures=None)
-        args = (lab.planner(b, False), lab.cost.believed_plain(lab.context), GateSettings.probing(lab.probe))
+        args = (lab.planner(b, False), lab.cost.believed_plain(lab.context), lab.gate)
         if name == "uniform":
             return lab, UniformConfidence(mean_conditional_logits(base.trace, base.gamma), *args)
         return lab, OracleSurvival(*args)

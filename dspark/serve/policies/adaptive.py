@@ -138,11 +138,13 @@ class Adaptive(Policy):
             # of its own (an early prior must not drop a position that would then never be observed again)
             return self.gamma, math.inf
         if self.feedback.mean is not None:
-            best = (self.gamma, -math.inf)
+            best, catch_up = (self.gamma, -math.inf), self.gate.settings.catch_up_seconds
             for depth, planner in sorted(self._planners.items()):
                 accepted, verified = self.feedback.predict(depth)
                 rows = min(max(b, round(b * (1 + verified))), b * planner.cfg.width)
-                rate = b * (1 + accepted) / float(planner.cost_model.seconds_curve(b, rows, 1)[0])
+                # the step, and the next one's catch-up of the drafts it accepts (steady state)
+                seconds = float(planner.cost_model.seconds_curve(b, rows, 1)[0]) + catch_up * b * accepted
+                rate = b * (1 + accepted) / seconds
                 if rate > best[1]:  # ties to the shallower depth
                     best = (depth, rate)
             return best

@@ -10,32 +10,37 @@ speculative steps so the second, free of the draft's catch-up, is timed. Why eac
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from dataclasses import dataclass
 
-from dspark.util.validate import check_int
+from dspark.util.validate import check_int, check_real
 
 
 @dataclass(frozen=True)
 class GateSettings:
     """probe_every / max_probe_every: plain steps in a row before a probe (the first interval, its cap);
-    cost_window: measured / predicted ratios per median (None: the profiled costs are used as they are)."""
+    cost_window: measured / predicted ratios per median (None: the profiled costs are used as they are);
+    catch_up_seconds: the drafter's seconds per token it catches up beyond a request's root (a chain drafter
+    runs the accepted drafts of the previous step again; 0: free), charged to each speculative step's price."""
 
     probe_every: int = 8
     max_probe_every: int = 64
     cost_window: int | None = 9
+    catch_up_seconds: float = 0.0
 
     @classmethod
-    def probing(cls, probe: tuple[int, int, bool]) -> GateSettings:
-        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps)."""
+    def probing(cls, probe: tuple[int, int, bool], catch_up_seconds: float = 0.0) -> GateSettings:
+        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps) and the catch-up price."""
         every, most, cost_feedback = probe
-        return cls(every, most, 9 if cost_feedback else None)
+        return cls(every, most, 9 if cost_feedback else None, catch_up_seconds)
 
     def __post_init__(self) -> None:
         check_int("probe_every", self.probe_every, 1)
         check_int("max_probe_every", self.max_probe_every, self.probe_every)
         if self.cost_window is not None:
             check_int("cost_window", self.cost_window, 1)
+        check_real("catch_up_seconds", self.catch_up_seconds, 0.0, math.inf, high_open=True)
 
 
 class SpeculationGate:
