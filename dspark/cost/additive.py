@@ -17,10 +17,9 @@ from dspark.cost.base import (
     CostModel,
     FitReport,
     ProfileSample,
-    check_probes,
+    check_curve,
     check_samples,
     check_scalar,
-    check_values,
     dense_lookup,
     dense_rows,
     interp,
@@ -52,9 +51,7 @@ class RowTerm:
     theta: Sequence[float]
 
     def __post_init__(self) -> None:
-        probes = check_probes("row_probes", self.row_probes, 0, MAX_ROW_PROBE)
-        object.__setattr__(self, "row_probes", probes)
-        object.__setattr__(self, "theta", check_values("theta", self.theta, len(probes), False))
+        check_curve(self, "row_probes", "theta", 0, MAX_ROW_PROBE)
 
 
 @register_cost_model

@@ -164,6 +164,13 @@ def check_probes(name: str, probes: Sequence[object], minimum: int, maximum: int
     return out
 
 
+def check_curve(term: object, probes: str, values: str, minimum: int, maximum: int | None = None) -> None:
+    """Check a frozen term's probe points and its values, one per probe, in place (`check_probes`, `check_values`)."""
+    checked = check_probes(probes, getattr(term, probes), minimum, maximum)
+    object.__setattr__(term, probes, checked)
+    object.__setattr__(term, values, check_values(values, getattr(term, values), len(checked), False))
+
+
 def check_values(name: str, values: Sequence[object], length: int | None, positive: bool) -> tuple[float, ...]:
     """Finite reals (and > 0 when `positive`), with the expected length when given."""
     out = _sequence(name, values, "numbers")
@@ -192,9 +199,7 @@ class BatchTerm:
     alpha: Sequence[float]
 
     def __post_init__(self) -> None:
-        probes = check_probes("batch_probes", self.batch_probes, 1)
-        object.__setattr__(self, "batch_probes", probes)
-        object.__setattr__(self, "alpha", check_values("alpha", self.alpha, len(probes), False))
+        check_curve(self, "batch_probes", "alpha", 1)
 
 
 def _rows_tensor(rows: Tensor | int) -> tuple[Tensor, bool]:

@@ -13,6 +13,7 @@ from dspark.cost.base import (
     CostModel,
     FitReport,
     ProfileSample,
+    check_curve,
     check_probes,
     check_samples,
     check_scalar,
@@ -105,9 +106,7 @@ class TierTerm:
     phi: Sequence[float]
 
     def __post_init__(self) -> None:
-        tiers = check_probes("tiers", self.tiers, 1)
-        object.__setattr__(self, "tiers", tiers)
-        object.__setattr__(self, "phi", check_values("phi", self.phi, len(tiers), False))
+        check_curve(self, "tiers", "phi", 1)
 
 
 @register_cost_model

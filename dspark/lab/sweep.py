@@ -221,9 +221,8 @@ class SweepCache:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_int("context", self.context, 0)
-        check_int("page_size", self.page_size, 1)
-        check_int("seed", self.seed, 0)
+        for name, low in (("context", 0), ("page_size", 1), ("seed", 0)):
+            check_int(name, getattr(self, name), low)
 
 
 class VerifyStepAdapter:
