@@ -57,3 +57,13 @@ def test_oracle_survival_needs_the_prepass() -> None:
 def test_an_unknown_variant_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown variant 'lag 3'"):
         variant_lab(_lab(synthetic_trace(10, seed=1)), "lag 3", 2)
+
+
+def test_the_gate_variants_switch_off_what_they_name() -> None:
+    base = _lab(synthetic_trace(10, seed=1))
+    gates = {name: variant_lab(base, name, 2)[0].gate for name in ("head+STS", "no cost feedback", "no catch-up price")}
+    assert gates["head+STS"].cost_window is not None and gates["head+STS"].catch_up_seconds > 0
+    assert gates["no cost feedback"].cost_window is None
+    assert gates["no cost feedback"].catch_up_seconds == gates["head+STS"].catch_up_seconds
+    assert gates["no catch-up price"].catch_up_seconds == 0.0
+    assert gates["no catch-up price"].cost_window == gates["head+STS"].cost_window

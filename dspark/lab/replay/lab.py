@@ -113,7 +113,8 @@ class Lab:
     cost beliefs assume (None: the trace's `mean_context`); the simulated target prices each request's own;
     choose_depth: the adaptive policies choose the draft depth per step (lag 0 only); probe: the adaptive
     gate's (probe_every, max_probe_every, cost feedback), `GateSettings.probing` (default: the library's
-    `GateSettings()`; `UNTIMED_PROBE` where a live or timed run must take the same steps)."""
+    `GateSettings()`; `UNTIMED_PROBE` where a live or timed run must take the same steps); price_catch_up: the
+    gate charges the drafter's catch-up of accepted drafts at the cost's `per_catch_up_token` (False: free)."""
 
     trace: Trace
     cost: ServingCost
@@ -126,6 +127,7 @@ class Lab:
     estimators: dict[int, OnlineAcceptanceEstimator] = field(default_factory=dict)
     context: float | None = None
     choose_depth: bool = True
+    price_catch_up: bool = True
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
@@ -168,7 +170,7 @@ class Lab:
     @property
     def gate(self) -> GateSettings:
         """The adaptive policies' gate: the lab's probe schedule, the drafter's catch-up priced as believed."""
-        return GateSettings.probing(self.probe, self.cost.drafter.per_catch_up_token)
+        return GateSettings.probing(self.probe, self.cost.drafter.per_catch_up_token if self.price_catch_up else 0.0)
 
     def policy(self, name: str, b: int) -> Policy:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over

@@ -24,7 +24,7 @@ from dspark.serve.policies import Adaptive, Policy, PolicyPlan
 from dspark.verify.accept import AcceptResult
 
 VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
-            "fixed depth", "lag 1", "lag 2", "no tiers")
+            "fixed depth", "lag 1", "lag 2", "no tiers", "no cost feedback", "no catch-up price")
 SURE = 30.0  # |logit| of a known outcome: sigmoid(30) rounds to 1 in float32, sigmoid(-30) is 9e-14
 
 
@@ -101,7 +101,9 @@ def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
               "estimator": (base, "adaptive-est"), "oracle": (base, "oracle"),
               "fixed depth": (replace(base, choose_depth=False), "adaptive"),
               "lag 1": (replace(base, lag=1), "adaptive"), "lag 2": (replace(base, lag=2), "adaptive"),
-              "no tiers": (replace(base, tiers=False), "adaptive")}
+              "no tiers": (replace(base, tiers=False), "adaptive"),
+              "no cost feedback": (replace(base, probe=(*base.probe[:2], False)), "adaptive"),
+              "no catch-up price": (replace(base, price_catch_up=False), "adaptive")}
     if name in simple:
         return simple[name]
     if name in ("temps x0.5", "temps x2"):
