@@ -19,13 +19,13 @@ from dspark.cost.base import (
     ProfileSample,
     check_curve,
     check_samples,
-    check_scalar,
     dense_lookup,
     dense_rows,
     interp,
     is_int,
     register_cost_model,
     require_full_rank,
+    set_bias_and_batch_term,
 )
 from dspark.cost.lsq import nonnegative_lstsq
 from dspark.util.validate import check_type
@@ -75,10 +75,8 @@ class AdditiveCostModel(CostModel):
     def __init__(self, bias: float, batch_term: BatchTerm, row_term: RowTerm, *, platform: str = "unknown",
                  width: int | None = None, fit_report: FitReport | None = None):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
-        self.bias = check_scalar("bias", bias)
-        check_type("batch_term", batch_term, BatchTerm)
+        set_bias_and_batch_term(self, bias, batch_term)
         check_type("row_term", row_term, RowTerm)
-        self.batch_probes, self.alpha = batch_term.batch_probes, batch_term.alpha
         self.row_probes, self.theta = row_term.row_probes, row_term.theta
         low = self.bias + min(self.alpha) + min(self.theta)
         if not low > 0:

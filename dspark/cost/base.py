@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from dspark.util.fileio import atomic_write_text, load_json_as
+from dspark.util.validate import check_type
 
 SCHEMA_VERSION = 1
 
@@ -200,6 +201,13 @@ class BatchTerm:
 
     def __post_init__(self) -> None:
         check_curve(self, "batch_probes", "alpha", 1)
+
+
+def set_bias_and_batch_term(model: CostModel, bias: float, batch_term: BatchTerm) -> None:
+    """Check and set a per-row model's bias and alpha(B) (`bias`, `batch_probes`, `alpha`)."""
+    model.bias = check_scalar("bias", bias)
+    check_type("batch_term", batch_term, BatchTerm)
+    model.batch_probes, model.alpha = batch_term.batch_probes, batch_term.alpha
 
 
 def _rows_tensor(rows: Tensor | int) -> tuple[Tensor, bool]:

@@ -16,12 +16,12 @@ from dspark.cost.base import (
     check_curve,
     check_probes,
     check_samples,
-    check_scalar,
     check_values,
     interp,
     is_real,
     register_cost_model,
     require_full_rank,
+    set_bias_and_batch_term,
 )
 from dspark.util.validate import check_type
 
@@ -135,10 +135,8 @@ class TieredCostModel(CostModel):
                  table: Sequence[Sequence[float]] | None = None, platform: str = "unknown", width: int | None = None,
                  fit_report: FitReport | None = None):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
-        self.bias = check_scalar("bias", bias)
-        check_type("batch_term", batch_term, BatchTerm)
+        set_bias_and_batch_term(self, bias, batch_term)
         check_type("tier_term", tier_term, TierTerm)
-        self.batch_probes, self.alpha = batch_term.batch_probes, batch_term.alpha
         self.tiers, self.phi = tier_term.tiers, tier_term.phi
         self.table: tuple[tuple[float, ...], ...] | None = None
         grid = [[self.bias + a + p for p in self.phi] for a in self.alpha]
