@@ -2,8 +2,6 @@
 least squares over M binned to `row_bin`, optionally with theta(M) non-decreasing and convex."""
 from __future__ import annotations
 
-import bisect
-import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -83,10 +81,7 @@ class AdditiveCostModel(CostModel):
             raise ValueError(
                 f"step time must be > 0 at every probe, but bias + min(alpha) + min(theta) = {low!r}"
             )
-
-    @functools.cached_property
-    def _dense_table(self) -> Tensor:
-        return dense_rows(interp, self.row_probes, self.theta)
+        self._dense_table = dense_rows(interp, self.row_probes, self.theta)  # eager: compiles without a lock
 
     def _dense_rows(self, num_requests: int) -> tuple[Tensor, float]:
         return self._dense_table, self.bias + self.alpha_at(num_requests)
@@ -97,7 +92,8 @@ class AdditiveCostModel(CostModel):
     def alpha_at(self, num_requests: int) -> float:
         """alpha(B), linearly interpolated between batch probes (end values held)."""
         bp, a = self.batch_probes, self.alpha
-        hi = min(max(bisect.bisect_right(bp, num_requests), 1), len(bp) - 1)
+        # bisect_right in plain Python: torch.compile cannot trace the C `bisect` module
+        hi = min(max(sum(p <= num_requests for p in bp), 1), len(bp) - 1)
         if len(bp) == 1:
             return a[0]
         f = min(max((num_requests - bp[hi - 1]) / (bp[hi] - bp[hi - 1]), 0.0), 1.0)

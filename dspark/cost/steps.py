@@ -1,7 +1,6 @@
 """`StepsPerSecondTable`: the 1-D cost model, keyed on the verify rows M only (floor lookup)."""
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import torch
@@ -38,10 +37,8 @@ class StepsPerSecondTable(CostModel):
         super().__init__(platform=platform, width=width, fit_report=fit_report)
         self.rows = check_probes("rows", rows, 1, MAX_ROW_PROBE)
         self.steps_per_second = check_values("steps_per_second", steps_per_second, len(self.rows), True)
-
-    @functools.cached_property
-    def _dense_table(self) -> Tensor:
-        return dense_rows(floor_lookup, self.rows, [1.0 / v for v in self.steps_per_second])
+        # built here, not lazily: a lazy attribute's lock cannot be entered inside torch.compile
+        self._dense_table = dense_rows(floor_lookup, self.rows, [1.0 / v for v in self.steps_per_second])
 
     def _dense_rows(self, num_requests: int) -> tuple[Tensor, float]:
         return self._dense_table, 0.0

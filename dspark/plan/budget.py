@@ -287,14 +287,13 @@ def tau_curve(survival: Tensor, cfg: ScheduleConfig) -> Tensor:
         survival: floating [B, gamma] (made non-increasing first, NaN -> 0).
         cfg: the schedule.
     Returns:
-        float64 [#candidates + 1] on the host; inside `torch.compile` [B * C + 1] on the survival's device,
-        repeating tau(#candidates) past #candidates.
+        float64 [B * C + 1] on the survival's device (C = `cfg.num_candidate_columns`), eager and compiled
+        alike: tau(b) for b = 0 .. B * C, repeating tau(#candidates) past the last candidate above
+        `survival_eps`.
     """
     cfg = check_config(cfg)
     _check_survival(survival, cfg)
-    if torch.compiler.is_compiling():
-        return _tau_torch(monotone_survival(survival), cfg.floor, cfg.cap, cfg.survival_eps)[0]
-    return torch.from_numpy(_host_curves(host_survival(survival), None, cfg, None).tau)
+    return _tau_torch(monotone_survival(survival), cfg.floor, cfg.cap, cfg.survival_eps)[0]
 
 
 class DeviceCurves(NamedTuple):

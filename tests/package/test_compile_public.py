@@ -130,8 +130,9 @@ def test_choose_budget_and_tau_curve_compile(data, backend, device):
     close(got.theta_curve[:n], want.theta_curve)
     assert bool((got.theta_curve[n:] == float("-inf")).all()) and bool((got.tau_curve[n:] == want.tau_curve[-1]).all())
     assert torch.equal(got.rows_curve[:n].cpu(), want.rows_curve)
-    tau = run_compiled(tau_curve, backend, s, cfg)
-    close(tau[:n], tau_curve(s, cfg)), close(tau[n:], want.tau_curve[-1].expand(tau.numel() - n))
+    tau, eager = run_compiled(tau_curve, backend, s, cfg), tau_curve(s, cfg)
+    assert tau.shape == eager.shape == (s.shape[0] * cfg.num_candidate_columns + 1,)  # the same shape eager
+    close(tau, eager), close(tau[:n], want.tau_curve), close(tau[n:], want.tau_curve[-1].expand(tau.numel() - n))
 
 
 @FEW
@@ -233,3 +234,17 @@ def test_accept_greedy_compiles(data, packed, backend, device):
     for f in dataclasses.fields(want):
         same(getattr(got, f.name), getattr(want, f.name))
     assert bool((want.correct_lens > 0).any()) or bool((vl == 1).all()) or draft.shape[0] < 4
+
+
+@pytest.mark.parametrize("kind", ["steps", "additive"])
+def test_a_fresh_cost_model_compiles_on_its_first_call(kind: str, device) -> None:
+    """A cost model never called before: its lookup table exists from construction (a lazily built attribute
+    takes a lock that torch.compile cannot enter)."""
+    from dspark.cost import AdditiveCostModel, BatchTerm, RowTerm, StepsPerSecondTable
+
+    cost = (StepsPerSecondTable([1, 8, 32], [400.0, 300.0, 120.0]) if kind == "steps" else
+            AdditiveCostModel(0.002, BatchTerm([1, 16], [0.0, 0.001]), RowTerm([1, 32], [0.0005, 0.004])))
+    cfg = ScheduleConfig(gamma=3)
+    s = calibrated_survival(torch.tensor([[2.0, 1.0, -1.0], [0.5, 0.2, 3.0]], device=device))
+    got = run_compiled(choose_budget, "eager", s, cost, cfg)
+    assert int(got.budget) == choose_budget(s, cost, cfg).budget

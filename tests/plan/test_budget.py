@@ -173,7 +173,7 @@ def test_floor_and_cap_window(device):
 def test_eps_cut_and_empty_batch(device):
     cfg = ScheduleConfig(gamma=2, survival_eps=0.5)
     s = torch.tensor([[0.9, 0.4], [math.nan, 0.9]], device=device)
-    assert tau_curve(s, cfg).tolist() == pytest.approx([2.0, 2.9], abs=1e-6)
+    assert tau_curve(s, cfg).tolist() == pytest.approx([2.0, 2.9, 2.9, 2.9, 2.9], abs=1e-6)  # one candidate
     dec = choose_budget(torch.zeros(0, 2, device=device), cliff_table(), cfg)
     assert (dec.budget, dec.tau, dec.rows) == (0, 0.0, 0) and dec.theta_curve.shape == (1,)
     assert greedy_budget(torch.zeros(0, 2, device=device), cliff_table(), cfg).budget == 0
