@@ -52,9 +52,10 @@ from dspark.plan.planner import PlannerSettings, VerifyPlan, VerifyPlanner
 from dspark.plan.survival import SurvivalLagRing, calibrated_survival, monotone_survival
 from dspark.telemetry import StepRecord, acceptance, tau_bias
 from dspark.verify.accept import AcceptResult, accept_greedy, accept_sampling
-from dspark.verify.attention import AttentionShape, RaggedVerifyAttention, verify_attention, write_kv
+from dspark.verify.attention import AttentionShape, RaggedVerifyAttention, verify_attention
 from dspark.verify.graphs import GraphBackend, StepBuffers, TierGraphRunner, TierSpec
 from dspark.verify.inputs import PagedKV, VerifyExecution, VerifyInputs, build_verify_inputs
+from dspark.verify.kv_write import write_kv
 from dspark.verify.layout import RaggedVerifyLayout
 from dspark.verify.manifest import TierManifest
 

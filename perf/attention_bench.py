@@ -39,8 +39,9 @@ from dspark.kernels import dispatch  # noqa: E402
 from dspark.util.fileio import atomic_write_text  # noqa: E402
 from dspark.util.options import POSITIVE_REAL, at_least, output_path  # noqa: E402
 from dspark.verify.accept import accept_greedy  # noqa: E402
-from dspark.verify.attention import AttentionShape, write_kv  # noqa: E402
+from dspark.verify.attention import AttentionShape  # noqa: E402
 from dspark.verify.inputs import PagedKV, VerifyExecution, build_verify_inputs  # noqa: E402
+from dspark.verify.kv_write import write_kv  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PACKED_OUTPUT = {"dspark", "flashinfer", "varlen"}  # [B*W, Hq, D]; the others return [B, Hq, W, D]

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from dspark.calibration.fit import evaluate, fit_temperatures, split_by_request
+from dspark.calibration.evaluate import evaluate
+from dspark.calibration.fit import fit_temperatures, split_by_request
 from dspark.calibration.recorder import StsOutcome, StsRecorder, load_sts
 from dspark.util.fileio import atomic_write_text
 from dspark.util.options import at_least, output_path

@@ -12,7 +12,7 @@ model's real steps (the timed replay), the live-demo check, and the merge of eve
 cannot fail on an import, a shape or a missing file.
 
 measure: a LlamaConfig of Llama-3.1-8B's geometry (random bf16 weights, built on the device) with `--layers`
-decoder layers goes through `dspark.lab.profile.profile_serving_cost` (whole speculative steps at every tier
+decoder layers goes through `dspark.lab.serving_profile.profile_serving_cost` (whole speculative steps at every tier
 top of B = 1..256, plain steps, the draft phase per depth, the prefill and the KV term; prompts as long as the
 trace's mean context), drafting with a one-layer causal LM of the target's width (`chain`); the block draft
 and the n-gram drafter are profiled per depth beside it. When fewer layers than the model's are profiled, each
@@ -238,9 +238,10 @@ def measure(args: argparse.Namespace) -> dict:
     """Profile the 8B-shaped (or tiny) target through the engine and write its serving cost (module docstring)."""
     from dspark.cost.serving import BatchCurve, DraftCost
     from dspark.cost.shipped import ServingCostSpec, doublings
-    from dspark.lab.profile import ProfileRuns, profile_drafting, profile_serving_cost
+    from dspark.lab.profile import ProfileRuns
     from dspark.lab.replay.lab import mean_context
     from dspark.lab.replay.trace import load_trace
+    from dspark.lab.serving_profile import profile_drafting, profile_serving_cost
     from dspark.serve.engine import SpecDecoder
     from dspark.verify.layout import tier_ladder
 

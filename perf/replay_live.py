@@ -3,7 +3,7 @@
 The same queue of trace requests is served live (SmolLM2 + the shipped draft on this CPU, `SpecDecoder`, one
 thread, thread clock) and replayed (`dspark.lab.replay.Lab`), every policy built by the same factory with planners
 over the same serving cost model: by default one profiled in this run, before the live rounds, by the engine's
-own profiler (`dspark.lab.profile.profile_serving_cost`: whole steps per tier, plain steps, the draft phase
+own profiler (`dspark.lab.serving_profile.profile_serving_cost`: whole steps per tier, plain steps, the draft phase
 per depth, the prefill, the KV term from plain steps on 32- and 160-token prompts), so the table and the runs it is compared with share the machine and the hour. Per
 (policy, B): the step-by-step agreement of live and replay (`dspark.lab.replay.live.step_agreement`), the live and
 replayed tok/s at fixed concurrency (the lab's measure, `run_summary` over the queue's measured requests;
@@ -109,7 +109,8 @@ def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: list[t
     if args.cost != "same-run":
         return load_serving_cost(args.cost, width=args.gamma + 1)
     from dspark.cost.shipped import ServingCostSpec
-    from dspark.lab.profile import ProfileRuns, profile_serving_cost
+    from dspark.lab.profile import ProfileRuns
+    from dspark.lab.serving_profile import profile_serving_cost
 
     sizes, w, ladder = sorted({1, *args.batch_sizes}), args.gamma + 1, decoder.tiers
     top = int(trace.new_tokens.max())

@@ -22,10 +22,9 @@ from dspark.cost.base import (
     CostModel,
     FitReport,
     ProfileSample,
-    check_cost_model,
-    load_cost_model,
     register_cost_model,
 )
+from dspark.cost.loading import check_cost_model, load_cost_model
 from dspark.cost.roofline import Accelerator, BlockDraftGeometry, Forward, LlamaGeometry
 from dspark.cost.serving import BatchCurve, ServingCost, load_serving_cost, perturbed, serving_cost_names
 from dspark.cost.steps import StepsPerSecondTable

@@ -34,7 +34,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dspark.cost.base import CostModel, check_cost_model, check_probes
+from dspark.cost.base import CostModel, check_probes
+from dspark.cost.loading import check_cost_model
 from dspark.cost.step import (
     DRAFTER_KINDS,
     KV_LAYOUTS,

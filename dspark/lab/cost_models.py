@@ -20,7 +20,8 @@ from dspark.cost.serving import COST_MODELS_DIR, ServingCost
 from dspark.cost.shipped import ANALYTIC, LONG_PROMPT, ServingCostSpec, doublings
 from dspark.lab.demo.config import DemoConfig, demo_clock, demo_tiers, length_range
 from dspark.lab.demo.run import load_models
-from dspark.lab.profile import ProfileRuns, profile_serving_cost
+from dspark.lab.profile import ProfileRuns
+from dspark.lab.serving_profile import profile_serving_cost
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
 from dspark.serve.config import EngineConfig

@@ -9,12 +9,9 @@ whether to speculate at all.
 from __future__ import annotations
 
 import logging
-import math
-import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,17 +25,12 @@ from dspark.cost import (
     TieredCostModel,
     serving_tiers,
 )
-from dspark.cost.base import check_probes, check_samples
-from dspark.cost.serving import BatchCurve, DraftCost, PrefillCost, ServingCost
-from dspark.cost.shipped import ServingCostSpec, fill_monotone, fit_prefill, scale_batches, shift_batches
-from dspark.cost.step import KV_LAYOUTS
-from dspark.kernels import dispatch
 from dspark.lab.sweep import tier_rows
 from dspark.lab.timing import lockstep
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.outcome import GenerateResult
 from dspark.serve.policies import FixedK, Policy, PolicyPlan
-from dspark.util.validate import check_int, check_real, check_type
+from dspark.util.validate import check_int, check_type
 from dspark.verify.accept import AcceptResult
 from dspark.verify.layout import round_up_to_tier
 
@@ -56,47 +48,6 @@ class ProfileRuns:
     def __post_init__(self) -> None:
         check_int("tokens", self.tokens, 1)
         check_int("repeats", self.repeats, 1)
-
-
-@dataclass(frozen=True)
-class ServingProfile:
-    """What a serving profile measured at its batch sizes (the input of `profiled_cost`).
-
-    Args:
-        samples: whole speculative steps (B, M, seconds) drafting gamma.
-        plain: plain-step seconds per profiled B; drafting: the draft phase per profiled B for depths 1..gamma.
-        prefill: the prefill fit (`fit_prefill`).
-        catch_up: the drafter's seconds per token caught up beyond the roots (0: not profiled).
-        kv: (seconds per cached KV token, the cached tokens per request the profiled steps held), or None (not
-            profiled); kv_layout: how the profiled attention reads the KV cache (`attention_kv_layout`).
-    """
-
-    samples: Sequence[ProfileSample]
-    plain: BatchCurve
-    drafting: Sequence[BatchCurve]
-    prefill: PrefillCost
-    catch_up: float = 0.0
-    kv: tuple[float, float] | None = None
-    kv_layout: str = "ragged"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", tuple(check_samples(self.samples)))
-        check_type("plain", self.plain, BatchCurve)
-        drafting = tuple(check_type("drafting", self.drafting, (list, tuple)))
-        if not drafting:
-            raise ValueError("drafting needs one curve per depth 1..gamma, got none")
-        for k, curve in enumerate(drafting):
-            check_type(f"drafting[{k}]", curve, BatchCurve)
-        object.__setattr__(self, "drafting", drafting)
-        check_type("prefill", self.prefill, PrefillCost)
-        check_real("catch_up", self.catch_up, 0.0, math.inf, high_open=True)
-        if self.kv is not None:
-            if not isinstance(self.kv, tuple) or len(self.kv) != 2:
-                raise ValueError(f"kv must be a (seconds per KV token, context tokens) pair or None, got {self.kv!r}")
-            check_real("kv[0] (seconds per KV token)", self.kv[0], 0.0, math.inf, high_open=True)
-            check_real("kv[1] (context tokens)", self.kv[1], 0.0, math.inf, high_open=True)
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
 
 
 class ForcedRows(Policy):
@@ -263,186 +214,3 @@ def fit_cost_model(samples: Sequence[ProfileSample], gamma: int, platform: str, 
                 "; ".join(errors))
     model, report = StepsPerSecondTable.fit(samples, platform=platform, width=gamma + 1)
     return model, report, None
-
-
-def profile_drafting(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, runs: ProfileRuns
-                     ) -> tuple[list[float], list[tuple[int, float]], float]:
-    """The draft phase per depth, the prefill and the drafter's catch-up of B = len(prompts) requests.
-
-    Returns ([median draft phase of full-batch steps drafting k, verifying the roots only, for k = 1..gamma],
-    [(prompt tokens, seconds) of each run's first admission], seconds per token caught up beyond the roots
-    (`profile_catch_up`)): the median over `runs.repeats` runs of `runs.tokens` new tokens per depth."""
-    check_type("runs", runs, ProfileRuns)
-    b, drafting, prefills = prompts.shape[0], [], []
-    for k in range(1, gamma + 1):
-        results = [decoder.generate(prompts, runs.tokens, ForcedRows(k, b, b))
-                   for _ in range(runs.repeats)]
-        drafting.append(statistics.median(statistics.median(s.times.draft for s in r.steps
-                                                            if s.requests.numel() == b) for r in results))
-        prefills += [(int(prompts.shape[1] - 1) * b, r.startup_seconds) for r in results]
-    catch_up = profile_catch_up(decoder, prompts, gamma, runs=runs)
-    return drafting, prefills, catch_up
-
-
-def profile_catch_up(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, runs: ProfileRuns) -> float:
-    """Seconds per token the drafter catches up beyond the roots, from `runs.repeats` runs (of `runs.tokens` new
-    tokens) of B = len(prompts) requests drafting gamma and verifying every row: their steps catch up 0..gamma
-    tokens per request (what the step committed beyond one) and the first the prompts. The least-squares slope of
-    each step's draft phase over its catch-up tokens, clipped at 0."""
-    check_type("runs", runs, ProfileRuns)
-    b = prompts.shape[0]
-    points = [(s.catch_up, s.times.draft) for _ in range(runs.repeats)
-              for s in decoder.generate(prompts, runs.tokens, ForcedRows(gamma, b * (gamma + 1), b)).steps
-              if s.speculated]
-    x, y = np.array(points, dtype=np.float64).T
-    if np.ptp(x) == 0:
-        return 0.0
-    return max(float(np.polyfit(x, y, 1)[0]), 0.0)
-
-
-def profile_kv(decoder: SpecDecoder, short: Tensor, long: Tensor, *, runs: ProfileRuns) -> tuple[float, float]:
-    """Seconds per cached KV token of a plain step, from plain runs (of `runs.tokens` new tokens) of B = len(short)
-    requests on short [B, P] and long [B, P'] prompts in lockstep (the median full-batch step of each,
-    `runs.repeats` times).
-
-    Returns (slope: extra seconds per extra cached token, clipped at 0; the short runs' mean cached tokens per
-    request over their full-batch steps)."""
-    check_type("runs", runs, ProfileRuns)
-    b, slopes, base = short.shape[0], [], []
-    for _ in range(runs.repeats):
-        results = lockstep({n: decoder.fork().start(p, runs.tokens, FixedK(0), mode=VerifyMode.STATIC)
-                            for n, p in (("short", short), ("long", long))})
-        full = {n: [s for s in r.steps if s.requests.numel() == b] for n, r in results.items()}
-        kv = {n: statistics.fmean(s.kv_tokens for s in steps) / b for n, steps in full.items()}
-        slopes.append((_median_step(results["long"]) - _median_step(results["short"]))
-                      / (b * (kv["long"] - kv["short"])))
-        base.append(kv["short"])
-    return max(statistics.median(slopes), 0.0), statistics.fmean(base)
-
-
-def attention_kv_layout(device: torch.device) -> str:
-    """How dspark's attention reads the KV cache on `device`: `ragged` (the Triton kernel walks each request's own
-    length) or `padded` (the CPU torch path pads every request to the step's longest)."""
-    return "ragged" if dispatch.use_triton(torch.empty(0, device=device)) else "padded"
-
-
-def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor, batch_sizes: Sequence[int],
-                         spec: ServingCostSpec, *, runs: ProfileRuns, long_prompts: Tensor | None = None,
-                         progress: Callable[[str], None] | None = None) -> ServingCost:
-    """A ServingCost of this machine, profiled with the engine's own code at each B of `batch_sizes`.
-
-    Per B: whole speculative steps at every tier top in [B, B x W] and plain steps (`profile_step_costs`), the
-    draft phase per depth, the prefill and the drafter's catch-up per token (`profile_drafting`; the catch-up's
-    median over B); fitted and extended by `profiled_cost`.
-
-    Args:
-        decoders: b -> the SpecDecoder to profile B = b on (one per B keeps memory bounded; its config reserves the
-            timed runs' new tokens).
-        prompts: [N >= max B, P] held-out prompts of one length.
-        batch_sizes: the profiled B (strictly increasing).
-        spec: the cost's name, description, gamma, max_requests, tier ladder (up to max_requests x W) and
-            parameters.
-        runs: tokens per run and repeats per point.
-        long_prompts: [N, P' > P]: with them the KV term is profiled too (`profile_kv` per B, the median slope),
-            else it is 0.
-        progress: called with a line after each B.
-    """
-    check_type("spec", spec, ServingCostSpec)
-    check_type("runs", runs, ProfileRuns)
-    batch_sizes = check_probes("batch_sizes", batch_sizes, 1)
-    gamma, tiers = spec.gamma, spec.tiers
-    samples, plain, prefills, slopes, contexts, catch_ups = [], [], [], [], [], []
-    drafting: list[list[float]] = [[] for _ in range(gamma)]
-    layout = "ragged"
-    for b in batch_sizes:
-        decoder = decoders(b)
-        layout = attention_kv_layout(decoder.device)
-        measured, plain_b = profile_step_costs(decoder, prompts[:b], profile_points([b], gamma, tiers), gamma,
-                                               runs=runs)
-        samples += measured
-        plain.append(plain_b.seconds[0])
-        depths, admissions, catch_up = profile_drafting(decoder, prompts[:b], gamma, runs=runs)
-        for k, seconds in enumerate(depths):
-            drafting[k].append(seconds)
-        prefills += admissions
-        catch_ups.append(catch_up)
-        if long_prompts is not None:
-            slope, context = profile_kv(decoder, prompts[:b], long_prompts[:b], runs=runs)
-            slopes.append(slope)
-            contexts.append(context)
-        if progress:
-            progress(f"profiled B={b}")
-    kv = (statistics.median(slopes), statistics.fmean(contexts)) if slopes else None
-    profile = ServingProfile(samples, BatchCurve(batch_sizes, plain), [BatchCurve(batch_sizes, d) for d in drafting],
-                             fit_prefill(prefills), catch_up=statistics.median(catch_ups), kv=kv, kv_layout=layout)
-    return profiled_cost(profile, spec)
-
-
-def profiled_cost(profile: ServingProfile, spec: ServingCostSpec) -> ServingCost:
-    """A ServingCost from a profile's results (`ServingProfile`) and what the cost is (`ServingCostSpec`).
-
-    `fit_cost_model` over the profiled tiers of the spec's ladder, `fill_monotone`, `scale_batches` up to
-    spec.max_requests, then the gamma-deep draft taken out of every cell (`verify` holds the target's part); the
-    draft curves made non-decreasing in the depth. With profile.kv: per_kv_token, and the profiled context's share
-    taken out of verify and plain (the file then prices each step's own context); without: per KV token 0, the
-    profile's contexts inside the table.
-
-    Args:
-        profile: whole-step samples drafting spec.gamma, plain seconds and the draft phase per depth 1..spec.gamma
-            at the profiled B, the prefill fit, the catch-up and KV terms.
-        spec: the cost's name, description, gamma, max_requests, tier ladder and parameters.
-    """
-    import platform
-
-    check_type("profile", profile, ServingProfile)
-    check_type("spec", spec, ServingCostSpec)
-    if len(profile.drafting) != spec.gamma:
-        raise ValueError(f"profile.drafting needs one curve per depth 1..gamma = {spec.gamma}, got "
-                         f"{len(profile.drafting)}")
-    samples, plain, drafting, prefill = profile.samples, profile.plain, profile.drafting, profile.prefill
-    kv, catch_up, kv_layout = profile.kv, profile.catch_up, profile.kv_layout
-    gamma, tiers, max_requests = spec.gamma, spec.tiers, spec.max_requests
-    machine, top = f"{platform.machine()}-cpu", plain.batch_sizes[-1]
-    fitted = fit_cost_model(samples, gamma, platform=machine, tiers=[t for t in tiers if t <= top * (gamma + 1)])[0]
-    model, curves = scale_batches(fill_monotone(fitted, samples), (plain, *drafting), tiers, max_requests)
-    plain, drafting = curves[0], curves[1:]
-    per_kv, context = kv or (0.0, 0.0)
-    # the KV slope comes from other runs than the plain steps: under timing noise it is held so that the profiled
-    # context's share is at most half of every plain step (a plain step is never priced at or below zero)
-    kv_most = min(0.5 * s / (context * b) for b, s in zip(plain.batch_sizes, plain.seconds)) if context else per_kv
-    kv_held = per_kv > kv_most
-    per_kv = min(per_kv, kv_most)
-    drafting = [BatchCurve(c.batch_sizes, np.maximum.reduce([d.seconds for d in drafting[: k + 1]]).tolist())
-                for k, c in enumerate(drafting)]  # a deeper proposal never costs less than a shallower one
-    # the priced gamma-deep draft taken out: a gamma-deep step prices at the measured whole step. The draft phase
-    # comes from other runs than the whole steps, so where timing noise makes it exceed a step's cheapest cell the
-    # part taken out is held to half that cell (the target's share of a step is never priced at or below zero)
-    cheapest = {b: min(float(model.step_seconds(b, m)) for m in range(b, b * (gamma + 1) + 1))
-                for b in model.batch_probes}
-    taken = [drafting[-1](b) + per_kv * context * b for b in model.batch_probes]
-    held = [min(t, 0.5 * cheapest[b]) for b, t in zip(model.batch_probes, taken)]
-    verify = shift_batches(model, [-h for h in held])
-    plain = BatchCurve(plain.batch_sizes, [t - per_kv * context * b for b, t in zip(plain.batch_sizes, plain.seconds)])
-    sources = (
-        "measured: dspark.lab.profile.profile_step_costs per batch size + fit_cost_model over the tier ladder "
-        "(TieredCostModel table over its serving tiers; plain step per B)",
-        "unmeasured table cells made monotone in the tier (fill_monotone)",
-        f"B > {top}: B / {top} steps of {top} requests with the same rows per request (scale_batches)",
-        "drafter: median draft phase of full-batch steps drafting k = 1..gamma, verifying the roots only "
-        "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft; "
-        + (f"catch-up: profile_catch_up, {catch_up * 1e6:.3f} us per token beyond the roots" if catch_up else
-           "catch-up: not profiled (0)"),
-        (f"per KV token ({kv_layout}): profile_kv, plain steps on short and long prompts in lockstep, "
-         f"{per_kv * 1e6:.3f} us; the profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if kv else
-         "per KV token: 0 (the profiled steps hold the profile's own contexts)")
-        + "; prefill: fit_prefill over the drafting runs' first admissions",
-        f"machine: {platform.platform()}, torch {torch.__version__}")
-    if kv_held:
-        sources += (f"the KV slope held to {per_kv * 1e6:.3f} us: half of the smallest plain step per profiled "
-                    f"context token (timing noise)",)
-    if held != taken:
-        sources += (f"the draft taken out held to half the cheapest cell at B = "
-                    f"{[b for b, h, t in zip(model.batch_probes, held, taken) if h != t]} (timing noise)",)
-    drafter = DraftCost("chain", tuple(drafting), catch_up)
-    return ServingCost(spec.name, machine, spec.description, sources, verify, plain, per_kv, drafter, prefill,
-                       tiers=model.tiers, max_requests=max_requests, parameters=spec.parameters, kv_layout=kv_layout)

@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from dspark.kernels import dispatch
-from dspark.kernels import kv_write as _kv
 from dspark.kernels import ragged_attention as _k
 from dspark.util.validate import (
     check_int,
@@ -27,6 +26,7 @@ from dspark.util.validate import (
     int_tensor,
 )
 from dspark.verify import boundary
+from dspark.verify.attention_checks import _check_dtype, _check_kv_lens, _check_tensor, _host_ints
 from dspark.verify.layout import RaggedVerifyLayout
 
 
@@ -338,64 +338,9 @@ def verify_attention(q: Tensor, kv_cache: tuple[Tensor, Tensor], layout: RaggedV
     return (out, lse) if return_lse else out
 
 
-def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_slots: Tensor) -> None:
-    """Store rows k, v [rows, Hkv, D] at flat cache slots `page * page_size + offset`; slot < 0 writes nothing.
-
-    Shapes and dtypes are checked; slot values are not (no device sync): take them from
-    `RaggedVerifyAttention.kv_slots`, which `plan` validated against the block table.
-    """
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("kv_slots", kv_slots)):
-        check_tensor(name, t)
-    if k.dim() != 3 or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
-        raise ValueError(f"k must be [rows, Hkv, D] matching k_cache [pages, page_size, Hkv, D], "
-                         f"got {tuple(k.shape)} and {tuple(k_cache.shape)}")
-    _check_dtype("k_cache.dtype", k_cache.dtype)
-    _check_tensor("v", v, tuple(k.shape), k.dtype, k.device)
-    _check_tensor("k_cache", k_cache, None, k_cache.dtype, k.device)
-    _check_tensor("v_cache", v_cache, tuple(k_cache.shape), k_cache.dtype, k.device)
-    if kv_slots.shape != (k.shape[0],) or kv_slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"kv_slots must be int32/int64 [{k.shape[0]}], got {kv_slots.dtype} {tuple(kv_slots.shape)}")
-    _kv.write_kv(k, v, k_cache, v_cache, kv_slots)
-
-
 def _metadata_buffer(sizes: dict[str, int], device: torch.device, pin: bool = False) -> Tensor:
     """A flat int32 buffer of a plan's metadata (`RaggedVerifyAttention._sizes`), empty: kv slots -1 (write
     nothing), everything else 0 (no work)."""
     flat = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=device, pin_memory=pin)
     flat[: sizes["kv_slots"]] = -1
     return flat
-
-
-def _check_kv_lens(kv_len: Tensor, table: Tensor, page_size: int, num_pages: int | None) -> None:
-    check_kv_fits(kv_len, table.shape[1], page_size)
-    used = torch.arange(table.shape[1])[None, :] * page_size < kv_len[:, None]
-    bad = used & ((table < 0) | (table >= num_pages if num_pages is not None else table < 0))
-    if bool(bad.any()):
-        r, p = (int(x) for x in bad.nonzero()[0])
-        valid = f"in [0, {num_pages})" if num_pages is not None else ">= 0"
-        raise ValueError(f"block_table[{r}, {p}] = {int(table[r, p])} is not a page id {valid}")
-
-
-def _host_ints(name: str, value: Tensor | Sequence[int], shape: tuple[int, ...] | None) -> Tensor:
-    t = int_tensor(name, value).cpu()
-    if shape is not None and tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    return t
-
-
-def _check_dtype(name: str, dtype: torch.dtype) -> None:
-    if dtype not in _k.SUPPORTED_DTYPES:
-        raise TypeError(f"{name} = {dtype} is not supported; use one of "
-                        f"{', '.join(str(d) for d in _k.SUPPORTED_DTYPES)}")
-
-
-def _check_tensor(name: str, t: Tensor, shape: tuple[int | None, ...] | None, dtype: torch.dtype,
-                  device: torch.device) -> None:
-    check_tensor(name, t)
-    if shape is not None and (t.dim() != len(shape) or any(e is not None and e != a for e, a in zip(shape, t.shape))):
-        want = ["*" if e is None else e for e in shape]
-        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} has dtype {t.dtype}, expected {dtype}")
-    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
-        raise ValueError(f"{name} is on {t.device}, expected {device}")

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from dspark.ascend.attention import NpuVerifyAttention, check_metadata
 from dspark.ascend.emulator import FiaArgumentError, FusedInferAttentionEmulator, causal_mask
 from dspark.ascend.metadata import AscendVerifyMetadata
-from dspark.verify.attention import AttentionShape, verify_attention, write_kv
+from dspark.verify.attention import AttentionShape, verify_attention
+from dspark.verify.kv_write import write_kv
 from dspark.verify.layout import RaggedVerifyLayout
 
 pytestmark = pytest.mark.cpu_only(reason="the CPU emulator of the NPU operator (perf/ascend_bringup.py --device npu "

@@ -90,7 +90,8 @@ def test_profile_catch_up_recovers_the_seconds_per_caught_up_token(monkeypatch, 
     """A drafter whose proposal costs 40 ms + 3 ms per token caught up beyond the roots, on a clock only the
     drafter advances: the profiled slope is 3 ms, whatever the accepted lengths (the first step catches up the
     prompts, the later ones what the step before committed beyond one)."""
-    from dspark.lab.profile import ProfileRuns, profile_catch_up
+    from dspark.lab.profile import ProfileRuns
+    from dspark.lab.serving_profile import profile_catch_up
     from dspark.serve.drafters.block import BlockDrafter
     from dspark.serve.engine import SpecDecoder
     from tests.engine_models import VOCAB, tiny_models
@@ -117,7 +118,7 @@ def test_a_profile_names_how_its_attention_reads_the_kv_cache(monkeypatch):
     """dspark's CPU torch attention pads every request to the longest; the Triton kernel walks each request's own
     length (forced here through the backend switch, under the interpreter)."""
     from dspark.kernels import dispatch
-    from dspark.lab.profile import attention_kv_layout
+    from dspark.lab.serving_profile import attention_kv_layout
 
     monkeypatch.setenv(dispatch.BACKEND_ENV, "auto")
     assert attention_kv_layout(torch.device("cpu")) == "padded"
@@ -132,7 +133,8 @@ def test_a_draft_phase_longer_than_a_step_never_prices_the_target_at_or_below_ze
     cheapest cell. The part taken out is then held to half that cell, and the file says where."""
     from dspark.cost.serving import BatchCurve, PrefillCost
     from dspark.cost.shipped import ServingCostSpec
-    from dspark.lab.profile import ServingProfile, profile_points, profiled_cost
+    from dspark.lab.profile import profile_points
+    from dspark.lab.serving_profile import ServingProfile, profiled_cost
 
     tiers = (1, 2, 3, 4, 8, 12, 16)
     grid = profile_points((1, 4), 3, tiers)
@@ -154,7 +156,8 @@ def test_a_kv_slope_larger_than_the_plain_steps_never_prices_plain_at_or_below_z
     plain step, and the file says so; a plausible slope is kept as measured."""
     from dspark.cost.serving import BatchCurve, PrefillCost
     from dspark.cost.shipped import ServingCostSpec
-    from dspark.lab.profile import ServingProfile, profile_points, profiled_cost
+    from dspark.lab.profile import profile_points
+    from dspark.lab.serving_profile import ServingProfile, profiled_cost
 
     tiers = (1, 2, 3, 4, 8, 12, 16)
     grid = profile_points((1, 4), 3, tiers)

@@ -60,18 +60,9 @@ from dspark.lab.demo.config import (
 )
 from dspark.lab.demo.records import step_records
 from dspark.lab.demo.report import format_goals, format_table, goal_check, table_rows
-from dspark.lab.profile import (
-    PlainStepCost,
-    ProfileRuns,
-    ServingProfile,
-    attention_kv_layout,
-    fit_cost_model,
-    profile_drafting,
-    profile_points,
-    profile_step_costs,
-    profiled_cost,
-)
+from dspark.lab.profile import PlainStepCost, ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.progress import Progress
+from dspark.lab.serving_profile import ServingProfile, attention_kv_layout, profile_drafting, profiled_cost
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import Encode, prompt_windows
 from dspark.models.draft import DraftConfig, DraftModel
