@@ -11,6 +11,7 @@ from dspark.models.distil import DistilConfig, distil
 from dspark.models.draft import DraftConfig, DraftModel
 from dspark.models.stream_store import labelled_streams
 from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.serve.policies import FixedK
 
 VOCAB = 64
 
@@ -52,3 +53,18 @@ def tiny_models(vocab: int = VOCAB, seed: int = 0, gamma: int = 4, steps: int = 
     rest = streams.select(slice(32, None))
     fit_confidence(draft, stream_rows(draft, rest.tokens, rest.hidden, 8), 3)  # moderate logits
     return TransformersCausalLM(hf), draft.eval()
+
+
+
+class PartialFixedK(FixedK):
+    """fixed-k whose steps draft for some requests only (`Policy.drafting`): every `every`-th request of the
+    step, shifting by one each step; the rest verify their root only."""
+
+    def __init__(self, k: int, every: int = 2) -> None:
+        super().__init__(k)
+        self.every, self._turn = every, 0
+
+    def speculate(self, slots: torch.Tensor, generations: torch.Tensor) -> bool:
+        self._turn += 1
+        self.drafting = (torch.arange(slots.numel()) + self._turn) % self.every == 0
+        return True

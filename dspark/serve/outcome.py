@@ -44,6 +44,7 @@ class StepOutcome:
     kv_longest: int = 0            # the most of those one request held
     prefill_tokens: int = 0        # prompt tokens prefilled right before this step (its `times.prefill`)
     catch_up: int = 0              # tokens the drafter caught up beyond the roots (Drafts.catch_up; 0: plain)
+    drafting: int = 0              # requests that drafted (B, or fewer under `Policy.drafting`; 0: plain)
     draft_logits: Tensor | None = None  # [B, k, V] drafter token logits, with EngineConfig(keep_draft_logits=True)
     owners: Tensor | None = None   # [B] host: the queue index (request id) decoding in each slot
 

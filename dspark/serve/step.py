@@ -14,6 +14,7 @@ the clock differ. Phase times come from `clock` (wall, thread CPU time, or a rep
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -69,20 +70,27 @@ def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | N
 
 def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy, stop_ids: Tensor | None,
                      plan_seconds: float) -> tuple[StepOutcome, Tensor]:
-    """Draft, plan, verify, accept and commit for the requests in `slots` (host ids, ascending)."""
+    """Draft, plan, verify, accept and commit for the requests in `slots` (host ids, ascending); the requests
+    `policy.drafting` leaves out verify their root only."""
     now, target, k, sampling = engine.clock, engine.target, policy.num_drafts, engine.sampling
+    b, dev = slots.numel(), batch.tokens.device
+    rows = None if policy.drafting is None else policy.drafting.nonzero().squeeze(1)  # host positions that draft
     times = StepTimes(plan=plan_seconds)
     t0 = now()
-    drafts = engine.drafter.propose(batch, slots, k, policy.source, sampling)
+    drafts = engine.drafter.propose(batch, slots if rows is None else slots[rows], k, policy.source, sampling)
+    if rows is not None:
+        drafts = drafts.spread(boundary.to_device(rows, dev), b)
     t1 = now()
     times.draft = t1 - t0
     conf = policy.confidence(drafts)
+    if rows is not None:  # an estimator's confidence of a request that did not draft: none
+        conf = conf.masked_fill(boundary.to_device(~policy.drafting, dev)[:, None], -math.inf)
     prepassed: list[AcceptResult] = []
     untimed = [0.0]
 
     def prepass() -> AcceptResult:  # a full static verify outside the step's time (the oracle's hook)
         u = now()
-        full = torch.full((slots.numel(),), k + 1, dtype=torch.int32, device=batch.tokens.device)
+        full = torch.full((b,), k + 1, dtype=torch.int32, device=dev)
         prepassed.append(target.accept(target.verify(batch, slots, drafts, full, VerifyMode.STATIC, None),
                                        drafts, sampling))
         untimed[0] += now() - u
@@ -106,7 +114,8 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     times.accept += now() - t4
     out = StepOutcome(requests=slots, plan=plan, layout=checked.layout, caps=checked.caps, confidence_logits=conf,
                       commit_lens=acc.commit_lens, correct_lens=acc.correct_lens, times=times, host_syncs=1,
-                      draft_logits=drafts.logits if engine.keep_draft_logits else None, catch_up=drafts.catch_up)
+                      draft_logits=drafts.logits if engine.keep_draft_logits else None, catch_up=drafts.catch_up,
+                      drafting=b if rows is None else rows.numel())
     return out, commit
 
 
@@ -141,6 +150,8 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             t0 = now()
             dev_slots = boundary.to_device(slots, batch.tokens.device)
             speculate = policy.num_drafts > 0 and policy.speculate(dev_slots, batch.generations[dev_slots])
+            if speculate and policy.drafting is not None and not bool(policy.drafting.any()):
+                speculate = False  # no request drafts: a plain step
             decided = now() - t0
             if speculate:
                 out, commit = speculative_step(engine, batch, slots, policy, stop_ids, decided)

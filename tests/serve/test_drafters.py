@@ -24,8 +24,9 @@ from dspark.serve.drafters.causal_lm import CausalLMDrafter
 from dspark.serve.drafters.ngram import NO_MATCH, NgramDrafter, lookup
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK, Oracle, Policy
+from dspark.serve.policies.gate import GateSettings
 from tests.drafter_models import VOCAB, llama, target_and_draft_lm, word_tokenizer
-from tests.engine_models import tiny_models
+from tests.engine_models import PartialFixedK, tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,7 +98,10 @@ def _policies(device: torch.device) -> dict[str, Policy]:
     """One fresh policy of each kind; the adaptive ones also decide speculate-or-not (plain steps happen)."""
     plain = lambda b: 1 / 104.0  # noqa: E731  (a speculative step pays from 1.04 tokens per request)
     est = OnlineAcceptanceEstimator(GAMMA, refit_every=2, min_labels=4)
+    probes = GateSettings(probe_every=1, max_probe_every=1, cost_window=None, probe_requests=1)
     return {"fixed-3": FixedK(GAMMA), "adaptive": Adaptive(_planner(device), plain),
+            "partial-3": PartialFixedK(GAMMA),  # drafts for every other request, verifies k + 1 rows for all
+            "partial probes": Adaptive(_planner(device), lambda b: 1e-6, gate=probes),  # plain but 1-request probes
             "adaptive-est": Adaptive(_planner(device), plain, estimator=est), "oracle": Oracle(GAMMA)}
 
 
@@ -189,13 +193,15 @@ def test_a_causal_lm_drafter_that_is_the_target_is_always_accepted(device) -> No
         assert len(spec) >= 6 and all(bool((s.correct_lens == GAMMA).all()) for s in spec)
 
 
+@pytest.mark.parametrize("policy", [lambda: Alternate(GAMMA), lambda: PartialFixedK(GAMMA, every=3)])
 @pytest.mark.parametrize("name", ["block", "causal-lm"])
-def test_a_step_reports_the_tokens_its_drafter_caught_up(cases, name: str, device) -> None:
+def test_a_step_reports_the_tokens_its_drafter_caught_up(cases, name: str, policy, device) -> None:
     """catch_up = the tokens each drafting request committed since its last proposal beyond its root (its whole
-    prompt after admission), walked here from the steps' owners and commit lengths: after plain steps and refills."""
+    prompt after admission), walked here from the steps' owners and commit lengths: after plain steps, refills
+    and steps where only some requests drafted (those whose confidence is not -inf)."""
     dec = cases[name][0]
     prompts, _ = _queue(seed=5)
-    out = dec.generate(prompts[:7], 10, Alternate(GAMMA), max_batch=3)
+    out = dec.generate(prompts[:7], 10, policy(), max_batch=3)
     lens, seen = {}, {}
     for s in out.steps:
         owners = s.owners.tolist()
@@ -203,10 +209,12 @@ def test_a_step_reports_the_tokens_its_drafter_caught_up(cases, name: str, devic
             lens.setdefault(q, int(prompts[q].numel()))
             seen.setdefault(q, 0)
         if s.speculated:
-            assert s.catch_up == sum(lens[q] - seen[q] - 1 for q in owners)
-            seen.update({q: lens[q] for q in owners})
+            drafted = [q for q, c in zip(owners, s.confidence_logits[:, 0].tolist()) if c != -math.inf]
+            assert s.drafting == len(drafted) and 0 < len(drafted) <= len(owners)
+            assert s.catch_up == sum(lens[q] - seen[q] - 1 for q in drafted)
+            seen.update({q: lens[q] for q in drafted})
         else:
-            assert s.catch_up == 0
+            assert s.catch_up == 0 and s.drafting == 0
         for q, c in zip(owners, s.commit_lens.tolist()):
             lens[q] += c
     assert sum(s.catch_up for s in out.steps if s.speculated) > sum(p.numel() for p in prompts[:7]) - 7

@@ -13,7 +13,7 @@ from dspark.serve.checks import check_device
 from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import FixedK, Oracle
-from tests.engine_models import VOCAB, tiny_llama, tiny_models
+from tests.engine_models import VOCAB, PartialFixedK, tiny_llama, tiny_models
 
 MODES = [m.value for m in VerifyMode]
 
@@ -67,9 +67,11 @@ def _exact_two_token_dist(target: TransformersCausalLM, prompt: torch.Tensor, te
     return p1[:, None] * p2
 
 
+@pytest.mark.parametrize("partial", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_sampling_matches_target_distribution(mode: str, device: torch.device) -> None:
-    """Chi-square of the emitted (t1, t2) pairs against the exact target distribution, on a small vocab."""
+def test_sampling_matches_target_distribution(mode: str, partial: bool, device: torch.device) -> None:
+    """Chi-square of the emitted (t1, t2) pairs against the exact target distribution, on a small vocab; also
+    when every other request does not draft and verifies the filler tokens its step lays out for it."""
     vocab, n, temp = 6, 3000, 4.0
     target = TransformersCausalLM(tiny_llama(vocab=vocab, seed=3, embed_std=0.3))
     emb = target.hf_model.get_input_embeddings().weight
@@ -80,7 +82,7 @@ def test_sampling_matches_target_distribution(mode: str, device: torch.device) -
     dec = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=n * 16, page_size=8, device=device))
     prompt = torch.tensor([1, 4, 2, 5, 0], device=device)
     exact = _exact_two_token_dist(target, prompt, temp).flatten().double().cpu()
-    out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, FixedK(3), mode=mode, sampling=SamplingParams(temperature=temp, seed=7))
+    out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, PartialFixedK(3) if partial else FixedK(3), mode=mode, sampling=SamplingParams(temperature=temp, seed=7))
     acc = torch.cat([s.commit_lens.cpu() for s in out.steps])
     assert bool((acc > 1).any()) and bool((acc == 1).any()), "need both accepts and rejects"
     pair = out.tokens[:, 0] * vocab + out.tokens[:, 1]

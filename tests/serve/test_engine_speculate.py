@@ -312,3 +312,52 @@ def test_the_drafters_catch_up_of_accepted_drafts_is_priced(device, catch_up: fl
 def test_a_bad_catch_up_price_names_itself(value) -> None:
     with pytest.raises(ValueError, match="catch_up_seconds"):
         GateSettings(catch_up_seconds=value)
+
+
+@pytest.mark.parametrize("plain_rate, whole", [(820.0, True), (1000.0, False)])
+def test_a_close_call_is_probed_whole_a_clear_one_a_few_requests_in_turn(device, plain_rate: float, whole: bool) -> None:
+    """4 requests, lag 0: the first step knows nothing and drafts for all. Each drafting request commits 2 of
+    its 4 rows: 1 accepted of 3 verified, 2 tokens per 10 ms step, 800 tok/s.
+    Against 820 tok/s plain (2.4 % behind, within `full_probe_within` = 5 %) a probe drafts for every request;
+    against 1,000 tok/s (20 % behind) for one of them, the next one at each probe."""
+    slots, gens = torch.arange(4, device=device), torch.ones(4, dtype=torch.int64, device=device)
+    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1)
+    policy = Adaptive(_planner(lag=0, device=device), plain_seconds=lambda b: b / plain_rate, gate=gate,
+                      feedback=FeedbackSettings(prior_weight=0))
+    assert policy.catch_up is None  # a request may wait its whole length for its first proposal
+    masks = []
+    for _ in range(10):
+        if policy.speculate(slots, gens):
+            masks.append(None if policy.drafting is None else policy.drafting.int().tolist())
+            policy.plan(torch.zeros(4, GAMMA, device=device), slots, gens)
+            policy.observe(torch.full((4,), 2))
+        policy.observe_seconds(0.01)
+    if whole:
+        assert masks == [None] * 4
+    else:
+        assert masks == [None, [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]]
+    assert Adaptive(_planner(device=device), lambda b: 1.0, gate=gate, feedback=FeedbackSettings(decay=None)
+                    ).gate.settings.probe_requests is None  # without the feedback a probe drafts for every request
+
+
+def test_partial_probes_run_lossless_and_report_who_drafted(decoder: SpecDecoder) -> None:
+    prompts = _prompts(4, 6, seed=5)
+    ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
+    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1)
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, gate=gate)
+    out = decoder.generate(prompts, 16, policy, mode="compact")
+    assert torch.equal(out.tokens, ref.tokens)
+    probes = [s for s in out.steps if s.speculated][1:]
+    assert len(probes) >= 3 and all(s.drafting == 1 for s in probes)
+    for s in probes:  # the requests that did not draft verify their root only
+        undrafted = s.confidence_logits[:, 0] == float("-inf")
+        assert int(undrafted.sum()) == s.requests.numel() - 1
+        assert bool((s.plan.verify_lens[undrafted] == 1).all())
+
+
+@pytest.mark.cpu_only(reason="settings validation")
+def test_bad_probe_settings() -> None:
+    with pytest.raises(ValueError, match="probe_requests must be .*got 0"):
+        GateSettings(probe_requests=0)
+    with pytest.raises(ValueError, match="full_probe_within"):
+        GateSettings(full_probe_within=-0.1)

@@ -67,7 +67,7 @@ def work_of(step: StepOutcome) -> StepWork:
     """The StepWork of a live step (what the replay would price for it)."""
     n, k = step.requests.numel(), step.confidence_logits.shape[-1]
     return StepWork(requests=n, rows=int(step.layout.total_rows) if k else n, kv_tokens=step.kv_tokens, drafts=k,
-                    drafting=n if k else 0, prefill_tokens=step.prefill_tokens, catch_up=step.catch_up,
+                    drafting=step.drafting, prefill_tokens=step.prefill_tokens, catch_up=step.catch_up,
                     kv_longest=step.kv_longest)
 
 

@@ -15,6 +15,7 @@ ship), `ngram.NgramDrafter` (prompt lookup) and `causal_lm.CausalLMDrafter` (a s
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -46,6 +47,25 @@ class Drafts:
     features: Tensor | None = None          # [B, k, F] the online estimator's inputs (source "features")
     logits: Tensor | None = None            # [B, k, V] token logits (telemetry: the top-2 margin baseline)
     catch_up: int = 0                       # tokens the drafter's forward caught up beyond the B roots
+
+    def spread(self, rows: Tensor, b: int) -> Drafts:
+        """These proposals of some of a step's requests laid out over all `b` of them: rows [n] int64 (device) are
+        the drafting requests' positions in the step. A request that did not draft gets token 0 (drawn from a
+        one-hot q, so rejection sampling stays lossless), confidence -inf (survival 0: a plan verifies its root
+        only), zero features and logits."""
+        def full(x: Tensor | None, fill: float) -> Tensor | None:
+            if x is None:
+                return None
+            out = x.new_full((b, *x.shape[1:]), fill)
+            out[rows] = x
+            return out
+        probs = self.probs
+        if probs is not None:
+            probs = probs.new_zeros(b, *probs.shape[1:])
+            probs[:, :, 0] = 1.0
+            probs[rows] = self.probs
+        return Drafts(full(self.tokens, 0), probs, full(self.confidence_logits, -math.inf), full(self.features, 0.0),
+                      full(self.logits, 0.0), self.catch_up)
 
 
 class Drafter:

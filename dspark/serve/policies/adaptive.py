@@ -7,6 +7,7 @@ decides: docs/policies.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
@@ -53,7 +54,9 @@ class Adaptive(Policy):
     temperatures=None and its gamma). depths: planners for shallower drafts {k: planner with gamma k}, lag 0 like
     `planner`; with them the gate also picks the depth, from the realised acceptance per position priced by each
     depth's planner (a probe drafts gamma; until each position has `prior_weight` outcomes of its own every step
-    speculates at gamma: the warm-up). One policy object serves one run.
+    speculates at gamma: the warm-up). With the feedback on, a large batch's probes that are not close calls
+    draft for `gate.probe_requests` requests only (`GateSettings`); without it every probe drafts for the whole
+    batch. One policy object serves one run.
     """
 
     name = "adaptive"
@@ -86,12 +89,16 @@ class Adaptive(Policy):
         self.planner = planner  # the current depth's planner
         self.num_drafts = self.gamma
         self.plain_seconds = plain_seconds
+        if feedback.decay is None:  # a partial probe informs the realised acceptance only: without it, whole
+            gate = dataclasses.replace(gate, probe_requests=None)
         self.gate = SpeculationGate(gate)
-        self.catch_up = gate.max_probe_every  # plain steps in a row before a probe: tokens the draft catches up
+        # plain steps in a row before a probe: tokens the draft catches up (a partial probe leaves some requests
+        # undrafted for longer: no bound but their own length)
+        self.catch_up = gate.max_probe_every if gate.probe_requests is None else None
         self._catch_up = False  # the next speculative step's draft catches up on plain steps' tokens
         self.feedback_settings = feedback
         self.feedback = RealisedAcceptance(self.gamma, feedback.decay or 0.0, feedback.prior_weight)
-        self._pending: VerifyPlan | None = None  # the speculative step awaiting its outcome
+        self._pending: tuple[VerifyPlan, Tensor | None] | None = None  # the speculative step awaiting its outcome
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
@@ -106,11 +113,12 @@ class Adaptive(Policy):
         `num_drafts`), False for a plain one."""
         if self.plain_seconds is None:
             return True
-        forced = self.gate.probe()
-        if forced is not None:
-            if forced:
-                self._use_depth(self.gamma)
+        forced = self.gate.probe(slots.numel())
+        if forced is not None:  # a probe: at full depth, for the requests it names
+            self._use_depth(self.gamma)
+            self.drafting = None if bool(forced.all()) else forced
             return True
+        self.drafting = None
         b, gate = slots.numel(), self.gate
         if gate.decided is None or gate.decided[0] != b:
             # same B since the last decision and no admission (`admit`): same requests, same lagged survival
@@ -170,13 +178,14 @@ class Adaptive(Policy):
              prepass: Callable[[], AcceptResult] | None = None) -> PolicyPlan:
         p = self.planner.plan(confidence_logits, slots, generations)
         self.gate.forget()  # the lag ring holds new survival
-        self.gate.expect(None if self._catch_up else p.decision.step_seconds)
-        self._catch_up = False
+        # not sampled: a step whose draft catches up plain steps' tokens, or a partial probe
+        self.gate.expect(None if self._catch_up or self.drafting is not None else p.decision.step_seconds)
+        self._catch_up = self.drafting is not None  # the requests it left out catch up at the next proposal
         if self.planner.ring is not None:
             host_slots = slots.cpu()
             self._unseen[host_slots] = (self._unseen[host_slots] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_settings.decay is not None:
-            self._pending = p  # read in `observe`, after the step's commit sync: no device read mid-step
+            self._pending = p, self.drafting  # read in `observe`, after the step's commit sync: no device read
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
 
     def admit(self, slots: Tensor) -> None:
@@ -201,9 +210,13 @@ class Adaptive(Policy):
             self.gate.forget()
         if self._pending is None:
             return
-        plan, self._pending = self._pending, None
+        (plan, drafting), self._pending = self._pending, None
         # one host read of the planner's own (already checked) lengths and survival
         host = torch.cat([plan.verify_lens[:, None].to(torch.float64), plan.survival.to(torch.float64)], 1).cpu()
+        commit = commit_lens.cpu()
+        if drafting is not None:  # a partial probe: the outcomes of the requests that drafted; the rest were plain
+            host, commit = host[drafting], commit[drafting]
+            self.feedback.observe_plain(int((~drafting).sum()))
         vl = host[:, 0].numpy().astype(np.int64)
-        self.feedback.observe_plan(vl, host[:, 1:].numpy(), commit_lens.cpu().numpy())
+        self.feedback.observe_plan(vl, host[:, 1:].numpy(), commit.numpy())
         self.gate.forget()

@@ -30,13 +30,15 @@ class Policy:
     num_drafts: tokens drafted per speculative step (0: target-only). source: what the drafter must return
     per position, its head's confidence logits (`"head"`) or the online estimator's features
     (`"features"`). catch_up: the most tokens committed without the drafter (plain steps) between two of its
-    proposals, beyond the verify width.
+    proposals, beyond the verify width (None: no bound but the request's length). drafting: host bool [B] over a speculative step's requests, those that
+    draft (the rest verify their root only, as in a plain step), set by `speculate`; None: every request drafts.
     """
 
     name: str = "policy"
     num_drafts: int = 0
     source: Source = "head"
-    catch_up: int = 0
+    catch_up: int | None = 0
+    drafting: Tensor | None = None
 
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
         """Before drafting: True for a speculative step for these requests, False for a plain one."""

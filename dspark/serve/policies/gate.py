@@ -3,9 +3,12 @@ profiled ones.
 
 After `probe_every` plain steps in a row the gate forces a probe at full depth (every draft position is observed
 again); the interval doubles up to `max_probe_every` while probes confirm plain, and resets on a speculative step.
-With `cost_window`, each side's (speculative, plain) predicted seconds are rescaled by the median of its last
-`cost_window` measured / predicted ratios (from three samples on: one stall cannot decide), and a probe runs two
-speculative steps so the second, free of the draft's catch-up, is timed. Why each rule: docs/policies.md.
+When the last decision put speculation more than `full_probe_within` behind plain, a probe of a batch larger
+than `probe_requests` drafts for that many of its requests, in turn, while the rest decode plain in the same step
+(the drafter catches up only the probed requests): a close call is probed whole, a clear one sampled. With `cost_window`, each side's
+(speculative, plain) predicted seconds are rescaled by the median of its last `cost_window` measured / predicted
+ratios (from three samples on: one stall cannot decide), and a probe of the whole batch runs two speculative steps
+so the second, free of the draft's catch-up, is timed. Why each rule: docs/policies.md.
 """
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ import collections
 import math
 import statistics
 from dataclasses import dataclass
+
+import torch
+from torch import Tensor
 
 from dspark.util.validate import check_int, check_real
 
@@ -22,18 +28,24 @@ class GateSettings:
     """probe_every / max_probe_every: plain steps in a row before a probe (the first interval, its cap);
     cost_window: measured / predicted ratios per median (None: the profiled costs are used as they are);
     catch_up_seconds: the drafter's seconds per token it catches up beyond a request's root (a chain drafter
-    runs the accepted drafts of the previous step again; 0: free), charged to each speculative step's price."""
+    runs the accepted drafts of the previous step again; 0: free), charged to each speculative step's price;
+    probe_requests / full_probe_within: a probe drafts for at most `probe_requests` requests (None: the whole
+    batch) unless the last decision's speculative rate was within `full_probe_within` of plain's (a fraction)."""
 
     probe_every: int = 8
     max_probe_every: int = 64
     cost_window: int | None = 9
     catch_up_seconds: float = 0.0
+    probe_requests: int | None = 16
+    full_probe_within: float = 0.05
 
     @classmethod
-    def probing(cls, probe: tuple[int, int, bool], catch_up_seconds: float = 0.0) -> GateSettings:
-        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps) and the catch-up price."""
+    def probing(cls, probe: tuple[int, int, bool], catch_up_seconds: float = 0.0,
+                probe_requests: int | None = 16) -> GateSettings:
+        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps), the catch-up price and the
+        requests per probe."""
         every, most, cost_feedback = probe
-        return cls(every, most, 9 if cost_feedback else None, catch_up_seconds)
+        return cls(every, most, 9 if cost_feedback else None, catch_up_seconds, probe_requests)
 
     def __post_init__(self) -> None:
         check_int("probe_every", self.probe_every, 1)
@@ -41,6 +53,9 @@ class GateSettings:
         if self.cost_window is not None:
             check_int("cost_window", self.cost_window, 1)
         check_real("catch_up_seconds", self.catch_up_seconds, 0.0, math.inf, high_open=True)
+        if self.probe_requests is not None:
+            check_int("probe_requests", self.probe_requests, 1)
+        check_real("full_probe_within", self.full_probe_within, 0.0, math.inf, high_open=True)
 
 
 class SpeculationGate:
@@ -55,19 +70,35 @@ class SpeculationGate:
         self._plain_run = 0  # plain steps since the last speculative step
         self._interval = settings.probe_every  # plain steps before the next probe
         self._probe_left = 0  # speculative steps of the current probe still to run
+        self._probed = 0  # requests probed so far: where the next partial probe starts in the batch
+        self._behind = 0.0  # how far the last decision put speculation behind plain (1 - rate ratio)
 
-    def probe(self) -> bool | None:
-        """Whether the probe schedule forces this step: True to speculate at full depth (a probe starts), False to
-        speculate at the current depth (a probe's second step), None when the decision is the caller's."""
+    def probe(self, b: int) -> Tensor | None:
+        """Whether the probe schedule forces this step over `b` requests to speculate at full depth: None when the
+        decision is the caller's, else a host bool mask [b] of the requests that draft (all of them, or
+        `probe_requests` in turn through the batch positions)."""
         if self._probe_left:  # a probe's second step: timed for the realised-cost feedback
             self._probe_left -= 1
-            return False
-        if self._plain_run >= self._interval:  # probe, at the full depth: every position is observed again
-            self._plain_run = 0
-            self._interval = min(2 * self._interval, self.settings.max_probe_every)
+            return torch.ones(b, dtype=torch.bool)
+        if self._plain_run < self._interval:
+            return None
+        self._plain_run = 0  # probe, at the full depth: every position is observed again
+        self._interval = min(2 * self._interval, self.settings.max_probe_every)
+        mask = None if self._behind <= self.settings.full_probe_within else self.sample(b)
+        if mask is None:  # the whole batch
             self._probe_left = 0 if self.settings.cost_window is None else 1
-            return True
-        return None
+            return torch.ones(b, dtype=torch.bool)
+        return mask
+
+    def sample(self, b: int) -> Tensor | None:
+        """The next `probe_requests` of `b` requests in turn (host bool mask [b]), or None when that is all of them."""
+        m = self.settings.probe_requests
+        if m is None or m >= b:
+            return None
+        mask = torch.zeros(b, dtype=torch.bool)
+        mask[(self._probed + torch.arange(m)) % b] = True
+        self._probed += m
+        return mask
 
     def forget(self) -> None:
         """What the last decision read has changed (new survival, an admission, an outcome): decide again."""
@@ -77,7 +108,9 @@ class SpeculationGate:
         """Compare the best speculative step's predicted tokens / s with a plain step of `plain_seconds`, each
         rescaled by its measured cost ratio."""
         plain_rate = b / (plain_seconds * self.cost_ratio[False])
-        self.decided = (b, speculative_rate / self.cost_ratio[True] > plain_rate, depth)
+        rate = speculative_rate / self.cost_ratio[True]
+        self._behind = 1.0 - rate / plain_rate
+        self.decided = (b, rate > plain_rate, depth)
 
     def reset_probes(self) -> None:
         """The decision chose speculation: the probe schedule starts over."""
