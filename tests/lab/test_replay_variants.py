@@ -61,9 +61,12 @@ def test_an_unknown_variant_is_refused() -> None:
 
 def test_the_gate_variants_switch_off_what_they_name() -> None:
     base = _lab(synthetic_trace(10, seed=1))
-    gates = {name: variant_lab(base, name, 2)[0].gate for name in ("head+STS", "no cost feedback", "no catch-up price")}
+    names = ("head+STS", "no cost feedback", "no catch-up price", "whole-batch probes", "no probes")
+    gates = {name: variant_lab(base, name, 2)[0].gate for name in names}
     assert gates["head+STS"].cost_window is not None and gates["head+STS"].catch_up_seconds > 0
     assert gates["no cost feedback"].cost_window is None
     assert gates["no cost feedback"].catch_up_seconds == gates["head+STS"].catch_up_seconds
     assert gates["no catch-up price"].catch_up_seconds == 0.0
     assert gates["no catch-up price"].cost_window == gates["head+STS"].cost_window
+    assert gates["head+STS"].probe_requests == 16 and gates["whole-batch probes"].probe_requests is None
+    assert gates["no probes"].probe_every > 10 ** 6 and gates["no probes"].cost_window == gates["head+STS"].cost_window

@@ -114,7 +114,8 @@ class Lab:
     choose_depth: the adaptive policies choose the draft depth per step (lag 0 only); probe: the adaptive
     gate's (probe_every, max_probe_every, cost feedback), `GateSettings.probing` (default: the library's
     `GateSettings()`; `UNTIMED_PROBE` where a live or timed run must take the same steps); price_catch_up: the
-    gate charges the drafter's catch-up of accepted drafts at the cost's `per_catch_up_token` (False: free)."""
+    gate charges the drafter's catch-up of accepted drafts at the cost's `per_catch_up_token` (False: free);
+    probe_requests: the gate's requests per partial probe (None: every probe drafts for the whole batch)."""
 
     trace: Trace
     cost: ServingCost
@@ -128,6 +129,7 @@ class Lab:
     context: float | None = None
     choose_depth: bool = True
     price_catch_up: bool = True
+    probe_requests: int | None = 16
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
@@ -170,7 +172,8 @@ class Lab:
     @property
     def gate(self) -> GateSettings:
         """The adaptive policies' gate: the lab's probe schedule, the drafter's catch-up priced as believed."""
-        return GateSettings.probing(self.probe, self.cost.drafter.per_catch_up_token if self.price_catch_up else 0.0)
+        return GateSettings.probing(self.probe, self.cost.drafter.per_catch_up_token if self.price_catch_up else 0.0,
+                                    self.probe_requests)
 
     def policy(self, name: str, b: int) -> Policy:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over

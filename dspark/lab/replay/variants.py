@@ -6,7 +6,8 @@ survival from the head after STS (the default) or before it, temperatures mis-se
 survival per position for every request, the online estimator, the oracle's exact acceptance, the adaptive
 policy given the oracle's knowledge as its survival (the planner's own loss, with nothing left to estimate);
 the policy drafting gamma at every speculative step (no depth choice); the planner's lag 1 / 2 (default 0);
-eager steps (no graph tiers).
+eager steps (no graph tiers); the gate without its measured-cost feedback, without the catch-up price, probing
+the whole batch every time (no partial probes), or never probing.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from dspark.serve.policies import Adaptive, Policy, PolicyPlan
 from dspark.verify.accept import AcceptResult
 
 VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
-            "fixed depth", "lag 1", "lag 2", "no tiers", "no cost feedback", "no catch-up price")
+            "fixed depth", "lag 1", "lag 2", "no tiers", "no cost feedback", "no catch-up price", "whole-batch probes",
+            "no probes")
+NEVER = 10 ** 9  # plain steps before a probe in the variant "no probes": more than any run takes
 SURE = 30.0  # |logit| of a known outcome: sigmoid(30) rounds to 1 in float32, sigmoid(-30) is 9e-14
 
 
@@ -103,7 +106,9 @@ def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
               "lag 1": (replace(base, lag=1), "adaptive"), "lag 2": (replace(base, lag=2), "adaptive"),
               "no tiers": (replace(base, tiers=False), "adaptive"),
               "no cost feedback": (replace(base, probe=(*base.probe[:2], False)), "adaptive"),
-              "no catch-up price": (replace(base, price_catch_up=False), "adaptive")}
+              "no catch-up price": (replace(base, price_catch_up=False), "adaptive"),
+              "whole-batch probes": (replace(base, probe_requests=None), "adaptive"),
+              "no probes": (replace(base, probe=(NEVER, NEVER, base.probe[2])), "adaptive")}
     if name in simple:
         return simple[name]
     if name in ("temps x0.5", "temps x2"):
