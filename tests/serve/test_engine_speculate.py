@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import StepsPerSecondTable
 from dspark.lab.profile import PlainStepCost
@@ -361,3 +362,18 @@ def test_bad_probe_settings() -> None:
         GateSettings(probe_requests=0)
     with pytest.raises(ValueError, match="full_probe_within"):
         GateSettings(full_probe_within=-0.1)
+
+
+def test_the_estimator_learns_from_the_requests_that_drafted_only(decoder: SpecDecoder) -> None:
+    """A static verify checks every request's k rows, the fillers of those that did not draft too; the online
+    estimator takes labels from the drafting requests alone: one position-0 label per drafting request per step."""
+    prompts = _prompts(4, 6, seed=6)
+    ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
+    est = OnlineAcceptanceEstimator(GAMMA, refit_every=2, min_labels=4)
+    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1)
+    policy = Adaptive(_planner(lag=0, device=decoder.device), plain_seconds=lambda b: 1e-6, gate=gate, estimator=est)
+    out = decoder.generate(prompts, 16, policy, mode="static")
+    assert torch.equal(out.tokens, ref.tokens)
+    spec = [s for s in out.steps if s.speculated]
+    assert any(s.drafting < s.requests.numel() for s in spec)
+    assert est.labels_seen[0] == sum(s.drafting for s in spec)

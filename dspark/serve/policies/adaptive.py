@@ -23,6 +23,7 @@ from dspark.serve.policies.base import Policy, PolicyPlan
 from dspark.serve.policies.feedback import RealisedAcceptance
 from dspark.serve.policies.gate import GateSettings, SpeculationGate
 from dspark.util.validate import check_int, check_type
+from dspark.verify import boundary
 from dspark.verify.accept import AcceptResult
 
 if TYPE_CHECKING:
@@ -202,7 +203,11 @@ class Adaptive(Policy):
         """After a step: host commit lengths [B] of its requests; a speculative `outcome` also labels the
         estimator's features."""
         if self.estimator is not None and outcome is not None and outcome.speculated:
-            self.estimator.observe(verify_lens=outcome.caps, correct_lens=outcome.correct_lens, features=self._features)
+            caps, correct, feats = outcome.caps, outcome.correct_lens, self._features
+            if self.drafting is not None:  # the requests that drafted (a static verify checks the fillers too)
+                rows = boundary.to_device(self.drafting.nonzero().squeeze(1), feats.device)
+                caps, correct, feats = caps[rows], correct[rows], feats[rows]
+            self.estimator.observe(verify_lens=caps, correct_lens=correct, features=feats)
         if outcome is not None and not outcome.speculated and self.feedback.mean is not None:
             # a plain step observes nothing: its B outcomes count as the long-run mean (the recent average
             # describes text that has moved on), so one bad streak cannot keep a small batch plain
