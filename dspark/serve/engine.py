@@ -161,7 +161,7 @@ class SpecDecoder:
         engine = Engine(self._drafter, self._target, self._now, self._sync,
                         Sampling.seeded(sampling, self.device), mode, self.config.keep_draft_logits)
         catch_up = new if policy.catch_up is None else min(policy.catch_up, new)
-        return serve(engine, scheduler, batch, policy, width=w, max_rows=p + w + catch_up)
+        return serve(engine, scheduler, batch, policy, max_rows=p + w + catch_up)
 
     def _sync(self) -> None:
         """End of a timed step or prefill on an accelerator: wait for its kernels, so the step is charged its own

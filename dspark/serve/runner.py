@@ -74,8 +74,9 @@ def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: Ragge
 class Target:
     """The plug-in point for verification (B requests of a batch's `slots`, host ids ascending)."""
 
-    def start(self, batch: Batch, width: int, max_rows: int) -> None:
-        """A run of verify width `width` begins on `batch`; no prefill exceeds `max_rows` rows per request."""
+    def start(self, batch: Batch, widths: tuple[int, ...], max_rows: int) -> None:
+        """A run begins on `batch`, verifying at `widths` (ascending W = depth + 1, every width its policy may
+        take; empty: plain steps only); no prefill exceeds `max_rows` rows per request."""
 
     def finish(self) -> None:
         """The run ended (also on error): release what `start` took."""
@@ -116,14 +117,15 @@ class LiveTarget(Target):
             raise RuntimeError("this decoder is already running a generation (one run per decoder at a time; "
                                "`fork` a decoder for each run to interleave them)")
 
-    def start(self, batch: Batch, width: int, max_rows: int) -> None:
+    def start(self, batch: Batch, widths: tuple[int, ...], max_rows: int) -> None:
         self.check_idle()  # (a second run started on this decoder before this one began)
         s, cols = batch.num_slots, batch.tokens.shape[1]
         self.cache.admit(s, cols - 1)
         self._running = True
         try:
             self._steps: dict[int, tuple[int | None, Any]] = {}  # verify width -> (graph slots, its VerifyStep)
-            self._width(width)  # the run's widest step is built here, outside the timed steps
+            for w in widths:  # every verify step the run may take is built (captured) here, not in a timed step
+                self._width(w)
             self._attn = batch_attention(self.cache, self.model.geometry, s * max_rows, s + 1,
                                          self.model.attention_backend)
             self.hidden = torch.zeros(s, cols, self.model.geometry.hidden_size, device=self.device,
@@ -137,8 +139,8 @@ class LiveTarget(Target):
         self._running = False
 
     def _width(self, width: int) -> tuple[int | None, Any]:
-        """(graph slots, VerifyStep or None) of verify width `width` over this run's slots, built on first use:
-        a policy choosing its draft depth verifies at several widths."""
+        """(graph slots, VerifyStep or None) of verify width `width` over this run's slots (built at `start` for
+        the widths the policy declared, else on first use)."""
         if width not in self._steps:
             s = self.cache.block_table.shape[0]
             self._steps[width] = (graph_slot_count(s, self.tiers, width) if self.tiers else None,

@@ -120,16 +120,15 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
 
 
 @torch.no_grad()
-def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *, width: int, max_rows: int
-          ) -> DecodeRun:
+def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *, max_rows: int) -> DecodeRun:
     """Run the scheduler's queue to its end on `batch`'s slots with one policy; yields each StepOutcome and
-    returns the GenerateResult. width: the run's verify width (k + 1); max_rows: the most rows one request
-    adds to a prefill or draft catch-up forward."""
+    returns the GenerateResult. The target prepares a verify step for each of `policy.draft_depths` before the
+    first step; max_rows: the most rows one request adds to a prefill or draft catch-up forward."""
     drafter, target, now = engine.drafter, engine.target, engine.clock
     stop_ids = scheduler.stop_ids
     result = GenerateResult(tokens=scheduler.result.tokens)
     prefill, prefill_tokens = 0.0, 0
-    target.start(batch, width, max_rows)
+    target.start(batch, tuple(d + 1 for d in policy.draft_depths), max_rows)
     try:
         drafter.start(batch, max_rows)
         while True:

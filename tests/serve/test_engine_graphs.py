@@ -85,3 +85,33 @@ def test_a_fork_serving_fewer_tiers_pads_past_the_left_out_ones(device) -> None:
     for bad in ((4, 16), (), (12, 4)):
         with pytest.raises(ValueError, match="tiers"):
             dec.fork(tiers=bad)
+
+
+def test_every_verify_width_a_policy_may_take_is_captured_before_its_first_step(device, monkeypatch) -> None:
+    """An adaptive policy choosing its depth verifies at W = 2, 3 and 4: all three steps are built (captured)
+    when the run starts, none inside a timed step; a fixed policy builds its own width only."""
+    from dspark.config import ScheduleConfig
+    from dspark.cost import StepsPerSecondTable
+    from dspark.plan.planner import PlannerSettings, VerifyPlanner
+    from dspark.serve.policies import Adaptive
+    from dspark.serve.tier_step import VerifySteps
+
+    target, draft = tiny_models()
+    dec = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=2048, page_size=8, device=device, tiers=TIERS))
+
+    def planner(k: int) -> VerifyPlanner:
+        cost = StepsPerSecondTable([1], [100.0], width=k + 1)
+        settings = PlannerSettings(lag=0, num_slots=3, tiers=TIERS, graph_slots=dec.graph_slots(3, k + 1))
+        return VerifyPlanner(ScheduleConfig(gamma=k), cost, settings, device=device)
+
+    built, stepped = [], [0]
+    get = VerifySteps.get
+    monkeypatch.setattr(VerifySteps, "get", lambda self, b, w: built.append((stepped[0], w)) or get(self, b, w))
+    for policy, widths in ((Adaptive(planner(3), lambda b: 1.0, depths={1: planner(1), 2: planner(2)}), [2, 3, 4]),
+                           (FixedK(2), [3])):
+        built.clear()
+        stepped[0] = 0
+        for _ in dec.start(_prompts(3, 6), 8, policy, mode="compact"):
+            stepped[0] += 1
+        assert sorted({w for n, w in built if n == 0}) == widths
+        assert {w for n, w in built} == set(widths)  # nothing else is built later

@@ -207,5 +207,4 @@ class Lab:
                              f"{self.trace.gamma} (its drafter proposes at most {engine.drafter.max_drafts})")
         scheduler = Scheduler(prompts, new_tokens, None, itertools.count(1), device)
         batch = Batch.empty(slots, longest + w, device)
-        return finish(serve(dataclasses.replace(engine, mode=mode), scheduler, batch, pol, width=w,
-                            max_rows=longest + w))
+        return finish(serve(dataclasses.replace(engine, mode=mode), scheduler, batch, pol, max_rows=longest + w))

@@ -88,10 +88,8 @@ class TimedTraceTarget(Target):
     def __init__(self, live: LiveTarget, trace: Trace, ids: Tensor, vocab: int | None) -> None:
         self.live, self.trace, self.ids, self.vocab = live, trace, ids, vocab
 
-    def start(self, batch: Batch, width: int, max_rows: int) -> None:
-        self.live.start(model_batch(batch, self.vocab), width, max_rows)
-        for w in range(2, width):  # a policy choosing its depth verifies narrower: capture those now, not in a step
-            self.live.verify_steps.get(batch.num_slots, w)
+    def start(self, batch: Batch, widths: tuple[int, ...], max_rows: int) -> None:
+        self.live.start(model_batch(batch, self.vocab), widths, max_rows)
 
     def finish(self) -> None:
         self.live.finish()

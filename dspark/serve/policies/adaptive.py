@@ -104,6 +104,10 @@ class Adaptive(Policy):
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
     @property
+    def draft_depths(self) -> tuple[int, ...]:
+        return tuple(sorted(self._planners))
+
+    @property
     def realised(self) -> tuple[float, float] | None:
         """Moving averages of (accepted, verified) drafts per request per step at depth gamma (None before any
         outcome)."""

@@ -40,6 +40,12 @@ class Policy:
     catch_up: int | None = 0
     drafting: Tensor | None = None
 
+    @property
+    def draft_depths(self) -> tuple[int, ...]:
+        """Every draft depth this policy's speculative steps may take, ascending (the runner prepares their verify
+        widths before the run's first step)."""
+        return (self.num_drafts,) if self.num_drafts else ()
+
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
         """Before drafting: True for a speculative step for these requests, False for a plain one."""
         return True
