@@ -102,3 +102,13 @@ def check_seq_len(models: Iterable[nn.Module], prompt_len: int, new_tokens: int,
         check_fits(prompt_len, new_tokens, width, m.geometry.max_seq_len, f"the {type(m).__name__}'s",
                    "shorten the prompts or max_new_tokens")
     return prompt_len + new_tokens + width
+
+
+def check_drafting(policy: object, b: int) -> Tensor:
+    """A policy's `drafting` mask for a step of b requests: a host bool tensor [b]."""
+    mask = policy.drafting
+    if not (isinstance(mask, Tensor) and mask.dtype == torch.bool and tuple(mask.shape) == (b,) and mask.is_cpu):
+        got = f"{mask.dtype} {list(mask.shape)} on {mask.device}" if isinstance(mask, Tensor) else repr(mask)
+        raise ValueError(f"policy {policy.name!r} set drafting to {got}: it must be None or a CPU bool tensor [B={b}], "
+                         "True for each request of the step that drafts")
+    return mask

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dspark.config import VerifyMode
+from dspark.serve.checks import check_drafting
 from dspark.serve.config import GREEDY
 from dspark.serve.drafters.base import Drafter
 from dspark.serve.outcome import DecodeRun, GenerateResult, StepOutcome, StepTimes
@@ -149,8 +150,8 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             t0 = now()
             dev_slots = boundary.to_device(slots, batch.tokens.device)
             speculate = policy.num_drafts > 0 and policy.speculate(dev_slots, batch.generations[dev_slots])
-            if speculate and policy.drafting is not None and not bool(policy.drafting.any()):
-                speculate = False  # no request drafts: a plain step
+            if speculate and policy.drafting is not None:
+                speculate = bool(check_drafting(policy, slots.numel()).any())  # no request drafts: a plain step
             decided = now() - t0
             if speculate:
                 out, commit = speculative_step(engine, batch, slots, policy, stop_ids, decided)

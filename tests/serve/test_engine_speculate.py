@@ -377,3 +377,15 @@ def test_the_estimator_learns_from_the_requests_that_drafted_only(decoder: SpecD
     spec = [s for s in out.steps if s.speculated]
     assert any(s.drafting < s.requests.numel() for s in spec)
     assert est.labels_seen[0] == sum(s.drafting for s in spec)
+
+
+@pytest.mark.parametrize("mask, got", [(lambda b: torch.ones(b + 1, dtype=torch.bool), r"torch.bool \[4\]"),
+                                       (lambda b: torch.ones(b, dtype=torch.int64), r"torch.int64 \[3\]"),
+                                       (lambda b: [True] * b, r"\[True, True, True\]")])
+def test_a_policys_drafting_mask_of_the_wrong_shape_or_type_is_refused(decoder: SpecDecoder, mask, got) -> None:
+    class Bad(FixedK):
+        def speculate(self, slots, generations):
+            self.drafting = mask(slots.numel())
+            return True
+    with pytest.raises(ValueError, match=rf"policy 'fixed-2' set drafting to {got}.*CPU bool tensor \[B=3\]"):
+        decoder.generate(_prompts(3, 5), 4, Bad(2))
