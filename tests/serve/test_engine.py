@@ -82,7 +82,9 @@ def test_sampling_matches_target_distribution(mode: str, partial: bool, device: 
     dec = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=n * 16, page_size=8, device=device))
     prompt = torch.tensor([1, 4, 2, 5, 0], device=device)
     exact = _exact_two_token_dist(target, prompt, temp).flatten().double().cpu()
-    out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, PartialFixedK(3) if partial else FixedK(3), mode=mode, sampling=SamplingParams(temperature=temp, seed=7))
+    policy = PartialFixedK(3) if partial else FixedK(3)
+    out = dec.generate(prompt[None].expand(n, -1).contiguous(), 2, policy, mode=mode,
+                       sampling=SamplingParams(temperature=temp, seed=7))
     acc = torch.cat([s.commit_lens.cpu() for s in out.steps])
     assert bool((acc > 1).any()) and bool((acc == 1).any()), "need both accepts and rejects"
     pair = out.tokens[:, 0] * vocab + out.tokens[:, 1]

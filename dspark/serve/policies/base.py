@@ -30,8 +30,9 @@ class Policy:
     num_drafts: tokens drafted per speculative step (0: target-only). source: what the drafter must return
     per position, its head's confidence logits (`"head"`) or the online estimator's features
     (`"features"`). catch_up: the most tokens committed without the drafter (plain steps) between two of its
-    proposals, beyond the verify width (None: no bound but the request's length). drafting: host bool [B] over a speculative step's requests, those that
-    draft (the rest verify their root only, as in a plain step), set by `speculate`; None: every request drafts.
+    proposals, beyond the verify width (None: no bound but the request's length). drafting: host bool [B] over a
+    speculative step's requests, those that draft (the rest verify their root only, as in a plain step), set by
+    `speculate`; None: every request drafts.
     """
 
     name: str = "policy"

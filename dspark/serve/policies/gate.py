@@ -5,10 +5,11 @@ After `probe_every` plain steps in a row the gate forces a probe at full depth (
 again); the interval doubles up to `max_probe_every` while probes confirm plain, and resets on a speculative step.
 When the last decision put speculation more than `full_probe_within` behind plain, a probe of a batch larger
 than `probe_requests` drafts for that many of its requests, in turn, while the rest decode plain in the same step
-(the drafter catches up only the probed requests): a close call is probed whole, a clear one sampled. With `cost_window`, each side's
-(speculative, plain) predicted seconds are rescaled by the median of its last `cost_window` measured / predicted
-ratios (from three samples on: one stall cannot decide), and a probe of the whole batch runs two speculative steps
-so the second, free of the draft's catch-up, is timed. Why each rule: docs/policies.md.
+(the drafter catches up only the probed requests): a close call is probed whole, a clear one sampled. With
+`cost_window`, each side's (speculative, plain) predicted seconds are rescaled by the median of its last
+`cost_window` measured / predicted ratios (from three samples on: one stall cannot decide), and a probe of the
+whole batch runs two speculative steps so the second, free of the draft's catch-up, is timed. Why each rule:
+docs/policies.md.
 """
 from __future__ import annotations
 
