@@ -71,11 +71,17 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return _triton.available() and on_accelerator
 
 
+def tracing() -> bool:
+    """True inside `torch.compile`: the traced path (torch ops only, static shapes, no host read, so no data
+    check that reads a tensor's values)."""
+    return torch.compiler.is_compiling()
+
+
 def use_host(*tensors: torch.Tensor) -> bool:
     """True when a small-tensor numpy host path serves: CPU tensors that need no autograd, under the `auto`
     backend, outside `torch.compile` (a chain of torch ops on a few hundred elements costs microseconds per
     op; numpy, a fraction of that; a traced function takes the torch path, numpy does not trace)."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return False
     return backend() == "auto" and all(t.device.type == "cpu" and not t.requires_grad for t in tensors)
 
@@ -83,7 +89,7 @@ def use_host(*tensors: torch.Tensor) -> bool:
 def use_kernel(*tensors: torch.Tensor) -> bool:
     """`use_triton`, except inside `torch.compile`: a traced public function runs the torch reference (the
     kernels' launchers read host integers)."""
-    return not torch.compiler.is_compiling() and use_triton(*tensors)
+    return not tracing() and use_triton(*tensors)
 
 
 @functools.lru_cache(maxsize=None)

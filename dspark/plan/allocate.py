@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import operator
 
-import torch
 from torch import Tensor
 
 from dspark.config import ScheduleConfig
-from dspark.kernels import topk
+from dspark.kernels import dispatch, topk
 from dspark.plan.budget import HostSurvival, _check_survival, _plan_on_host, check_config
 from dspark.plan.survival import monotone_survival
 
@@ -44,7 +43,7 @@ def allocate_verify_lens(survival: Tensor | HostSurvival, budget: int | Tensor, 
     """
     cfg = check_config(cfg)
     _check_survival(survival, cfg)
-    if not (torch.compiler.is_compiling() and isinstance(budget, Tensor)):
+    if not (dispatch.tracing() and isinstance(budget, Tensor)):
         budget = check_budget(budget)
     if isinstance(survival, HostSurvival):
         return _allocate(survival, budget, cfg)

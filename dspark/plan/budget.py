@@ -241,7 +241,7 @@ def _decide(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: Schedul
     tiers = check_tiers(tiers) or None
     if isinstance(survival, HostSurvival):
         return host_decision(survival, cost_model, cfg, greedy=greedy, tiers=tiers)
-    if torch.compiler.is_compiling():
+    if dispatch.tracing():
         s = monotone_survival(survival)
         t = None if tiers is None else torch.tensor(tiers, dtype=torch.int64, device=s.device)
         return traced_decision(s, seconds_torch(cost_model, s.shape[0], cfg, s.device), cfg, greedy=greedy, tiers=t)
@@ -389,7 +389,7 @@ def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) 
     if tuple(verify_lens.shape) != (survival.shape[0],):
         raise ValueError(f"verify_lens must be [B={survival.shape[0]}], got shape {tuple(verify_lens.shape)}")
     s = monotone_survival(survival)
-    if torch.compiler.is_compiling():  # the range check reads the lengths: skipped in a traced step
+    if dispatch.tracing():  # the range check reads the lengths: skipped in a traced step
         return expected_commit_torch(s, verify_lens)
     vl = verify_lens.to(s.device, torch.int64)
     check_verify_lens(vl, cfg.width)

@@ -45,7 +45,7 @@ def check_temperatures(temperatures: Tensor | Sequence[float], gamma: int) -> Te
         float32 [gamma] tensor: on the CPU; inside `torch.compile` on the tensor's device, with the values
         not read (only the length is checked).
     """
-    if torch.compiler.is_compiling():
+    if dispatch.tracing():
         t = torch.as_tensor(temperatures).reshape(-1)
         if t.numel() != gamma:
             raise ValueError(f"temperatures must have length gamma={gamma}, got {t.numel()}")

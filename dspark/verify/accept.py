@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from dspark.kernels import accept as _k
+from dspark.kernels import dispatch
 from dspark.util.validate import check_tensor, check_type, check_verify_lens
 from dspark.verify.layout import RaggedVerifyLayout
 
@@ -86,7 +87,7 @@ def accept_sampling(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Ten
             f"draft_probs must be [B={b}, gamma={gamma}, V={target_probs.shape[-1]}], "
             f"got {tuple(draft_probs.shape)}"
         )
-    if not torch.compiler.is_compiling():
+    if not dispatch.tracing():
         verified = torch.arange(gamma + 1, device=vl.device)[None, :] < vl[:, None]
         _check_probs("target_probs", _row_stats(target_probs, row_start, gamma + 1), verified)
         _check_probs("draft_probs", _row_stats(draft_probs, None, gamma), verified[:, 1:])
@@ -165,7 +166,7 @@ def _check_common(draft: Tensor, target: Tensor, verify_lens: Tensor, layout: Ra
     vocab = target.shape[-1]
     if vocab < 1:
         raise ValueError(f"{name} has an empty vocabulary: shape {tuple(target.shape)}")
-    if torch.compiler.is_compiling():  # the data checks read the device: not in a traced step
+    if dispatch.tracing():  # the data checks read the device: not in a traced step
         return vl, row_start
     # every data check below in one host read; the first failing one is then named in order
     bad_len = (vl < 1) | (vl > w)

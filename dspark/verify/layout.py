@@ -145,7 +145,7 @@ class RaggedVerifyLayout:
             check_int("graph_rows", graph_rows, b)
         elif total_rows is not None:
             check_int("total_rows", total_rows, b)
-        elif torch.compiler.is_compiling():
+        elif dispatch.tracing():
             raise ValueError("inside torch.compile the layout's row count is a shape: pass total_rows= (the "
                              "lengths' sum, known on the host) or graph_rows= (the rows the step runs)")
         else:
