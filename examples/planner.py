@@ -26,7 +26,7 @@ s = dspark.calibrated_survival(logits, temperatures)     # [B, gamma] float32
 s_lagged = dspark.calibrated_survival(lagged_logits, temperatures)
 dec = dspark.choose_budget(s_lagged, cost, cfg)          # argmax_b tau(b) / T(B, B*F + b), ties to the smaller b
 vl = dspark.allocate_verify_lens(s, dec.budget, cfg)     # [B] int32: global top-k (survival desc, position, request)
-print("budget", dec.budget, "verify_lens", vl.tolist(), "tau", round(dspark.expected_commit(s, vl, cfg), 3))
+print("budget", int(dec.budget), "verify_lens", vl.tolist(), "tau", round(float(dspark.expected_commit(s, vl, cfg)), 3))
 
 planner = dspark.VerifyPlanner(cfg, cost, dspark.PlannerSettings(lag=1, num_slots=256, tiers=(64, 128, 256),
                                                              graph_slots=None))

@@ -67,8 +67,8 @@ def sglang_decision(survival: torch.Tensor, cost: StepsPerSecondTable, cfg: Sche
 def planner_decision(survival: torch.Tensor, cost: StepsPerSecondTable, cfg: ScheduleConfig,
                      seconds) -> Decision:
     host = host_survival(survival, calibrated=True)
-    decision = host_decision(host, cost, cfg, seconds=seconds)
-    return decision.budget, _allocate(host, decision.budget, cfg)
+    budget, _ = host_decision(host, cost, cfg, seconds=seconds)
+    return budget, _allocate(host, budget, cfg)
 
 
 def public_decision(survival: torch.Tensor, cost: StepsPerSecondTable, cfg: ScheduleConfig) -> Decision:

@@ -44,15 +44,21 @@ def example_logits(device: torch.device) -> torch.Tensor:
     return (ease - decay + wobble).to(device)
 
 
+def _curves(decision: BudgetDecision) -> dict[str, list]:
+    """The decision's curves over b = 0..#candidates (the budgets that add a candidate), as lists."""
+    n = int(decision.num_candidates) + 1
+    return {name: getattr(decision, name)[:n].tolist()
+            for name in ("rows_curve", "tau_curve", "step_seconds_curve", "theta_curve")}
+
+
 def _table(decision: BudgetDecision, executed: int) -> str:
     """Every 8th budget plus the chosen and executed ones."""
     lines = [f"{'b':>4} {'rows':>5} {'tau(b)':>8} {'T(b) ms':>8} {'theta tok/s':>12}"]
-    for b, (rows, tau, sec, theta) in enumerate(zip(decision.rows_curve.tolist(), decision.tau_curve.tolist(),
-                                                     decision.step_seconds_curve.tolist(),
-                                                     decision.theta_curve.tolist())):
-        if b % 8 and b not in (decision.budget, executed):
+    chosen = int(decision.budget)
+    for b, (rows, tau, sec, theta) in enumerate(zip(*_curves(decision).values())):
+        if b % 8 and b not in (chosen, executed):
             continue
-        mark = {decision.budget: "  <- argmax", executed: "  <- after tier fill"}.get(b, "")
+        mark = {chosen: "  <- argmax", executed: "  <- after tier fill"}.get(b, "")
         lines.append(f"{b:>4} {rows:>5} {tau:>8.3f} {sec * 1e3:>8.3f} {theta:>12.1f}{mark}")
     return "\n".join(lines)
 
@@ -66,14 +72,15 @@ def _plot(decision: BudgetDecision, plan: VerifyPlan, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed, so no PNG was written; install it with: pip install 'dspark[plot]'")
         return False
-    b = list(range(decision.tau_curve.numel()))
+    curves, chosen = _curves(decision), int(decision.budget)
+    b = list(range(len(curves["tau_curve"])))
     fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
-    series = [(decision.tau_curve, "tau(b): expected committed tokens"),
-              (decision.step_seconds_curve * 1e3, "T(B, B*F+b): step ms (ILLUSTRATIVE table)"),
-              (decision.theta_curve, "theta(b) = tau / T: tokens per second")]
+    series = [(curves["tau_curve"], "tau(b): expected committed tokens"),
+              ([t * 1e3 for t in curves["step_seconds_curve"]], "T(B, B*F+b): step ms (ILLUSTRATIVE table)"),
+              (curves["theta_curve"], "theta(b) = tau / T: tokens per second")]
     for ax, (y, label) in zip(axes, series):
-        ax.plot(b, y.tolist(), marker=".")
-        ax.axvline(decision.budget, color="tab:red", linestyle="--", label=f"argmax b = {decision.budget}")
+        ax.plot(b, y, marker=".")
+        ax.axvline(chosen, color="tab:red", linestyle="--", label=f"argmax b = {chosen}")
         ax.axvline(plan.budget, color="tab:green", linestyle=":", label=f"after tier fill b = {plan.budget}")
         ax.set_ylabel(label, fontsize=8)
         ax.legend(fontsize=8)
@@ -101,21 +108,20 @@ def run(device: str = "cpu", out: str = "plan_demo_out") -> int:
     no_fill = allocate_verify_lens(plan.survival, decision.budget, cfg)
     print("dspark planner demo: synthetic confidence logits, ILLUSTRATIVE cost table (not measured)")
     print(_table(decision, plan.budget))
-    print(f"chosen budget b = {decision.budget} (rows {decision.rows}, tau {decision.tau:.3f}, "
-          f"theta {decision.theta:.1f} tok/s)")
+    print(f"chosen budget b = {int(decision.budget)} (rows {int(decision.rows)}, tau {float(decision.tau):.3f}, "
+          f"theta {float(decision.theta):.1f} tok/s)")
     print(f"verify_lens (argmax budget)   = {no_fill.tolist()}  expected commit "
-          f"{expected_commit(plan.survival, no_fill, cfg):.3f}")
+          f"{float(expected_commit(plan.survival, no_fill, cfg)):.3f}")
     print(f"verify_lens (after tier fill) = {plan.verify_lens.tolist()}  expected commit "
-          f"{expected_commit(plan.survival, plan.verify_lens, cfg):.3f}  tier {plan.layout.tier} "
+          f"{float(expected_commit(plan.survival, plan.verify_lens, cfg)):.3f}  tier {plan.layout.tier} "
           f"({plan.layout.total_rows} real rows + {plan.layout.num_padding_rows} padding)")
     record = {
         "note": "synthetic logits; ILLUSTRATIVE cost table, not measured",
         "config": {"gamma": GAMMA, "num_requests": NUM_REQUESTS, "tiers": list(TIERS)},
         "cost_model": cost.to_dict(),
-        "budget": decision.budget, "rows": decision.rows, "tau": decision.tau,
-        "step_seconds": decision.step_seconds, "theta": decision.theta,
-        "tau_curve": decision.tau_curve.tolist(), "step_seconds_curve": decision.step_seconds_curve.tolist(),
-        "theta_curve": decision.theta_curve.tolist(),
+        "budget": int(decision.budget), "rows": int(decision.rows), "tau": float(decision.tau),
+        "step_seconds": float(decision.step_seconds), "theta": float(decision.theta),
+        **{k: v for k, v in _curves(decision).items() if k != "rows_curve"},
         "verify_lens_argmax": no_fill.tolist(), "verify_lens_tier_fill": plan.verify_lens.tolist(),
         "executed_budget": plan.budget, "tier": plan.layout.tier,
     }

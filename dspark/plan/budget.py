@@ -11,10 +11,11 @@ survival (DESIGN.md 4.3). Then
 one step old (lagged) so that admitting a draft never depends on that draft's own value
 (non-anticipation, DESIGN.md 4.4); `greedy_budget` is the synchronous alternative.
 
-Two backends, one formula: the host decision (`host_decision`: numpy sort, torch's sequential cumsum) for
-eager calls, whatever the survival's device (the budget is an int), and the traced one
-(`traced_decision`: torch ops, static shapes) inside `torch.compile` and for the planner's device steps.
-The public functions check their inputs, then call these; the planner, validated once, calls them directly.
+Two backends, one formula, one result: the host decision (`host_decision`: numpy sort, torch's sequential
+cumsum) for eager calls, whatever the survival's device, and the traced one (`traced_decision`: torch ops)
+inside `torch.compile` and for the planner's device steps. Both give a `BudgetDecision` of the same dtypes and
+static shapes (curves over every budget b = 0..B * C). The public functions check their inputs, then call
+these; the planner, validated once, calls them directly.
 """
 from __future__ import annotations
 
@@ -111,34 +112,64 @@ def host_survival(survival: Tensor, calibrated: bool = False) -> HostSurvival:
 
 @dataclass(frozen=True)
 class BudgetDecision:
-    """The chosen budget, its verify rows and predicted tau, step seconds and theta; whole curves for plots.
-
-    Eager calls: `budget` / `rows` ints, `tau` / `step_seconds` / `theta` floats, the curves float64 host
-    tensors indexed by b = 0..#candidates. Inside `torch.compile` (`traced_decision`): 0-d tensors (int64
-    budget and rows, float64 values) on the survival's device, and curves of the static length B * C + 1
-    (C = M_max - F candidate columns): tau repeats tau(#candidates) and theta is -inf past #candidates.
+    """The chosen budget and its curves over every budget b = 0..B * C a batch of B can take (C candidate
+    columns, `cfg.num_candidate_columns`): tensors of the same dtype, shape and device in eager and
+    `torch.compile` calls. Past #candidates, tau repeats tau(#candidates) and theta is -inf.
     """
 
-    budget: int | Tensor
-    tau: float | Tensor
-    step_seconds: float | Tensor
-    theta: float | Tensor
-    rows: int | Tensor                   # B * F + budget
-    tau_curve: Tensor
-    step_seconds_curve: Tensor
-    theta_curve: Tensor
+    budget: Tensor               # 0-d int64: the chosen b
+    base_rows: int               # B * F: verify rows at b = 0
+    tau_curve: Tensor            # float64 [B * C + 1]: expected committed tokens tau(b)
+    step_seconds_curve: Tensor   # float64 [B * C + 1]: T(B, B * F + b)
+    theta_curve: Tensor          # float64 [B * C + 1]: tau(b) / T, -inf past #candidates
+
+    @property
+    def rows(self) -> Tensor:
+        """0-d int64: the verify rows B * F + budget."""
+        return self.budget + self.base_rows
+
+    @property
+    def tau(self) -> Tensor:
+        """0-d float64: tau at the chosen budget."""
+        return _at(self.tau_curve, self.budget)
+
+    @property
+    def step_seconds(self) -> Tensor:
+        """0-d float64: T(B, rows) at the chosen budget."""
+        return _at(self.step_seconds_curve, self.budget)
+
+    @property
+    def theta(self) -> Tensor:
+        """0-d float64: theta at the chosen budget."""
+        return _at(self.theta_curve, self.budget)
+
+    @property
+    def num_candidates(self) -> Tensor:
+        """0-d int64: the candidates (survival >= survival_eps); the curves' budgets past it add nothing."""
+        return (self.theta_curve > float("-inf")).sum() - 1
 
     @property
     def rows_curve(self) -> Tensor:
-        """Verify rows B * F + b for each budget b of the curves."""
-        return self.rows - self.budget + torch.arange(self.tau_curve.numel(), dtype=torch.int64,
-                                                      device=self.tau_curve.device)
+        """int64 [B * C + 1]: verify rows B * F + b for each budget b of the curves."""
+        return self.base_rows + torch.arange(self.tau_curve.numel(), dtype=torch.int64, device=self.tau_curve.device)
+
+    def to(self, device: torch.device) -> "BudgetDecision":
+        """The same decision with its tensors on `device` (itself when they are there)."""
+        if self.budget.device == torch.device(device):
+            return self
+        return BudgetDecision(self.budget.to(device), self.base_rows, self.tau_curve.to(device),
+                              self.step_seconds_curve.to(device), self.theta_curve.to(device))
+
+
+def _at(curve: Tensor, budget: Tensor) -> Tensor:
+    return curve.index_select(0, budget.reshape(1)).squeeze(0)  # a tensor index: no host read
 
 
 class _Curves(NamedTuple):
-    """Host float64 curves over b = 0..#candidates."""
+    """Host float64 curves over b = 0..B * C; budgets past `num_valid` as `BudgetDecision`'s."""
 
     base: int  # B * F: rows at b = 0
+    num_valid: int  # #candidates
     tau: np.ndarray
     seconds: np.ndarray | None
     theta: np.ndarray | None
@@ -151,15 +182,18 @@ def _host_curves(host: HostSurvival, cost_model: CostModel | None, cfg: Schedule
     values, f = host.values, cfg.floor
     (asc, n), b = host.window(cfg), values.shape[0]  # the valid: the n largest
     floor = b + (values[:, : f - 1].sum(dtype=np.float64) if f > 1 else 0.0)
-    tau = np.empty(n + 1)
+    tau = np.empty(asc.size + 1)
     tau[0] = 0.0
     best = torch.from_numpy(asc[asc.size - n:][::-1].astype(np.float64))
-    torch.cumsum(best, 0, out=torch.from_numpy(tau[1:]))  # sequential, like the traced path's
+    torch.cumsum(best, 0, out=torch.from_numpy(tau[1: n + 1]))  # sequential, like the traced path's
+    tau[n + 1:] = tau[n]
     tau += floor
     if cost_model is None:
-        return _Curves(b * f, tau, None, None)
-    seconds = cost_model.seconds_curve(b, b * f, n + 1) if seconds is None else seconds[: n + 1]
-    return _Curves(b * f, tau, seconds, tau / seconds)
+        return _Curves(b * f, n, tau, None, None)
+    seconds = cost_model.seconds_curve(b, b * f, tau.size) if seconds is None else seconds[: tau.size]
+    theta = tau / seconds
+    theta[n + 1:] = -np.inf
+    return _Curves(b * f, n, tau, seconds, theta)
 
 
 def tier_keys(rows: np.ndarray, tiers: Sequence[int]) -> np.ndarray:
@@ -171,14 +205,15 @@ def tier_keys(rows: np.ndarray, tiers: Sequence[int]) -> np.ndarray:
 
 def _greedy_stop(c: _Curves, tiers: Sequence[int] | None) -> int:
     """`greedy_budget`'s scan over runs of one tier, or of equal predicted seconds (see its docstring)."""
-    key = tier_keys(c.base + np.arange(c.tau.size), tiers) if tiers else c.seconds
+    n = c.num_valid + 1
+    key = tier_keys(c.base + np.arange(n), tiers) if tiers else c.seconds[:n]
     ends = np.flatnonzero(np.append(key[1:] != key[:-1], True))  # last budget of each run
     stops = np.flatnonzero(c.theta[ends[1:]] <= c.theta[ends[:-1]])
     return int(ends[stops[0]] if stops.size else ends[-1])
 
 
 def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig, *, greedy: bool = False,
-                  seconds: np.ndarray | None = None, tiers: Sequence[int] | None = None) -> BudgetDecision:
+                  seconds: np.ndarray | None = None, tiers: Sequence[int] | None = None) -> tuple[int, BudgetDecision]:
     """`choose_budget` (or with `greedy`, `greedy_budget`) on the host, without checks.
 
     Args:
@@ -190,12 +225,13 @@ def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig
             (`seconds_over_window`); None reads `cost_model.seconds_curve`.
         tiers: the graph tiers the step pads to (checked, ascending): the greedy scan's runs.
     Returns:
-        The eager BudgetDecision (ints, floats, host curves).
+        (the budget as an int, the BudgetDecision with its tensors on the host).
     """
     c = _host_curves(host, cost_model, cfg, seconds)
     k = _greedy_stop(c, tiers) if greedy else int(c.theta.argmax())
-    return BudgetDecision(k, float(c.tau[k]), float(c.seconds[k]), float(c.theta[k]), c.base + k,
-                          torch.from_numpy(c.tau), torch.from_numpy(c.seconds), torch.from_numpy(c.theta))
+    budget = torch.from_numpy(np.array(k, dtype=np.int64))  # 0-d (cheaper than torch.tensor(k))
+    return k, BudgetDecision(budget, c.base, torch.from_numpy(c.tau), torch.from_numpy(c.seconds),
+                             torch.from_numpy(c.theta))
 
 
 def traced_decision(survival: Tensor, seconds: Tensor, cfg: ScheduleConfig, *, greedy: bool = False,
@@ -208,14 +244,11 @@ def traced_decision(survival: Tensor, seconds: Tensor, cfg: ScheduleConfig, *, g
         cfg: the schedule; greedy: the early-stop scan instead of the argmax.
         tiers: int64 [T] ascending graph tiers on the survival's device (the greedy scan's runs), or None.
     Returns:
-        A BudgetDecision of 0-d tensors and static-length curves (see BudgetDecision).
+        The BudgetDecision on the survival's device.
     """
     curves = theta_curves_torch(survival, seconds, cfg.floor, cfg.cap, cfg.survival_eps, tiers)
     k = curves.greedy if greedy else curves.budget
-    at = k.reshape(1)  # a tensor index: no host read
-    tau, step_seconds, theta = (x.index_select(0, at).squeeze(0) for x in (curves.tau, seconds, curves.theta))
-    return BudgetDecision(k, tau, step_seconds, theta, survival.shape[0] * cfg.floor + k, curves.tau, seconds,
-                          curves.theta)
+    return BudgetDecision(k, survival.shape[0] * cfg.floor, curves.tau, seconds, curves.theta)
 
 
 def seconds_torch(cost_model: CostModel, num_requests: int, cfg: ScheduleConfig, device: torch.device) -> Tensor:
@@ -240,12 +273,12 @@ def _decide(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: Schedul
     _check_survival(survival, cfg)
     tiers = check_tiers(tiers) or None
     if isinstance(survival, HostSurvival):
-        return host_decision(survival, cost_model, cfg, greedy=greedy, tiers=tiers)
+        return host_decision(survival, cost_model, cfg, greedy=greedy, tiers=tiers)[1]
     if dispatch.tracing():
         s = monotone_survival(survival)
         t = None if tiers is None else torch.tensor(tiers, dtype=torch.int64, device=s.device)
         return traced_decision(s, seconds_torch(cost_model, s.shape[0], cfg, s.device), cfg, greedy=greedy, tiers=t)
-    return host_decision(host_survival(survival), cost_model, cfg, greedy=greedy, tiers=tiers)
+    return host_decision(host_survival(survival), cost_model, cfg, greedy=greedy, tiers=tiers)[1].to(survival.device)
 
 
 def choose_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
@@ -256,7 +289,7 @@ def choose_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: S
         cost_model: profiled at the config's W (`check_cost_model`).
         cfg: the schedule.
     Returns:
-        BudgetDecision; inside `torch.compile` its traced form (tensors, see BudgetDecision).
+        The BudgetDecision on the survival's device (the host for a `HostSurvival`), eager and compiled alike.
     """
     return _decide(survival, cost_model, cfg, greedy=False)
 
@@ -370,7 +403,7 @@ def expected_commit_torch(survival: Tensor, verify_lens: Tensor) -> Tensor:
     return survival.shape[0] + torch.where(verified, survival, torch.zeros_like(survival)).to(torch.float64).sum()
 
 
-def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) -> float | Tensor:
+def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) -> Tensor:
     """tau of a given allocation: sum_r (1 + sum_{j < verify_lens[r] - 1} s[r, j]) (E[sum commit_lens]).
 
     Args:
@@ -378,7 +411,7 @@ def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) 
         verify_lens: integer [B] in [1, W].
         cfg: the schedule.
     Returns:
-        A float; inside `torch.compile` a 0-d float64 tensor on the survival's device.
+        0-d float64 tensor on the survival's device, eager and compiled alike.
     """
     cfg = check_config(cfg)
     _check_survival(survival, cfg)
@@ -393,4 +426,4 @@ def expected_commit(survival: Tensor, verify_lens: Tensor, cfg: ScheduleConfig) 
         return expected_commit_torch(s, verify_lens)
     vl = verify_lens.to(s.device, torch.int64)
     check_verify_lens(vl, cfg.width)
-    return float(expected_commit_torch(s, vl))
+    return expected_commit_torch(s, vl)

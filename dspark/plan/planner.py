@@ -14,7 +14,7 @@ Host reads per step (all through `dspark.verify.boundary.to_host`, tests/plan/te
 - planned on the host (CPU tensors; lag-0 small accelerator batches): the survival's host copy, one read
   (none on the CPU, where it is a view);
 - planned on the device: the budget's argmax, tau / theta curves and the live candidate count are
-  computed there (`traced_decision`) and one read brings the decision and the count, which fix the
+  computed there (`traced_decision`) and one read brings the budget and the count, which fix the
   total rows and so the tier; allocation and layout then run on the device without another read;
 - `sync_free=True` (lag >= 1): none. The budget is chosen on the host from the lag-ring row that the
   previous step copied asynchronously (`SurvivalLagRing.next_row_to_host`), so the tier is known before
@@ -71,6 +71,7 @@ class VerifyPlan:
     a sync-free plan, whose total stays on the device).
     `tier_budget` is what the allocation was offered: the decision's budget grown to the tier top by
     graph-tier fill; it exceeds `budget` when the candidates run out first (the rest is padding).
+    `step_seconds` is T(B, decision.rows) on the host: the step time the decision expects.
     `dp` is the DP-global tier decision when the planner runs with a DP group.
     """
 
@@ -80,6 +81,7 @@ class VerifyPlan:
     survival: Tensor
     budget: int | None
     tier_budget: int
+    step_seconds: float
     dp: DpTier | None = None
 
 
@@ -192,14 +194,14 @@ class VerifyPlanner:
         host = _plan_on_host(survival, calibrated=True, small_batches=small)
         lagged = None if self.ring is None else self.ring._exchange(slots, generations, survival).to(survival.device)
         if host is None:
-            decision, live_valid = self._device_decision(survival, lagged)
+            decision, budget, live_valid = self._device_decision(survival, lagged)
         else:
             # the ring holds calibrated rows (or ones): no repair
             budget_from = host if lagged is None else host_survival(lagged, calibrated=True)
-            decision = host_decision(budget_from, self.cost_model, cfg, greedy=lagged is None,
-                                     seconds=self._host_seconds(b), tiers=self.tiers or None)
+            budget, decision = host_decision(budget_from, self.cost_model, cfg, greedy=lagged is None,
+                                             seconds=self._host_seconds(b), tiers=self.tiers or None)
             live_valid = host.window(cfg)[1]
-        offered, _ = tier_fill(decision.budget, b, cfg.floor, self.tiers)
+        offered, _ = tier_fill(budget, b, cfg.floor, self.tiers)
         verify_lens = _allocate(survival if host is None else host, offered, cfg)
         dp = None
         if self.parallel is not None:
@@ -213,7 +215,8 @@ class VerifyPlanner:
             if layout.verify_lens.device != survival.device:  # planned on the host for an accelerator
                 layout = layout.to(survival.device)
                 verify_lens = layout.verify_lens
-        return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * cfg.floor, offered, dp)
+        return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * cfg.floor, offered,
+                          float(self._host_seconds(b)[budget]), dp)
 
     def _check_step(self, logits: Tensor, slots: Tensor, generations: Tensor) -> int:
         """The step's inputs: logits [B, gamma] of the config's gamma, and with a ring slots / generations [B]
@@ -247,9 +250,9 @@ class VerifyPlanner:
             self._tier_tensors[device] = torch.tensor(self.tiers, dtype=torch.int64, device=device)
         return self._tier_tensors[device]
 
-    def _device_decision(self, live: Tensor, lagged: Tensor | None) -> tuple[BudgetDecision, int]:
-        """The budget chosen on the device (argmax over lagged survival, or the greedy scan over live survival
-        at lag 0) and the live candidate count, brought to the host in one read."""
+    def _device_decision(self, live: Tensor, lagged: Tensor | None) -> tuple[BudgetDecision, int, int]:
+        """The decision on the device (argmax over lagged survival, or the greedy scan over live survival at
+        lag 0); its budget and the live candidate count, brought to the host in one read."""
         b = live.shape[0]
         key = (b, live.device)
         if key not in self._seconds:
@@ -258,15 +261,9 @@ class VerifyPlanner:
         cfg = self.cfg
         traced = traced_decision(live if lagged is None else lagged, seconds, cfg, greedy=lagged is None,
                                  tiers=self._device_tiers(live.device))
-        budgets = (traced.theta_curve > float("-inf")).sum()  # 0..#candidates: theta is -inf past them
         live_valid = (live[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum()
-        picked = torch.stack([x.to(torch.float64) for x in (traced.budget, budgets, live_valid, traced.tau,
-                                                            traced.step_seconds, traced.theta)])
-        budget, n, valid, tau, step_seconds, theta = boundary.to_host(picked).tolist()
-        n = int(n)
-        decision = BudgetDecision(int(budget), tau, step_seconds, theta, b * cfg.floor + int(budget),
-                                  traced.tau_curve[:n], seconds[:n], traced.theta_curve[:n])
-        return decision, int(valid)
+        budget, valid = boundary.to_host(torch.stack([traced.budget, live_valid])).tolist()
+        return traced, budget, valid
 
     def _plan_sync_free(self, survival: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
         """lag >= 1 without a device read: the budget from the host copy of the ring row this step reads."""
@@ -274,10 +271,11 @@ class VerifyPlanner:
         self.ring._write(slots, generations, survival)
         self._next_row = self.ring.next_row_to_host()
         b, cfg = survival.shape[0], self.cfg
-        decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self._host_seconds(b))
-        offered, tier = tier_fill(decision.budget, b, cfg.floor, self.tiers)
+        budget, decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self._host_seconds(b))
+        offered, tier = tier_fill(budget, b, cfg.floor, self.tiers)
         verify_lens = _allocate(survival, offered, cfg)
         # no tier fixes the rows: the layout reads its total (the step's one read)
         layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier)
         executed = None if layout.total_rows is None else layout.total_rows - b * cfg.floor
-        return VerifyPlan(verify_lens, layout, decision, survival, executed, offered)
+        return VerifyPlan(verify_lens, layout, decision, survival, executed, offered,
+                          float(self._host_seconds(b)[budget]))

@@ -31,6 +31,7 @@ from dspark import (
     calibrated_survival,
     choose_budget,
     expected_commit,
+    greedy_budget,
     tau_curve,
 )
 
@@ -69,11 +70,6 @@ def same(got, want) -> None:
     assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, (got, want)
     assert got.device == want.device and torch.equal(got.isnan(), want.isnan()), (got, want)
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), (got, want)
-
-
-def close(got, want) -> None:
-    torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64).cpu(),
-                               torch.as_tensor(want, dtype=torch.float64).cpu(), rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------- inputs (drawn, never all zeros)
@@ -115,24 +111,34 @@ def test_calibrated_survival_compiles(data, backend, device):
 
 # ---------------------------------------------------------------- budget, tau, allocation, expected commit
 
+def alike(got, want) -> None:
+    """Equal dtype, shape and device; values equal to a few ulps (floats summed in another order), infinities
+    where the other has them."""
+    assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor), (got, want)
+    assert (got.dtype, got.shape, got.device) == (want.dtype, want.shape, want.device), (got, want)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @FEW
-@given(data=st.data(), backend=st.sampled_from(CHEAP))
-def test_choose_budget_and_tau_curve_compile(data, backend, device):
+@given(data=st.data(), backend=st.sampled_from(CHEAP), greedy=st.booleans())
+def test_choose_budget_and_tau_curve_compile(data, backend, greedy, device):
+    """The decision equals eager field by field: the same dtype, shape and device (0-d budget, rows, tau,
+    step seconds, theta; curves over every budget B * C + 1), the same values."""
     cfg, s, cost = data.draw(survival_case(device))
-    want = choose_budget(s, cost, cfg)
-    got = run_compiled(choose_budget, backend, s, cost, cfg)
-    assert got.budget.dtype == torch.int64 and int(got.budget) == want.budget and int(got.rows) == want.rows
-    close(got.tau, want.tau), close(got.step_seconds, want.step_seconds), close(got.theta, want.theta)
-    n = want.tau_curve.numel()
-    assert got.tau_curve.numel() == s.shape[0] * cfg.num_candidate_columns + 1  # static length
-    close(got.tau_curve[:n], want.tau_curve)
-    close(got.step_seconds_curve[:n], want.step_seconds_curve)
-    close(got.theta_curve[:n], want.theta_curve)
-    assert bool((got.theta_curve[n:] == float("-inf")).all()) and bool((got.tau_curve[n:] == want.tau_curve[-1]).all())
-    assert torch.equal(got.rows_curve[:n].cpu(), want.rows_curve)
+    fn = greedy_budget if greedy else choose_budget
+    want, got = fn(s, cost, cfg), run_compiled(fn, backend, s, cost, cfg)
+    assert got.base_rows == want.base_rows == s.shape[0] * cfg.floor
+    for name in ("budget", "rows", "num_candidates"):
+        same(getattr(got, name), getattr(want, name))
+    assert want.budget.dim() == 0 and want.budget.dtype == torch.int64 and want.budget.device == s.device
+    for name in ("tau", "step_seconds", "theta", "tau_curve", "step_seconds_curve", "theta_curve"):
+        alike(getattr(got, name), getattr(want, name))
+    n = int(want.num_candidates) + 1
+    assert want.tau_curve.shape == (s.shape[0] * cfg.num_candidate_columns + 1,)  # static length
+    assert bool((want.theta_curve[n:] == float("-inf")).all()) and bool((want.tau_curve[n:] == want.tau_curve[n - 1]).all())
+    same(got.rows_curve, want.rows_curve)
     tau, eager = run_compiled(tau_curve, backend, s, cfg), tau_curve(s, cfg)
-    assert tau.shape == eager.shape == (s.shape[0] * cfg.num_candidate_columns + 1,)  # the same shape eager
-    close(tau, eager), close(tau[:n], want.tau_curve), close(tau[n:], want.tau_curve[-1].expand(tau.numel() - n))
+    alike(tau, eager), alike(eager, want.tau_curve)
 
 
 @FEW
@@ -142,8 +148,8 @@ def test_allocate_and_expected_commit_compile(data, budget, backend, device):
     want = allocate_verify_lens(s, budget, cfg)
     same(run_compiled(allocate_verify_lens, backend, s, budget, cfg), want.to(s.device))
     got = run_compiled(expected_commit, backend, s, want.to(s.device), cfg)
+    alike(got, expected_commit(s, want, cfg))
     assert got.dtype == torch.float64 and got.dim() == 0
-    close(got, expected_commit(s, want, cfg))
 
 
 def decide(survival, cost, cfg):
@@ -158,10 +164,8 @@ def decide(survival, cost, cfg):
 def test_a_decision_written_against_the_public_api_compiles(data, backend, device):
     cfg, s, cost = data.draw(survival_case(device))
     budget, lens, tau = run_compiled(decide, backend, s, cost, cfg)
-    want = choose_budget(s, cost, cfg).budget
-    assert int(budget) == want
-    same(lens, allocate_verify_lens(s, want, cfg).to(s.device))
-    close(tau, expected_commit(s, lens, cfg))
+    want = decide(s, cost, cfg)
+    same(budget, want[0]), same(lens, want[1]), alike(tau, want[2])
 
 
 # ---------------------------------------------------------------- layout and accept

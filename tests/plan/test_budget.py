@@ -43,7 +43,7 @@ def exhaustive_theta(s, cost, cfg):
         vl = allocate_verify_lens(s, b, cfg)
         rows = int(vl.sum())
         assert rows == s.shape[0] * cfg.floor + b
-        out.append(expected_commit(s, vl, cfg) / cost.step_seconds(s.shape[0], rows))
+        out.append(float(expected_commit(s, vl, cfg)) / cost.step_seconds(s.shape[0], rows))
     return out
 
 
@@ -72,8 +72,11 @@ def test_choose_budget_equals_exhaustive_scan(cost, case, device):
     dec = choose_budget(s, cost, cfg)
     assert dec.budget == theta.index(best)
     assert dec.theta == best
-    assert dec.theta_curve.tolist() == pytest.approx(theta, rel=1e-12)
-    assert dec.rows == s.shape[0] * cfg.floor + dec.budget
+    n = len(theta)
+    assert dec.theta_curve.shape == (s.shape[0] * cfg.num_candidate_columns + 1,)  # every budget of a batch of B
+    assert dec.theta_curve[:n].tolist() == pytest.approx(theta, rel=1e-12)
+    assert bool((dec.theta_curve[n:] == -math.inf).all()) and bool((dec.tau_curve[n:] == dec.tau_curve[n - 1]).all())
+    assert dec.num_candidates == n - 1 and dec.rows == s.shape[0] * cfg.floor + dec.budget
 
 
 @pytest.mark.parametrize("cost", [cliff_table(), wavy_additive()], ids=["sps-cliff", "additive"])

@@ -26,7 +26,7 @@ def step_records(result: GenerateResult, *, policy: str, mode: str, sampling: bo
         if k:
             temps = None if temperatures is None else torch.as_tensor(temperatures)[:k]
             survival = calibrated_survival(s.confidence_logits.detach().cpu(), temps)
-            predicted = expected_commit(survival, caps, ScheduleConfig(gamma=k))
+            predicted = float(expected_commit(survival, caps, ScheduleConfig(gamma=k)))
         else:
             predicted = float(b)
         out.append(StepRecord(

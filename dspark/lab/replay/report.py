@@ -62,7 +62,7 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
         k = s.confidence_logits.shape[1]
         temps = None if temperatures is None else torch.as_tensor(list(temperatures)[:k])
         survival = calibrated_survival(s.confidence_logits, temps)
-        predicted += expected_commit(survival, s.caps.to(torch.int64), ScheduleConfig(gamma=k))
+        predicted += float(expected_commit(survival, s.caps.to(torch.int64), ScheduleConfig(gamma=k)))
         committed += float(s.commit_lens.sum())
     plan_us = [s.times.host_plan * 1e6 for s in spec]
     return {

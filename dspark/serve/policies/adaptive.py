@@ -184,7 +184,7 @@ class Adaptive(Policy):
         p = self.planner.plan(confidence_logits, slots, generations)
         self.gate.forget()  # the lag ring holds new survival
         # not sampled: a step whose draft catches up plain steps' tokens, or a partial probe
-        self.gate.expect(None if self._catch_up or self.drafting is not None else p.decision.step_seconds)
+        self.gate.expect(None if self._catch_up or self.drafting is not None else p.step_seconds)
         self._catch_up = self.drafting is not None  # the requests it left out catch up at the next proposal
         if self.planner.ring is not None:
             host_slots = slots.cpu()
