@@ -48,10 +48,12 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-spread", type=float, default=0.5,
                    help="each request's new tokens are uniform in mean x [1 - spread, 1 + spread] (default 0.5; "
                         "0: every request the same length)")
-    p.add_argument("--requests-per-slot", type=int, default=2,
-                   help="continuous batching: a queue of N = this x B requests is served on B slots (default 2)")
+    p.add_argument("--requests-per-slot", type=int, default=4,
+                   help="continuous batching: a queue of N = this x B requests is served on B slots (default 4)")
+    p.add_argument("--max-requests", type=int, default=32,
+                   help="... at most this many requests per queue (default 32: B = 16 gets 2 per slot) ...")
     p.add_argument("--min-requests", type=int, default=4,
-                   help="... and at least this many requests per queue (default 4: B = 1 gets 4, not 2)")
+                   help="... and at least this many and B (default 4)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed rounds per batch size, every policy once per round, interleaved step by step "
                         "(lockstep); speed-ups are medians of the per-round ratios (default 3)")
@@ -91,8 +93,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         device=args.device, out=args.out, batch_sizes=args.batch_sizes, mode=args.mode,
         policies=tuple(x for x in args.policies.split(",") if x), gamma=args.gamma, prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens, length_spread=args.length_spread, requests_per_slot=args.requests_per_slot,
-        min_requests=args.min_requests, repeats=args.repeats, profile_repeats=args.profile_repeats,
-        sampling=args.sampling,
+        max_requests=args.max_requests, min_requests=args.min_requests, repeats=args.repeats,
+        profile_repeats=args.profile_repeats, sampling=args.sampling,
         temperature=args.temperature, lag=args.lag, probe_every=args.probe_every, max_probe_every=args.max_probe_every,
         threads=args.threads, seed=args.seed, tiers=args.tiers, clock=args.clock, cost_feedback=args.cost_feedback,
     )

@@ -21,7 +21,7 @@ def _models():
 
 def _cfg(tmp_path: Path, **kw) -> DemoConfig:
     base = dict(out=str(tmp_path / "out"), batch_sizes=(1, 3), gamma=2, prompt_len=8, max_new_tokens=6, repeats=1,
-                profile_repeats=1, min_requests=4)
+                profile_repeats=1, requests_per_slot=2, min_requests=4)
     return DemoConfig(**(base | kw))
 
 
@@ -108,6 +108,7 @@ def test_interrupted_demo_leaves_no_partial_output(tmp_path: Path, monkeypatch: 
     (dict(probe_every=0), "probe_every must be an int >= 1"),
     (dict(requests_per_slot=0), "requests_per_slot must be an int >= 1"),
     (dict(min_requests=0), "min_requests must be an int >= 1"),
+    (dict(max_requests=0), "max_requests must be an int >= 1"),
     (dict(clock="cpu"), "clock must be auto, wall or thread, got 'cpu'"),
     (dict(length_spread=1.0), r"length_spread must be a number in \[0, 1\)"),
     (dict(clock="thread", threads=2), "clock 'thread' needs device cpu and threads 1"),
@@ -216,3 +217,13 @@ def test_goal_check_says_when_the_rounds_disagree() -> None:
     assert "faster_than_best_fixed_at_largest_batch" in goals[-1] and goals[-1]["faster_than_best_fixed_at_largest_batch"]
     text = demo_mod.format_goals(goals)
     assert text.count("within round-to-round noise") == 1 and "rounds 0.90-1.05" in text
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), {1: 4, 4: 16, 16: 32, 64: 64}),  # 4 per slot, capped at 32, never fewer than B
+    (dict(requests_per_slot=2, max_requests=100, min_requests=5), {1: 5, 4: 8, 16: 32}),
+])
+def test_demo_queue_sizes(kw: dict, want: dict) -> None:
+    from dspark.lab.demo.config import queue_size
+    cfg = DemoConfig(**kw)
+    assert {b: queue_size(cfg, b) for b in want} == want

@@ -29,8 +29,9 @@ class DemoConfig:
     prompt_len: int = 32
     max_new_tokens: int = 12    # mean new tokens per request ...
     length_spread: float = 0.5  # ... each drawn uniformly from max_new_tokens x [1 - spread, 1 + spread]
-    requests_per_slot: int = 2  # queue length N = requests_per_slot * B (continuous batching on B slots) ...
-    min_requests: int = 4       # ... and at least this (2 requests at B = 1 are two dozen steps: a 17 % spread)
+    requests_per_slot: int = 4  # queue length N = requests_per_slot * B (continuous batching on B slots) ...
+    max_requests: int = 32      # ... at most this (B = 16's rounds take the longest already) ...
+    min_requests: int = 4       # ... and at least this, and B
     repeats: int = 3
     profile_repeats: int = 2  # lockstep sweeps of the step-cost profile (each point: the median of these)
     sampling: bool = False
@@ -88,6 +89,7 @@ def check_config(cfg: DemoConfig, max_seq_len: int = DraftConfig.max_seq_len) ->
         raise ValueError(f"gamma must be an int in [1, {top}] (the draft proposes {top} tokens per step), "
                          f"got {cfg.gamma!r}")
     for name, low in (("prompt_len", 3), ("max_new_tokens", 1), ("requests_per_slot", 1), ("min_requests", 1),
+                      ("max_requests", 1),
                       ("repeats", 1), ("profile_repeats", 1), ("threads", 1), ("probe_every", 1),
                       ("max_probe_every", 1), ("lag", 0), ("seed", 0)):
         check_int(name, getattr(cfg, name), low)
@@ -116,8 +118,9 @@ def check_config(cfg: DemoConfig, max_seq_len: int = DraftConfig.max_seq_len) ->
 
 
 def queue_size(cfg: DemoConfig, b: int) -> int:
-    """Requests in the queue served on b slots: requests_per_slot x b, at least min_requests."""
-    return max(cfg.requests_per_slot * b, cfg.min_requests)
+    """Requests in the queue served on b slots: requests_per_slot x b, at most max_requests, at least min_requests
+    and b."""
+    return max(min(cfg.requests_per_slot * b, cfg.max_requests), cfg.min_requests, b)
 
 
 def demo_tiers(cfg: DemoConfig) -> tuple[int, ...]:
