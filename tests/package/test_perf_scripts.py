@@ -71,7 +71,8 @@ def test_every_numeric_option_of_every_perf_script_is_checked_while_parsing(name
     bad = {"number": ("nan", "value must be"), "int list": ("1,-1", "every value must be")}
     checked = [a for a in options if getattr(a.type, "__name__", "").startswith("int >=")
                or getattr(a.type, "__name__", "") in bad]
-    assert checked or name in ("ascend_bringup", "plan_call_chain"), "a perf script without a numeric option?"
+    assert checked or name in ("ascend_bringup", "plan_call_chain", "demo_profile_check"), \
+        "a perf script without a numeric option?"
     for action in checked:
         value, message = bad.get(action.type.__name__, ("-1", "value must be"))
         opt = action.option_strings[-1]
@@ -155,3 +156,34 @@ def test_sampling_distribution_tiny_run_is_lossless(tmp_path: Path, one_thread: 
         assert r["tests"]["position 1"]["n"] == 384
         if r["policy"] != "plain":  # both accept paths ran: some first drafts accepted, some rejected
             assert 0.05 < r["first_draft_accept_rate"] < 0.95
+
+
+def test_demo_profile_check_compares_each_fixed_k_with_what_the_planners_believed(tmp_path: Path, capsys) -> None:
+    """Only full-batch steps without a prefill count; the ratio is their median over the believed step time."""
+    from dspark.cost.serving import load_serving_cost
+    from dspark.lab.cost_models import COST_MODELS_DIR
+
+    check = _script("demo_profile_check")
+    demo = tmp_path / "demo_out"
+    demo.mkdir()
+    (demo / "serving_cost.json").write_text((COST_MODELS_DIR / "cpu-measured.json").read_text())
+    cost = load_serving_cost(demo / "serving_cost.json")
+
+    def step(b: int, seconds: float, committed: int, prefill: float = 0.0) -> dict:
+        return {"verify_lens": [2] * b, "t_prefill": prefill, "committed": committed, "t_draft": 0.25 * seconds,
+                "t_plan": 0.0, "t_verify": 0.5 * seconds, "t_accept": 0.25 * seconds}
+    steps = {"fixed-1@4": [[step(4, 0.3, 7), step(4, 0.1, 5), step(4, 9.0, 6, prefill=0.2)], [step(4, 0.2, 6)]],
+             "fixed-1@2": [[{**step(2, 9.0, 1), "verify_lens": [2]}, step(2, 0.05, 3)]],  # one request left: out
+             "adaptive@4": [[step(4, 5.0, 9)]]}
+    (demo / "demo.json").write_text(json.dumps({"steps": steps}))
+    out = tmp_path / "check.json"
+    assert check.main(["--demo", str(demo), "--out", str(out)]) == 0
+    rows = {(r["B"], r["policy"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(2, "fixed-1"), (4, "fixed-1")}  # fixed-k only
+    believed = float(cost.believed(1, 0.0).step_seconds(4, 8))
+    r = rows[(4, "fixed-1")]
+    assert r["steps"] == 3 and r["live_ms"] == pytest.approx(200.0) and r["believed_ms"] == pytest.approx(believed * 1e3)
+    assert r["ratio"] == pytest.approx(0.2 / believed) and r["live_tok_s"] == pytest.approx(6.0 / 0.2)
+    assert rows[(2, "fixed-1")]["steps"] == 1 and "fixed-1" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="demo.json is missing"):
+        check.main(["--demo", str(tmp_path / "nowhere"), "--out", str(out)])
