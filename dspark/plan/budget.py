@@ -113,8 +113,10 @@ def host_survival(survival: Tensor, calibrated: bool = False) -> HostSurvival:
 @dataclass(frozen=True)
 class BudgetDecision:
     """The chosen budget and its curves over every budget b = 0..B * C a batch of B can take (C candidate
-    columns, `cfg.num_candidate_columns`): tensors of the same dtype, shape and device in eager and
-    `torch.compile` calls. Past #candidates, tau repeats tau(#candidates) and theta is -inf.
+    columns, `cfg.num_candidate_columns`): tensors of the same dtypes, shapes and values in eager and
+    `torch.compile` calls; on the host where the decision was made there (eager calls, whatever the survival's
+    device: no copy back), on the survival's device when traced. Past #candidates, tau repeats tau(#candidates)
+    and theta is -inf.
     """
 
     budget: Tensor               # 0-d int64: the chosen b
@@ -152,13 +154,6 @@ class BudgetDecision:
     def rows_curve(self) -> Tensor:
         """int64 [B * C + 1]: verify rows B * F + b for each budget b of the curves."""
         return self.base_rows + torch.arange(self.tau_curve.numel(), dtype=torch.int64, device=self.tau_curve.device)
-
-    def to(self, device: torch.device) -> "BudgetDecision":
-        """The same decision with its tensors on `device` (itself when they are there)."""
-        if self.budget.device == torch.device(device):
-            return self
-        return BudgetDecision(self.budget.to(device), self.base_rows, self.tau_curve.to(device),
-                              self.step_seconds_curve.to(device), self.theta_curve.to(device))
 
 
 def _at(curve: Tensor, budget: Tensor) -> Tensor:
@@ -278,7 +273,7 @@ def _decide(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: Schedul
         s = monotone_survival(survival)
         t = None if tiers is None else torch.tensor(tiers, dtype=torch.int64, device=s.device)
         return traced_decision(s, seconds_torch(cost_model, s.shape[0], cfg, s.device), cfg, greedy=greedy, tiers=t)
-    return host_decision(host_survival(survival), cost_model, cfg, greedy=greedy, tiers=tiers)[1].to(survival.device)
+    return host_decision(host_survival(survival), cost_model, cfg, greedy=greedy, tiers=tiers)[1]
 
 
 def choose_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig) -> BudgetDecision:
@@ -289,7 +284,7 @@ def choose_budget(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: S
         cost_model: profiled at the config's W (`check_cost_model`).
         cfg: the schedule.
     Returns:
-        The BudgetDecision on the survival's device (the host for a `HostSurvival`), eager and compiled alike.
+        The BudgetDecision: on the host in eager calls, on the survival's device inside `torch.compile`.
     """
     return _decide(survival, cost_model, cfg, greedy=False)
 

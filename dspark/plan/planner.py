@@ -71,7 +71,8 @@ class VerifyPlan:
     a sync-free plan, whose total stays on the device).
     `tier_budget` is what the allocation was offered: the decision's budget grown to the tier top by
     graph-tier fill; it exceeds `budget` when the candidates run out first (the rest is padding).
-    `step_seconds` is T(B, decision.rows) on the host: the step time the decision expects.
+    `decision` lives where the budget was chosen (the host, or the device: `_device_decision`); `step_seconds`
+    is T(B, decision.rows) on the host, the step time the decision expects.
     `dp` is the DP-global tier decision when the planner runs with a DP group.
     """
 

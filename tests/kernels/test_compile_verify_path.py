@@ -121,8 +121,8 @@ def test_budget_curves_compile_and_equal_the_host_budget(seed, b, gamma, gap, ba
     assert int(eager.budget) == host.budget and int(eager.greedy) == greedy.budget
     n = int(eager.num_valid)
     assert int(host.num_candidates) == n
-    torch.testing.assert_close(eager.tau, host.tau_curve, rtol=1e-12, atol=0)
-    torch.testing.assert_close(eager.theta, host.theta_curve, rtol=1e-12, atol=0)
+    torch.testing.assert_close(eager.tau.cpu(), host.tau_curve, rtol=1e-12, atol=0)
+    torch.testing.assert_close(eager.theta.cpu(), host.theta_curve, rtol=1e-12, atol=0)
     assert bool((eager.theta[n + 1:] == float("-inf")).all())
     vl = lens(seed, b, cfg.width, device)
     assert_same(compiled(bu.expected_commit_torch, backend)(s, vl), bu.expected_commit_torch(s, vl))
