@@ -39,7 +39,9 @@ def _policies(tiers, max_batch):
     planning = PlannerSettings(num_slots=8, tiers=tiers,
                                graph_slots=graph_slot_count(max_batch, tiers, GAMMA + 1) if tiers else None)
     planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), StepsPerSecondTable([1], [100.0], width=GAMMA + 1), planning)
-    return [FixedK(GAMMA), Oracle(GAMMA), Adaptive(planner, lambda b: 0.004 * b, gate=GateSettings(probe_every=2))]
+    # no cost feedback: the two runs compared must decide alike whatever their measured step times
+    gate = GateSettings(probe_every=2, cost_window=None)
+    return [FixedK(GAMMA), Oracle(GAMMA), Adaptive(planner, lambda b: 0.004 * b, gate=gate)]
 
 
 def _prompts(n: int, p: int, seed: int = 7) -> torch.Tensor:
