@@ -21,6 +21,7 @@ from dspark.kernels import layout as kl
 from dspark.kernels import ragged_attention as kra
 from dspark.kernels import topk
 from dspark.plan import budget as bu
+from dspark.plan import budget_torch as bt
 from dspark.plan import survival as su
 from dspark.verify import accept as va
 from dspark.verify import layout as vlay
@@ -114,8 +115,8 @@ def _budget_case(seed, b, gamma, floor_gap, device):
 def test_budget_curves_compile_and_equal_the_host_budget(seed, b, gamma, gap, backend, device):
     cfg, cost, s, seconds = _budget_case(seed, b, gamma, gap, device)
     args = (s, seconds, cfg.floor, cfg.cap, cfg.survival_eps)
-    eager = bu.theta_curves_torch(*args)
-    assert_same(compiled(bu.theta_curves_torch, backend)(*args), eager)
+    eager = bt.theta_curves_torch(*args)
+    assert_same(compiled(bt.theta_curves_torch, backend)(*args), eager)
     # the device budget is the host one (argmax and greedy scan), curves equal to rounding
     host, greedy = bu.choose_budget(s, cost, cfg), bu.greedy_budget(s, cost, cfg)
     assert int(eager.budget) == host.budget and int(eager.greedy) == greedy.budget
@@ -125,8 +126,8 @@ def test_budget_curves_compile_and_equal_the_host_budget(seed, b, gamma, gap, ba
     torch.testing.assert_close(eager.theta.cpu(), host.theta_curve, rtol=1e-12, atol=0)
     assert bool((eager.theta[n + 1:] == float("-inf")).all())
     vl = lens(seed, b, cfg.width, device)
-    assert_same(compiled(bu.expected_commit_torch, backend)(s, vl), bu.expected_commit_torch(s, vl))
-    assert torch.equal(bu.expected_commit_torch(s, vl), bu.expected_commit(s, vl, cfg))
+    assert_same(compiled(bt.expected_commit_torch, backend)(s, vl), bt.expected_commit_torch(s, vl))
+    assert torch.equal(bt.expected_commit_torch(s, vl), bu.expected_commit(s, vl, cfg))
 
 
 # ---------------------------------------------------------------- allocation (top-k reference)
@@ -248,7 +249,7 @@ def _inductor_cases(device):
     case2, meta2, outputs2 = _attention_inputs(8, 4, device)
     return [
         ("survival", su._survival, survival_inputs(1, 5, 4, device), survival_inputs(2, 9, 4, device)),
-        ("budget", bu.theta_curves_torch, (s, seconds, 1, 6, 1e-6), (s2, seconds2, 1, 6, 1e-6)),
+        ("budget", bt.theta_curves_torch, (s, seconds, 1, 6, 1e-6), (s2, seconds2, 1, 6, 1e-6)),
         ("allocate", topk.verify_lens_ref, (s, torch.tensor(7, device=device), 1, 6, 1e-6),
          (s2, torch.tensor(11, device=device), 1, 6, 1e-6)),
         ("layout", vlay.slot_maps_torch, (lens(1, 5, 4, device), 24, 9, 4), (lens(2, 7, 4, device), 32, 11, 4)),
