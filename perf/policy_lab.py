@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
         cells: dict = {}
         for name in VARIANTS:
             for b in VARIANT_BATCHES:
-                lab, policy = variant_lab(base, name, b)
                 queue = serving_queue(trace, b)
+                lab, policy = variant_lab(base, name, b, queue.ids)
                 cells.setdefault(name, {})[str(b)] = run_summary(lab.run(policy, b, queue.ids),
                                                                 lab.temperatures if name != "estimator" else None,
                                                                 queue.measured)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspark.lab.replay.lab import queue_ids
-from dspark.lab.replay.variants import VARIANTS, OracleSurvival, variant_lab
+from dspark.lab.replay.variants import VARIANTS, OracleSurvival, PerRequestOracle, variant_lab
 from tests.lab.test_replay_lab import GAMMA, _lab, synthetic_trace
 
 pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors 
 def test_every_variant_commits_the_continuation(name: str) -> None:
     trace = synthetic_trace(30, seed=11)
     ids = queue_ids(trace, 12)
-    lab, policy = variant_lab(_lab(trace), name, 4)
+    lab, policy = variant_lab(_lab(trace), name, 4, ids)
     res = lab.run(policy, 4, ids)
     for q, i in enumerate(ids.tolist()):
         n = int(trace.new_tokens[i])
@@ -45,6 +45,28 @@ def test_oracle_survival_is_the_accepted_prefix(seed: int) -> None:
         for j, q in enumerate(step.owners.tolist()):
             pos[q] += int(step.commit_lens[j])
     assert speculative > 0
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_the_per_request_oracle_drafts_exactly_the_requests_that_accept(seed: int) -> None:
+    """Each step drafts for the requests whose first draft the target accepts, and only for them; a step where
+    none would is plain."""
+    trace = synthetic_trace(30, seed=seed)
+    ids = queue_ids(trace, 12)
+    lab, policy = variant_lab(_lab(trace), "per-request oracle", 5, ids)
+    assert isinstance(policy, PerRequestOracle)
+    res = lab.run(policy, 5, ids)
+    pos = {q: 0 for q in range(len(ids))}
+    drafted = skipped = 0
+    for step in res.steps:
+        a = torch.tensor([int(trace.position(int(ids[q]), pos[q]).accepted) for q in step.owners.tolist()])
+        assert step.drafting == int((a >= 1).sum()), (step.drafting, a)
+        assert torch.equal(step.commit_lens.to(torch.int64), a.clamp(max=GAMMA) + 1)  # every accepted draft verified
+        drafted += step.drafting
+        skipped += int((a == 0).sum())
+        for j, q in enumerate(step.owners.tolist()):
+            pos[q] += int(step.commit_lens[j])
+    assert drafted > 0 and skipped > 0
 
 
 def test_oracle_survival_needs_the_prepass() -> None:

@@ -4,7 +4,9 @@
 decode loop steps at (labels: the greedy prefix reaches draft k), as the demo's teacher-forced recorder does. `variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`:
 survival from the head after STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform
 survival per position for every request, the online estimator, the oracle's exact acceptance, the adaptive
-policy given the oracle's knowledge as its survival (the planner's own loss, with nothing left to estimate);
+policy given the oracle's knowledge as its survival (the planner's own loss, with nothing left to estimate); the
+oracle drafting only for the requests whose first draft the target accepts (the most per-request speculation
+adds);
 the policy drafting gamma at every speculative step (no depth choice); the planner's lag 1 / 2 (default 0);
 eager steps (no graph tiers); the gate without its measured-cost feedback, without the catch-up price, probing
 the whole batch every time (no partial probes), or never probing.
@@ -12,21 +14,24 @@ the whole batch every time (no partial probes), or never probing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 
 from dspark.calibration.fit import fit_temperatures
-from dspark.lab.replay.lab import Lab
+from dspark.lab.replay.lab import Lab, serving_queue
 from dspark.lab.replay.trace import Trace
 from dspark.serve.drafters.base import Drafts
-from dspark.serve.policies import Adaptive, Policy, PolicyPlan
+from dspark.serve.policies import Adaptive, Oracle, Policy, PolicyPlan
 from dspark.verify.accept import AcceptResult
 
+if TYPE_CHECKING:
+    from dspark.serve.outcome import StepOutcome
+
 VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
-            "fixed depth", "lag 1", "lag 2", "no tiers", "no cost feedback", "no catch-up price", "whole-batch probes",
-            "no probes")
+            "per-request oracle", "fixed depth", "lag 1", "lag 2", "no tiers", "no cost feedback", "no catch-up price",
+            "whole-batch probes", "no probes")
 NEVER = 10 ** 9  # plain steps before a probe in the variant "no probes": more than any run takes
 SURE = 30.0  # |logit| of a known outcome: sigmoid(30) rounds to 1 in float32, sigmoid(-30) is 9e-14
 
@@ -96,8 +101,39 @@ class OracleSurvival(Adaptive):
         return super().plan(logits, slots, generations, prepass)
 
 
-def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
-    """The lab and the policy (a name or an object) of variant `name` at B = b."""
+class PerRequestOracle(Oracle):
+    """The oracle drafting only for the requests whose first draft the target accepts, read from the trace before
+    the step drafts (the rest decode plain in the same forward). trace / ids [N]: the trace and the queue a run
+    serves (requests are admitted in queue order)."""
+
+    name = "per-request oracle"
+
+    def __init__(self, trace: Trace, ids: Tensor, gamma: int):
+        super().__init__(gamma)
+        self.trace, self.ids = trace, ids
+        self._admitted = 0  # queue requests admitted so far
+        self._request: dict[int, int] = {}  # slot -> its trace request
+        self._t: dict[int, int] = {}  # slot -> tokens committed past its prompt
+
+    def admit(self, slots: Tensor) -> None:
+        for i, s in enumerate(slots.tolist()):
+            self._request[s], self._t[s] = int(self.ids[self._admitted + i]), 0
+        self._admitted += slots.numel()
+
+    def speculate(self, slots: Tensor, generations: Tensor) -> bool:
+        host = slots.cpu().tolist()
+        requests = torch.tensor([self._request[s] for s in host])
+        self.drafting = self.trace._block(requests, torch.tensor([self._t[s] for s in host])).accepted >= 1
+        return True
+
+    def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:
+        for s, c in zip(outcome.requests.tolist(), commit_lens.tolist()):
+            self._t[s] += c
+
+
+def variant_lab(base: Lab, name: str, b: int, ids: Tensor | None = None) -> tuple[Lab, str | Policy]:
+    """The lab and the policy (a name or an object) of variant `name` at B = b; ids [N]: the queue the run will
+    serve (default `serving_queue(trace, b).ids`; read by "per-request oracle")."""
     replace = dataclasses.replace
     temps = None if base.temperatures is None else list(base.temperatures)
     simple = {"head+STS": (base, "adaptive"), "head raw": (replace(base, temperatures=None), "adaptive"),
@@ -116,6 +152,9 @@ def variant_lab(base: Lab, name: str, b: int) -> tuple[Lab, str | Policy]:
             raise ValueError(f"variant {name!r} scales the lab's temperatures, but it has none")
         scale = 0.5 if name == "temps x0.5" else 2.0
         return replace(base, temperatures=[t * scale for t in temps]), "adaptive"
+    if name == "per-request oracle":
+        ids = serving_queue(base.trace, b).ids if ids is None else ids
+        return base, PerRequestOracle(base.trace, ids, base.gamma)
     if name in ("uniform", "oracle survival"):
         lab = replace(base, temperatures=None)
         args = (lab.planner(b, False), lab.cost.believed_plain(lab.context), lab.gate)
