@@ -162,6 +162,14 @@ def test_every_measured_request_runs_at_full_concurrency_and_tok_s_is_their_toke
         inside = sum(1 for o in s.owners.tolist() if o in q.measured)
         latency += inside * s.times.total
     assert out["tok_s"] == pytest.approx(b * out["tokens"] / latency, rel=1e-9)
+    # one prefill forward per step that a new request (with a prompt of 2+ tokens: the root is a row) joins
+    seen: set[int] = set()
+    forwards = 0
+    for s in res.steps:
+        new = [o for o in s.owners.tolist() if o not in seen]
+        forwards += any(trace.prompt(int(q.ids[o])).numel() > 1 for o in new)
+        seen.update(new)
+    assert out["prefill_forwards"] == forwards > 0
 
 
 def test_a_queue_naming_a_request_the_trace_lacks_is_refused_naming_it() -> None:

@@ -50,7 +50,8 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
 
     tok_s: B x (their tokens) / (their summed latency), Little's law for B requests always in flight (equal to
     tokens over seconds when every counted request ran at full concurrency, `full_concurrency`); tpot_ms_p50 /
-    p90: per request, (latency - time to its first decode step) / tokens."""
+    p90: per request, (latency - time to its first decode step) / tokens; prefill_forwards: the run's prefill
+    forwards (admissions of at least one prompt token to prefill)."""
     reqs = per_request(res)
     counted = [reqs[r] for r in (measured if measured is not None else sorted(reqs))]
     tokens = sum(c[0] for c in counted)
@@ -76,6 +77,7 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
         "steps": len(res.steps),
         "seconds": res.seconds,
         "prefill_share": (res.startup_seconds + sum(s.times.prefill for s in res.steps)) / res.seconds,
+        "prefill_forwards": sum(1 for s in res.steps if s.prefill_tokens > 0),
         "rows_per_step": statistics.fmean(float(s.layout.total_rows) for s in res.steps),
         "drafts_per_step": statistics.fmean(float(s.confidence_logits.shape[1]) for s in res.steps),
         "speculative_share": len(spec) / len(res.steps),
