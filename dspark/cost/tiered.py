@@ -54,7 +54,7 @@ def serving_tiers(samples: Sequence[ProfileSample], tiers: Sequence[int], margin
 
     Why: a step may pad past its tier to any larger one, so a tier that costs more than a larger one is
     never worth its graph: padding to the larger tier verifies more rows in less time. A CPU's matmul
-    kernels change with the row count (on the 2-core development VM 16 rows ran 16 % faster than 12 at B = 4);
+    kernels change with the row count, so a larger tier can run faster than a smaller one (docs/demo.md);
     `margin` keeps timing noise between two near-equal tiers from dropping one. The largest tier is always
     kept; samples past it (eager steps) are ignored.
     """

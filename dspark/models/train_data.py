@@ -1,11 +1,10 @@
 """The draft's data: labelled streams of text and of every prompt kind per corpus split (`train_draft`'s stage 1).
 
 Text windows (`text_streams`: stdlib code and the language reference's prose) are teacher-forced: one target
-pass over the window labels every position, about twice the rows per second of generating (measured on this
-machine's history: 440 tokens/s for 512-token windows, 336 for 32-token prompts + 40 greedy tokens, one
-thread). Per kind (`dspark.models.kinds.KINDS`) a split gets `counts[kind]` prompts, drawn prefix-stably (a seeded
-permutation of a fixed pool of `POOL` prompts: a run with fewer streams reads the first batches of a larger
-run's cache) and continued greedily by the target (`stream_store.labelled_streams`, cached by content).
+pass over the window labels every position, with none of generating's step-by-step overhead. Per kind
+(`dspark.models.kinds.KINDS`) a split gets `counts[kind]` prompts, drawn prefix-stably (a seeded permutation
+of a fixed pool of `POOL` prompts: a run with fewer streams reads the first batches of a larger run's cache)
+and continued greedily by the target (`stream_store.labelled_streams`, cached by content).
 """
 from __future__ import annotations
 

@@ -304,8 +304,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
             return make_for(name, b)
 
         # untimed warm-up at this batch size: the first runs at new shapes are slow. On an accelerator the
-        # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels (about a second
-        # each, measured on an H200), which must not land in a timed round.
+        # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels, which must not land
+        # in a timed round.
         warm = (queue, counts) if device.type != "cpu" else (queue[:b], max(2, cfg.max_new_tokens // 4))
         for name in names:
             decoders[name].generate(*warm, make(name), draws(cfg.seed), mode=mode, max_batch=b)
