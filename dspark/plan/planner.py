@@ -200,7 +200,7 @@ class VerifyPlanner:
             # the ring holds calibrated rows (or ones): no repair
             budget_from = host if lagged is None else host_survival(lagged, calibrated=True)
             budget, decision = host_decision(budget_from, self.cost_model, cfg, greedy=lagged is None,
-                                             seconds=self._host_seconds(b), tiers=self.tiers or None)
+                                             seconds=self.seconds_window(b), tiers=self.tiers or None)
             live_valid = host.window(cfg)[1]
         offered, _ = tier_fill(budget, b, cfg.floor, self.tiers)
         verify_lens = _allocate(survival if host is None else host, offered, cfg)
@@ -217,7 +217,7 @@ class VerifyPlanner:
                 layout = layout.to(survival.device)
                 verify_lens = layout.verify_lens
         return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * cfg.floor, offered,
-                          float(self._host_seconds(b)[budget]), dp)
+                          float(self.seconds_window(b)[budget]), dp)
 
     def _check_step(self, logits: Tensor, slots: Tensor, generations: Tensor) -> int:
         """The step's inputs: logits [B, gamma] of the config's gamma, and with a ring slots / generations [B]
@@ -236,8 +236,9 @@ class VerifyPlanner:
             self._platform_seen = logits.device.type
         return b
 
-    def _host_seconds(self, b: int) -> np.ndarray:
-        """T(B, B*F + b) over every budget of a batch of B on the host, computed once per B."""
+    def seconds_window(self, b: int) -> np.ndarray:
+        """float64 host [B * C + 1]: T(B, B * F + budget) for every budget of a batch of B under this planner's
+        cost model, computed once per B."""
         seconds = self._host_seconds_by_b.get(b)
         if seconds is None:
             seconds = self._host_seconds_by_b[b] = seconds_over_window(self.cost_model, b, self.cfg).numpy()
@@ -272,11 +273,11 @@ class VerifyPlanner:
         self.ring._write(slots, generations, survival)
         self._next_row = self.ring.next_row_to_host()
         b, cfg = survival.shape[0], self.cfg
-        budget, decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self._host_seconds(b))
+        budget, decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self.seconds_window(b))
         offered, tier = tier_fill(budget, b, cfg.floor, self.tiers)
         verify_lens = _allocate(survival, offered, cfg)
         # no tier fixes the rows: the layout reads its total (the step's one read)
         layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier)
         executed = None if layout.total_rows is None else layout.total_rows - b * cfg.floor
         return VerifyPlan(verify_lens, layout, decision, survival, executed, offered,
-                          float(self._host_seconds(b)[budget]))
+                          float(self.seconds_window(b)[budget]))

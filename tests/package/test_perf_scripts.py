@@ -158,6 +158,26 @@ def test_sampling_distribution_tiny_run_is_lossless(tmp_path: Path, one_thread: 
             assert 0.05 < r["first_draft_accept_rate"] < 0.95
 
 
+def test_policy_overhead_charges_each_hook_to_the_step_it_ran_in() -> None:
+    """A step's record opens at its `speculate`; every hook until the next one adds its clock time to it."""
+    from dspark.serve.policies import Policy
+
+    po = _script("policy_overhead")
+    now = [0.0]
+    cost = {"speculate": 1.0, "confidence": 2.0, "plan": 4.0, "admit": 8.0, "observe": 16.0, "observe_seconds": 32.0}
+
+    class Ticking(Policy):
+        pass
+    for name, seconds in cost.items():
+        setattr(Ticking, name, lambda self, *a, _s=seconds, **k: now.__setitem__(0, now[0] + _s))
+    policy = Ticking()
+    clock = po.HookClock(policy, clock=lambda: now[0])
+    policy.admit(None)  # before the first step: not counted
+    for name in ("speculate", "confidence", "plan", "observe", "observe_seconds", "admit", "speculate", "plan"):
+        getattr(policy, name)()
+    assert clock.steps == [1 + 2 + 4 + 16 + 32 + 8, 1 + 4]
+
+
 def test_demo_profile_check_compares_each_fixed_k_with_what_the_planners_believed(tmp_path: Path, capsys) -> None:
     """Only full-batch steps without a prefill count; the ratio is their median over the believed step time."""
     from dspark.cost.serving import load_serving_cost

@@ -154,9 +154,10 @@ class Adaptive(Policy):
             best, catch_up = (self.gamma, -math.inf), self.gate.settings.catch_up_seconds
             for depth, planner in sorted(self._planners.items()):
                 accepted, verified = self.feedback.predict(depth)
-                rows = min(max(b, round(b * (1 + verified))), b * planner.cfg.width)
+                base = b * planner.cfg.floor
+                budget = min(max(0, round(b * (1 + verified)) - base), b * planner.cfg.width - base)
                 # the step, and the next one's catch-up of the drafts it accepts (steady state)
-                seconds = float(planner.cost_model.seconds_curve(b, rows, 1)[0]) + catch_up * b * accepted
+                seconds = float(planner.seconds_window(b)[budget]) + catch_up * b * accepted
                 rate = b * (1 + accepted) / seconds
                 if rate > best[1]:  # ties to the shallower depth
                     best = (depth, rate)

@@ -1,0 +1,102 @@
+"""A policy's host time per decode step on the CPU, without a model: what the adaptive policy's decisions cost.
+
+The policy lab's replay (recorded drafts and outcomes, simulated target and drafter: no forward runs) drives
+each policy as the lab builds it (adaptive: the speculate-or-not gate, the depth choice, the realised-acceptance
+feedback), and the wall clock times the policy's own hooks each step: `speculate`, `confidence`, `plan`,
+`admit`, `observe`, `observe_seconds`. These are what the engine's `t_plan` holds on top of the verify step.
+Per policy and B: the median and p90 microseconds per step over every step of `--repeats` replays of the
+lab's queue, and the mean. The replay is identical from run to run, so two checkouts compare on the same steps:
+
+    PYTHONPATH=. python perf/policy_overhead.py [--cost cpu-measured] [--batch-sizes 1,4,16,64] \
+        [--label after] [--out perf/results/policy_overhead.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import dspark
+from dspark.cost.serving import load_serving_cost
+from dspark.lab.replay.lab import Lab, serving_queue
+from dspark.lab.replay.trace import load_trace
+from dspark.lab.replay.variants import fit_trace_temperatures
+from dspark.serve.policies import Policy
+from dspark.util.fileio import atomic_write_text
+from dspark.util.options import at_least, int_list, output_path
+
+HOOKS = ("speculate", "confidence", "plan", "admit", "observe", "observe_seconds")
+POLICIES = ("adaptive", "adaptive-est", "fixed-1")
+
+
+class HookClock:
+    """Times a policy object's hooks with `clock` (seconds); a step's record starts at its `speculate`, the first
+    hook of every step of a drafting policy (hooks before the first one, the first admission's, are not counted)."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.steps: list[float] = []
+        self.clock = clock
+        for name in HOOKS:
+            setattr(policy, name, self._timed(name, getattr(policy, name)))
+
+    def _timed(self, name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if name == "speculate":
+                self.steps.append(0.0)
+            t0 = self.clock()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                if self.steps:
+                    self.steps[-1] += self.clock() - t0
+        return run
+
+
+def measure(lab: Lab, name: str, b: int, repeats: int) -> dict:
+    """Microseconds of `name`'s hooks per step at B = b over `repeats` replays of the lab's queue."""
+    queue = serving_queue(lab.trace, b)
+    steps: list[float] = []
+    for _ in range(repeats):
+        lab.estimators.clear()  # adaptive-est: a fresh estimator per replay, as the lab runs it
+        policy = lab.policy(name, b)
+        clock = HookClock(policy)
+        lab.run(policy, b, queue.ids)
+        steps += clock.steps
+    us = np.asarray(steps) * 1e6
+    return {"steps": len(steps), "median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)),
+            "mean_us": float(us.mean())}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cost", default="cpu-measured", help="the serving cost the lab prices (and the policies believe)")
+    ap.add_argument("--batch-sizes", type=int_list(1), default=(1, 4, 16, 64))
+    ap.add_argument("--repeats", type=at_least(1), default=3)
+    ap.add_argument("--label", default="current")
+    ap.add_argument("--out", type=output_path(), default="perf/results/policy_overhead.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    trace = load_trace()
+    temps, _ = fit_trace_temperatures(trace, 3)
+    lab = Lab(trace, load_serving_cost(args.cost, width=4), 3, temperatures=temps)
+    rows = {f"{name}@{b}": measure(lab, name, b, args.repeats) for b in args.batch_sizes for name in POLICIES}
+    print(f"{args.label} (dspark at {Path(dspark.__file__).parent}, {args.cost}): policy hooks, us per step")
+    print(f"{'policy@B':>16} {'steps':>7} {'median':>8} {'p90':>8} {'mean':>8}")
+    for key, r in rows.items():
+        print(f"{key:>16} {r['steps']:>7} {r['median_us']:>8.1f} {r['p90_us']:>8.1f} {r['mean_us']:>8.1f}")
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.is_file() else {}
+    data[args.label] = {"dspark": str(Path(dspark.__file__).parent), "cost": args.cost, "repeats": args.repeats,
+                        "rows": rows, "median_of_medians_us": statistics.median(r["median_us"] for r in rows.values())}
+    atomic_write_text(out, json.dumps(data, indent=1))
+    return data
+
+
+if __name__ == "__main__":
+    main()
