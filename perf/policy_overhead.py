@@ -13,7 +13,6 @@ lab's queue, and the mean. The replay is identical from run to run, so two check
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from labelled import save_labelled  # perf/labelled.py: a script's own folder is first on sys.path
 
 import dspark
 from dspark.cost.serving import load_serving_cost
@@ -28,7 +28,6 @@ from dspark.lab.replay.lab import Lab, serving_queue
 from dspark.lab.replay.trace import load_trace
 from dspark.lab.replay.variants import fit_trace_temperatures
 from dspark.serve.policies import Policy
-from dspark.util.fileio import atomic_write_text
 from dspark.util.options import at_least, int_list, output_path
 
 HOOKS = ("speculate", "confidence", "plan", "admit", "observe", "observe_seconds")
@@ -90,12 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'policy@B':>16} {'steps':>7} {'median':>8} {'p90':>8} {'mean':>8}")
     for key, r in rows.items():
         print(f"{key:>16} {r['steps']:>7} {r['median_us']:>8.1f} {r['p90_us']:>8.1f} {r['mean_us']:>8.1f}")
-    out = Path(args.out)
-    data = json.loads(out.read_text()) if out.is_file() else {}
-    data[args.label] = {"dspark": str(Path(dspark.__file__).parent), "cost": args.cost, "repeats": args.repeats,
-                        "rows": rows, "median_of_medians_us": statistics.median(r["median_us"] for r in rows.values())}
-    atomic_write_text(out, json.dumps(data, indent=1))
-    return data
+    return save_labelled(args.out, args.label, {
+        "dspark": str(Path(dspark.__file__).parent), "cost": args.cost, "repeats": args.repeats, "rows": rows,
+        "median_of_medians_us": statistics.median(r["median_us"] for r in rows.values())})
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from labelled import save_labelled  # perf/labelled.py: a script's own folder is first on sys.path
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import dspark
@@ -108,14 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'policy@B':>14} {'steps':>6} {'step':>9} {'forwards':>9} {'overhead':>9}")
     for key, r in rows.items():
         print(f"{key:>14} {r['steps']:>6} {r['step_ms']:>9.2f} {r['forward_ms']:>9.2f} {r['overhead_ms']:>9.2f}")
-    out = Path(args.out)
-    data = json.loads(out.read_text()) if out.is_file() else {}
-    data[args.label] = {"dspark": str(Path(dspark.__file__).parent), "layers": LAYERS, "gamma": GAMMA, "rows": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(out)
-    return data
+    return save_labelled(args.out, args.label, {"dspark": str(Path(dspark.__file__).parent), "layers": LAYERS,
+                                                "gamma": GAMMA, "rows": rows})
 
 
 if __name__ == "__main__":

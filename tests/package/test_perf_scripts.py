@@ -17,6 +17,8 @@ PERF = Path(__file__).resolve().parents[2] / "perf"
 
 
 def _script(name: str) -> ModuleType:
+    if str(PERF) not in sys.path:  # as `python perf/<name>.py` does: the script's folder (perf/labelled.py) first
+        sys.path.insert(0, str(PERF))
     spec = importlib.util.spec_from_file_location(f"perf_{name}", PERF / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module by name
@@ -156,6 +158,16 @@ def test_sampling_distribution_tiny_run_is_lossless(tmp_path: Path, one_thread: 
         assert r["tests"]["position 1"]["n"] == 384
         if r["policy"] != "plain":  # both accept paths ran: some first drafts accepted, some rejected
             assert 0.05 < r["first_draft_accept_rate"] < 0.95
+
+
+def test_labelled_runs_are_merged_under_their_labels(tmp_path: Path) -> None:
+    labelled = _script("labelled")
+    out = tmp_path / "sub" / "runs.json"
+    labelled.save_labelled(out, "before", {"x": 1})
+    data = labelled.save_labelled(out, "after", {"x": 2})
+    assert data == json.loads(out.read_text()) == {"before": {"x": 1}, "after": {"x": 2}}
+    assert labelled.save_labelled(out, "before", {"x": 3})["before"] == {"x": 3}  # a label run again replaces its entry
+    assert sorted(p.name for p in out.parent.iterdir()) == ["runs.json"]  # no temporary file left
 
 
 def test_policy_overhead_charges_each_hook_to_the_step_it_ran_in() -> None:
