@@ -13,9 +13,9 @@ one step old (lagged) so that admitting a draft never depends on that draft's ow
 
 Two backends, one formula, one result: the host decision (`host_decision`: numpy sort, torch's sequential
 cumsum) for eager calls, whatever the survival's device, and the traced one (`traced_decision` over
-`dspark.plan.budget_torch`'s formulas) inside `torch.compile` and for the planner's device steps. Both give a `BudgetDecision` of the same dtypes and
-static shapes (curves over every budget b = 0..B * C). The public functions check their inputs, then call
-these; the planner, validated once, calls them directly.
+`dspark.plan.budget_torch`'s formulas) inside `torch.compile` and for the planner's device steps. Both give a
+`BudgetDecision` of the same dtypes and static shapes (curves over every budget b = 0..B * C). The public
+functions check their inputs, then call these; the planner, validated once, calls them directly.
 """
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ class VerifyPlanner:
         self.sync_free = sync_free
         self._next_row = self.ring.next_row_to_host() if sync_free else None
         self._seconds: dict[tuple[int, torch.device], Tensor] = {}  # T(B, B*F + b) per (B, device)
-        self._host_seconds_by_b: dict[int, np.ndarray] = {}  # the same on the host, per B
+        self._seconds_window_by_b: dict[int, np.ndarray] = {}  # the same on the host, per B
         if parallel is not None and not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
         self.parallel = None if parallel is None else ParallelAgreement(
@@ -239,9 +239,9 @@ class VerifyPlanner:
     def seconds_window(self, b: int) -> np.ndarray:
         """float64 host [B * C + 1]: T(B, B * F + budget) for every budget of a batch of B under this planner's
         cost model, computed once per B."""
-        seconds = self._host_seconds_by_b.get(b)
+        seconds = self._seconds_window_by_b.get(b)
         if seconds is None:
-            seconds = self._host_seconds_by_b[b] = seconds_over_window(self.cost_model, b, self.cfg).numpy()
+            seconds = self._seconds_window_by_b[b] = seconds_over_window(self.cost_model, b, self.cfg).numpy()
         return seconds
 
     def _device_tiers(self, device: torch.device) -> Tensor | None:

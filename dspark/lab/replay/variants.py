@@ -1,15 +1,15 @@
 """What calibration, lag and tiers buy: the adaptive policy replayed with one thing changed at a time.
 
 `fit_trace_temperatures` fits STS temperatures on a seeded half of the trace's requests at the positions a
-decode loop steps at (labels: the greedy prefix reaches draft k), as the demo's teacher-forced recorder does. `variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`:
-survival from the head after STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform
-survival per position for every request, the online estimator, the oracle's exact acceptance, the adaptive
-policy given the oracle's knowledge as its survival (the planner's own loss, with nothing left to estimate); the
-oracle drafting only for the requests whose first draft the target accepts (the most per-request speculation
-adds);
-the policy drafting gamma at every speculative step (no depth choice); the planner's lag 1 / 2 (default 0);
-eager steps (no graph tiers); the gate without its measured-cost feedback, without the catch-up price, probing
-the whole batch every time (no partial probes), or never probing.
+decode loop steps at (labels: the greedy prefix reaches draft k), as the demo's teacher-forced recorder does.
+`variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`: survival from the head
+after STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform survival per position for every
+request, the online estimator, the oracle's exact acceptance, the adaptive policy given the oracle's knowledge as
+its survival (the planner's own loss, with nothing left to estimate); the oracle drafting only for the requests
+whose first draft the target accepts (the most per-request speculation adds); the policy drafting gamma at every
+speculative step (no depth choice); the planner's lag 1 / 2 (default 0); eager steps (no graph tiers); the gate
+without its measured-cost feedback, without the catch-up price, probing the whole batch every time (no partial
+probes), or never probing.
 """
 from __future__ import annotations
 
