@@ -41,6 +41,7 @@ class StepRecord:
     speculated: bool = True    # False: a target-only step (fixed-0, or the adaptive policy chose plain)
     t_prefill: float = 0.0     # continuous batching: prefill of requests admitted right before this step
     useful: int | None = None  # committed tokens within max_new_tokens (None: not recorded)
+    folded_prefill: int = 0    # prompt tokens that rode this step's forward (chunked prefill: it ran eager)
 
     @property
     def seconds(self) -> float:

@@ -15,7 +15,8 @@ target, which charges every step `ServingCost.price(StepWork)`:
 - `drafter`: `DraftCost`, the drafter's kind (`chain`, `parallel` or `ngram`) and its seconds for k drafts per
   request over n requests, k = 1..gamma (a policy that drafts k pays for k), plus seconds per token it catches up
   beyond the roots (tokens committed since its last proposal, a prompt after admission);
-- `prefill`: `PrefillCost`, seconds to prefill the prompts admitted before a step (per forward + per token);
+- `prefill`: `PrefillCost`, seconds to prefill the prompts admitted before a step (per forward + per token), or
+  per token alone for prompts folded into the step's target forward (`StepWork.prefill_folded`);
 - `tiers`, `name`, `platform` (the modelled hardware), `description`, `sources`, the generator's `parameters`.
 
 What a policy *believes* (its planner's T(B, M), its plain step) is `believed(drafts, context)` /
@@ -146,7 +147,7 @@ class ServingCost:
                   else self.plain(b))
         kv = self.per_kv_token * kv_priced(work, self.kv_layout)
         return (target + kv + self.drafter.seconds(work.drafts, work.drafting, work.catch_up)
-                + self.prefill.seconds(work.prefill_tokens))
+                + self.prefill.seconds(work.prefill_tokens, work.prefill_folded))
 
     def believed(self, drafts: int, context: float) -> CostModel:
         """T(B, M) of a speculative step drafting `drafts` tokens per request, every request holding `context`

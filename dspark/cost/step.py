@@ -131,7 +131,8 @@ def _covers(curve: BatchCurve, b: int) -> bool:
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """Seconds to prefill the prompts admitted before a step: `per_forward` once + `per_token` x their tokens."""
+    """Seconds to prefill the prompts admitted before a step: `per_forward` once + `per_token` x their tokens (a
+    forward of their own), or `per_token` x their tokens alone when they ride a decode step's forward (folded)."""
 
     per_forward: float
     per_token: float
@@ -140,9 +141,12 @@ class PrefillCost:
         for name in ("per_forward", "per_token"):
             check_real(name, getattr(self, name), 0.0, math.inf, high_open=True)
 
-    def seconds(self, tokens: int) -> float:
-        """Seconds to prefill `tokens` prompt tokens (0 when none)."""
-        return self.per_forward + self.per_token * tokens if tokens else 0.0
+    def seconds(self, tokens: int, folded: bool = False) -> float:
+        """Seconds to prefill `tokens` prompt tokens (0 when none), in a forward of their own or `folded` into a
+        step's forward (no per-forward cost)."""
+        if not tokens:
+            return 0.0
+        return self.per_token * tokens + (0.0 if folded else self.per_forward)
 
 
 @dataclass(frozen=True)
@@ -151,8 +155,9 @@ class StepWork:
 
     requests: B, the requests decoding in the step; rows: the target's rows (the verify layout's rows before
     tier padding; B for a plain step); kv_tokens: the tokens those requests hold in the KV cache before the step
-    (prompt + committed), summed; kv_longest: the most one of them holds (None: kv_tokens shared evenly); drafts: tokens drafted per drafting request (0: a plain step); drafting:
-    requests that drafted; prefill_tokens: prompt tokens admitted (prefilled) right before the step.
+    (prompt + committed), summed; kv_longest: the most one of them holds (None: kv_tokens shared evenly); drafts:
+    tokens drafted per drafting request (0: a plain step); drafting: requests that drafted; prefill_tokens: prompt
+    tokens admitted (prefilled) right before the step, or with `prefill_folded` in the step's own target forward.
     """
 
     requests: int
@@ -163,6 +168,7 @@ class StepWork:
     prefill_tokens: int = 0
     catch_up: int = 0
     kv_longest: int | None = None
+    prefill_folded: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("requests", 1), ("rows", 1), ("kv_tokens", 0), ("drafts", 0), ("drafting", 0),
@@ -170,6 +176,7 @@ class StepWork:
             check_int(name, getattr(self, name), low)
         if self.drafting > self.requests:
             raise ValueError(f"drafting must be <= requests = {self.requests}, got {self.drafting}")
+        check_type("prefill_folded", self.prefill_folded, bool)
         if self.kv_longest is not None:
             check_int("kv_longest", self.kv_longest, 0)
             if not self.kv_longest <= self.kv_tokens <= self.requests * self.kv_longest:

@@ -27,6 +27,9 @@ class EngineConfig:
         reserve_new_tokens: size the KV pages of every run for at least this many new tokens per request (a short
             profiling run then has the geometry of the long runs it times); None: each run's own count.
         keep_draft_logits: each speculative StepOutcome keeps the drafter's token logits [B, k, V].
+        fold_prefill: chunked prefill: prompts admitted while other requests decode ride the next step's target
+            forward (eager on any device) and their requests decode from the step after; False: every admission
+            is prefilled in a forward of its own before the step.
     """
 
     cache_tokens: int = 65536
@@ -36,6 +39,7 @@ class EngineConfig:
     clock: str = "wall"
     reserve_new_tokens: int | None = None
     keep_draft_logits: bool = False
+    fold_prefill: bool = True
 
     def __post_init__(self) -> None:
         check_int("cache_tokens", self.cache_tokens, 1)
@@ -49,6 +53,7 @@ class EngineConfig:
             raise ValueError(f"clock 'thread' (this thread's CPU time) times CPU work only; device is {device}")
         check_positive_or_none("reserve_new_tokens", self.reserve_new_tokens)
         check_type("keep_draft_logits", self.keep_draft_logits, bool)
+        check_type("fold_prefill", self.fold_prefill, bool)
 
 
 @dataclass(frozen=True)

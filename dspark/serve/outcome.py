@@ -42,11 +42,18 @@ class StepOutcome:
     useful_per_request: Tensor | None = None  # [B] host int64: each request's share of `useful`
     kv_tokens: int = 0             # tokens the step's requests held in the KV cache before it (roots excluded)
     kv_longest: int = 0            # the most of those one request held
-    prefill_tokens: int = 0        # prompt tokens prefilled right before this step (its `times.prefill`)
+    prefill_tokens: int = 0        # prompt tokens prefilled right before this step (its `times.prefill`) or in it
+    prefill_folded: bool = False   # those prompts rode this step's target forward (their time is in `times.verify`)
+    folded_owners: Tensor | None = None  # [A] host: the requests whose prompts rode it (they decode from the next)
     catch_up: int = 0              # tokens the drafter caught up beyond the roots (Drafts.catch_up; 0: plain)
     drafting: int = 0              # requests that drafted (B, or fewer under `Policy.drafting`; 0: plain)
     draft_logits: Tensor | None = None  # [B, k, V] drafter token logits, with EngineConfig(keep_draft_logits=True)
     owners: Tensor | None = None   # [B] host: the queue index (request id) decoding in each slot
+
+    @property
+    def busy_slots(self) -> int:
+        """Slots holding a request in this step: those decoding and those whose prompt rode it."""
+        return self.requests.numel() + (0 if self.folded_owners is None else self.folded_owners.numel())
 
     @property
     def speculated(self) -> bool:
@@ -68,7 +75,7 @@ class GenerateResult:
 
     def steady(self) -> tuple[int, float]:
         """(tokens, seconds) of the steady-state window: steps with every slot busy, refills included."""
-        busy = [s for s in self.steps if s.requests.numel() == self.max_batch]
+        busy = [s for s in self.steps if s.busy_slots == self.max_batch]
         return sum(s.useful for s in busy), sum(s.times.total for s in busy)
 
 

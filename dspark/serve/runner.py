@@ -8,8 +8,9 @@ whose outcomes come from a recorded trace and whose time comes from a cost model
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -74,6 +75,8 @@ def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: Ragge
 class Target:
     """The plug-in point for verification (B requests of a batch's `slots`, host ids ascending)."""
 
+    _folded: Any = None  # what `fold` left for the next forward (None: nothing)
+
     def start(self, batch: Batch, widths: tuple[int, ...], max_rows: int) -> None:
         """A run begins on `batch`, verifying at `widths` (ascending W = depth + 1, every width its policy may
         take; empty: plain steps only); no prefill exceeds `max_rows` rows per request."""
@@ -83,6 +86,20 @@ class Target:
 
     def prefill(self, batch: Batch, slots: Tensor) -> None:
         """Cache the prompts of newly admitted `slots` (all but each prompt's last token, the first root)."""
+
+    def fold(self, batch: Batch, slots: Tensor) -> None:
+        """Cache the prompts of newly admitted `slots` in the next `plain` or `verify` forward, beside the rows of
+        the requests it decodes (chunked prefill: no forward of their own); a target that cannot prefills now."""
+        self.prefill(batch, slots)
+
+    @contextlib.contextmanager
+    def unfolded(self) -> Iterator[None]:
+        """Forwards inside the block leave the folded prompts to the next forward after it (an untimed prepass)."""
+        held, self._folded = self._folded, None
+        try:
+            yield
+        finally:
+            self._folded = held
 
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
         """Target-only step over `layout` (one row per request): [B, 1] int64 the next token of each."""
@@ -110,6 +127,7 @@ class LiveTarget(Target):
         self.device = cache.k.device
         self.hidden = torch.zeros(0, 0, model.geometry.hidden_size, device=self.device)
         self._running = False  # a started run has not finished
+        self._folded: tuple[Tensor, Tensor] | None = None  # (host slots, prompt rows [A]) for the next forward
 
     def check_idle(self) -> None:
         """RuntimeError while a run is on this target (one run per decoder at a time)."""
@@ -137,6 +155,7 @@ class LiveTarget(Target):
     def finish(self) -> None:
         self.cache.release()
         self._running = False
+        self._folded = None
 
     def _width(self, width: int) -> tuple[int | None, Any]:
         """(graph slots, VerifyStep or None) of verify width `width` over this run's slots (built at `start` for
@@ -147,13 +166,34 @@ class LiveTarget(Target):
                                   self.verify_steps.get(s, width))
         return self._steps[width]
 
-    def forward(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, slots: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, slots: Tensor,
+                batch: Batch | None = None) -> Tensor:
         """Logits of the packed rows `tokens` of `layout` for `slots` (device ids), the cached prefix [B]
-        (host) before each, run eagerly; the real rows' hidden states are kept in `hidden`."""
+        (host) before each, run eagerly; the real rows' hidden states are kept in `hidden`. With `batch`, the
+        prompts `fold` left pending ride the same forward after those rows (their hidden states kept, no
+        logits)."""
+        rows = tokens.shape[0]
+        if batch is not None and self._folded is not None:
+            tokens, layout, prefix, slots = self._with_folded(batch, tokens, layout, prefix, slots)
         attend = PagedAttend(self._attn, self.cache.k, self.cache.v, layout, prefix, self.cache.block_table[slots])
         hidden = self.model(tokens, attend.positions, attend)
         self._keep(hidden, layout, attend.positions, slots)
-        return self.model.logits(hidden)
+        return self.model.logits(hidden[:rows])
+
+    def _with_folded(self, batch: Batch, tokens: Tensor, layout: RaggedVerifyLayout, prefix: Tensor, slots: Tensor
+                     ) -> tuple[Tensor, RaggedVerifyLayout, Tensor, Tensor]:
+        """(tokens, layout, prefix, slots) of an unpadded forward followed by the pending prompts' rows (each
+        prompt but its last token, from position 0)."""
+        (folded, rows), self._folded = self._folded, None
+        lens = torch.cat([torch.from_numpy(boundary.to_host(layout.verify_lens)).to(torch.int32), rows])
+        merged = RaggedVerifyLayout._from_lens(lens, (), None, None, total_rows=int(lens.sum())).to(self.device)
+        slots = torch.cat([slots, boundary.to_device(folded, self.device)])
+        prefix = torch.cat([prefix.to(torch.int64), torch.zeros(folded.numel(), dtype=torch.int64)])
+        n = tokens.shape[0]
+        pos = merged.positions(boundary.to_device(prefix, self.device))
+        own = merged.row_slot[n: merged.total_rows].long()
+        prompts = batch.tokens[slots[own], pos[n: merged.total_rows]]
+        return torch.cat([tokens, prompts]), merged, prefix, slots
 
     def _keep(self, hidden: Tensor, layout: RaggedVerifyLayout, positions: Tensor, slots: Tensor) -> None:
         real = layout.total_rows
@@ -172,20 +212,31 @@ class LiveTarget(Target):
         ids = batch.tokens[dev_slots[layout.row_slot[: layout.total_rows].long()], pos[: layout.total_rows]]
         self.forward(ids, layout, torch.zeros(slots.numel(), dtype=torch.int64), dev_slots)
 
+    def fold(self, batch: Batch, slots: Tensor) -> None:
+        rows = (batch.prompt_lens[slots] - 1).to(torch.int32).cpu()  # the one host read of an admission
+        slots, rows = slots[rows > 0], rows[rows > 0]  # a one-token prompt is its root alone: nothing to prefill
+        if self._folded is not None:
+            slots, rows = torch.cat([self._folded[0], slots]), torch.cat([self._folded[1], rows])
+        self._folded = (slots, rows) if slots.numel() else None
+
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
-        logits = self.forward(batch.roots(slots), layout, batch.lens[slots] - 1, boundary.to_device(slots, self.device))
+        logits = self.forward(batch.roots(slots), layout, batch.lens[slots] - 1, boundary.to_device(slots, self.device),
+                              batch)
         return sampling.tokens(logits)
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:
         prefix, width = batch.lens[slots] - 1, drafts.tokens.shape[1] + 1
         graph_slots, step = self._width(width)
-        layout, _ = mode_layout(mode, verify_lens, width, layout, self.tiers, graph_slots)
+        tiers = self.tiers
+        if self._folded is not None:  # prompts ride this forward: eager, unpadded (no captured tier holds them)
+            step, layout, tiers, graph_slots = None, None, (), None
+        layout, _ = mode_layout(mode, verify_lens, width, layout, tiers, graph_slots)
         vin = _verify_inputs(mode, verify_lens, batch.roots(slots), drafts.tokens,
                                   boundary.to_device(prefix, self.device), layout)
         dev_slots = boundary.to_device(slots, self.device)
         if step is None or (vin.layout.tier is None and vin.layout.eager_reason is None):
-            return Verified(vin.layout, vin.caps, self.forward(vin.input_ids, vin.layout, prefix, dev_slots))
+            return Verified(vin.layout, vin.caps, self.forward(vin.input_ids, vin.layout, prefix, dev_slots, batch))
         positions = step.bind(vin.layout, prefix, self.cache.block_table[dev_slots])
         out = step.runner.run(vin.layout, tokens=vin.input_ids, positions=positions)  # the tier's captured step
         self._keep(out["hidden"], vin.layout, positions, dev_slots)

@@ -8,7 +8,8 @@
     batch.commit(...); policy.observe(...)
 
 `serve` is the run: retire finished requests, admit queued ones into free slots (prefilled by the target,
-caught up by the drafter at its next proposal), step, until the queue is drained. The live engine
+in a forward of their own or folded into the step's while other requests decode; caught up by the drafter at
+its next proposal), step, until the queue is drained. The live engine
 (`SpecDecoder`) and the trace replay (`dspark.lab.replay`) both run `serve`; only the drafter, the target and
 the clock differ. Phase times come from `clock` (wall, thread CPU time, or a replay's simulated clock).
 """
@@ -47,6 +48,7 @@ class Engine:
     sampling: Sampling = field(default_factory=lambda: Sampling.seeded(GREEDY, torch.device("cpu")))
     mode: VerifyMode = VerifyMode.COMPACT
     keep_draft_logits: bool = False  # each speculative StepOutcome keeps the drafter's [B, k, V] token logits
+    fold_prefill: bool = True  # admitted prompts ride the next step's target forward when others decode in it
 
 
 def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | None, plan_seconds: float
@@ -92,8 +94,9 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     def prepass() -> AcceptResult:  # a full static verify outside the step's time (the oracle's hook)
         u = now()
         full = torch.full((b,), k + 1, dtype=torch.int32, device=dev)
-        prepassed.append(target.accept(target.verify(batch, slots, drafts, full, VerifyMode.STATIC, None),
-                                       drafts, sampling))
+        with target.unfolded():  # the folded prompts ride the step's own (timed) forward
+            verified = target.verify(batch, slots, drafts, full, VerifyMode.STATIC, None)
+        prepassed.append(target.accept(verified, drafts, sampling))
         untimed[0] += now() - u
         return prepassed[-1]
 
@@ -136,14 +139,23 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             scheduler.retire(batch)
             t0 = now()
             admitted = scheduler.admit(batch)
+            folded = admitted[:0]
             if admitted.numel():
-                target.prefill(batch, admitted)
+                # chunked prefill: while other requests decode, the prompts ride their step's forward and the
+                # admitted requests decode from the next step; else they get a forward of their own now
+                if engine.fold_prefill and int((batch.owners >= 0).sum()) > admitted.numel():
+                    target.fold(batch, admitted)
+                    folded = admitted
+                else:
+                    target.prefill(batch, admitted)
                 drafter.admit(admitted)
                 policy.admit(admitted)
                 engine.sync()
                 prefill = now() - t0
                 prefill_tokens = int((batch.prompt_lens[admitted] - 1).sum())
             slots = batch.active()
+            if folded.numel():
+                slots = slots[~torch.isin(slots, folded)]
             if not slots.numel():
                 break
             lens = batch.lens[slots].clone()
@@ -162,6 +174,8 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             out.useful = int(out.useful_per_request.sum())
             out.times.prefill, prefill = prefill, 0.0
             out.prefill_tokens, prefill_tokens = prefill_tokens, 0
+            if folded.numel():
+                out.prefill_folded, out.folded_owners = True, batch.owners[folded].clone()
             out.kv_tokens, out.kv_longest = int((lens - 1).sum()), int((lens - 1).max())
             t0 = now()
             policy.observe(commit, out)  # feedback from the step's outcome, charged to plan

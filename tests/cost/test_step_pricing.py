@@ -70,7 +70,8 @@ def _reference_parts(d: dict, w: StepWork) -> tuple[float, float, float, float]:
         d["plain_seconds"], w.requests)
     draft = _curve_reference(d["drafter"]["seconds_per_depth"][w.drafts - 1], w.drafting) + d["drafter"].get(
         "per_catch_up_token", 0.0) * w.catch_up if (w.drafts and w.drafting) else 0.0
-    prefill = d["prefill"]["per_forward"] + d["prefill"]["per_token"] * w.prefill_tokens if w.prefill_tokens else 0.0
+    prefill = d["prefill"]["per_token"] * w.prefill_tokens  # folded into the step's forward: no forward of its own
+    prefill += d["prefill"]["per_forward"] if w.prefill_tokens and not w.prefill_folded else 0.0
     padded = d.get("kv_layout", "ragged") == "padded" and w.kv_longest is not None
     kv = w.requests * w.kv_longest if padded else w.kv_tokens
     return target, d["per_kv_token"] * kv, draft, prefill
@@ -126,7 +127,7 @@ def _work(draw, cost: ServingCost) -> StepWork:
     cached = draw(st.lists(st.integers(0, 4096), min_size=b, max_size=b))
     return StepWork(b, rows, sum(cached), drafts=k, drafting=drafting, prefill_tokens=draw(st.integers(0, 4096)),
                     catch_up=draw(st.integers(0, 512)) if drafting else 0,
-                    kv_longest=draw(st.sampled_from([None, max(cached)])))
+                    kv_longest=draw(st.sampled_from([None, max(cached)])), prefill_folded=draw(st.booleans()))
 
 
 def _check_price(cost: ServingCost, work: StepWork) -> None:
@@ -139,7 +140,7 @@ def _check_price(cost: ServingCost, work: StepWork) -> None:
     assert cost.per_kv_token * kv == pytest.approx(parts[1], rel=1e-12, abs=0)
     draft = cost.draft_seconds(work.drafting, work.drafts, work.catch_up) if work.drafting else 0.0
     assert draft == pytest.approx(parts[2], rel=1e-12, abs=0)
-    assert cost.prefill.seconds(work.prefill_tokens) == pytest.approx(parts[3], rel=1e-12, abs=0)
+    assert cost.prefill.seconds(work.prefill_tokens, work.prefill_folded) == pytest.approx(parts[3], rel=1e-12, abs=0)
 
 
 @settings(max_examples=60)
@@ -169,6 +170,8 @@ def test_each_part_moves_the_price_by_its_own_term(name: str, b: int, k: int) ->
     prompt = StepWork(b, b * (k + 1), 100 * b, drafts=k, drafting=b, prefill_tokens=77)
     assert cost.price(prompt) - price == pytest.approx(cost.prefill.per_forward + cost.prefill.per_token * 77,
                                                        rel=1e-9)
+    riding = dataclasses.replace(prompt, prefill_folded=True)  # chunked prefill: the rows it adds, no forward
+    assert cost.price(riding) - price == pytest.approx(cost.prefill.per_token * 77, rel=1e-9)
     no_draft = StepWork(b, b * (k + 1), 100 * b, drafts=k, drafting=0)
     assert price - cost.price(no_draft) == pytest.approx(cost.draft_seconds(b, k), rel=1e-9)
     assert cost.draft_seconds(b, k) > 0 and cost.prefill.per_token > 0
@@ -326,3 +329,8 @@ def test_work_a_step_cannot_do_is_refused_naming_the_value(call, names) -> None:
     with pytest.raises(ValueError) as err:
         call(cost)
     assert all(n in str(err.value) for n in names)
+
+
+def test_a_prefill_folded_that_is_not_a_bool_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match="prefill_folded must be a bool, got int: 1"):
+        StepWork(2, 2, 10, prefill_tokens=5, prefill_folded=1)

@@ -38,7 +38,9 @@ def test_demo_with_tiers_pads_compact_steps(tmp_path: Path) -> None:
                             max_probe_every=1), echo=lambda s: None, show_progress=False, models=_models())
     assert summary["cost_model"]["kind"] == "tiered"
     steps = [r for k, rounds in summary["steps"].items() if k.startswith("adaptive") for recs in rounds for r in recs]
-    spec = [r for r in steps if r["speculated"]]  # plain steps (the policy's choice) run eager, 1 row each
+    # plain steps (the policy's choice) run eager, 1 row each; so do steps a refill's prompt rides (chunked prefill)
+    spec = [r for r in steps if r["speculated"] and not r["folded_prefill"]]
+    assert any(r["folded_prefill"] for r in steps) and all(r["tier"] is None for r in steps if r["folded_prefill"])
     served = summary["config"]["tiers"]  # `serving_tiers` of the profile: a subset, the largest always kept
     assert summary["config"]["profiled_tiers"] == [4, 8, 9] and set(served) <= {4, 8, 9} and served[-1] == 9
     assert spec and all(r["tier"] in served and r["rows"] == r["tier"] for r in spec)

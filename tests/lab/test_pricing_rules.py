@@ -55,21 +55,26 @@ def by_the_rules(cost: dict, prompts: list[int], new: list[int], accepted: list[
         if not active:
             break
         prefill_tokens = sum(prompts[queue[q]] - 1 for q in admitted)
-        prefill = cost["prefill"]["per_forward"] + cost["prefill"]["per_token"] * prefill_tokens if admitted else 0.0
-        b = len(active)
-        cached = [prompts[queue[q]] - 1 + t for q, t in active.items()]
+        prefill = cost["prefill"]["per_token"] * prefill_tokens
+        decoding = {q: t for q, t in active.items() if q not in admitted}
+        if not decoding:  # nothing else decodes: the prompts get a forward of their own and decode in this step
+            decoding = dict(active)
+            prefill += cost["prefill"]["per_forward"] if admitted else 0.0
+        b = len(decoding)
+        cached = [prompts[queue[q]] - 1 + t for q, t in decoding.items()]
         kv = sum(cached) if cost.get("kv_layout", "ragged") == "ragged" else b * max(cached)
         if k:
-            catch_up = sum(prompts[queue[q]] + t - seen[q] - 1 for q, t in active.items())
-            seen.update({q: prompts[queue[q]] + t for q, t in active.items()})
+            catch_up = sum(prompts[queue[q]] + t - seen[q] - 1 for q, t in decoding.items())
+            seen.update({q: prompts[queue[q]] + t for q, t in decoding.items()})
             seconds = (verify_seconds(cost["verify"], b, b * (k + 1))
                        + curve(cost["drafter"]["seconds_per_depth"][k - 1], b)
                        + cost["drafter"].get("per_catch_up_token", 0.0) * catch_up)
         else:
             seconds = curve(cost["plain_seconds"], b)
         seconds += cost["per_kv_token"] * kv + prefill
-        for q in active:
+        for q in active:  # a folded prompt's request is in flight too
             latency[q] = latency.get(q, 0.0) + seconds
+        for q in decoding:
             r = queue[q]
             active[q] += min(accepted[r][active[q]], k) + 1 if k else 1
     tokens = sum(new[queue[q]] for q in measured)

@@ -104,19 +104,25 @@ def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> 
     pos: dict[int, int] = {}  # queued request -> tokens committed so far, walked independently of the engine
     seen: dict[int, int] = {}  # queued request -> its length at its last proposal (0: admitted, nothing drafted)
     charged = 0.0
+    folds = 0
     for s in a.steps:
         owners = s.owners.tolist()
+        folded = s.folded_owners.tolist() if s.prefill_folded else []  # prompts riding this step's forward
         new = [q for q in owners if q not in pos]
-        for q in new:
+        assert not (new and folded) and not set(folded) & set(pos) and not set(folded) & set(owners)
+        for q in new + folded:
             pos[q], seen[q] = 0, 0
-        # the prompts admitted right before this step (the first step admits the first B at start-up)
-        prefill = cost.prefill.seconds(sum(int(prompt[ids[q]]) - 1 for q in new))
-        assert (s.times.prefill if s is not a.steps[0] else a.startup_seconds) == pytest.approx(prefill, abs=1e-15)
+        # the prompts admitted right before this step (the first step admits the first B at start-up), in a forward
+        # of their own, or riding the step's forward without its per-forward cost
+        prefill = cost.prefill.seconds(sum(int(prompt[ids[q]]) - 1 for q in new + folded), folded=bool(folded))
+        own = 0.0 if folded else prefill
+        assert (s.times.prefill if s is not a.steps[0] else a.startup_seconds) == pytest.approx(own, abs=1e-15)
         n, k = len(owners), s.confidence_logits.shape[1]
         kv = n * max(int(prompt[ids[q]]) - 1 + pos[q] for q in owners)  # padded: B x the longest cached
         rows = int(s.layout.total_rows) if s.speculated else n
         target = float(cost.verify.step_seconds(num_requests=n, rows=rows)) if k else cost.plain_seconds(n)
-        assert s.times.verify == pytest.approx(target + cost.per_kv_token * kv, rel=1e-12)
+        assert s.times.verify == pytest.approx(target + cost.per_kv_token * kv + prefill - own, rel=1e-12)
+        folds += bool(folded)
         catch_up = sum(int(prompt[ids[q]]) + pos[q] - seen[q] - 1 for q in owners) if k else 0
         if k:
             seen.update({q: int(prompt[ids[q]]) + pos[q] for q in owners})
@@ -128,7 +134,7 @@ def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> 
         for q, c in zip(owners, s.commit_lens.tolist()):
             pos[q] += c
         charged += target + cost.per_kv_token * kv + draft + prefill
-    assert a.seconds == pytest.approx(charged, rel=1e-9)
+    assert a.seconds == pytest.approx(charged, rel=1e-9) and folds > 0
 
 
 def test_a_recycled_queue_repeats_every_request_before_any_twice_and_refuses_past_max_repeats() -> None:
@@ -156,20 +162,25 @@ def test_every_measured_request_runs_at_full_concurrency_and_tok_s_is_their_toke
     out = run_summary(res, None, q.measured)
     assert out["full_concurrency"] and out["requests"] == len(q.measured)
     assert out["tokens"] == int(trace.new_tokens[q.ids[q.measured.start:q.measured.stop]].sum())
-    # brute force: each measured request's latency is the seconds of the steps it was in
+    # brute force: each measured request's latency is the seconds of the steps it was in, decoding or prefilling
     latency = 0.0
     for i, s in enumerate(res.steps):
-        inside = sum(1 for o in s.owners.tolist() if o in q.measured)
+        riding = s.folded_owners.tolist() if s.prefill_folded else []
+        inside = sum(1 for o in s.owners.tolist() + riding if o in q.measured)
         latency += inside * s.times.total
     assert out["tok_s"] == pytest.approx(b * out["tokens"] / latency, rel=1e-9)
-    # one prefill forward per step that a new request (with a prompt of 2+ tokens: the root is a row) joins
+    # a prefill forward of its own for each step that a request joins without having ridden an earlier one (with a
+    # prompt of 2+ tokens: the root is a row); each step a prompt rides counted apart
     seen: set[int] = set()
-    forwards = 0
+    forwards = folds = 0
     for s in res.steps:
         new = [o for o in s.owners.tolist() if o not in seen]
         forwards += any(trace.prompt(int(q.ids[o])).numel() > 1 for o in new)
         seen.update(new)
-    assert out["prefill_forwards"] == forwards > 0
+        if s.prefill_folded:
+            seen.update(s.folded_owners.tolist())
+            folds += 1
+    assert out["prefill_forwards"] == forwards > 0 and out["prefills_folded"] == folds > 0
 
 
 def test_a_queue_naming_a_request_the_trace_lacks_is_refused_naming_it() -> None:

@@ -101,20 +101,24 @@ def test_timed_replay_commits_what_the_priced_replay_commits_and_times_the_forwa
         drafter.remove()
     _same_steps(priced, timed)
     # the forwards each step ran, in order: a prefill of its admissions, then (the oracle's untimed static
-    # prepass and) the verify rows of its layout, or one row per request in a plain step
+    # prepass and) the verify rows of its layout, or one row per request in a plain step; a refill's prompt rides
+    # that forward instead while other requests decode (chunked prefill)
     want_target, want_drafter = [], []
     for s in timed.steps:
         n = s.requests.numel()
-        if s.prefill_tokens:
+        riding = s.prefill_tokens if s.prefill_folded else 0
+        if s.prefill_tokens and not riding:
             want_target.append(s.prefill_tokens)
         if s.speculated:
             k = s.confidence_logits.shape[1]
             want_drafter += [n + s.catch_up] + [n] * (k - 1)  # the drafter's catch-up, then one row per draft
             if policy == "oracle":
                 want_target.append(n * (k + 1))
-            want_target.append(int(s.layout.total_rows))
+            want_target.append(int(s.layout.total_rows) + riding)
         else:
-            want_target.append(n)
+            want_target.append(n + riding)
+    if b > 1:
+        assert any(s.prefill_folded for s in timed.steps)
     assert [rows for rows, _, _ in target.calls] == want_target
     assert [rows for rows, _, _ in drafter.calls] == want_drafter
     spec = [s for s in timed.steps if s.speculated]
@@ -123,7 +127,7 @@ def test_timed_replay_commits_what_the_priced_replay_commits_and_times_the_forwa
     calls = iter(target.calls)
     draft_calls = iter(drafter.calls)
     for s in timed.steps:
-        if s.prefill_tokens:
+        if s.prefill_tokens and not s.prefill_folded:
             next(calls)
         if s.speculated:
             k = s.confidence_logits.shape[1]
@@ -147,8 +151,9 @@ def test_timed_replay_replays_the_graph_tiers_the_planner_chose(policy: str, dev
     finally:
         target.remove()
     _same_steps(priced, timed)
-    padded = [s.layout.graph_num_tokens for s in timed.steps if s.speculated]
-    assert any(p != s.layout.total_rows for p, s in zip(padded, [s for s in timed.steps if s.speculated]))
+    tiered = [s for s in timed.steps if s.speculated and not s.prefill_folded]  # a step a prompt rides runs eager
+    padded = [s.layout.graph_num_tokens for s in tiered]
+    assert any(p != s.layout.total_rows for p, s in zip(padded, tiered))
     # a compact step runs its tier's padded rows: every padded size the steps chose was run
     assert set(padded) <= {rows for rows, _, _ in target.calls}
 

@@ -85,10 +85,10 @@ def test_queue_drained_exactly(decoder: SpecDecoder, reference: torch.Tensor) ->
     admitted = [s for batch in policy.admitted for s in batch]
     assert policy.admitted[0] == list(range(SLOTS)) and len(admitted) == N  # each request admitted once
     assert sum(s.useful for s in out.steps) == N * NEW  # every request committed exactly max_new_tokens
-    sizes = [s.requests.numel() for s in out.steps]
+    sizes = [s.busy_slots for s in out.steps]  # decoding, or a refill's prompt riding the step (chunked prefill)
     assert sizes[-1] < SLOTS and sizes == sorted(sizes, reverse=True)  # full until the queue empties, then drains
     tokens, seconds = out.steady()
-    busy = [s for s in out.steps if s.requests.numel() == SLOTS]
+    busy = [s for s in out.steps if s.busy_slots == SLOTS]
     assert tokens == sum(s.useful for s in busy) and 0 < tokens < N * NEW
     assert seconds > 0 and out.seconds == pytest.approx(out.startup_seconds + sum(s.times.total for s in out.steps))
     assert sum(s.times.prefill > 0 for s in out.steps) == len(policy.admitted) - 1  # each refill timed once
@@ -164,3 +164,37 @@ def test_bad_max_batch(decoder: SpecDecoder) -> None:
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="max_batch"):
             decoder.generate(_prompts(2, 6), 4, FixedK(1), max_batch=bad)
+
+
+@pytest.mark.parametrize("mode", ["compact", "static"])
+def test_folded_prefill_rides_the_next_step_and_changes_no_token(decoder: SpecDecoder, reference: torch.Tensor,
+                                                                  mode: str) -> None:
+    """Chunked prefill: a refill admitted while other requests decode rides their next step's forward (no
+    prefill forward of its own) and decodes from the step after; the tokens equal the run that prefills apart."""
+    counts = torch.tensor([12, 3, 7, 1, 12, 5, 9])  # uneven ends: slots free up while the others decode
+    apart = decoder.fork(fold_prefill=False)
+    for policy in (FixedK(GAMMA), FixedK(0), Oracle(GAMMA)):
+        folded = decoder.generate(_prompts(N, 6, seed=5), counts, policy, mode=mode, max_batch=SLOTS)
+        alone = apart.generate(_prompts(N, 6, seed=5), counts, policy, mode=mode, max_batch=SLOTS)
+        assert torch.equal(folded.tokens, alone.tokens) and torch.equal(folded.num_tokens, alone.num_tokens)
+        for i, c in enumerate(counts.tolist()):
+            assert torch.equal(folded.tokens[i, :c], reference[i, :c])
+        rode = [s for s in folded.steps if s.prefill_folded]
+        assert rode and not any(s.prefill_folded for s in alone.steps)
+        seen: set[int] = set()
+        for i, s in enumerate(folded.steps):
+            owners = set(s.owners.tolist())
+            if s.prefill_folded:  # its admissions sit the step out, then decode in the next one
+                riders = set(s.folded_owners.tolist())
+                assert riders and not riders & owners and not riders & seen and s.prefill_tokens == 5 * len(riders)
+                assert riders <= set(folded.steps[i + 1].owners.tolist())
+                assert s.busy_slots == s.requests.numel() + len(riders) <= SLOTS and s.requests.numel() >= 1
+            seen |= owners | (set(s.folded_owners.tolist()) if s.prefill_folded else set())
+        assert seen == set(range(N))
+    with pytest.raises(TypeError, match="fold_prefill must be a bool, got int: 1"):
+        EngineConfig(fold_prefill=1)
+        # past the first wave (the run's start-up) a prompt gets a forward of its own only when nothing decodes
+        for prev, s in zip(folded.steps, folded.steps[1:]):
+            if s.prefill_tokens and not s.prefill_folded:
+                assert not set(prev.owners.tolist()) & set(s.owners.tolist())
+        assert sum(1 for s in alone.steps if s.prefill_tokens) > 0

@@ -115,7 +115,9 @@ class Lab:
     gate's (probe_every, max_probe_every, cost feedback), `GateSettings.probing` (default: the library's
     `GateSettings()`; `UNTIMED_PROBE` where a live or timed run must take the same steps); price_catch_up: the
     gate charges the drafter's catch-up of accepted drafts at the cost's `per_catch_up_token` (False: free);
-    probe_requests: the gate's requests per partial probe (None: every probe drafts for the whole batch)."""
+    probe_requests: the gate's requests per partial probe (None: every probe drafts for the whole batch);
+    fold_prefill: admitted prompts ride the next step's forward while other requests decode (`Engine`; False:
+    a prefill forward of their own)."""
 
     trace: Trace
     cost: ServingCost
@@ -130,6 +132,7 @@ class Lab:
     choose_depth: bool = True
     price_catch_up: bool = True
     probe_requests: int | None = 16
+    fold_prefill: bool = True
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
@@ -207,4 +210,5 @@ class Lab:
                              f"{self.trace.gamma} (its drafter proposes at most {engine.drafter.max_drafts})")
         scheduler = Scheduler(prompts, new_tokens, None, itertools.count(1), device)
         batch = Batch.empty(slots, longest + w, device)
-        return finish(serve(dataclasses.replace(engine, mode=mode), scheduler, batch, pol, max_rows=longest + w))
+        engine = dataclasses.replace(engine, mode=mode, fold_prefill=self.fold_prefill)
+        return finish(serve(engine, scheduler, batch, pol, max_rows=longest + w))

@@ -68,7 +68,7 @@ def work_of(step: StepOutcome) -> StepWork:
     n, k = step.requests.numel(), step.confidence_logits.shape[-1]
     return StepWork(requests=n, rows=int(step.layout.total_rows) if k else n, kv_tokens=step.kv_tokens, drafts=k,
                     drafting=step.drafting, prefill_tokens=step.prefill_tokens, catch_up=step.catch_up,
-                    kv_longest=step.kv_longest)
+                    kv_longest=step.kv_longest, prefill_folded=step.prefill_folded)
 
 
 def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
@@ -83,9 +83,10 @@ def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
         parts["draft"][0] += s.times.draft
         parts["draft"][1] += cost.drafter.seconds(work.drafts, work.drafting, work.catch_up)
         parts["target"][0] += s.times.verify + s.times.accept
-        parts["target"][1] += cost.price(dataclasses.replace(work, drafting=0, prefill_tokens=0, catch_up=0))
+        folded = work.prefill_tokens if work.prefill_folded else 0  # measured inside the target's forward
+        parts["target"][1] += cost.price(dataclasses.replace(work, drafting=0, prefill_tokens=folded, catch_up=0))
         parts["prefill"][0] += prefill
-        parts["prefill"][1] += cost.prefill.seconds(work.prefill_tokens)
+        parts["prefill"][1] += cost.prefill.seconds(work.prefill_tokens - folded)
         parts["plan"][0] += s.times.plan
     out = {p: {"measured_s": m, "priced_s": q, "error": q / m - 1.0 if m > 0 else None} for p, (m, q) in parts.items()}
     measured, priced = sum(m for m, _ in parts.values()), sum(q for _, q in parts.values())

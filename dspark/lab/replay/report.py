@@ -28,11 +28,16 @@ BUDGET_POLICIES = ("adaptive", "adaptive-est")
 def per_request(res: GenerateResult) -> dict[int, tuple[int, float, float, bool]]:
     """Per queued request: (counted tokens, latency seconds, time to its first decode step, ran at full
     concurrency). Latency: the seconds of every step it decoded in, its admission's prefill included (later
-    admissions' prefill too: they stall it); steps run one after another, so this is its wall time in flight."""
+    admissions' prefill too: they stall it), or the step its prompt rode (`StepOutcome.folded_owners`); steps
+    run one after another, so this is its wall time in flight. A step runs at full concurrency when every slot
+    holds a request (decoding, or its prompt riding the step)."""
     out: dict[int, list] = {}
     for i, s in enumerate(res.steps):
         prefill = res.startup_seconds if i == 0 else s.times.prefill
-        full = s.requests.numel() == res.max_batch
+        folded = [] if s.folded_owners is None else s.folded_owners.tolist()
+        full = s.busy_slots == res.max_batch
+        for owner in folded:
+            out[owner] = [0, s.times.total, s.times.total, full]
         for owner, n in zip(s.owners.tolist(), s.useful_per_request.tolist()):
             if owner not in out:
                 out[owner] = [0, 0.0, prefill, True]
@@ -51,7 +56,8 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
     tok_s: B x (their tokens) / (their summed latency), Little's law for B requests always in flight (equal to
     tokens over seconds when every counted request ran at full concurrency, `full_concurrency`); tpot_ms_p50 /
     p90: per request, (latency - time to its first decode step) / tokens; prefill_forwards: the run's prefill
-    forwards (admissions of at least one prompt token to prefill)."""
+    forwards (admissions of at least one prompt token to prefill in a forward of their own); prefills_folded:
+    the steps whose forward prefilled admitted prompts."""
     reqs = per_request(res)
     counted = [reqs[r] for r in (measured if measured is not None else sorted(reqs))]
     tokens = sum(c[0] for c in counted)
@@ -77,7 +83,8 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
         "steps": len(res.steps),
         "seconds": res.seconds,
         "prefill_share": (res.startup_seconds + sum(s.times.prefill for s in res.steps)) / res.seconds,
-        "prefill_forwards": sum(1 for s in res.steps if s.prefill_tokens > 0),
+        "prefill_forwards": sum(1 for s in res.steps if s.prefill_tokens > 0 and not s.prefill_folded),
+        "prefills_folded": sum(1 for s in res.steps if s.prefill_folded),
         "rows_per_step": statistics.fmean(float(s.layout.total_rows) for s in res.steps),
         "drafts_per_step": statistics.fmean(float(s.confidence_logits.shape[1]) for s in res.steps),
         "speculative_share": len(spec) / len(res.steps),

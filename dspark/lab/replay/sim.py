@@ -6,7 +6,8 @@ proposed `trace.block(...)` and the target accepted a(t) of those drafts, whatev
 So a step verifying `verify_len` rows commits `min(a(t), verify_len - 1) + 1` tokens, the next ones of the
 recorded greedy continuation. Time comes from `ServingCost.price` of what the step did (`step_work`): the drafter
 advances the clock by the proposal's seconds (its depth, its requests), the target by the verify or plain step's
-(rows, the requests' own KV tokens), and by the prefill of the prompts admitted before the step.
+(rows, the requests' own KV tokens), and by the prefill of the prompts admitted before the step (a forward
+of its own, or folded into the step's: `Target.fold`).
 """
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ class SimClock:
         self.seconds += seconds
 
 
-def step_work(batch: Batch, slots: Tensor, rows: int, drafts: int) -> StepWork:
+def step_work(batch: Batch, slots: Tensor, rows: int, drafts: int, folded: int = 0) -> StepWork:
     """The target's share of a step over `slots` (host ids): `rows` rows, `drafts` drafts per request (0: plain),
     KV tokens = the cached tokens of those requests (their committed length minus the root, which is a row), and
-    the most one holds. The drafter's share is priced apart (`ServingCost.draft_seconds`), so `drafting` is 0 here."""
+    the most one holds, and `folded` prompt tokens that ride its forward. The drafter's share is priced apart
+    (`ServingCost.draft_seconds`), so `drafting` is 0 here."""
     cached = batch.lens[slots] - 1
     return StepWork(requests=slots.numel(), rows=rows, kv_tokens=int(cached.sum()), drafts=drafts,
-                    kv_longest=int(cached.max()))
+                    kv_longest=int(cached.max()), prefill_tokens=folded, prefill_folded=folded > 0)
 
 
 def positions(batch: Batch, slots: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -84,19 +86,27 @@ class SimTarget(Target):
     def __init__(self, trace: Trace, ids: Tensor, cost: ServingCost, clock: SimClock,
                  tiers: tuple[int, ...] = ()) -> None:
         self.trace, self.ids, self.cost, self.clock, self.tiers = trace, ids, cost, clock, tiers
+        self._folded: int | None = None  # prompt tokens that ride the next forward
 
     def prefill(self, batch: Batch, slots: Tensor) -> None:
         self.clock.advance(self.cost.prefill.seconds(int((batch.prompt_lens[slots] - 1).sum())))
 
+    def fold(self, batch: Batch, slots: Tensor) -> None:
+        self._folded = (self._folded or 0) + int((batch.prompt_lens[slots] - 1).sum())
+
+    def _advance(self, batch: Batch, slots: Tensor, rows: int, drafts: int) -> None:
+        folded, self._folded = self._folded or 0, None
+        self.clock.advance(self.cost.price(step_work(batch, slots, rows, drafts, folded)))
+
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
-        self.clock.advance(self.cost.price(step_work(batch, slots, slots.numel(), 0)))
+        self._advance(batch, slots, slots.numel(), 0)
         return self.trace._greedy_block(*positions(batch, slots, self.ids), 1)
 
     def verify(self, batch: Batch, slots: Tensor, drafts: Drafts, verify_lens: Tensor, mode: VerifyMode,
                layout: RaggedVerifyLayout | None) -> Verified:
         layout, caps = mode_layout(mode, verify_lens, drafts.tokens.shape[1] + 1, layout,
                                    self.tiers if mode is VerifyMode.COMPACT else (), None)
-        self.clock.advance(self.cost.price(step_work(batch, slots, layout.total_rows, drafts.tokens.shape[1])))
+        self._advance(batch, slots, layout.total_rows, drafts.tokens.shape[1])
         return Verified(layout, caps, positions(batch, slots, self.ids))
 
     def accept(self, verified: Verified, drafts: Drafts, sampling: Sampling) -> AcceptResult:

@@ -20,6 +20,7 @@ vocabulary, for timing only; Llama-3.1-8B's 128,256 ids hold SmolLM2's as they a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -96,6 +97,12 @@ class TimedTraceTarget(Target):
 
     def prefill(self, batch: Batch, slots: Tensor) -> None:
         self.live.prefill(model_batch(batch, self.vocab), slots)
+
+    def fold(self, batch: Batch, slots: Tensor) -> None:
+        self.live.fold(model_batch(batch, self.vocab), slots)
+
+    def unfolded(self) -> contextlib.AbstractContextManager[None]:
+        return self.live.unfolded()
 
     def plain(self, batch: Batch, slots: Tensor, layout: RaggedVerifyLayout, sampling: Sampling) -> Tensor:
         self.live.plain(model_batch(batch, self.vocab), slots, layout, sampling)  # the model's tokens: discarded
