@@ -180,7 +180,9 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             t0 = now()
             policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
             out.times.plan += now() - t0
-            policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept)
+            # a step a prompt rode is not the step the policy priced: not sampled
+            policy.observe_seconds(None if folded.numel() else
+                                   out.times.draft + out.times.plan + out.times.verify + out.times.accept)
             out.host_syncs += 1
             result.steps.append(out)
             yield out

@@ -128,6 +128,11 @@ def test_realised_cost_feedback_follows_measured_step_times(device) -> None:
     policy.plan(sure, slots, gens)
     policy.observe_seconds(STEP)  # a speculative step after a speculative step is
     assert policy.gate.cost_ratio[True] == pytest.approx(1.0)
+    policy.speculate(slots, gens)
+    policy.plan(sure, slots, gens)
+    samples = list(policy.gate._samples[True])
+    policy.observe_seconds(None)  # a refill's prompt rode the step (chunked prefill): not sampled either
+    assert list(policy.gate._samples[True]) == samples and policy.gate._pending is None
     median = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(cost_window=3))  # median of the last 3
     for measured, ratio in ((1.2, 1.0), (10.0, 1.0), (1.0, 1.2), (1.1, 1.1)):  # from 3 samples; a 10x stall: no
         median.plan(sure, slots, gens)

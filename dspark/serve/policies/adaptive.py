@@ -201,7 +201,7 @@ class Adaptive(Policy):
             self._unseen[slots] = self.planner.ring.lag
         self.gate.forget()
 
-    def observe_seconds(self, seconds: float) -> None:
+    def observe_seconds(self, seconds: float | None) -> None:
         self.gate.observe_seconds(seconds)
 
     def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:

@@ -127,10 +127,11 @@ class SpeculationGate:
         self._plain_run += 1
         self._pending = (False, predicted)
 
-    def observe_seconds(self, seconds: float) -> None:
-        """The step's measured seconds: one more ratio for its side; a moved median re-decides."""
+    def observe_seconds(self, seconds: float | None) -> None:
+        """The step's measured seconds: one more ratio for its side; a moved median re-decides. None: the step
+        is not sampled (a refill's prompt rode its forward)."""
         pending, self._pending = self._pending, None
-        if pending is None or self.settings.cost_window is None:
+        if pending is None or seconds is None or self.settings.cost_window is None:
             return
         speculative, predicted = pending
         samples = self._samples[speculative]
