@@ -180,9 +180,8 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             t0 = now()
             policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
             out.times.plan += now() - t0
-            # a step a prompt rode is not the step the policy priced: not sampled
-            policy.observe_seconds(None if folded.numel() else
-                                   out.times.draft + out.times.plan + out.times.verify + out.times.accept)
+            policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept,
+                                   out.prefill_tokens if folded.numel() else 0)
             out.host_syncs += 1
             result.steps.append(out)
             yield out

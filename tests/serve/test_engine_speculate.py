@@ -131,8 +131,15 @@ def test_realised_cost_feedback_follows_measured_step_times(device) -> None:
     policy.speculate(slots, gens)
     policy.plan(sure, slots, gens)
     samples = list(policy.gate._samples[True])
-    policy.observe_seconds(None)  # a refill's prompt rode the step (chunked prefill): not sampled either
-    assert list(policy.gate._samples[True]) == samples and policy.gate._pending is None
+    policy.observe_seconds(9 * STEP, prefill_tokens=5)  # a refill's prompt rode the step (chunked prefill) and
+    assert list(policy.gate._samples[True]) == samples and policy.gate._pending is None  # its price is unknown
+    priced = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(prefill_token_seconds=STEP / 5))
+    for _ in range(3):  # with the prompt's price the step's prediction holds its rows: measured 2 x (STEP + STEP)
+        priced.plan(sure, slots, gens)
+        priced.observe_seconds(4 * STEP, prefill_tokens=5)
+    assert priced.gate.cost_ratio[True] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="prefill_token_seconds"):
+        GateSettings(prefill_token_seconds=-1.0)
     median = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(cost_window=3))  # median of the last 3
     for measured, ratio in ((1.2, 1.0), (10.0, 1.0), (1.0, 1.2), (1.1, 1.1)):  # from 3 samples; a 10x stall: no
         median.plan(sure, slots, gens)

@@ -277,7 +277,8 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     def served_by(name: str) -> SpecDecoder:
         return ngram if name.startswith(NGRAM) else decoder
 
-    gate = GateSettings.probing(probe, 0.0 if serving is None else serving.drafter.per_catch_up_token)
+    gate = GateSettings.probing(probe, 0.0 if serving is None else serving.drafter.per_catch_up_token,
+                                prefill_token_seconds=0.0 if serving is None else serving.prefill.per_token)
 
     def make_for(name: str, b: int):
         if name.startswith(NGRAM):

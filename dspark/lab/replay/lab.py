@@ -176,7 +176,7 @@ class Lab:
     def gate(self) -> GateSettings:
         """The adaptive policies' gate: the lab's probe schedule, the drafter's catch-up priced as believed."""
         return GateSettings.probing(self.probe, self.cost.drafter.per_catch_up_token if self.price_catch_up else 0.0,
-                                    self.probe_requests)
+                                    self.probe_requests, self.cost.prefill.per_token)
 
     def policy(self, name: str, b: int) -> Policy:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over

@@ -201,8 +201,8 @@ class Adaptive(Policy):
             self._unseen[slots] = self.planner.ring.lag
         self.gate.forget()
 
-    def observe_seconds(self, seconds: float | None) -> None:
-        self.gate.observe_seconds(seconds)
+    def observe_seconds(self, seconds: float, prefill_tokens: int = 0) -> None:
+        self.gate.observe_seconds(seconds, prefill_tokens)
 
     def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:
         """After a step: host commit lengths [B] of its requests; a speculative `outcome` also labels the

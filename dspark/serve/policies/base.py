@@ -67,6 +67,6 @@ class Policy:
     def observe(self, commit_lens: Tensor, outcome: StepOutcome | None = None) -> None:
         """After a step: its host commit lengths [B] and what it did."""
 
-    def observe_seconds(self, seconds: float | None) -> None:
-        """After a step: its measured seconds (draft + plan + verify + accept, no refill prefill), or None when a
-        refill's prompt rode its forward (its time is not the time of the step it planned)."""
+    def observe_seconds(self, seconds: float, prefill_tokens: int = 0) -> None:
+        """After a step: its measured seconds (draft + plan + verify + accept, no prefill forward of its own) and
+        the prompt tokens that rode its forward (chunked prefill: their rows are in those seconds)."""

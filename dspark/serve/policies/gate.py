@@ -31,7 +31,9 @@ class GateSettings:
     catch_up_seconds: the drafter's seconds per token it catches up beyond a request's root (a chain drafter
     runs the accepted drafts of the previous step again; 0: free), charged to each speculative step's price;
     probe_requests / full_probe_within: a probe drafts for at most `probe_requests` requests (None: the whole
-    batch) unless the last decision's speculative rate was within `full_probe_within` of plain's (a fraction)."""
+    batch) unless the last decision's speculative rate was within `full_probe_within` of plain's (a fraction);
+    prefill_token_seconds: the target's seconds per prompt token that rides a step's forward (chunked prefill),
+    added to that step's predicted seconds before its ratio is sampled (0: unknown, such a step is not sampled)."""
 
     probe_every: int = 8
     max_probe_every: int = 64
@@ -39,14 +41,16 @@ class GateSettings:
     catch_up_seconds: float = 0.0
     probe_requests: int | None = 16
     full_probe_within: float = 0.05
+    prefill_token_seconds: float = 0.0
 
     @classmethod
     def probing(cls, probe: tuple[int, int, bool], catch_up_seconds: float = 0.0,
-                probe_requests: int | None = 16) -> GateSettings:
-        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps), the catch-up price and the
-        requests per probe."""
+                probe_requests: int | None = 16, prefill_token_seconds: float = 0.0) -> GateSettings:
+        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps), the catch-up price, the
+        requests per probe and the price of a prompt token riding a step."""
         every, most, cost_feedback = probe
-        return cls(every, most, 9 if cost_feedback else None, catch_up_seconds, probe_requests)
+        return cls(every, most, 9 if cost_feedback else None, catch_up_seconds, probe_requests,
+                   prefill_token_seconds=prefill_token_seconds)
 
     def __post_init__(self) -> None:
         check_int("probe_every", self.probe_every, 1)
@@ -57,6 +61,7 @@ class GateSettings:
         if self.probe_requests is not None:
             check_int("probe_requests", self.probe_requests, 1)
         check_real("full_probe_within", self.full_probe_within, 0.0, math.inf, high_open=True)
+        check_real("prefill_token_seconds", self.prefill_token_seconds, 0.0, math.inf, high_open=True)
 
 
 class SpeculationGate:
@@ -127,13 +132,16 @@ class SpeculationGate:
         self._plain_run += 1
         self._pending = (False, predicted)
 
-    def observe_seconds(self, seconds: float | None) -> None:
-        """The step's measured seconds: one more ratio for its side; a moved median re-decides. None: the step
-        is not sampled (a refill's prompt rode its forward)."""
+    def observe_seconds(self, seconds: float, prefill_tokens: int = 0) -> None:
+        """The step's measured seconds: one more ratio for its side; a moved median re-decides. prefill_tokens:
+        prompt tokens that rode its forward, priced at `prefill_token_seconds` on top of its prediction (not
+        sampled where that price is unknown)."""
         pending, self._pending = self._pending, None
-        if pending is None or seconds is None or self.settings.cost_window is None:
+        price = self.settings.prefill_token_seconds
+        if pending is None or self.settings.cost_window is None or (prefill_tokens and not price):
             return
         speculative, predicted = pending
+        predicted += price * prefill_tokens
         samples = self._samples[speculative]
         samples.append(seconds / predicted if predicted > 0 else 1.0)
         if len(samples) >= min(3, samples.maxlen):  # a median of at least three: one stall cannot decide
