@@ -242,12 +242,15 @@ def test_a_lab_refuses_a_table_profiled_with_another_draft_naming_both() -> None
 
 def test_the_labs_adaptive_gate_is_the_librarys_default_with_the_catch_up_priced() -> None:
     """The lab judges the gate users get (`GateSettings()`: probes 8 -> 64, measured-cost feedback on), charged the
-    drafter's catch-up at the serving cost's price; `UNTIMED_PROBE` turns only the feedback off."""
+    drafter's catch-up and a prompt riding a step at the serving cost's prices; `UNTIMED_PROBE` turns only the
+    feedback off."""
     from dspark.lab.replay.lab import UNTIMED_PROBE
     from dspark.serve.policies.gate import GateSettings
 
     lab = _lab(synthetic_trace(4, 0))
     policy = lab.policy("adaptive", 2)
-    assert policy.gate.settings == GateSettings(catch_up_seconds=20e-6)
+    per_token = lab.cost.prefill.per_token
+    assert per_token > 0 and policy.gate.settings == GateSettings(catch_up_seconds=20e-6,
+                                                                  prefill_token_seconds=per_token)
     untimed = dataclasses.replace(lab, probe=UNTIMED_PROBE).policy("adaptive", 2).gate.settings
-    assert untimed == GateSettings(cost_window=None, catch_up_seconds=20e-6)
+    assert untimed == GateSettings(cost_window=None, catch_up_seconds=20e-6, prefill_token_seconds=per_token)
