@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     cost = serving_cost(args, decoder, prompts, trace, bar)
     decoder = decoder.fork(tiers=cost.tiers or None)
     temps, _ = fit_trace_temperatures(trace, args.gamma)
-    lab = Lab(trace, cost, args.gamma, temperatures=temps, probe=UNTIMED_PROBE)  # live takes the replay's steps
+    # live takes the replay's steps: the same gate, and refills folded as the live engine folds them
+    lab = Lab(trace, cost, args.gamma, temperatures=temps, probe=UNTIMED_PROBE, fold_prefill=decoder.config.fold_prefill)
     cells: dict = {}
     for b, queue in qs.items():
         # forks per B, released after: a decoder keeps a captured step, with buffers for every tier, per B it ran

@@ -56,8 +56,10 @@ def by_the_rules(cost: dict, prompts: list[int], new: list[int], accepted: list[
             break
         prefill_tokens = sum(prompts[queue[q]] - 1 for q in admitted)
         prefill = cost["prefill"]["per_token"] * prefill_tokens
-        decoding = {q: t for q, t in active.items() if q not in admitted}
-        if not decoding:  # nothing else decodes: the prompts get a forward of their own and decode in this step
+        # prompts ride the step's forward where a prefill forward has a price of its own and others decode
+        fold = cost["prefill"]["per_forward"] > 0
+        decoding = {q: t for q, t in active.items() if not (fold and q in admitted)}
+        if not decoding or len(decoding) == len(active):  # a forward of their own: they decode in this step
             decoding = dict(active)
             prefill += cost["prefill"]["per_forward"] if admitted else 0.0
         b = len(decoding)

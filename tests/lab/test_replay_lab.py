@@ -89,11 +89,12 @@ def test_replay_commits_the_continuation_and_min_of_accepted_and_cap_per_step(se
             pos[q] += expect
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> None:
+def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str, fold: bool) -> None:
     trace = synthetic_trace(40, seed=3)
     ids = queue_ids(trace, 12)
-    runs = [_lab(trace).run(policy, 6, ids) for _ in range(2)]
+    runs = [_lab(trace, fold_prefill=fold).run(policy, 6, ids) for _ in range(2)]
     a, b = runs
     assert len(a.steps) == len(b.steps) and a.seconds == b.seconds
     for x, y in zip(a.steps, b.steps):
@@ -134,7 +135,7 @@ def test_replay_is_deterministic_and_charges_what_each_step_did(policy: str) -> 
         for q, c in zip(owners, s.commit_lens.tolist()):
             pos[q] += c
         charged += target + cost.per_kv_token * kv + draft + prefill
-    assert a.seconds == pytest.approx(charged, rel=1e-9) and folds > 0
+    assert a.seconds == pytest.approx(charged, rel=1e-9) and (folds > 0) == fold
 
 
 def test_a_recycled_queue_repeats_every_request_before_any_twice_and_refuses_past_max_repeats() -> None:
@@ -152,13 +153,14 @@ def test_a_recycled_queue_repeats_every_request_before_any_twice_and_refuses_pas
 
 
 @settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 1000), b=st.sampled_from([2, 3, 5]), policy=st.sampled_from(POLICIES))
-def test_every_measured_request_runs_at_full_concurrency_and_tok_s_is_their_tokens_over_time(seed, b, policy) -> None:
+@given(seed=st.integers(0, 1000), b=st.sampled_from([2, 3, 5]), policy=st.sampled_from(POLICIES), fold=st.booleans())
+def test_every_measured_request_runs_at_full_concurrency_and_tok_s_is_their_tokens_over_time(seed, b, policy,
+                                                                                            fold) -> None:
     from dspark.lab.replay.report import run_summary
 
     trace = synthetic_trace(30, seed)
     q = serving_queue(trace, b, requests_per_slot=3, fill_per_slot=4, min_requests=6)
-    res = _lab(trace).run(policy, b, q.ids)
+    res = _lab(trace, fold_prefill=fold).run(policy, b, q.ids)
     out = run_summary(res, None, q.measured)
     assert out["full_concurrency"] and out["requests"] == len(q.measured)
     assert out["tokens"] == int(trace.new_tokens[q.ids[q.measured.start:q.measured.stop]].sum())
@@ -180,7 +182,7 @@ def test_every_measured_request_runs_at_full_concurrency_and_tok_s_is_their_toke
         if s.prefill_folded:
             seen.update(s.folded_owners.tolist())
             folds += 1
-    assert out["prefill_forwards"] == forwards > 0 and out["prefills_folded"] == folds > 0
+    assert out["prefill_forwards"] == forwards > 0 and out["prefills_folded"] == folds and (folds > 0) == fold
 
 
 def test_a_queue_naming_a_request_the_trace_lacks_is_refused_naming_it() -> None:
@@ -238,6 +240,20 @@ def test_a_lab_refuses_a_table_profiled_with_another_draft_naming_both() -> None
     with pytest.raises(ValueError, match="reality .* was profiled with the draft of sha256"):
         Lab(trace, _cost(), GAMMA, reality=other)
     Lab(trace, dataclasses.replace(other, parameters={**other.parameters, "draft_sha256": "0" * 64}), GAMMA)
+
+
+def test_the_lab_folds_refills_where_a_prefill_forward_has_a_price_of_its_own() -> None:
+    trace = synthetic_trace(30, 2)
+    ids = serving_queue(trace, 3, requests_per_slot=3, fill_per_slot=2, min_requests=6).ids
+    free = _cost()  # the H100 fit: prefill priced per token alone (vLLM's chunked prefill decodes in the same step)
+    priced = dataclasses.replace(free, prefill=dataclasses.replace(free.prefill, per_forward=1e-3))
+    assert free.prefill.per_forward == 0
+    for cost, folds in ((free, False), (priced, True)):
+        res = Lab(trace, cost, GAMMA).run("fixed-1", 3, ids)
+        assert any(s.prefill_folded for s in res.steps) == folds
+        assert any(s.prefill_folded for s in Lab(trace, cost, GAMMA, fold_prefill=True).run("fixed-1", 3, ids).steps)
+    with pytest.raises(TypeError, match="fold_prefill must be a bool or None, got str"):
+        Lab(trace, free, GAMMA, fold_prefill="yes")
 
 
 def test_the_labs_adaptive_gate_is_the_librarys_default_with_the_catch_up_priced() -> None:

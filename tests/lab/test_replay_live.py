@@ -34,7 +34,9 @@ def _setup():
     decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=4096))
     cost = h100_llama8b_fitted(gamma=GAMMA, max_requests=8)
     cost = dataclasses.replace(cost, drafter=dataclasses.replace(cost.drafter, per_catch_up_token=20e-6))
-    return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False, probe=UNTIMED_PROBE)
+    # the lab folds a refill's prompt into the next step as the live engine does (the H100 fit alone would not)
+    return trace, decoder, Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=False, probe=UNTIMED_PROBE,
+                               fold_prefill=decoder.config.fold_prefill)
 
 
 @pytest.mark.parametrize("b", [1, 4])

@@ -41,7 +41,7 @@ def _setup():
 
 def _lab(tiers: bool) -> Lab:
     trace, cost = _setup()
-    return Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=tiers, probe=UNTIMED_PROBE)
+    return Lab(trace, cost, GAMMA, temperatures=[1.0, 1.2, 0.9, 1.1], tiers=tiers, probe=UNTIMED_PROBE, fold_prefill=True)
 
 
 class Forwards:

@@ -117,7 +117,10 @@ class Lab:
     gate charges the drafter's catch-up of accepted drafts at the cost's `per_catch_up_token` (False: free);
     probe_requests: the gate's requests per partial probe (None: every probe drafts for the whole batch);
     fold_prefill: admitted prompts ride the next step's forward while other requests decode (`Engine`; False:
-    a prefill forward of their own)."""
+    a prefill forward of their own, in which case the admitted requests decode in the same step); None (the
+    default): fold where the charged serving cost prices a prefill forward of its own (`prefill.per_forward` >
+    0), as dspark's engine on the CPU; a cost with no per-forward price models chunked prefill that decodes
+    the admitted request in the same step already (vLLM's), which folding would only delay by a step."""
 
     trace: Trace
     cost: ServingCost
@@ -132,11 +135,12 @@ class Lab:
     choose_depth: bool = True
     price_catch_up: bool = True
     probe_requests: int | None = 16
-    fold_prefill: bool = True
+    fold_prefill: bool | None = None
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
         check_type("cost", self.cost, ServingCost)
+        check_type("fold_prefill", self.fold_prefill, bool, optional=True)
         check_int("gamma", self.gamma, 1)
         if self.gamma > self.trace.gamma:
             raise ValueError(f"gamma = {self.gamma} exceeds the trace's recorded block of {self.trace.gamma} drafts")
@@ -210,5 +214,8 @@ class Lab:
                              f"{self.trace.gamma} (its drafter proposes at most {engine.drafter.max_drafts})")
         scheduler = Scheduler(prompts, new_tokens, None, itertools.count(1), device)
         batch = Batch.empty(slots, longest + w, device)
-        engine = dataclasses.replace(engine, mode=mode, fold_prefill=self.fold_prefill)
+        fold = self.fold_prefill
+        if fold is None:
+            fold = (self.reality or self.cost).prefill.per_forward > 0
+        engine = dataclasses.replace(engine, mode=mode, fold_prefill=fold)
         return finish(serve(engine, scheduler, batch, pol, max_rows=longest + w))
