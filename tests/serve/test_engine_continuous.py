@@ -191,10 +191,10 @@ def test_folded_prefill_rides_the_next_step_and_changes_no_token(decoder: SpecDe
                 assert s.busy_slots == s.requests.numel() + len(riders) <= SLOTS and s.requests.numel() >= 1
             seen |= owners | (set(s.folded_owners.tolist()) if s.prefill_folded else set())
         assert seen == set(range(N))
-    with pytest.raises(TypeError, match="fold_prefill must be a bool, got int: 1"):
-        EngineConfig(fold_prefill=1)
         # past the first wave (the run's start-up) a prompt gets a forward of its own only when nothing decodes
         for prev, s in zip(folded.steps, folded.steps[1:]):
             if s.prefill_tokens and not s.prefill_folded:
                 assert not set(prev.owners.tolist()) & set(s.owners.tolist())
         assert sum(1 for s in alone.steps if s.prefill_tokens) > 0
+    with pytest.raises(TypeError, match="fold_prefill must be a bool, got int: 1"):
+        EngineConfig(fold_prefill=1)
