@@ -185,7 +185,8 @@ class LiveTarget(Target):
         """(tokens, layout, prefix, slots) of an unpadded forward followed by the pending prompts' rows (each
         prompt but its last token, from position 0)."""
         (folded, rows), self._folded = self._folded, None
-        lens = torch.cat([torch.from_numpy(boundary.to_host(layout.verify_lens)).to(torch.int32), rows])
+        built = layout.host if layout.host is not None else layout  # a host-built layout: no device read
+        lens = torch.cat([torch.from_numpy(boundary.to_host(built.verify_lens)).to(torch.int32), rows])
         merged = RaggedVerifyLayout._from_lens(lens, (), None, None, total_rows=int(lens.sum())).to(self.device)
         slots = torch.cat([slots, boundary.to_device(folded, self.device)])
         prefix = torch.cat([prefix.to(torch.int64), torch.zeros(folded.numel(), dtype=torch.int64)])
