@@ -27,6 +27,7 @@ from dspark.kernels.attention_ref import (  # the torch side of this kernel, re-
     WORK_FIELDS,
     TorchAttentionPlan,
     VerifyAttentionMeta,
+    group_slots,
     plan_torch_attention,
     ragged_attention_ref,
     ragged_attention_torch,

@@ -196,7 +196,8 @@ class RaggedVerifyAttention:
                                              slot_lens=meta.slot_lens[:b], seqused=meta.seqused[:b],
                                              prefix_lens=meta.prefix_lens[:b], max_q=max(longest, 1))
             self._torch_plan = _k.plan_torch_attention(self._torch_meta, self.page_size, self.dtype,
-                                                       int(kv_len.max()) if b else 0)
+                                                       int(kv_len.max()) if b else 0,
+                                                       host_layout.seqused[:b].tolist(), prefix.tolist())
 
     def _sizes(self) -> dict[str, int]:
         """int32 words of each metadata entry, in the flat buffer's order: int64 kv_slots first (8-byte

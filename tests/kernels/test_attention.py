@@ -170,7 +170,38 @@ def test_torch_plan_leaves_ghost_slots_out(b, padding, seed, device):
     assert case.layout.num_slots > b
     with backend("torch"):
         attn = case.attention()
-        assert attn._torch_plan.mask.shape[0] == b
+        assert sum(group.mask.shape[0] for group in attn._torch_plan.groups) == b
+        run_and_check(case, attn=attn)
+
+
+@settings(max_examples=30)
+@given(lens=st.lists(st.integers(0, 300), max_size=40), short=st.integers(1, 16))
+def test_slot_groups_cover_every_slot_once_and_at_most_double_their_rows(lens, short):
+    """Each slot sits in one group; padded to its group's longest query a slot at most doubles its rows, or
+    that longest query has at most `short` rows; groups hold query lengths in descending order."""
+    groups = RA.group_slots(lens, short)
+    assert sorted(s for g in groups for s in g) == list(range(len(lens)))
+    for g in groups:
+        longest = max(lens[s] for s in g)
+        assert longest <= short or all(2 * lens[s] >= longest for s in g), (g, [lens[s] for s in g])
+    flat = [lens[s] for g in groups for s in g]
+    assert flat == sorted(flat, reverse=True)
+
+
+@pytest.mark.parametrize("extra", [[], [3, 5]])
+def test_torch_path_pads_a_long_prompt_in_its_own_group(extra, device):
+    """A 100-row prompt beside short verify segments (a folded prefill) is attended in a group of its own:
+    the short slots pad to their own longest query, not to the prompt's 100 rows, and the rows equal the
+    float64 reference."""
+    vlens = [2, 4, 100, 1, 3, 4, 1, 2] + extra
+    case = build_case(5, vlens, [40, 7, 0, 90, 3, 12, 60, 1] + [9] * len(extra), hkv=2, group=2, d=8,
+                      page_size=4, dtype=torch.float32, device=device, padding=3)
+    with backend("torch"):
+        attn = case.attention()
+        shapes = [tuple(g.mask.shape) for g in attn._torch_plan.groups]
+        assert shapes[0] == (1, 1, 100, 100)                          # the prompt: its rows, its kv
+        assert [g.slots.tolist() for g in attn._torch_plan.groups][0] == [2]
+        assert all(shape[2] <= 5 for shape in shapes[1:]) and sum(shape[0] for shape in shapes) == len(vlens)
         run_and_check(case, attn=attn)
 
 
