@@ -8,6 +8,10 @@ per depth, the prefill, the KV term from plain steps on 32- and 160-token prompt
 (policy, B): the step-by-step agreement of live and replay (`dspark.lab.replay.live.step_agreement`), the live and
 replayed tok/s at fixed concurrency (the lab's measure, `run_summary` over the queue's measured requests;
 medians over lockstep rounds), and the residual phase by phase (`priced_phases`: draft, target, prefill, plan).
+Each live round also advances, in the same lockstep, a canary: plain steps of B requests on the profile's own
+prompts, the workload the table was profiled on, restarted until it has run about as long as the policies. Its
+priced / measured - 1 (`machine`, per B) is how far the machine's speed during the round is from its speed during
+the profile; `gap_at_round_speed` is the replay's gap with the replay's seconds scaled by that factor.
 JSON and a PNG.
 
     PYTHONPATH=. python perf/replay_live.py [--model real|tiny] [--batch-sizes 1,4,16] [--requests-per-slot 2]
@@ -23,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Generator
 
 import torch
 
@@ -30,14 +35,15 @@ from dspark.config import VerifyMode
 from dspark.cost.serving import ServingCost, load_serving_cost
 from dspark.lab.progress import Progress
 from dspark.lab.replay.lab import UNTIMED_PROBE, Lab, ServingQueue, serving_queue
-from dspark.lab.replay.live import priced_phases, step_agreement
+from dspark.lab.replay.live import priced_phases, step_agreement, work_of
 from dspark.lab.replay.report import run_summary
 from dspark.lab.replay.trace import Trace
 from dspark.lab.replay.variants import fit_trace_temperatures
 from dspark.lab.timing import lockstep
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
-from dspark.serve.outcome import GenerateResult
+from dspark.serve.outcome import GenerateResult, StepOutcome
+from dspark.serve.policies import FixedK
 from dspark.util.fileio import write_json_atomic
 from dspark.util.options import at_least, int_list, output_path
 
@@ -124,10 +130,30 @@ def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: list[t
         progress=bar)
 
 
+def canary(decoder: SpecDecoder, prompts: torch.Tensor, seconds: float) -> Generator[StepOutcome, None, list]:
+    """A lockstep run of plain steps of B = len(prompts) requests (the profile's prompts and run length, static
+    layout), restarted until its steps have taken `seconds`; returns its full-batch steps."""
+    steps: list[StepOutcome] = []
+    taken = 0.0
+    while taken < seconds:
+        res = yield from decoder.start(prompts, PROFILE_TOKENS, FixedK(0), mode=VerifyMode.STATIC)
+        taken += sum(s.times.total for s in res.steps)
+        steps += [s for s in res.steps if s.requests.numel() == prompts.shape[0]]
+    return steps
+
+
+def machine_speed(steps: list[StepOutcome], cost: ServingCost) -> dict:
+    """The canary's target seconds measured and priced by `cost`, and priced / measured - 1."""
+    measured = sum(s.times.verify + s.times.accept for s in steps)
+    priced = sum(cost.price(dataclasses.replace(work_of(s), prefill_tokens=0)) for s in steps)
+    return {"steps": len(steps), "measured_s": measured, "priced_s": priced, "error": priced / measured - 1.0}
+
+
 def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, queue: ServingQueue, cost: ServingCost,
-         temps) -> dict:
+         temps, speed: float) -> dict:
     """One (policy, B): agreement of the first live round with the replay, live and replayed tok/s at fixed
-    concurrency (medians over rounds), and the residual per phase (priced / measured - 1, medians)."""
+    concurrency (medians over rounds), the gap with the replay at the rounds' machine speed (`speed`: the
+    canary's median priced / measured - 1), and the residual per phase (priced / measured - 1, medians)."""
     summaries = [run_summary(r, temps, queue.measured) for r in live]
     replay = run_summary(sim, temps, queue.measured)
     phases = [priced_phases(r, cost) for r in live]
@@ -135,6 +161,7 @@ def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, queue: S
     return {"agreement": step_agreement(live[0], sim, trace, queue.ids),
             "live_tok_s_runs": [s["tok_s"] for s in summaries], "live_tok_s": live_tok,
             "replay_tok_s": replay["tok_s"], "gap": replay["tok_s"] / live_tok - 1.0,
+            "gap_at_round_speed": replay["tok_s"] * (1.0 + speed) / live_tok - 1.0,
             "live_tpot_ms_p50": statistics.median(s["tpot_ms_p50"] for s in summaries),
             "replay_tpot_ms_p50": replay["tpot_ms_p50"],
             "full_concurrency": all(s["full_concurrency"] for s in summaries),
@@ -199,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     # live takes the replay's steps: the same gate, and refills folded as the live engine folds them
     lab = Lab(trace, cost, args.gamma, temperatures=temps, probe=UNTIMED_PROBE, fold_prefill=decoder.config.fold_prefill)
     cells: dict = {}
+    machine: dict = {}
     for b, queue in qs.items():
         # forks per B, released after: a decoder keeps a captured step, with buffers for every tier, per B it ran
         decoders = {name: decoder.fork() for name in POLICIES}
@@ -207,19 +235,27 @@ def main(argv: list[str] | None = None) -> dict:
         for name in POLICIES:  # untimed warm-up: the first steps at new shapes are slow
             decoders[name].generate(prompts_b[:b], 2, lab.policy(name, b), max_batch=b)
             bar(f"B={b} warm-up {name}")
+        sims = {name: dataclasses.replace(lab, estimators={}).run(name, b, queue.ids) for name in POLICIES}
+        canary_decoder = decoder.fork()
         rounds: dict[str, list] = {name: [] for name in POLICIES}
+        speeds = []
         for rep in range(args.repeats):
             order = list(POLICIES[rep % len(POLICIES):] + POLICIES[: rep % len(POLICIES)])
             labs = {name: dataclasses.replace(lab, estimators={}) for name in order}  # a fresh estimator per run
-            runs = lockstep({name: decoders[name].start(prompts_b, counts, labs[name].policy(name, b),
-                                                        mode=VerifyMode.COMPACT, max_batch=b) for name in order})
+            runs = {name: decoders[name].start(prompts_b, counts, labs[name].policy(name, b),
+                                               mode=VerifyMode.COMPACT, max_batch=b) for name in order}
+            runs["canary"] = canary(canary_decoder, prompts[0][:b], max(sim.seconds for sim in sims.values()))
+            results = lockstep(runs)
             for name in POLICIES:
-                rounds[name].append(runs[name])
+                rounds[name].append(results[name])
+            speeds.append(machine_speed(results["canary"], cost))
             bar(f"B={b} live round {rep + 1}/{args.repeats}")
+        machine[b] = speeds
+        speed = statistics.median(x["error"] for x in speeds)
         cells[b] = {}
         for name in POLICIES:
-            sim = dataclasses.replace(lab, estimators={}).run(name, b, queue.ids)
-            cells[b][name] = cell(rounds[name], sim, trace, queue, cost, temps if name != "adaptive-est" else None)
+            cells[b][name] = cell(rounds[name], sims[name], trace, queue, cost,
+                                  temps if name != "adaptive-est" else None, speed)
             bar(f"B={b} replay {name}")
         del decoders, rounds
     out = {"command": "PYTHONPATH=. python perf/replay_live.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -228,14 +264,17 @@ def main(argv: list[str] | None = None) -> dict:
                       for b, q in qs.items()}, "repeats": args.repeats,
            "tiers": list(decoder.tiers), "goal": GOAL,
            "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": 1, "clock": "thread"},
+           "machine_speed": {str(b): rounds for b, rounds in machine.items()},
            "cells": {str(b): row for b, row in cells.items()}}
     out["within_goal"] = sum(abs(c["gap"]) <= GOAL for row in cells.values() for c in row.values())
+    out["within_goal_at_round_speed"] = sum(abs(c["gap_at_round_speed"]) <= GOAL for row in cells.values()
+                                            for c in row.values())
     out["cells_total"] = sum(len(row) for row in cells.values())
     out["seconds"] = time.perf_counter() - t0
     path = Path(args.out)
     write_json_atomic(path, out)
     plot(cells, path.with_suffix(".png"))
-    print(f"{'B':>4} {'policy':>13} {'steps same':>11} {'live tok/s':>11} {'replay':>8} {'gap':>7} "
+    print(f"{'B':>4} {'policy':>13} {'steps same':>11} {'live tok/s':>11} {'replay':>8} {'gap':>7} {'at speed':>9} "
           + " ".join(f"{p + ' err':>12}" for p in PHASES))
     for b, row in cells.items():
         for name, c in row.items():
@@ -243,8 +282,12 @@ def main(argv: list[str] | None = None) -> dict:
             errs = [f"{ph[p]['priced_s'] / ph[p]['measured_s'] - 1:>+12.1%}" if ph[p]["measured_s"] else f"{'-':>12}"
                     for p in PHASES]
             print(f"{b:>4} {name:>13} {a['identical']:>5}/{a['compared']:<5} {c['live_tok_s']:>11.2f} "
-                  f"{c['replay_tok_s']:>8.2f} {c['gap']:>+7.1%} " + " ".join(errs))
-    print(f"{out['within_goal']}/{out['cells_total']} cells within {GOAL:.0%}; wrote {path} and "
+                  f"{c['replay_tok_s']:>8.2f} {c['gap']:>+7.1%} {c['gap_at_round_speed']:>+9.1%} " + " ".join(errs))
+    for b, speeds in machine.items():
+        print(f"B = {b}: the canary's plain steps priced / measured - 1 per round: "
+              + ", ".join(f"{x['error']:+.1%} ({x['steps']} steps)" for x in speeds))
+    print(f"{out['within_goal']}/{out['cells_total']} cells within {GOAL:.0%} "
+          f"({out['within_goal_at_round_speed']} at the rounds' machine speed); wrote {path} and "
           f"{path.with_suffix('.png')} in {out['seconds']:.0f} s")
     return out
 

@@ -38,7 +38,10 @@ def test_tiny_run_compares_every_cell_with_a_table_profiled_in_the_same_run(tmp_
     assert set(data["cells"]) == {"1", "3"}
     assert [len(q["ids"]) for q in data["queues"].values()] == [1 + 6 + 1, 3 + 6 + 3]
     assert [q["measured"] for q in data["queues"].values()] == [[1, 7], [3, 9]]
-    for row in data["cells"].values():
+    for b, rounds in data["machine_speed"].items():  # the canary ran in every round, plain full-batch steps
+        assert len(rounds) == 2 and all(r["steps"] > 0 and r["measured_s"] > 0 for r in rounds)
+        assert all(r["error"] == pytest.approx(r["priced_s"] / r["measured_s"] - 1) for r in rounds)
+    for b, row in data["cells"].items():
         assert set(row) == set(script.POLICIES)
         for c in row.values():
             a = c["agreement"]
@@ -46,10 +49,14 @@ def test_tiny_run_compares_every_cell_with_a_table_profiled_in_the_same_run(tmp_
             assert len(c["live_tok_s_runs"]) == 2 and c["live_tok_s"] == statistics.median(c["live_tok_s_runs"])
             assert c["replay_vs_priced_live"] == pytest.approx(0.0, abs=1e-9)  # the same steps, the same prices
             assert c["gap"] == pytest.approx(c["replay_tok_s"] / c["live_tok_s"] - 1)
+            speed = statistics.median(r["error"] for r in data["machine_speed"][b])
+            assert c["gap_at_round_speed"] == pytest.approx(c["replay_tok_s"] * (1 + speed) / c["live_tok_s"] - 1)
             assert c["full_concurrency"] and c["live_tok_s"] > 0
             ph = c["phases"]
             assert ph["plan"]["priced_s"] == 0.0 and ph["all"]["measured_s"] == pytest.approx(
                 sum(ph[p]["measured_s"] for p in script.PHASES), rel=0.05)  # medians per phase: close, not equal
+    assert data["within_goal_at_round_speed"] == sum(
+        abs(c["gap_at_round_speed"]) <= data["goal"] for row in data["cells"].values() for c in row.values())
     assert data["cells_total"] == 12 and data["within_goal"] == sum(
         abs(c["gap"]) <= data["goal"] for row in data["cells"].values() for c in row.values())
 
