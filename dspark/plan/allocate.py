@@ -13,7 +13,7 @@ from torch import Tensor
 
 from dspark.config import ScheduleConfig
 from dspark.kernels import dispatch, topk
-from dspark.plan.budget import HostSurvival, _check_survival, _plan_on_host, check_config
+from dspark.plan.budget import HostSurvival, _check_survival, check_config
 from dspark.plan.survival import monotone_survival
 
 
@@ -34,21 +34,18 @@ def allocate_verify_lens(survival: Tensor | HostSurvival, budget: int | Tensor, 
     """Verify lengths: F plus each request's share of the global top-`budget` candidates.
 
     Args:
-        survival: floating [B, gamma] (made non-increasing first, NaN -> 0), or the step's `HostSurvival`.
+        survival: floating [B, gamma] (made non-increasing first, NaN -> 0), or a `HostSurvival` (the
+            host fast path a planner chose).
         budget: int >= 0; inside `torch.compile` also a 0-d integer tensor (a traced `choose_budget`'s).
         cfg: the schedule.
     Returns:
-        [B] int32 in [F, M_max]: a CPU tensor when planned on the host (`plan_on_host`), else on the
-        survival's device.
+        [B] int32 in [F, M_max]: on the survival's device, or a CPU tensor for a `HostSurvival`.
     """
     cfg = check_config(cfg)
     _check_survival(survival, cfg)
     if not (dispatch.tracing() and isinstance(budget, Tensor)):
         budget = check_budget(budget)
-    if isinstance(survival, HostSurvival):
-        return _allocate(survival, budget, cfg)
-    host = _plan_on_host(survival, calibrated=False, small_batches=False)
-    return _allocate(monotone_survival(survival) if host is None else host, budget, cfg)
+    return _allocate(survival if isinstance(survival, HostSurvival) else monotone_survival(survival), budget, cfg)
 
 
 def _allocate(survival: Tensor | HostSurvival, budget: int | Tensor, cfg: ScheduleConfig) -> Tensor:

@@ -35,7 +35,7 @@ from dspark.util.validate import check_verify_lens
 from dspark.verify import boundary
 from dspark.verify.layout import check_tiers
 
-HOST_PLAN_MAX = 16384  # survival entries (B * gamma) up to which an accelerator's step may be planned on the host
+HOST_PLAN_MAX = 16384  # survival entries (B * gamma) up to which a planner plans an accelerator's step on the host
 
 
 def check_config(cfg: object) -> ScheduleConfig:
@@ -73,32 +73,6 @@ def _check_survival(survival: Tensor | HostSurvival, cfg: ScheduleConfig) -> Non
     shape = survival.values.shape if isinstance(survival, HostSurvival) else _check_matrix("survival", survival).shape
     if len(shape) != 2 or shape[1] != cfg.gamma:
         raise ValueError(f"survival must be [B, gamma={cfg.gamma}], got shape {tuple(shape)}")
-
-
-def plan_on_host(survival: Tensor, cfg: ScheduleConfig, *, calibrated: bool = False,
-                 small_batches: bool = False) -> HostSurvival | None:
-    """Where a step is planned, decided once: its `HostSurvival` when planned on the host, else None (the
-    allocation then runs on the survival's device).
-
-    Args:
-        survival: floating [B, gamma].
-        cfg: the schedule.
-        calibrated: the survival is `calibrated_survival`'s (non-increasing and NaN-free): no repair check.
-        small_batches: an accelerator's step may be planned on the host when B * gamma <= HOST_PLAN_MAX (the
-            planner's lag-0 steps without TP/DP agreement: their budget reads the survival anyway).
-    Returns:
-        The host survival for CPU tensors (`dispatch.use_host`) and allowed small batches; None otherwise,
-        and always inside `torch.compile`.
-    """
-    _check_survival(survival, cfg)
-    return _plan_on_host(survival, calibrated, small_batches)
-
-
-def _plan_on_host(survival: Tensor, calibrated: bool, small_batches: bool) -> HostSurvival | None:
-    """`plan_on_host` without its checks (survival a floating [B, gamma] tensor of the planner's config)."""
-    if dispatch.use_host(survival) or (small_batches and dispatch.use_host() and survival.numel() <= HOST_PLAN_MAX):
-        return host_survival(survival, calibrated)
-    return None
 
 
 def host_survival(survival: Tensor, calibrated: bool = False) -> HostSurvival:

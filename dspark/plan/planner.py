@@ -11,7 +11,8 @@ Each `plan` call:
    DP ranks on the global tier, idle ranks included (`dspark.parallel`).
 
 Host reads per step (all through `dspark.verify.boundary.to_host`, tests/plan/test_host_boundary.py):
-- planned on the host (CPU tensors; lag-0 small accelerator batches): the survival's host copy, one read
+- planned on the host (CPU tensors; lag-0 small accelerator batches; chosen once per step, `_placement`,
+  the one place a numpy host path is chosen): the survival's host copy, one read
   (none on the CPU, where it is a view);
 - planned on the device: the budget's argmax, tau / theta curves and the live candidate count are
   computed there (`traced_decision`) and one read brings the budget and the count, which fix the
@@ -39,12 +40,13 @@ from torch import Tensor
 
 from dspark.config import ScheduleConfig
 from dspark.cost import CostModel, check_cost_model
+from dspark.kernels import dispatch
 from dspark.parallel import DpTier, ParallelAgreement, ParallelConfig
 from dspark.plan.allocate import _allocate
 from dspark.plan.budget import (
+    HOST_PLAN_MAX,
     BudgetDecision,
     HostSurvival,
-    _plan_on_host,
     check_config,
     choose_budget,
     host_decision,
@@ -187,12 +189,12 @@ class VerifyPlanner:
             and tiers were checked at construction, and the stages below run unchecked.
         """
         b = self._check_step(logits, slots, generations)
-        survival = _survival(logits, self.temperatures)
+        host_logits, host_plan = self._placement(logits)
+        survival = _survival(logits, self.temperatures, host=host_logits)
         if self.sync_free:
-            return self._plan_sync_free(survival, slots, generations)
+            return self._plan_sync_free(survival, slots, generations, host_logits)
         cfg = self.cfg
-        small = self.ring is None and self.parallel is None
-        host = _plan_on_host(survival, calibrated=True, small_batches=small)
+        host = host_survival(survival, calibrated=True) if host_plan else None
         lagged = None if self.ring is None else self.ring._exchange(slots, generations, survival).to(survival.device)
         if host is None:
             decision, budget, live_valid = self._device_decision(survival, lagged)
@@ -212,12 +214,21 @@ class VerifyPlanner:
         else:
             total = None if self.parallel is not None else b * cfg.floor + min(offered, live_valid)
             layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width,
-                                                     total_rows=total)
+                                                     total_rows=total, host=host_plan)
             if layout.verify_lens.device != survival.device:  # planned on the host for an accelerator
                 layout = layout.to(survival.device)
                 verify_lens = layout.verify_lens
         return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * cfg.floor, offered,
                           float(self.seconds_window(b)[budget]), dp)
+
+    def _placement(self, logits: Tensor) -> tuple[bool, bool]:
+        """Where this step's small tensors are computed, decided once per step (the only host-path choice of the
+        plan stage, `dispatch.use_host`): (survival on the host, budget + allocation + layout on the host).
+        CPU logits take the numpy host path throughout; an accelerator's step is planned on the host (one read
+        of its survival) when B * gamma <= HOST_PLAN_MAX, at lag 0 and without TP/DP agreement."""
+        host = dispatch.use_host(logits)
+        small = self.ring is None and self.parallel is None and logits.numel() <= HOST_PLAN_MAX
+        return host, host or (small and dispatch.use_host())
 
     def _check_step(self, logits: Tensor, slots: Tensor, generations: Tensor) -> int:
         """The step's inputs: logits [B, gamma] of the config's gamma, and with a ring slots / generations [B]
@@ -267,7 +278,7 @@ class VerifyPlanner:
         budget, valid = boundary.to_host(torch.stack([traced.budget, live_valid])).tolist()
         return traced, budget, valid
 
-    def _plan_sync_free(self, survival: Tensor, slots: Tensor, generations: Tensor) -> VerifyPlan:
+    def _plan_sync_free(self, survival: Tensor, slots: Tensor, generations: Tensor, host: bool) -> VerifyPlan:
         """lag >= 1 without a device read: the budget from the host copy of the ring row this step reads."""
         lagged = self._next_row.read(slots, generations)
         self.ring._write(slots, generations, survival)
@@ -277,7 +288,8 @@ class VerifyPlanner:
         offered, tier = tier_fill(budget, b, cfg.floor, self.tiers)
         verify_lens = _allocate(survival, offered, cfg)
         # no tier fixes the rows: the layout reads its total (the step's one read)
-        layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier)
+        layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier,
+                                               host=host)
         executed = None if layout.total_rows is None else layout.total_rows - b * cfg.floor
         return VerifyPlan(verify_lens, layout, decision, survival, executed, offered,
                           float(self.seconds_window(b)[budget]))

@@ -81,16 +81,17 @@ def calibrated_survival(logits: Tensor, temperatures: Tensor | Sequence[float] |
     return _survival(z, None if temperatures is None else check_temperatures(temperatures, gamma))
 
 
-def _survival(logits: Tensor, temperatures: Tensor | None) -> Tensor:
+def _survival(logits: Tensor, temperatures: Tensor | None, host: bool = False) -> Tensor:
     """`calibrated_survival` without its checks, for callers that validated once (same bits).
 
     Args:
         logits: floating [B, gamma >= 1].
         temperatures: float32 [gamma] as `check_temperatures` returns it, or None.
+        host: take the numpy host path (`survival_host`; CPU logits, chosen by the planner), else torch ops.
     Returns:
-        float32 [B, gamma]: the numpy host path for CPU tensors (`dispatch.use_host`), torch ops elsewhere.
+        float32 [B, gamma] on the logits' device.
     """
-    if dispatch.use_host(logits):
+    if host:
         t = None if temperatures is None else temperatures.numpy()
         return torch.from_numpy(survival_host(logits.to(torch.float64).numpy(), t))
     return _cumulative_torch(_confidence_torch(logits, temperatures))

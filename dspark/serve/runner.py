@@ -63,11 +63,11 @@ def mode_layout(mode: VerifyMode, verify_lens: Tensor, width: int, layout: Ragge
             check_layout_fits(layout, verify_lens.numel(), tiers, graph_slots)
         else:  # built from the host lengths and moved: the attention's plan reads the host copy, no device
             layout = RaggedVerifyLayout._from_lens(host.to(torch.int32), tiers, graph_slots, width,
-                                                     total_rows=int(host.sum())).to(verify_lens.device)
+                                                     total_rows=int(host.sum()), host=True).to(verify_lens.device)
         return layout, verify_lens
     b = verify_lens.numel()
     full = torch.full((b,), width, dtype=torch.int32)
-    layout = RaggedVerifyLayout._from_lens(full, tiers, graph_slots, width, total_rows=b * width)
+    layout = RaggedVerifyLayout._from_lens(full, tiers, graph_slots, width, total_rows=b * width, host=True)
     layout = layout.to(verify_lens.device)
     return layout, layout.verify_lens if mode is VerifyMode.STATIC else verify_lens
 
@@ -187,7 +187,8 @@ class LiveTarget(Target):
         (folded, rows), self._folded = self._folded, None
         built = layout.host if layout.host is not None else layout  # a host-built layout: no device read
         lens = torch.cat([torch.from_numpy(boundary.to_host(built.verify_lens)).to(torch.int32), rows])
-        merged = RaggedVerifyLayout._from_lens(lens, (), None, None, total_rows=int(lens.sum())).to(self.device)
+        merged = RaggedVerifyLayout._from_lens(lens, (), None, None, total_rows=int(lens.sum()), host=True)
+        merged = merged.to(self.device)
         slots = torch.cat([slots, boundary.to_device(folded, self.device)])
         prefix = torch.cat([prefix.to(torch.int64), torch.zeros(folded.numel(), dtype=torch.int64)])
         n = tokens.shape[0]
@@ -206,7 +207,8 @@ class LiveTarget(Target):
             slots, rows = slots[rows > 0], rows[rows > 0]
             if not slots.numel():
                 return
-        layout = RaggedVerifyLayout._from_lens(rows, (), None, int(rows.max()), total_rows=int(rows.sum()))
+        layout = RaggedVerifyLayout._from_lens(rows, (), None, int(rows.max()), total_rows=int(rows.sum()),
+                                               host=True)
         layout = layout.to(self.device)
         dev_slots = boundary.to_device(slots, self.device)
         pos = layout.positions(torch.zeros(slots.numel(), dtype=torch.int64, device=self.device))

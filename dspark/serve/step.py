@@ -58,7 +58,8 @@ def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | N
     b, dev = slots.numel(), batch.tokens.device
     now = engine.clock
     t0 = now()
-    layout = RaggedVerifyLayout._from_lens(torch.ones(b, dtype=torch.int32), (), None, 1, total_rows=b).to(dev)
+    layout = RaggedVerifyLayout._from_lens(torch.ones(b, dtype=torch.int32), (), None, 1, total_rows=b, host=True)
+    layout = layout.to(dev)
     token = engine.target.plain(batch, slots, layout, engine.sampling)
     t1 = now()
     ones = torch.ones(b, dtype=torch.int32, device=dev)

@@ -159,7 +159,7 @@ class RaggedVerifyLayout:
     @classmethod
     def _from_lens(cls, verify_lens: Tensor, tiers: tuple[int, ...], graph_slots: int | None, width: int | None, *,
                      total_rows: int | None = None, graph_rows: int | None = None,
-                     on_overflow: str = "eager") -> "RaggedVerifyLayout":
+                     on_overflow: str = "eager", host: bool = False) -> "RaggedVerifyLayout":
         """`from_verify_lens` without its argument checks, for callers that validated once.
 
         Args:
@@ -168,8 +168,10 @@ class RaggedVerifyLayout:
             total_rows: sum(verify_lens), or None to read it (one `boundary.to_host`; not inside
                 `torch.compile`).
             graph_rows: as `from_verify_lens` (then `total_rows` is ignored).
+            host: build it with numpy (`slot_maps_host`; CPU lengths, a runner's or planner's choice), else
+                with torch ops on the lengths' device (`slot_maps_torch`).
         Returns:
-            The layout: numpy-built for CPU lengths (`dispatch.use_host`), on the lengths' device otherwise.
+            The layout, on the lengths' device.
         """
         b = verify_lens.numel()
         if graph_rows is not None:
@@ -195,7 +197,7 @@ class RaggedVerifyLayout:
                 f"{leftover} padding rows do not fit {num_slots - b} ghost slots of width {ghost_cap} "
                 f"(batch {b}, graph_slots {num_slots}); capture more slots for this tier"
             )
-        if not dispatch.use_host(verify_lens):
+        if not host:
             return cls._on_device(verify_lens, rows, num_slots, ghost_cap, width, total, tier, reason)
         lens_np = verify_lens.numpy()
         ghost = np.clip(leftover - np.arange(num_slots - b) * ghost_cap, 0, ghost_cap).astype(np.int32)

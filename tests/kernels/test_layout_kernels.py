@@ -57,17 +57,14 @@ def test_slot_maps_host(b, w, extra, seed, device):
        slots_extra=st.integers(1, 4))
 @settings(max_examples=25)
 def test_layout_host_path_equals_torch_path(lens, tier_extra, slots_extra, device):
-    """The CPU layout (numpy host path under `auto`) equals the torch path on the device field by field."""
+    """The numpy host build a runner or planner chooses (`host=True`) equals the public torch build on the device
+    field by field."""
     vl = torch.tensor(lens, dtype=torch.int32)
     tiers = [sum(lens) + tier_extra] if lens else None
     kw = dict(tiers=tiers, graph_slots=len(lens) + slots_extra + tier_extra, width=7)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(dispatch.BACKEND_ENV, "torch")
-        assert not dispatch.use_host(vl)
-        torch_path = RaggedVerifyLayout.from_verify_lens(vl.to(device), **kw).to("cpu")
-        mp.setenv(dispatch.BACKEND_ENV, "auto")
-        assert dispatch.use_host(vl)
-        host_path = RaggedVerifyLayout.from_verify_lens(vl, **kw)
+    torch_path = RaggedVerifyLayout.from_verify_lens(vl.to(device), **kw).to("cpu")
+    host_path = RaggedVerifyLayout._from_lens(vl, tuple(tiers or ()), kw["graph_slots"], 7, total_rows=sum(lens),
+                                              host=True)
     for name in ("verify_lens", "qo_indptr", "slot_lens", "slot_qo_indptr", "seqused", "row_slot", "row_within"):
         a, b = getattr(host_path, name), getattr(torch_path, name)
         assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), name

@@ -24,11 +24,13 @@ def test_only_dispatch_reads_whether_a_step_is_traced() -> None:
     assert readers == [], f"ask dispatch.tracing() instead of torch.compiler.is_compiling() in {readers}"
 
 
-def test_the_host_paths_are_the_three_the_architecture_names() -> None:
-    """A numpy host path serves the survival, the budget's host plan and the layout build; nothing else."""
-    consults = sorted(name for name, text in _sources().items()
-                      if re.search(r"dispatch\.use_host\(", text) and name != DISPATCH)
-    assert consults == ["plan/budget.py", "plan/survival.py", "verify/layout.py"]
+def test_the_planner_alone_chooses_a_host_path() -> None:
+    """The numpy host paths (survival, budget, allocation, layout) are chosen once per step, by the planner;
+    the public functions run their torch formula, and the serving runtime builds its host-length layouts with
+    numpy, said at the call (`host=True`)."""
+    consults = {name: len(re.findall(r"dispatch\.use_host\(", text)) for name, text in _sources().items()
+                if "use_host(" in text and name != DISPATCH}
+    assert consults == {"plan/planner.py": 2}
 
 
 def test_no_module_but_dispatch_defines_a_placement_predicate() -> None:

@@ -75,7 +75,7 @@ def test_non_finite_logits_give_zero_confidence(device):
 @given(b=st.integers(1, 9), g=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
 def test_fixed_order_float32_product_and_unchecked_path(b, g, seed, device):
     """Bit for bit: divide and sigmoid in float64, one rounding to float32, then a left-to-right float32
-    product (no double accumulation, no scan); the planner's pre-validated path gives the same bits."""
+    product (no double accumulation, no scan); the planner's pre-validated paths (torch, numpy) give the same bits."""
     gen = torch.Generator().manual_seed(seed)
     z = (torch.randn(b, g, generator=gen) * 4).to(device)
     z[0, -1] = math.inf
@@ -87,7 +87,8 @@ def test_fixed_order_float32_product_and_unchecked_path(b, g, seed, device):
         want[:, k] = want[:, k - 1] * c[:, k]
     assert torch.equal(s, want)
     assert torch.equal(_survival(z, temps), s)
-    # the torch path (on the CPU it serves tensors that require grad) gives the same bits
+    # the planner's numpy host path and the torch path on tensors that require grad give the same bits
+    assert torch.equal(_survival(z.cpu(), temps, host=True), s.cpu())
     assert torch.equal(calibrated_survival(z.clone().requires_grad_(), temps).detach(), s)
 
 

@@ -138,8 +138,8 @@ def catch_up_layout(batch: Batch, slots: Tensor, cached: Tensor, device: torch.d
     rows = lens - cached[slots]
     prefix = lens - rows
     # built from the host lengths and moved: the attention's plan reads the host copy
-    layout = RaggedVerifyLayout._from_lens(rows.to(torch.int32), (), None, None,
-                                             total_rows=int(rows.sum())).to(device)
+    layout = RaggedVerifyLayout._from_lens(rows.to(torch.int32), (), None, None, total_rows=int(rows.sum()),
+                                           host=True).to(device)
     real = layout.total_rows
     pos = layout.positions(boundary.to_device(prefix, device))[:real]
     return layout, prefix, pos, boundary.to_device(slots, device)[layout.row_slot[:real].long()]

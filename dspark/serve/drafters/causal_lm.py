@@ -99,8 +99,8 @@ class CausalLMDrafter(CachedDrafter):
         lens = batch.lens[slots]
         self._cached[slots] = lens
         logits = [self._last_logits(batch.tokens[slot, pos], layout, prefix, table)]
-        one_row = RaggedVerifyLayout._from_lens(torch.ones(slots.numel(), dtype=torch.int32, device=self.device),
-                                                  (), None, None, total_rows=slots.numel())
+        one_row = RaggedVerifyLayout._from_lens(torch.ones(slots.numel(), dtype=torch.int32), (), None, None,
+                                                total_rows=slots.numel(), host=True).to(self.device)
         tokens, warped, probs = [], [], []
         for i in range(k):
             warped.append(sampling.warp(logits[-1]))
