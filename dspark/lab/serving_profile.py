@@ -112,24 +112,27 @@ def profile_catch_up(decoder: SpecDecoder, prompts: Tensor, gamma: int, *, runs:
     return max(float(np.polyfit(x, y, 1)[0]), 0.0)
 
 
-def profile_kv(decoder: SpecDecoder, short: Tensor, long: Tensor, *, runs: ProfileRuns) -> tuple[float, float]:
-    """Seconds per cached KV token of a plain step, from plain runs (of `runs.tokens` new tokens) of B = len(short)
-    requests on short [B, P] and long [B, P'] prompts in lockstep (the median full-batch step of each,
-    `runs.repeats` times).
+KV_REPEATS = 3  # lockstep short / long pairs per repeat of a point: the KV term is a small difference of step times
 
-    Returns (slope: extra seconds per extra cached token, clipped at 0; the short runs' mean cached tokens per
-    request over their full-batch steps)."""
+
+def profile_kv(decoder: SpecDecoder, short: Tensor, long: Tensor, *, runs: ProfileRuns) -> tuple[float, float, float]:
+    """The KV term's evidence at B = len(short): plain runs (of `runs.tokens` new tokens) of B requests on short
+    [B, P] and long [B, P'] prompts in lockstep, `KV_REPEATS * runs.repeats` pairs.
+
+    Returns (extra seconds: the median over the pairs of the long run's median full-batch step minus the short
+    run's; the extra cached tokens of a long step over a short one, summed over the B requests; the short runs'
+    mean cached tokens per request over their full-batch steps)."""
     check_type("runs", runs, ProfileRuns)
-    b, slopes, base = short.shape[0], [], []
-    for _ in range(runs.repeats):
+    b, extra, tokens, base = short.shape[0], [], [], []
+    for _ in range(KV_REPEATS * runs.repeats):
         results = lockstep({n: decoder.fork().start(p, runs.tokens, FixedK(0), mode=VerifyMode.STATIC)
                             for n, p in (("short", short), ("long", long))})
         full = {n: [s for s in r.steps if s.requests.numel() == b] for n, r in results.items()}
-        kv = {n: statistics.fmean(s.kv_tokens for s in steps) / b for n, steps in full.items()}
-        slopes.append((_median_step(results["long"]) - _median_step(results["short"]))
-                      / (b * (kv["long"] - kv["short"])))
-        base.append(kv["short"])
-    return max(statistics.median(slopes), 0.0), statistics.fmean(base)
+        kv = {n: statistics.fmean(s.kv_tokens for s in steps) for n, steps in full.items()}
+        extra.append(_median_step(results["long"]) - _median_step(results["short"]))
+        tokens.append(kv["long"] - kv["short"])
+        base.append(kv["short"] / b)
+    return statistics.median(extra), statistics.fmean(tokens), statistics.fmean(base)
 
 
 def attention_kv_layout(device: torch.device) -> str:
@@ -155,15 +158,16 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
         spec: the cost's name, description, gamma, max_requests, tier ladder (up to max_requests x W) and
             parameters.
         runs: tokens per run and repeats per point.
-        long_prompts: [N, P' > P]: with them the KV term is profiled too (`profile_kv` per B, the median slope),
-            else it is 0.
+        long_prompts: [N, P' > P]: with them the KV term is profiled too (`profile_kv` per B, pooled: the extra
+            seconds summed over B divided by the extra tokens summed over B, clipped at 0, so the largest B, whose
+            difference stands furthest above the timing noise, weighs most), else it is 0.
         progress: called with a line after each B.
     """
     check_type("spec", spec, ServingCostSpec)
     check_type("runs", runs, ProfileRuns)
     batch_sizes = check_probes("batch_sizes", batch_sizes, 1)
     gamma, tiers = spec.gamma, spec.tiers
-    samples, plain, prefills, slopes, contexts, catch_ups = [], [], [], [], [], []
+    samples, plain, prefills, kv_evidence, catch_ups = [], [], [], [], []
     drafting: list[list[float]] = [[] for _ in range(gamma)]
     layout = "ragged"
     for b in batch_sizes:
@@ -179,12 +183,13 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
         prefills += admissions
         catch_ups.append(catch_up)
         if long_prompts is not None:
-            slope, context = profile_kv(decoder, prompts[:b], long_prompts[:b], runs=runs)
-            slopes.append(slope)
-            contexts.append(context)
+            kv_evidence.append(profile_kv(decoder, prompts[:b], long_prompts[:b], runs=runs))
         if progress:
             progress(f"profiled B={b}")
-    kv = (statistics.median(slopes), statistics.fmean(contexts)) if slopes else None
+    kv = None
+    if kv_evidence:
+        extra, tokens, contexts = zip(*kv_evidence)
+        kv = (max(sum(extra) / sum(tokens), 0.0), statistics.fmean(contexts))
     profile = ServingProfile(samples, BatchCurve(batch_sizes, plain), [BatchCurve(batch_sizes, d) for d in drafting],
                              fit_prefill(prefills), catch_up=statistics.median(catch_ups), kv=kv, kv_layout=layout)
     return profiled_cost(profile, spec)
@@ -244,7 +249,7 @@ def profiled_cost(profile: ServingProfile, spec: ServingCostSpec) -> ServingCost
         "(ForcedRows k, M = B), made non-decreasing in k; verify = the profiled step minus the gamma-deep draft; "
         + (f"catch-up: profile_catch_up, {catch_up * 1e6:.3f} us per token beyond the roots" if catch_up else
            "catch-up: not profiled (0)"),
-        (f"per KV token ({kv_layout}): profile_kv, plain steps on short and long prompts in lockstep, "
+        (f"per KV token ({kv_layout}): profile_kv, plain steps on short and long prompts in lockstep, pooled over B, "
          f"{per_kv * 1e6:.3f} us; the profiled steps' {context:.1f} cached tokens per request taken out of verify and plain" if kv else
          "per KV token: 0 (the profiled steps hold the profile's own contexts)")
         + "; prefill: fit_prefill over the drafting runs' first admissions",
