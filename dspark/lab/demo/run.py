@@ -14,7 +14,8 @@
    family beside them, `ngram-fixed-k` and `ngram-adaptive-est`: prompt lookup, no model, its own estimator)
    at each batch size B by continuous batching: B slots, a finished
    request's slot is refilled at once (prefill timed); reported are committed tokens/s over the whole
-   queue (ramp-up and drain tail included) and over the steady state (every slot busy). Each round runs
+   queue (ramp-up, prefill and drain tail included: the speed-ups and goals) and, beside them, over the steady
+   window (every slot busy). Each round runs
    every policy once, all of them in `lockstep` (interleaved step by step, each on its own decoder), so
    machine noise hits them alike; speed-ups are medians over rounds of the same round's ratios. In greedy
    mode every policy and every verify mode must commit exactly the tokens of target-only greedy decoding,
@@ -118,11 +119,12 @@ def _assert_matches_reference(ref: Tensor, out: GenerateResult, counts: Tensor, 
 
 
 def family_summary(rows: list[dict], prefix: str) -> list[dict]:
-    """Per batch size, a drafter family's best fixed k (the `prefix`fixed-k with the best paired steady speed-up
-    over fixed-0) and its `prefix`adaptive-est's paired speed-up over that fixed k (medians of per-round ratios)."""
+    """Per batch size, a drafter family's best fixed k (the `prefix`fixed-k with the best paired whole-queue
+    speed-up over fixed-0) and its `prefix`adaptive-est's paired speed-up over that fixed k (medians of per-round
+    ratios)."""
     out = []
     for b in sorted({r["batch"] for r in rows}):
-        runs = {r["policy"]: r["steady_tokens_per_s_runs"] for r in rows if r["batch"] == b}
+        runs = {r["policy"]: r["tokens_per_s_runs"] for r in rows if r["batch"] == b}
         fixed = [n for n in runs if n.startswith(prefix + "fixed-")]
         if not fixed:
             continue

@@ -110,7 +110,8 @@ def ratios(cells: Mapping[str, dict]) -> dict:
 
 
 def format_table(cost: str, rows: Mapping[int, Mapping[str, dict]], policies: Sequence[str]) -> str:
-    """A text table: per B, steady tok/s of every policy, the best fixed k, adaptive / best fixed and / oracle."""
+    """A text table: per B, tok/s at fixed concurrency of every policy, the best fixed k, adaptive / best fixed and
+    / oracle."""
     budget = [p for p in policies if not p.startswith("fixed-") and p != "oracle"]
     head = ["B"] + list(policies) + ["best fixed"] + [f"{p}/fixed" for p in budget] + [f"{p}/oracle" for p in budget]
     lines = [f"cost model: {cost} (simulated tok/s at fixed concurrency)", "  ".join(f"{h:>12}" for h in head)]
