@@ -42,6 +42,7 @@ class StepRecord:
     t_prefill: float = 0.0     # continuous batching: prefill of requests admitted right before this step
     useful: int | None = None  # committed tokens within max_new_tokens (None: not recorded)
     folded_prefill: int = 0    # prompt tokens that rode this step's forward (chunked prefill: it ran eager)
+    busy_slots: int | None = None  # slots holding a request: `batch` + those whose prompt rode it (None: unknown)
 
     @property
     def seconds(self) -> float:

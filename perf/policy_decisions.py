@@ -6,7 +6,9 @@ speculative and plain tok/s (believed costs) and the rates of every depth from t
 fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: committed tokens over the
 run's seconds).
 `demo`: a `dspark demo` output's demo.json: per (policy, B) the medians over full-batch steps (every round) of
-the draft, plan and verify seconds and the verify rows, the drafts per step, and the rows' tiers.
+the draft, plan and verify seconds and the verify rows, the drafts per step, and the rows' tiers; per round the
+tok/s of all its steps beside the steady window's (its steps, tokens, tok/s and the share of its seconds spent in steps
+a refill's prompt rode).
 
     PYTHONPATH=. python perf/policy_decisions.py lab --cost cpu-measured --batch 64 [--out PATH]
     PYTHONPATH=. python perf/policy_decisions.py demo [--demo-json demo_out/demo.json] [--out PATH]
@@ -66,7 +68,8 @@ def lab(cost_name: str, b: int) -> dict:
 
 
 def demo(path: Path) -> dict:
-    """Per (policy, B) medians of a demo run's full-batch steps."""
+    """Per (policy, B) medians of a demo run's full-batch steps, and per round its steady window (the steps with
+    every slot busy, refills riding them included) beside the whole run."""
     steps = json.loads(path.read_text())["steps"]
     out = {}
     for key, rounds in steps.items():
@@ -76,8 +79,27 @@ def demo(path: Path) -> dict:
             continue
         med = {f: statistics.median(s[f] for s in full) for f in ("t_draft", "t_plan", "t_verify", "rows")}
         out[key] = {"steps": len(full), **med, "proposed_per_step": statistics.median(s["proposed"] for s in full),
-                    "rows_seen": dict(collections.Counter(s["rows"] for s in full))}
+                    "rows_seen": dict(collections.Counter(s["rows"] for s in full)), "rounds": [_window(run, b)
+                                                                                              for run in rounds]}
     return out
+
+
+def _seconds(s: dict) -> float:
+    return s["t_draft"] + s["t_plan"] + s["t_verify"] + s["t_accept"] + s["t_prefill"]
+
+
+def _window(run: list[dict], b: int) -> dict:
+    """One round's steps: all of them (steps, committed tokens, seconds) and the steady window's, with the
+    window's seconds in steps a refill's prompt rode (None: a demo.json without `busy_slots`)."""
+    useful = [s["useful"] if s["useful"] is not None else s["committed"] for s in run]
+    whole = {"steps": len(run), "tokens": sum(useful), "seconds": sum(map(_seconds, run))}
+    if any(s.get("busy_slots") is None for s in run):
+        return {"whole": whole, "window": None}
+    busy = [(s, u) for s, u in zip(run, useful) if s["busy_slots"] == b]
+    return {"whole": whole, "window": {"steps": len(busy), "tokens": sum(u for _, u in busy),
+                                       "seconds": sum(_seconds(s) for s, _ in busy),
+                                       "refill_step_seconds": sum(_seconds(s) for s, _ in busy if s["folded_prefill"]),
+                                       "refill_steps": sum(1 for s, _ in busy if s["folded_prefill"])}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         for key, r in report.items():
             print(f"{key:>16} {r['steps']:>5} {1e3 * r['t_draft']:>8.1f} {1e3 * r['t_plan']:>7.2f} "
                   f"{1e3 * r['t_verify']:>9.1f} {r['rows']:>5.0f} {r['proposed_per_step']:>6.0f}  {r['rows_seen']}")
+        print("per round: all steps (steps, tok/s) | steady window (steps, tokens, tok/s, share of its seconds in "
+              "steps a refill's prompt rode)")
+        for key, r in report.items():
+            cells = []
+            for w in r["rounds"]:
+                whole, win = w["whole"], w["window"]
+                cell = f"{whole['steps']} {whole['tokens'] / whole['seconds']:.1f}"
+                if win is not None and win["seconds"] > 0:
+                    cell += (f" | {win['steps']} {win['tokens']} {win['tokens'] / win['seconds']:.1f} "
+                             f"{100 * win['refill_step_seconds'] / win['seconds']:.0f}%")
+                cells.append(cell)
+            print(f"{key:>16}  " + "; ".join(cells))
     if args.out is not None:
         print(f"wrote {atomic_write_text(args.out, json.dumps(report, indent=2))}")
     return 0

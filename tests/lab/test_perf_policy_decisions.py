@@ -21,9 +21,10 @@ def _script():
     return module
 
 
-def _step(batch: int, draft: float, rows: int) -> dict:
+def _step(batch: int, draft: float, rows: int, busy: int | None = None, folded: int = 0) -> dict:
     return {"batch": batch, "t_draft": draft, "t_plan": 1e-3, "t_verify": 0.1 + rows * 1e-3, "rows": rows,
-            "proposed": 2 * batch}
+            "proposed": 2 * batch, "t_accept": 2e-3, "t_prefill": 0.0, "useful": batch + 1, "committed": batch + 2,
+            "folded_prefill": folded, "busy_slots": busy}
 
 
 def test_demo_phases_take_full_batch_steps_of_every_round(tmp_path: Path, capsys) -> None:
@@ -37,3 +38,21 @@ def test_demo_phases_take_full_batch_steps_of_every_round(tmp_path: Path, capsys
     assert got["rows_seen"] == {"12": 2, "8": 1}  # the B = 2 tail step is left out
     assert _script().main(["demo", "--demo-json", str(tmp_path / "none.json")]) == 2
     assert "none.json is not a file" in capsys.readouterr().err
+
+
+def test_demo_steady_window_counts_busy_steps_and_their_refill_seconds(tmp_path: Path) -> None:
+    """The window is the steps with every slot busy (a refill's prompt riding one counts its slot); the
+    refill share is the window's seconds in steps a prompt rode; without `busy_slots` there is no window."""
+    run = [_step(4, 0.01, 8, busy=4), _step(3, 0.02, 6, busy=4, folded=31), _step(3, 0.03, 6, busy=3),
+           _step(2, 0.04, 4, busy=2)]
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps({"steps": {"fixed-1@4": [run], "fixed-2@4": [[{**s, "busy_slots": None}
+                                                                            for s in run]]}}))
+    got = _script().demo(path)
+    seconds = [s["t_draft"] + s["t_plan"] + s["t_verify"] + s["t_accept"] for s in run]
+    whole, window = got["fixed-1@4"]["rounds"][0]["whole"], got["fixed-1@4"]["rounds"][0]["window"]
+    assert whole == {"steps": 4, "tokens": 5 + 4 + 4 + 3, "seconds": pytest.approx(sum(seconds))}
+    assert window["steps"] == 2 and window["tokens"] == 5 + 4 and window["refill_steps"] == 1
+    assert window["seconds"] == pytest.approx(seconds[0] + seconds[1])
+    assert window["refill_step_seconds"] == pytest.approx(seconds[1])
+    assert got["fixed-2@4"]["rounds"][0]["window"] is None
