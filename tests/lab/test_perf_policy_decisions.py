@@ -42,17 +42,18 @@ def test_demo_phases_take_full_batch_steps_of_every_round(tmp_path: Path, capsys
 
 def test_demo_steady_window_counts_busy_steps_and_their_refill_seconds(tmp_path: Path) -> None:
     """The window is the steps with every slot busy (a refill's prompt riding one counts its slot); the
-    refill share is the window's seconds in steps a prompt rode; without `busy_slots` there is no window."""
+    refill share is the window's seconds in steps a prompt rode or was prefilled right before; a step without
+    `useful` counts its committed tokens; without `busy_slots` there is no window."""
     run = [_step(4, 0.01, 8, busy=4), _step(3, 0.02, 6, busy=4, folded=31), _step(3, 0.03, 6, busy=3),
-           _step(2, 0.04, 4, busy=2)]
+           _step(2, 0.04, 4, busy=2), {**_step(4, 0.05, 8, busy=4), "t_prefill": 0.2, "useful": None}]
     path = tmp_path / "demo.json"
     path.write_text(json.dumps({"steps": {"fixed-1@4": [run], "fixed-2@4": [[{**s, "busy_slots": None}
                                                                             for s in run]]}}))
     got = _script().demo(path)
-    seconds = [s["t_draft"] + s["t_plan"] + s["t_verify"] + s["t_accept"] for s in run]
+    seconds = [s["t_draft"] + s["t_plan"] + s["t_verify"] + s["t_accept"] + s["t_prefill"] for s in run]
     whole, window = got["fixed-1@4"]["rounds"][0]["whole"], got["fixed-1@4"]["rounds"][0]["window"]
-    assert whole == {"steps": 4, "tokens": 5 + 4 + 4 + 3, "seconds": pytest.approx(sum(seconds))}
-    assert window["steps"] == 2 and window["tokens"] == 5 + 4 and window["refill_steps"] == 1
-    assert window["seconds"] == pytest.approx(seconds[0] + seconds[1])
-    assert window["refill_step_seconds"] == pytest.approx(seconds[1])
+    assert whole == {"steps": 5, "tokens": 5 + 4 + 4 + 3 + 6, "seconds": pytest.approx(sum(seconds))}
+    assert window["steps"] == 3 and window["tokens"] == 5 + 4 + 6 and window["refill_steps"] == 2
+    assert window["seconds"] == pytest.approx(seconds[0] + seconds[1] + seconds[4])
+    assert window["refill_step_seconds"] == pytest.approx(seconds[1] + seconds[4])
     assert got["fixed-2@4"]["rounds"][0]["window"] is None

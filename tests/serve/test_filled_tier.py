@@ -21,7 +21,7 @@ def _reference(window: list[float]) -> list[float]:
     out = list(window)
     for (first, last), (_, prev) in zip(runs[1:], runs):
         for i in range(first, last + 1):
-            out[i] = window[prev] + (i - prev) / (last - prev) * (window[i] - window[prev])
+            out[i] = min(window[i], window[prev] + (i - prev) / (last - prev) * (window[i] - window[prev]))
     return out
 
 
@@ -34,6 +34,7 @@ def test_matches_the_loop_over_runs_of_equal_prices(runs: list[tuple[float, int]
     np.testing.assert_allclose(got, _reference(window.tolist()), rtol=1e-12, atol=0)
     last = np.r_[window[1:] != window[:-1], True]
     np.testing.assert_array_equal(got[last], window[last])  # a tier's last budget pays the tier
+    assert (got <= window).all()  # filling a tier never costs more than the tier
 
 
 def test_an_untiered_window_is_unchanged_and_a_tier_is_shared_out() -> None:
@@ -41,3 +42,5 @@ def test_an_untiered_window_is_unchanged_and_a_tier_is_shared_out() -> None:
     np.testing.assert_array_equal(filled_tier_seconds(smooth), smooth)
     tiered = np.array([1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 3.0])  # budgets 2..5 share one tier
     np.testing.assert_allclose(filled_tier_seconds(tiered), [1.0, 1.0, 1.25, 1.5, 1.75, 2.0, 3.0])
+    cheaper = np.array([3.0, 2.0, 2.0])  # a cheaper tier after a dearer one keeps its own price
+    np.testing.assert_array_equal(filled_tier_seconds(cheaper), cheaper)

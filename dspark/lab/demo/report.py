@@ -13,7 +13,8 @@ import torch
 from dspark.telemetry import acceptance, tau_bias, timing
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
+    """The lower median (torch's), the one every paired speed-up of the demo uses."""
     return float(torch.tensor(xs, dtype=torch.float64).median())
 
 
@@ -32,7 +33,7 @@ def table_rows(batch_sizes: Sequence[int], requests: dict[int, int], names: list
             """(the best fixed k by its paired speed-up over fixed-0, n / m per lockstep round) on `runs`."""
             def ratios(n: str, m: str) -> list[float]:
                 return [x / y for x, y in zip(runs[n], runs[m])]
-            return max(fixed, key=lambda n: _median(ratios(n, "fixed-0"))), ratios
+            return max(fixed, key=lambda n: median(ratios(n, "fixed-0"))), ratios
 
         best_fixed, ratios = compare(queue)
         steady_best, steady_ratios = compare({n: steady[(n, b)] for n in names})
@@ -43,22 +44,22 @@ def table_rows(batch_sizes: Sequence[int], requests: dict[int, int], names: list
             vs_best = ratios(n, best_fixed)
             rows.append({
                 "batch": b, "policy": n, "requests": requests[b], "queue_tokens": queue_tokens[b],
-                "tokens_per_s": _median(queue[n]), "tokens_per_s_runs": queue[n],
+                "tokens_per_s": median(queue[n]), "tokens_per_s_runs": queue[n],
                 "acceptance_length": acc["acceptance_length"], "acceptance_rate": acc["acceptance_rate"],
                 "proposed_drafts": acc["proposed_drafts"], "accepted_drafts": acc["accepted_drafts"],
                 "rows_per_step": tm["rows_per_step"], "host_syncs_per_step": tm["host_syncs_per_step"],
                 "speculative_step_share": tm["speculative_step_share"],
                 "tau_bias": bias[0]["bias"] if bias else None,
                 "tau_relative_bias": bias[0]["relative_bias"] if bias else None,
-                "speedup_vs_no_spec": _median(ratios(n, "fixed-0")),
-                "speedup_vs_best_fixed": _median(vs_best), "best_fixed": best_fixed,
+                "speedup_vs_no_spec": median(ratios(n, "fixed-0")),
+                "speedup_vs_best_fixed": median(vs_best), "best_fixed": best_fixed,
                 "speedup_vs_best_fixed_spread": (max(vs_best) - min(vs_best)) / 2,
                 "speedup_vs_best_fixed_range": [min(vs_best), max(vs_best)],
-                "speedup_vs_oracle": _median(ratios(n, "oracle")) if "oracle" in names else None,
-                "steady_tokens_per_s": _median(steady[(n, b)]), "steady_tokens_per_s_runs": steady[(n, b)],
-                "steady_speedup_vs_best_fixed": _median(steady_ratios(n, steady_best)),
+                "speedup_vs_oracle": median(ratios(n, "oracle")) if "oracle" in names else None,
+                "steady_tokens_per_s": median(steady[(n, b)]), "steady_tokens_per_s_runs": steady[(n, b)],
+                "steady_speedup_vs_best_fixed": median(steady_ratios(n, steady_best)),
                 "steady_best_fixed": steady_best,
-                "seconds_median": _median(seconds[(n, b)]),
+                "seconds_median": median(seconds[(n, b)]),
                 "phase_seconds": {k: tm[k] for k in ("draft_s", "plan_s", "verify_s", "accept_s", "prefill_s")},
             })
     return rows
@@ -121,7 +122,8 @@ def format_table(rows: list[dict]) -> str:
         rate = ("n/a" if r["acceptance_rate"] is None
                 else f"{r['acceptance_rate']:.2f} {r['accepted_drafts']}/{r['proposed_drafts']}")
         bias = "n/a" if r["tau_relative_bias"] is None else f"{100 * r['tau_relative_bias']:+.1f}%"
-        lines.append(f"{r['batch']:>3} {r['policy']:<12} {r['tokens_per_s']:>6.1f} "
+        tps = r["tokens_per_s"]
+        lines.append(f"{r['batch']:>3} {r['policy']:<12} {tps:>6.{1 if tps < 1000 else 0}f} "
                      f"{r['acceptance_length']:>4.2f} {rate:>14} {r['rows_per_step']:>5.1f} "
                      f"{100 * r['speculative_step_share']:>5.0f} {bias:>8} {r['speedup_vs_no_spec']:>5.2f}x "
                      f"{r['speedup_vs_best_fixed']:>6.2f}x {100 * r['speedup_vs_best_fixed_spread']:>3.0f}% "

@@ -60,7 +60,7 @@ from dspark.lab.demo.config import (
     request_lengths,
 )
 from dspark.lab.demo.records import step_records
-from dspark.lab.demo.report import format_goals, format_table, goal_check, table_rows
+from dspark.lab.demo.report import format_goals, format_table, goal_check, median, table_rows
 from dspark.lab.profile import PlainStepCost, ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.progress import Progress
 from dspark.lab.serving_profile import ServingProfile, attention_kv_layout, profile_drafting, profiled_cost
@@ -130,7 +130,7 @@ def family_summary(rows: list[dict], prefix: str) -> list[dict]:
             continue
 
         def paired(n: str, m: str) -> float:
-            return statistics.median(x / y for x, y in zip(runs[n], runs[m]))
+            return median([x / y for x, y in zip(runs[n], runs[m])])
 
         best = max(fixed, key=lambda n: paired(n, "fixed-0"))
         entry = {"batch": b, "best_fixed": best, "best_fixed_vs_no_spec": paired(best, "fixed-0")}

@@ -48,7 +48,8 @@ class FeedbackSettings:
 def filled_tier_seconds(window: np.ndarray) -> np.ndarray:
     """Step seconds [n] per budget with each tier's padding shared out: within a run of equal prices (a tier:
     its free rows are filled by the planner's allocation), linear from the previous run's last price to this
-    run's; an untiered window is returned as it is.
+    run's, never above the tier's own price (a cheaper tier after a dearer one keeps its price); an untiered
+    window is returned as it is.
 
     window: float64 [n], T(B, B * F + budget) per budget (`VerifyPlanner.seconds_window`).
     """
@@ -63,7 +64,7 @@ def filled_tier_seconds(window: np.ndarray) -> np.ndarray:
     p, e, i = prev[has], end[has], idx[has]
     out[has] = window[p] + (i - p) / (e - p) * (window[i] - window[p])
     out[ends] = window[ends]  # a tier's last budget pays the tier, exactly
-    return out
+    return np.minimum(out, window)
 
 
 class Adaptive(Policy):
