@@ -62,6 +62,7 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
     for r in data["results"]:  # continuous batching: a queue of 2B requests (at least 4), both throughputs reported
         assert r["requests"] == max(2 * r["batch"], 4) and r["tokens_per_s"] > 0 and r["steady_tokens_per_s"] > 0
         assert r["phase_seconds"]["prefill_s"] > 0  # refills are timed
+        assert 0 < r["tpot_ms_p50"] <= r["tpot_ms_p90"]  # per-request time per output token, every round pooled
     lengths = demo_mod.request_lengths(6, 6, 0.5, 0)  # the queue's varied output lengths (3 to 9 tokens)
     for key, rounds in data["steps"].items():  # every step of every round
         assert len(rounds) == 1

@@ -40,6 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -63,6 +64,7 @@ from dspark.lab.demo.records import step_records
 from dspark.lab.demo.report import format_goals, format_table, goal_check, median, table_rows
 from dspark.lab.profile import PlainStepCost, ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.progress import Progress
+from dspark.lab.replay.report import time_per_output_token
 from dspark.lab.serving_profile import ServingProfile, attention_kv_layout, profile_drafting, profiled_cost
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import Encode, prompt_windows
@@ -295,6 +297,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     every_round: dict[tuple[str, int], list[StepRecord]] = {}  # every round's, flat: the table's step statistics
     seconds: dict[tuple[str, int], list[float]] = {}
     steady: dict[tuple[str, int], list[float]] = {}  # steady-state committed tokens / s per timed run
+    tpot: dict[tuple[str, int], list[float]] = {}  # seconds per output token of every request of every round
     lossless_checks = generate_checks = 0
     queue_tokens: dict[int, int] = {}  # B -> new tokens the queue asks for
     if not cfg.sampling:
@@ -328,6 +331,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 seconds.setdefault((name, b), []).append(res.seconds)
                 tokens, busy_seconds = res.steady()
                 steady.setdefault((name, b), []).append(tokens / busy_seconds)
+                tpot.setdefault((name, b), []).extend(time_per_output_token(res))
                 recs = step_records(res, policy=name, mode=mode.value, sampling=cfg.sampling,
                                     lag=cfg.lag if name.removeprefix(NGRAM) in ADAPTIVE else 0,
                                     temperatures=None if name.startswith(NGRAM) or name == "adaptive-est" else temps)
@@ -345,6 +349,9 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
                 bar(f"lossless {m.value} {name}")
     rows = table_rows(cfg.batch_sizes, {b: queue_size(cfg, b) for b in cfg.batch_sizes}, names, every_round,
                       seconds, steady, queue_tokens)
+    for r in rows:  # per-request time per output token, every round's requests pooled (what vLLM and SGLang report)
+        p50, p90 = np.percentile(tpot[(r["policy"], r["batch"])], [50, 90])
+        r["tpot_ms_p50"], r["tpot_ms_p90"] = 1e3 * float(p50), 1e3 * float(p90)
     goals = goal_check(rows)
     summary = {
         "config": {**asdict(cfg), "policies": names, "tiers": list(decoder.tiers), "profiled_tiers": list(profiled)},

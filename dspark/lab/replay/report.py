@@ -48,6 +48,14 @@ def per_request(res: GenerateResult) -> dict[int, tuple[int, float, float, bool]
     return {r: tuple(v) for r, v in out.items()}
 
 
+def time_per_output_token(res: GenerateResult, measured: range | None = None) -> list[float]:
+    """Seconds per output token of each counted request that produced one: (latency - time to its first decode
+    step) / tokens (`per_request`); measured: the queue positions counted (None: every request)."""
+    reqs = per_request(res)
+    counted = [reqs[r] for r in (measured if measured is not None else sorted(reqs))]
+    return [(c[1] - c[2]) / c[0] for c in counted if c[0]]
+
+
 def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measured: range | None = None) -> dict:
     """One run's numbers; temperatures [k]: how the step's confidence logits turn into the predicted tau
     (None: raw, e.g. the online estimator's own calibration); measured: the queue positions counted (None:
@@ -62,7 +70,7 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
     counted = [reqs[r] for r in (measured if measured is not None else sorted(reqs))]
     tokens = sum(c[0] for c in counted)
     latency = sum(c[1] for c in counted)
-    tpot = [(c[1] - c[2]) / c[0] for c in counted if c[0]]
+    tpot = time_per_output_token(res, measured)
     spec = [s for s in res.steps if s.speculated]
     predicted = committed = 0.0
     for s in spec:
