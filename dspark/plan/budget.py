@@ -236,6 +236,28 @@ def seconds_over_window(cost_model: CostModel, num_requests: int, cfg: ScheduleC
     return torch.from_numpy(cost_model.seconds_curve(num_requests, num_requests * cfg.floor, count))
 
 
+def filled_tier_seconds(window: np.ndarray) -> np.ndarray:
+    """Step seconds [n] per budget with each tier's padding shared out: within a run of equal prices (a tier:
+    its free rows are filled by the planner's allocation), linear from the previous run's last price to this
+    run's, never above the tier's own price (a cheaper tier after a dearer one keeps its price); an untiered
+    window is returned as it is.
+
+    window: float64 [n], T(B, B * F + budget) per budget (`seconds_over_window`).
+    """
+    n = window.shape[0]
+    idx = np.arange(n)
+    differs = window[1:] != window[:-1]
+    change, ends = np.r_[False, differs], np.r_[differs, True]  # a new price starts / a price run ends here
+    prev = np.maximum.accumulate(np.where(change, idx - 1, -1))  # the previous run's last budget (-1: none)
+    end = np.minimum.accumulate(np.where(ends, idx, n)[::-1])[::-1]  # this run's last budget
+    out = window.copy()
+    has = prev >= 0
+    p, e, i = prev[has], end[has], idx[has]
+    out[has] = window[p] + (i - p) / (e - p) * (window[i] - window[p])
+    out[ends] = window[ends]  # a tier's last budget pays the tier, exactly
+    return np.minimum(out, window)
+
+
 def _decide(survival: Tensor | HostSurvival, cost_model: CostModel, cfg: ScheduleConfig,
             greedy: bool, tiers: Sequence[int] | None = None) -> BudgetDecision:
     cfg = check_config(cfg)

@@ -49,6 +49,7 @@ from dspark.plan.budget import (
     HostSurvival,
     check_config,
     choose_budget,
+    filled_tier_seconds,
     host_decision,
     host_survival,
     seconds_over_window,
@@ -155,6 +156,7 @@ class VerifyPlanner:
         self._next_row = self.ring.next_row_to_host() if sync_free else None
         self._seconds: dict[tuple[int, torch.device], Tensor] = {}  # T(B, B*F + b) per (B, device)
         self._seconds_window_by_b: dict[int, np.ndarray] = {}  # the same on the host, per B
+        self._filled_window_by_b: dict[int, np.ndarray] = {}  # its `filled_tier_seconds`, per B
         if parallel is not None and not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
         self.parallel = None if parallel is None else ParallelAgreement(
@@ -253,6 +255,14 @@ class VerifyPlanner:
         seconds = self._seconds_window_by_b.get(b)
         if seconds is None:
             seconds = self._seconds_window_by_b[b] = seconds_over_window(self.cost_model, b, self.cfg).numpy()
+        return seconds
+
+    def filled_seconds_window(self, b: int) -> np.ndarray:
+        """`seconds_window(b)` with each tier's padding shared out (`filled_tier_seconds`: the allocation fills a
+        tier's free rows), computed once per B."""
+        seconds = self._filled_window_by_b.get(b)
+        if seconds is None:
+            seconds = self._filled_window_by_b[b] = filled_tier_seconds(self.seconds_window(b))
         return seconds
 
     def _device_tiers(self, device: torch.device) -> Tensor | None:

@@ -45,28 +45,6 @@ class FeedbackSettings:
         check_int("prior_weight", self.prior_weight, 0)
 
 
-def filled_tier_seconds(window: np.ndarray) -> np.ndarray:
-    """Step seconds [n] per budget with each tier's padding shared out: within a run of equal prices (a tier:
-    its free rows are filled by the planner's allocation), linear from the previous run's last price to this
-    run's, never above the tier's own price (a cheaper tier after a dearer one keeps its price); an untiered
-    window is returned as it is.
-
-    window: float64 [n], T(B, B * F + budget) per budget (`VerifyPlanner.seconds_window`).
-    """
-    n = window.shape[0]
-    idx = np.arange(n)
-    change = np.r_[False, window[1:] != window[:-1]]  # a new price starts here
-    prev = np.maximum.accumulate(np.where(change, idx - 1, -1))  # the previous run's last budget (-1: none)
-    ends = np.r_[window[1:] != window[:-1], True]
-    end = np.minimum.accumulate(np.where(ends, idx, n)[::-1])[::-1]  # this run's last budget
-    out = window.copy()
-    has = prev >= 0
-    p, e, i = prev[has], end[has], idx[has]
-    out[has] = window[p] + (i - p) / (e - p) * (window[i] - window[p])
-    out[ends] = window[ends]  # a tier's last budget pays the tier, exactly
-    return np.minimum(out, window)
-
-
 class Adaptive(Policy):
     """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation.
 
@@ -122,7 +100,6 @@ class Adaptive(Policy):
         self.feedback_settings = feedback
         self.feedback = RealisedAcceptance(self.gamma, feedback.decay or 0.0, feedback.prior_weight)
         self._pending: tuple[VerifyPlan, Tensor | None] | None = None  # the speculative step awaiting its outcome
-        self._filled_seconds: dict[tuple[int, int], np.ndarray] = {}  # (depth, B) -> filled_tier_seconds
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
@@ -180,7 +157,7 @@ class Adaptive(Policy):
                 base = b * planner.cfg.floor
                 budget = min(max(0, round(b * (1 + verified)) - base), b * planner.cfg.width - base)
                 # the step at its filled-tier price, and the next one's catch-up of the drafts it accepts
-                seconds = float(self._filled(depth, b)[budget]) + catch_up * b * accepted
+                seconds = float(planner.filled_seconds_window(b)[budget]) + catch_up * b * accepted
                 rate = b * (1 + accepted) / seconds
                 if rate > best[1]:  # ties to the shallower depth
                     best = (depth, rate)
@@ -193,13 +170,6 @@ class Adaptive(Policy):
         if new.any() and not new.all():
             lagged[new] = lagged[~new].mean(0)
         return self.gamma, float(planner.best_decision(lagged).theta)
-
-    def _filled(self, depth: int, b: int) -> np.ndarray:
-        """`filled_tier_seconds` of depth's planner at B = b, made once per (depth, B)."""
-        key = (depth, b)
-        if key not in self._filled_seconds:
-            self._filled_seconds[key] = filled_tier_seconds(self._planners[depth].seconds_window(b))
-        return self._filled_seconds[key]
 
     def confidence(self, drafts: Drafts) -> Tensor:
         if self.estimator is None:

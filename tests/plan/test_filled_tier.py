@@ -1,5 +1,5 @@
-"""`filled_tier_seconds`: the adaptive policy prices a depth's predicted rows with each tier's padding shared out
-(written out here as a brute-force loop over runs of equal prices)."""
+"""`filled_tier_seconds` (`VerifyPlanner.filled_seconds_window`): the adaptive policy prices a depth's predicted
+rows with each tier's padding shared out (written out here as a brute-force loop over runs of equal prices)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.serve.policies.adaptive import filled_tier_seconds
+from dspark.plan.budget import filled_tier_seconds
 
 pytestmark = pytest.mark.cpu_only(reason="host-side arithmetic of the gate")
 
