@@ -2,7 +2,9 @@
 
 `lab`: replays the shipped trace through `adaptive` on one cost model and batch size (`dspark.lab.replay.Lab`)
 with a spy on the gate (`SpeculationGate.decide`): per full-batch decision the depth chosen, the predicted
-speculative and plain tok/s (believed costs) and the rates of every depth from the realised averages; then
+speculative and plain tok/s (believed costs) and the rates of every depth from the realised averages; the
+adaptive run's partial probes (full-batch steps where only some requests drafted: their count, median seconds
+and drafter catch-up tokens beside a full-batch plain step's median seconds, prefill phases left out); then
 fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: committed tokens over the
 run's seconds).
 `demo`: a `dspark demo` output's demo.json: per (policy, B) the medians over full-batch steps (every round) of
@@ -54,17 +56,33 @@ def lab(cost_name: str, b: int) -> dict:
                           "plain_tok_s": n / plain_seconds, "realised_tok_s_by_depth": by_depth})
 
     gate.decide = spy
-    runs = {}
+    runs, probes = {}, {}
     for name in ("fixed-0", "fixed-1", "fixed-2", "fixed-3", "adaptive"):
         res = study.run(policy if name == "adaptive" else name, b)
         runs[name] = sum(int(s.commit_lens.sum()) for s in res.steps) / res.seconds
+        if name == "adaptive":
+            probes = _probes(res.steps, b)
     finite = [d for d in decisions if d["speculative_tok_s"] != float("inf")]
     return {"cost": cost_name, "batch": b, "decisions": len(decisions),
             "plain_decisions": sum(not d["speculate"] for d in decisions),
             "depths_when_speculating": dict(collections.Counter(d["depth"] for d in decisions if d["speculate"])),
             "median_speculative_tok_s": statistics.median(d["speculative_tok_s"] for d in finite) if finite else None,
             "plain_tok_s": decisions[0]["plain_tok_s"] if decisions else None,
-            "last": decisions[-1] if decisions else None, "run_tok_s": runs}
+            "last": decisions[-1] if decisions else None, "partial_probes": probes, "run_tok_s": runs}
+
+
+def _probes(steps: list, b: int) -> dict:
+    """The partial probes among a run's full-batch steps against its full-batch plain steps: each step's draft,
+    plan, verify and accept seconds (a prompt's rows are priced in its prefill phase, left out)."""
+    def own(s) -> float:
+        return s.times.draft + s.times.plan + s.times.verify + s.times.accept
+
+    full = [s for s in steps if s.requests.numel() == b]
+    probe = [s for s in full if s.speculated and s.drafting < b]
+    plain = [s for s in full if not s.speculated]
+    return {"count": len(probe), "ms_median": 1e3 * statistics.median(map(own, probe)) if probe else None,
+            "catch_up_median": statistics.median(s.catch_up for s in probe) if probe else None,
+            "plain_ms_median": 1e3 * statistics.median(map(own, plain)) if plain else None}
 
 
 def demo(path: Path) -> dict:
@@ -122,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  median predicted speculative {report['median_speculative_tok_s']:.1f} tok/s against plain "
               f"{report['plain_tok_s']:.1f} (believed costs); at the last decision: "
               + ", ".join(f"depth {k} {v:.1f}" for k, v in report["last"]["realised_tok_s_by_depth"].items()))
+        pr = report["partial_probes"]
+        if pr["count"]:
+            print(f"  {pr['count']} partial probes: median {pr['ms_median']:.2f} ms, catch-up "
+                  f"{pr['catch_up_median']:.0f} tokens; a plain step {pr['plain_ms_median']:.2f} ms")
         best = max((v, k) for k, v in report["run_tok_s"].items() if k != "adaptive")
         print("  run tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in report["run_tok_s"].items())
               + f"; adaptive / best fixed ({best[1]}) {report['run_tok_s']['adaptive'] / best[0]:.3f}")

@@ -162,7 +162,7 @@ def _plain_runs(out) -> list[int]:
 def test_probe_every_n_plain_steps(decoder: SpecDecoder) -> None:
     n = 3
     # plain wins; cost_window=None: the decision must follow these predictions, not the measured step times
-    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, gate=GateSettings(probe_every=n, max_probe_every=n, cost_window=None))
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, gate=GateSettings(probe_every=n, max_probe_every=n, cost_window=None, probe_budget=None))  # the interval alone
     out = decoder.generate(_prompts(3, 5), 14, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[0] == n and all(r == n for r in runs[:-1]) and len(runs) >= 3 and runs[-1] <= n
@@ -196,7 +196,7 @@ def test_a_timed_probe_finds_out_that_the_profile_overpriced_speculation(device)
 
 
 def test_probe_interval_backs_off_while_plain_keeps_winning(decoder: SpecDecoder) -> None:
-    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, gate=GateSettings(probe_every=2, max_probe_every=8, cost_window=None))
+    policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, gate=GateSettings(probe_every=2, max_probe_every=8, cost_window=None, probe_budget=None))  # the interval alone
     out = decoder.generate(_prompts(2, 5), 40, policy, mode="compact")
     runs = _plain_runs(out)
     assert runs[:4] == [2, 4, 8, 8]
@@ -334,7 +334,7 @@ def test_a_close_call_is_probed_whole_a_clear_one_a_few_requests_in_turn(device,
     Against 820 tok/s plain (2.4 % behind, within `full_probe_within` = 5 %) a probe drafts for every request;
     against 1,000 tok/s (20 % behind) for one of them, the next one at each probe."""
     slots, gens = torch.arange(4, device=device), torch.ones(4, dtype=torch.int64, device=device)
-    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1)
+    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1, probe_budget=None)
     policy = Adaptive(_planner(lag=0, device=device), plain_seconds=lambda b: b / plain_rate, gate=gate,
                       feedback=FeedbackSettings(prior_weight=0))
     assert policy.catch_up is None  # a request may wait its whole length for its first proposal
@@ -356,7 +356,7 @@ def test_a_close_call_is_probed_whole_a_clear_one_a_few_requests_in_turn(device,
 def test_partial_probes_run_lossless_and_report_who_drafted(decoder: SpecDecoder) -> None:
     prompts = _prompts(4, 6, seed=5)
     ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
-    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1)
+    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1, probe_budget=None)
     policy = Adaptive(_planner(device=decoder.device), plain_seconds=lambda b: 1e-6, gate=gate)
     out = decoder.generate(prompts, 16, policy, mode="compact")
     assert torch.equal(out.tokens, ref.tokens)
@@ -382,7 +382,7 @@ def test_the_estimator_learns_from_the_requests_that_drafted_only(decoder: SpecD
     prompts = _prompts(4, 6, seed=6)
     ref = decoder.generate(prompts, 16, FixedK(0), mode="static")
     est = OnlineAcceptanceEstimator(GAMMA, refit_every=2, min_labels=4)
-    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1)
+    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1, probe_budget=None)
     policy = Adaptive(_planner(lag=0, device=decoder.device), plain_seconds=lambda b: 1e-6, gate=gate, estimator=est)
     out = decoder.generate(prompts, 16, policy, mode="static")
     assert torch.equal(out.tokens, ref.tokens)

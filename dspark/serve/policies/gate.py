@@ -33,7 +33,9 @@ class GateSettings:
     probe_requests / full_probe_within: a probe drafts for at most `probe_requests` requests (None: the whole
     batch) unless the last decision's speculative rate was within `full_probe_within` of plain's (a fraction);
     prefill_token_seconds: the target's seconds per prompt token that rides a step's forward (chunked prefill),
-    added to that step's predicted seconds before its ratio is sampled (0: unknown, such a step is not sampled)."""
+    added to that step's predicted seconds before its ratio is sampled (0: unknown, such a step is not sampled);
+    probe_budget: the most of the measured plain seconds between two probes that the last probe's measured extra
+    seconds may take (None: the interval alone decides)."""
 
     probe_every: int = 8
     max_probe_every: int = 64
@@ -42,6 +44,7 @@ class GateSettings:
     probe_requests: int | None = 16
     full_probe_within: float = 0.05
     prefill_token_seconds: float = 0.0
+    probe_budget: float | None = 0.001
 
     @classmethod
     def probing(cls, probe: tuple[int, int, bool], catch_up_seconds: float = 0.0,
@@ -62,6 +65,8 @@ class GateSettings:
             check_int("probe_requests", self.probe_requests, 1)
         check_real("full_probe_within", self.full_probe_within, 0.0, math.inf, high_open=True)
         check_real("prefill_token_seconds", self.prefill_token_seconds, 0.0, math.inf, high_open=True)
+        if self.probe_budget is not None:
+            check_real("probe_budget", self.probe_budget, 0.0, 1.0, low_open=True)
 
 
 class SpeculationGate:
@@ -78,6 +83,11 @@ class SpeculationGate:
         self._probe_left = 0  # speculative steps of the current probe still to run
         self._probed = 0  # requests probed so far: where the next partial probe starts in the batch
         self._behind = 0.0  # how far the last decision put speculation behind plain (1 - rate ratio)
+        self._kind: str | None = None  # this step: "plain", "probe" (a probe's step) or None (on its merits)
+        self._plain_time = 0.0  # measured seconds of the plain steps since the last probe
+        self._plain_mean = 0.0  # their mean when the last probe started
+        self._probe_time = [0.0, 0]  # the last probe's measured seconds and steps
+        self._probe_extra = 0.0  # its measured seconds beyond as many plain steps
 
     def probe(self, b: int) -> Tensor | None:
         """Whether the probe schedule forces this step over `b` requests to speculate at full depth: None when the
@@ -85,10 +95,16 @@ class SpeculationGate:
         `probe_requests` in turn through the batch positions)."""
         if self._probe_left:  # a probe's second step: timed for the realised-cost feedback
             self._probe_left -= 1
+            self._kind = "probe"
             return torch.ones(b, dtype=torch.bool)
-        if self._plain_run < self._interval:
+        budget = self.settings.probe_budget
+        clear = self._behind > self.settings.full_probe_within  # not a close call: exploring within the budget
+        if self._plain_run < self._interval or (clear and budget is not None
+                                                and self._plain_time * budget < self._probe_extra):
             return None
-        self._plain_run = 0  # probe, at the full depth: every position is observed again
+        # probe, at the full depth: every position is observed again
+        self._plain_mean, self._plain_time, self._probe_time = self._plain_time / self._plain_run, 0.0, [0.0, 0]
+        self._plain_run, self._kind = 0, "probe"
         self._interval = min(2 * self._interval, self.settings.max_probe_every)
         mask = None if self._behind <= self.settings.full_probe_within else self.sample(b)
         if mask is None:  # the whole batch
@@ -121,6 +137,8 @@ class SpeculationGate:
     def reset_probes(self) -> None:
         """The decision chose speculation: the probe schedule starts over."""
         self._plain_run, self._interval = 0, self.settings.probe_every
+        self._plain_time = self._probe_extra = 0.0
+        self._kind = None
 
     def expect(self, predicted: float | None) -> None:
         """A speculative step was planned, predicted to take `predicted` seconds (None: not sampled, its draft
@@ -130,7 +148,7 @@ class SpeculationGate:
     def went_plain(self, predicted: float) -> None:
         """A plain step runs, predicted to take `predicted` seconds."""
         self._plain_run += 1
-        self._pending = (False, predicted)
+        self._pending, self._kind = (False, predicted), "plain"
 
     def observe_seconds(self, seconds: float, prefill_tokens: int = 0) -> None:
         """The step's measured seconds: one more ratio for its side; a moved median re-decides. prefill_tokens:
@@ -138,6 +156,15 @@ class SpeculationGate:
         sampled where that price is unknown)."""
         pending, self._pending = self._pending, None
         price = self.settings.prefill_token_seconds
+        kind, self._kind = self._kind, None
+        own = seconds - price * prefill_tokens  # the prompt rows' known price left out
+        if kind == "plain":
+            self._plain_time += own
+        elif kind == "probe":
+            spent = self._probe_time
+            spent[0] += own
+            spent[1] += 1
+            self._probe_extra = max(0.0, spent[0] - spent[1] * self._plain_mean)
         if pending is None or self.settings.cost_window is None or (prefill_tokens and not price):
             return
         speculative, predicted = pending
