@@ -35,7 +35,7 @@ from dspark.config import VerifyMode
 from dspark.cost.serving import ServingCost, load_serving_cost
 from dspark.lab.progress import Progress
 from dspark.lab.replay.lab import UNTIMED_PROBE, Lab, ServingQueue, serving_queue
-from dspark.lab.replay.live import priced_phases, step_agreement, work_of
+from dspark.lab.replay.live import live_tiers, priced_phases, step_agreement, work_of
 from dspark.lab.replay.report import run_summary
 from dspark.lab.replay.trace import Trace
 from dspark.lab.replay.variants import fit_trace_temperatures
@@ -208,20 +208,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     t0 = time.perf_counter()
     torch.set_num_threads(1)
-    if args.cost != "same-run":
-        load_serving_cost(args.cost, width=args.gamma + 1)  # a bad name is refused before any work
-    target, draft, prompts, trace, what = load(args)
-    qs = queues(args, trace)
     from dspark.verify.layout import tier_ladder
 
+    ladder, machine = tier_ladder(tuple(args.batch_sizes), args.gamma + 1), f"{platform.machine()}-cpu"
+    if args.cost != "same-run":  # a bad name or another geometry is refused before any work
+        live_tiers(load_serving_cost(args.cost, width=args.gamma + 1), machine, ladder, args.batch_sizes, args.gamma + 1)
+    target, draft, prompts, trace, what = load(args)
+    qs = queues(args, trace)
     longest = int(trace.prompt_offsets.diff().max() + trace.new_tokens.max())
     per_request = longest + 2 * (args.gamma + 1) + 64 + 16  # catch-up rows, a page
-    ladder = tier_ladder(tuple(args.batch_sizes), args.gamma + 1)
     decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=max(args.batch_sizes) * per_request, tiers=ladder, clock="thread"))
     bar = Progress(len(args.batch_sizes) * (2 * len(POLICIES) + args.repeats)
                    + (len({1, *args.batch_sizes}) if args.cost == "same-run" else 0), print)
     cost = serving_cost(args, decoder, prompts, trace, bar)
-    decoder = decoder.fork(tiers=cost.tiers or None)
+    decoder = decoder.fork(tiers=live_tiers(cost, machine, ladder, args.batch_sizes, args.gamma + 1))
     temps, _ = fit_trace_temperatures(trace, args.gamma)
     # live takes the replay's steps: the same gate, and refills folded as the live engine folds them
     lab = Lab(trace, cost, args.gamma, temperatures=temps, probe=UNTIMED_PROBE, fold_prefill=decoder.config.fold_prefill)

@@ -11,13 +11,15 @@ import torch
 from engine_models import VOCAB, tiny_models
 
 from dspark.config import VerifyMode
+from dspark.cost.serving import load_serving_cost
 from dspark.cost.shipped import h100_llama8b_fitted
 from dspark.lab.replay.lab import UNTIMED_PROBE, Lab
-from dspark.lab.replay.live import priced_phases, step_agreement, work_of
+from dspark.lab.replay.live import live_tiers, priced_phases, step_agreement, work_of
 from dspark.lab.replay.record import RecordSettings, record_trace
 from dspark.lab.replay.workload import Request
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
+from dspark.verify.layout import tier_ladder
 
 pytestmark = pytest.mark.cpu_only(reason="the replay runs on host tensors; the live side is compared on the CPU")
 GAMMA, N = 4, 10
@@ -103,3 +105,18 @@ def test_agreement_shows_the_steps_and_tokens_that_differ() -> None:
     assert out["diverging_requests"] == 1 and out["divergences"][0]["request"] == 3
     assert out["divergences"][0]["position"] == 4
     assert out["divergences"][0]["target_top2_gap"] == pytest.approx(float(trace.margins(3)[4]))
+
+
+def test_a_cost_table_from_another_geometry_is_refused_with_its_values() -> None:
+    cpu = load_serving_cost("cpu-measured", width=4)
+    ladder = tier_ladder((1, 4, 16), 4)
+    reach = live_tiers(cpu, cpu.platform, ladder, [1, 4, 16], 4)
+    assert reach == tuple(t for t in cpu.tiers if t <= 64) and set(reach) <= set(ladder) and 3 not in reach
+    with pytest.raises(ValueError, match="models platform 'h100-cuda' but the live run decodes on 'x86_64-cpu'"):
+        live_tiers(load_serving_cost("h100-llama8b-fitted", width=4), "x86_64-cpu", ladder, [1, 4, 16], 4)
+    with pytest.raises(ValueError, match="covers B <= 256 but the live run serves B = 512"):
+        live_tiers(cpu, cpu.platform, tier_ladder((512,), 4), [1, 512], 4)
+    with pytest.raises(ValueError, match=r"prices eager steps \(no graph tiers\)"):
+        live_tiers(dataclasses.replace(cpu, tiers=()), cpu.platform, ladder, [1, 4, 16], 4)
+    with pytest.raises(ValueError, match=r"prices graph tiers \[1, 2, 4, 5, 6, 8, 12, 16\] .* \(missing \[5, 6\]\)"):
+        live_tiers(cpu, cpu.platform, (1, 2, 4, 8, 12, 16), [1, 4], 4)

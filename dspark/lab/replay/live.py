@@ -6,11 +6,12 @@ continuation; what differs is shown with the logit gap that decided it. `priced_
 with the rules the replay charges (`ServingCost.price` of the step's `StepWork`) phase by phase: when the steps
 agree, the replay's seconds are exactly these priced seconds, so the gap between live and replayed tok/s is the
 sum of the per-phase residuals it reports (draft, target, prefill, and the plan and host time the replay does
-not charge).
+not charge). `live_tiers` checks that a cost table was profiled for the live run's geometry before any work.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -61,6 +62,31 @@ def step_agreement(live: GenerateResult, replay: GenerateResult, trace: Trace, i
     return {"steps": [len(live.steps), len(replay.steps)], "compared": n, "identical": sum(same),
             "differing_steps": n - sum(same) + abs(len(live.steps) - len(replay.steps)), "first_differing": differing,
             "diverging_requests": len(diverging), "divergences": diverging[:SHOWN]}
+
+
+def live_tiers(cost: ServingCost, platform: str, ladder: Sequence[int], batch_sizes: Sequence[int],
+               width: int) -> tuple[int, ...]:
+    """The graph tiers a live run serves so that `cost` prices its steps: the cost's tiers up to max(batch_sizes) x
+    width, every one of them in the live tier `ladder`. ValueError naming the value when the cost models another
+    platform than the live run's (`platform`, e.g. "x86_64-cpu"), covers fewer requests than the largest B, prices
+    eager steps (no tiers), or prices a tier in that reach that the ladder does not capture."""
+    fix = "compare with a table profiled for this run (perf/replay_live.py --cost same-run)"
+    if cost.platform != platform:
+        raise ValueError(f"the cost {cost.name!r} models platform {cost.platform!r} but the live run decodes on "
+                         f"{platform!r}: {fix}")
+    top = max(batch_sizes)
+    if cost.max_requests < top:
+        raise ValueError(f"the cost {cost.name!r} covers B <= {cost.max_requests} but the live run serves B = {top}: "
+                         f"{fix}")
+    if not cost.tiers:
+        raise ValueError(f"the cost {cost.name!r} prices eager steps (no graph tiers) but the live run pads to its tier "
+                         f"ladder {list(ladder)}: {fix}")
+    reach = tuple(t for t in cost.tiers if t <= top * width)
+    missing = [t for t in reach if t not in ladder]
+    if missing or not reach:
+        raise ValueError(f"the cost {cost.name!r} prices graph tiers {list(reach) or list(cost.tiers)} but the live "
+                         f"run captures {list(ladder)} (missing {missing or list(cost.tiers)}): {fix}")
+    return reach
 
 
 def work_of(step: StepOutcome) -> StepWork:
