@@ -4,7 +4,7 @@
 with a spy on the gate (`SpeculationGate.decide`): per full-batch decision the depth chosen, the predicted
 speculative and plain tok/s (believed costs) and the rates of every depth from the realised averages; the
 adaptive run's partial probes (full-batch steps where only some requests drafted: their count, median seconds
-and drafter catch-up tokens beside a full-batch plain step's median seconds, prefill phases left out); then
+and drafter catch-up tokens beside a full-batch plain step's median seconds; a folded prompt's rows included); then
 fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: committed tokens over the
 run's seconds).
 `demo`: a `dspark demo` output's demo.json: per (policy, B) the medians over full-batch steps (every round) of
@@ -73,7 +73,7 @@ def lab(cost_name: str, b: int) -> dict:
 
 def _probes(steps: list, b: int) -> dict:
     """The partial probes among a run's full-batch steps against its full-batch plain steps: each step's draft,
-    plan, verify and accept seconds (a prompt's rows are priced in its prefill phase, left out)."""
+    plan, verify and accept seconds (a folded prompt's rows included, a prefill forward of its own left out)."""
     def own(s) -> float:
         return s.times.draft + s.times.plan + s.times.verify + s.times.accept
 

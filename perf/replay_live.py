@@ -210,9 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     from dspark.verify.layout import tier_ladder
 
-    ladder, machine = tier_ladder(tuple(args.batch_sizes), args.gamma + 1), f"{platform.machine()}-cpu"
+    ladder, here = tier_ladder(tuple(args.batch_sizes), args.gamma + 1), f"{platform.machine()}-cpu"
     if args.cost != "same-run":  # a bad name or another geometry is refused before any work
-        live_tiers(load_serving_cost(args.cost, width=args.gamma + 1), machine, ladder, args.batch_sizes, args.gamma + 1)
+        given = load_serving_cost(args.cost, width=args.gamma + 1)
+        live_tiers(given, here, ladder, args.batch_sizes, args.gamma + 1)
     target, draft, prompts, trace, what = load(args)
     qs = queues(args, trace)
     longest = int(trace.prompt_offsets.diff().max() + trace.new_tokens.max())
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     bar = Progress(len(args.batch_sizes) * (2 * len(POLICIES) + args.repeats)
                    + (len({1, *args.batch_sizes}) if args.cost == "same-run" else 0), print)
     cost = serving_cost(args, decoder, prompts, trace, bar)
-    decoder = decoder.fork(tiers=live_tiers(cost, machine, ladder, args.batch_sizes, args.gamma + 1))
+    decoder = decoder.fork(tiers=live_tiers(cost, here, ladder, args.batch_sizes, args.gamma + 1))
     temps, _ = fit_trace_temperatures(trace, args.gamma)
     # live takes the replay's steps: the same gate, and refills folded as the live engine folds them
     lab = Lab(trace, cost, args.gamma, temperatures=temps, probe=UNTIMED_PROBE, fold_prefill=decoder.config.fold_prefill)

@@ -258,8 +258,8 @@ def test_the_lab_folds_refills_where_a_prefill_forward_has_a_price_of_its_own() 
 
 def test_the_labs_adaptive_gate_is_the_librarys_default_with_the_catch_up_priced() -> None:
     """The lab judges the gate users get (`GateSettings()`: probes 8 -> 64, measured-cost feedback on), charged the
-    drafter's catch-up and a prompt riding a step at the serving cost's prices; `UNTIMED_PROBE` turns only the
-    feedback off."""
+    drafter's catch-up and a prompt riding a step at the serving cost's prices; `UNTIMED_PROBE` turns off only what
+    reads a step's time (the cost feedback, the probe budget)."""
     from dspark.lab.replay.lab import UNTIMED_PROBE
     from dspark.serve.policies.gate import GateSettings
 
@@ -269,4 +269,5 @@ def test_the_labs_adaptive_gate_is_the_librarys_default_with_the_catch_up_priced
     assert per_token > 0 and policy.gate.settings == GateSettings(catch_up_seconds=20e-6,
                                                                   prefill_token_seconds=per_token)
     untimed = dataclasses.replace(lab, probe=UNTIMED_PROBE).policy("adaptive", 2).gate.settings
-    assert untimed == GateSettings(cost_window=None, catch_up_seconds=20e-6, prefill_token_seconds=per_token)
+    assert untimed == GateSettings(cost_window=None, catch_up_seconds=20e-6, prefill_token_seconds=per_token,
+                                   probe_budget=None)

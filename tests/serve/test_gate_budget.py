@@ -33,9 +33,10 @@ def _reference(settings_: GateSettings, plain: list[float], probe: list[float], 
     less as many plain steps' mean seconds before it."""
     runs, interval, extra, i, j = [], settings_.probe_every, 0.0, 0, 0
     budget = settings_.probe_budget if behind > settings_.full_probe_within else None
+    cap = settings_.max_probe_wait
     while len(runs) < 6 and i < 5000:
         run, spent = 0, 0.0
-        while run < interval or (budget is not None and spent * budget < extra):
+        while run < interval or (budget is not None and run < cap and spent * budget < extra):
             spent, run, i = spent + plain[i % len(plain)], run + 1, i + 1
             if i >= 5000:
                 return runs
@@ -50,10 +51,10 @@ def _reference(settings_: GateSettings, plain: list[float], probe: list[float], 
 @given(plain=st.lists(st.floats(0.001, 0.05), min_size=1, max_size=5),
        probe=st.lists(st.floats(0.0005, 0.2), min_size=1, max_size=3),
        budget=st.one_of(st.none(), st.floats(0.01, 0.5)), every=st.integers(1, 4), most=st.integers(0, 3),
-       behind=st.sampled_from([0.02, 0.3, 1.0]))
-def test_probes_follow_the_budget_rule(plain, probe, budget, every, most, behind) -> None:
+       behind=st.sampled_from([0.02, 0.3, 1.0]), wait=st.integers(0, 300))
+def test_probes_follow_the_budget_rule(plain, probe, budget, every, most, behind, wait) -> None:
     s = GateSettings(probe_every=every, max_probe_every=every * 2 ** most, cost_window=None, probe_requests=None,
-                     probe_budget=budget)
+                     probe_budget=budget, max_probe_wait=1 + wait)
     assert _schedule(SpeculationGate(s), plain, probe, behind=behind) == _reference(s, plain, probe, behind)
 
 
@@ -71,8 +72,58 @@ def test_an_expensive_probe_waits_for_its_budget() -> None:
     assert _schedule(SpeculationGate(s), [1.0], [3.0], behind=0.03) == [2] * 6
 
 
+@pytest.mark.cpu_only(reason="host arithmetic of the gate's probe schedule")
+def test_the_wait_stops_at_max_probe_wait() -> None:
+    """A probe 1,000 s over plain would wait 10,000 plain steps at 10 %; max_probe_wait = 50 stops it there."""
+    s = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=None, probe_budget=0.1,
+                     max_probe_wait=50)
+    assert _schedule(SpeculationGate(s), [1.0], [1001.0]) == [2, 50, 50, 50, 50, 50]
+
+
+@pytest.mark.cpu_only(reason="host arithmetic of the gate's probe schedule")
+def test_a_two_step_probe_counts_both_steps_and_untimed_prompts_are_left_out() -> None:
+    """With the cost feedback a whole-batch probe is two steps: 3 s + 2 s against two plain steps of 1 s is 3 s
+    extra, 30 plain steps at 10 %. A plain step that a prompt of unknown price rode is neither timed nor in the
+    mean: it still counts as a plain step in the interval."""
+    gate = SpeculationGate(GateSettings(probe_every=2, max_probe_every=2, probe_requests=None, probe_budget=0.1))
+
+    def plain(seconds: float, prompt: int = 0) -> None:
+        assert gate.probe(4) is None
+        gate.decide(4, 3, 0.0, 1.0)
+        gate.went_plain(1.0)
+        gate.observe_seconds(seconds, prompt)
+
+    plain(1.0)
+    plain(50.0, prompt=7)  # untimed: the mean stays 1 s
+    for seconds in (3.0, 2.0):
+        assert gate.probe(4) is not None
+        gate.observe_seconds(seconds)
+    for _ in range(29):
+        plain(1.0)
+    plain(1.0, prompt=3)  # not timed: 29 s so far
+    plain(1.0)
+    assert gate.probe(4) is not None  # 30 s of timed plain steps: 3 s is 10 %
+
+
+@pytest.mark.cpu_only(reason="host arithmetic of the gate's probe schedule")
+def test_a_speculative_decision_clears_the_budget() -> None:
+    s = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=None, probe_budget=0.1)
+    gate = SpeculationGate(s)
+    assert _schedule(gate, [1.0], [3.0])[:2] == [2, 20]
+    gate.reset_probes()  # speculation won a decision: the next plain stretch starts over, no probe's debt carried
+    assert _schedule(gate, [1.0], [0.5])[:3] == [2, 2, 2]
+
+
+@pytest.mark.cpu_only(reason="settings validation")
+def test_only_a_timed_gate_has_a_budget() -> None:
+    assert GateSettings.probing((8, 64, True)).probe_budget == 0.001
+    assert GateSettings.probing((8, 64, False)).probe_budget is None  # untimed: no decision reads a step's time
+
+
 @pytest.mark.cpu_only(reason="settings validation")
 @pytest.mark.parametrize("value", [0.0, -0.1, 1.5, float("nan"), True])
 def test_probe_budget_is_checked(value) -> None:
-    with pytest.raises(ValueError, match="probe_budget"):
+    with pytest.raises(ValueError, match=r"probe_budget \(None: no budget\) must be a number in \(0, 1\]"):
         GateSettings(probe_budget=value)
+    with pytest.raises(ValueError, match="max_probe_wait must be an int >= 1, got 0"):
+        GateSettings(max_probe_wait=0)

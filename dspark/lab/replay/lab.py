@@ -37,8 +37,9 @@ from dspark.util.validate import check_int, check_type
 REQUESTS_PER_SLOT = 8  # measured requests per slot
 FILL_PER_SLOT = 4  # requests per slot queued after the measured ones: every measured request runs at full concurrency
 MAX_REPEATS = 8  # the most times one trace request may appear in a recycled queue
-# the gate without its measured-cost feedback: decisions read no step time, so a live or timed run takes the
-# replay's steps one for one (perf/replay_live.py, the timed replay); the lab's default is the library's gate
+# the gate without its measured-cost feedback and probe budget: decisions read no step time, so a live or
+# timed run takes the replay's steps one for one (perf/replay_live.py, the timed replay); the lab's default is
+# the library's gate
 UNTIMED_PROBE = (8, 64, False)
 
 

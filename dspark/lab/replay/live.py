@@ -79,13 +79,16 @@ def live_tiers(cost: ServingCost, platform: str, ladder: Sequence[int], batch_si
         raise ValueError(f"the cost {cost.name!r} covers B <= {cost.max_requests} but the live run serves B = {top}: "
                          f"{fix}")
     if not cost.tiers:
-        raise ValueError(f"the cost {cost.name!r} prices eager steps (no graph tiers) but the live run pads to its tier "
-                         f"ladder {list(ladder)}: {fix}")
+        raise ValueError(f"the cost {cost.name!r} prices eager steps (no graph tiers) but the live run pads to its "
+                         f"tier ladder {list(ladder)}: {fix}")
     reach = tuple(t for t in cost.tiers if t <= top * width)
+    if not reach:
+        raise ValueError(f"the cost {cost.name!r} prices no graph tier up to max B x W = {top * width} (its smallest: "
+                         f"{min(cost.tiers)}): {fix}")
     missing = [t for t in reach if t not in ladder]
-    if missing or not reach:
-        raise ValueError(f"the cost {cost.name!r} prices graph tiers {list(reach) or list(cost.tiers)} but the live "
-                         f"run captures {list(ladder)} (missing {missing or list(cost.tiers)}): {fix}")
+    if missing:
+        raise ValueError(f"the cost {cost.name!r} prices graph tiers {list(reach)} but the live run captures "
+                         f"{list(ladder)} (missing {missing}): {fix}")
     return reach
 
 

@@ -95,7 +95,8 @@ class Adaptive(Policy):
         self.gate = SpeculationGate(gate)
         # plain steps in a row before a probe: tokens the draft catches up (a partial probe leaves some requests
         # undrafted for longer: no bound but their own length)
-        self.catch_up = gate.max_probe_every if gate.probe_requests is None else None
+        wait = gate.max_probe_every if gate.probe_budget is None else max(gate.max_probe_every, gate.max_probe_wait)
+        self.catch_up = wait if gate.probe_requests is None else None
         self._catch_up = False  # the next speculative step's draft catches up on plain steps' tokens
         self.feedback_settings = feedback
         self.feedback = RealisedAcceptance(self.gamma, feedback.decay or 0.0, feedback.prior_weight)

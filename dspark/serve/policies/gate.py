@@ -8,8 +8,11 @@ than `probe_requests` drafts for that many of its requests, in turn, while the r
 (the drafter catches up only the probed requests): a close call is probed whole, a clear one sampled. With
 `cost_window`, each side's (speculative, plain) predicted seconds are rescaled by the median of its last
 `cost_window` measured / predicted ratios (from three samples on: one stall cannot decide), and a probe of the
-whole batch runs two speculative steps so the second, free of the draft's catch-up, is timed. Why each rule:
-docs/policies.md.
+whole batch runs two speculative steps so the second, free of the draft's catch-up, is timed. With
+`probe_budget`, a probe of a clear loss also waits until the plain steps since the last probe have taken at least
+the last probe's measured extra seconds (its steps' seconds less as many plain steps' mean) over that fraction, or
+`max_probe_wait` plain steps. Without `cost_window` and `probe_budget` no decision reads a step's time. Why each
+rule: docs/policies.md.
 """
 from __future__ import annotations
 
@@ -34,8 +37,11 @@ class GateSettings:
     batch) unless the last decision's speculative rate was within `full_probe_within` of plain's (a fraction);
     prefill_token_seconds: the target's seconds per prompt token that rides a step's forward (chunked prefill),
     added to that step's predicted seconds before its ratio is sampled (0: unknown, such a step is not sampled);
-    probe_budget: the most of the measured plain seconds between two probes that the last probe's measured extra
-    seconds may take (None: the interval alone decides)."""
+    probe_budget / max_probe_wait: unless the last decision was within `full_probe_within` of plain, a probe waits
+    until the last probe's measured extra seconds are at most `probe_budget` of the measured plain seconds since,
+    or `max_probe_wait` plain steps in a row, whichever comes first, and never before the interval (None: the
+    interval alone decides). A step that a prompt of unknown
+    price rode is not counted."""
 
     probe_every: int = 8
     max_probe_every: int = 64
@@ -45,15 +51,17 @@ class GateSettings:
     full_probe_within: float = 0.05
     prefill_token_seconds: float = 0.0
     probe_budget: float | None = 0.001
+    max_probe_wait: int = 1024
 
     @classmethod
     def probing(cls, probe: tuple[int, int, bool], catch_up_seconds: float = 0.0,
                 probe_requests: int | None = 16, prefill_token_seconds: float = 0.0) -> GateSettings:
-        """From (probe_every, max_probe_every, cost feedback on: a window of 9 steps), the catch-up price, the
-        requests per probe and the price of a prompt token riding a step."""
-        every, most, cost_feedback = probe
-        return cls(every, most, 9 if cost_feedback else None, catch_up_seconds, probe_requests,
-                   prefill_token_seconds=prefill_token_seconds)
+        """From (probe_every, max_probe_every, measured time on: a cost window of 9 steps and the default probe
+        budget; off: no decision reads a step's time), the catch-up price, the requests per probe and the price of
+        a prompt token riding a step."""
+        every, most, timed = probe
+        return cls(every, most, 9 if timed else None, catch_up_seconds, probe_requests,
+                   prefill_token_seconds=prefill_token_seconds, probe_budget=cls.probe_budget if timed else None)
 
     def __post_init__(self) -> None:
         check_int("probe_every", self.probe_every, 1)
@@ -66,7 +74,8 @@ class GateSettings:
         check_real("full_probe_within", self.full_probe_within, 0.0, math.inf, high_open=True)
         check_real("prefill_token_seconds", self.prefill_token_seconds, 0.0, math.inf, high_open=True)
         if self.probe_budget is not None:
-            check_real("probe_budget", self.probe_budget, 0.0, 1.0, low_open=True)
+            check_real("probe_budget (None: no budget)", self.probe_budget, 0.0, 1.0, low_open=True)
+        check_int("max_probe_wait", self.max_probe_wait, 1)
 
 
 class SpeculationGate:
@@ -84,9 +93,9 @@ class SpeculationGate:
         self._probed = 0  # requests probed so far: where the next partial probe starts in the batch
         self._behind = 0.0  # how far the last decision put speculation behind plain (1 - rate ratio)
         self._kind: str | None = None  # this step: "plain", "probe" (a probe's step) or None (on its merits)
-        self._plain_time = 0.0  # measured seconds of the plain steps since the last probe
-        self._plain_mean = 0.0  # their mean when the last probe started
-        self._probe_time = [0.0, 0]  # the last probe's measured seconds and steps
+        self._plain_time, self._plain_timed = 0.0, 0  # measured seconds and count of plain steps since the last probe
+        self._plain_mean: float | None = None  # their mean when the last probe started (None: none was timed)
+        self._probe_time, self._probe_steps = 0.0, 0  # the last probe's timed seconds and steps
         self._probe_extra = 0.0  # its measured seconds beyond as many plain steps
 
     def probe(self, b: int) -> Tensor | None:
@@ -97,13 +106,14 @@ class SpeculationGate:
             self._probe_left -= 1
             self._kind = "probe"
             return torch.ones(b, dtype=torch.bool)
-        budget = self.settings.probe_budget
-        clear = self._behind > self.settings.full_probe_within  # not a close call: exploring within the budget
-        if self._plain_run < self._interval or (clear and budget is not None
-                                                and self._plain_time * budget < self._probe_extra):
+        s, budget = self.settings, self.settings.probe_budget
+        held = (budget is not None and self._behind > s.full_probe_within  # a clear loss explores within the budget
+                and self._plain_run < s.max_probe_wait and self._plain_time * budget < self._probe_extra)
+        if self._plain_run < self._interval or held:
             return None
         # probe, at the full depth: every position is observed again
-        self._plain_mean, self._plain_time, self._probe_time = self._plain_time / self._plain_run, 0.0, [0.0, 0]
+        self._plain_mean = self._plain_time / self._plain_timed if self._plain_timed else None
+        self._plain_time, self._plain_timed, self._probe_time, self._probe_steps = 0.0, 0, 0.0, 0
         self._plain_run, self._kind = 0, "probe"
         self._interval = min(2 * self._interval, self.settings.max_probe_every)
         mask = None if self._behind <= self.settings.full_probe_within else self.sample(b)
@@ -137,8 +147,7 @@ class SpeculationGate:
     def reset_probes(self) -> None:
         """The decision chose speculation: the probe schedule starts over."""
         self._plain_run, self._interval = 0, self.settings.probe_every
-        self._plain_time = self._probe_extra = 0.0
-        self._kind = None
+        self._plain_time, self._plain_timed, self._probe_extra = 0.0, 0, 0.0
 
     def expect(self, predicted: float | None) -> None:
         """A speculative step was planned, predicted to take `predicted` seconds (None: not sampled, its draft
@@ -157,14 +166,13 @@ class SpeculationGate:
         pending, self._pending = self._pending, None
         price = self.settings.prefill_token_seconds
         kind, self._kind = self._kind, None
-        own = seconds - price * prefill_tokens  # the prompt rows' known price left out
-        if kind == "plain":
-            self._plain_time += own
-        elif kind == "probe":
-            spent = self._probe_time
-            spent[0] += own
-            spent[1] += 1
-            self._probe_extra = max(0.0, spent[0] - spent[1] * self._plain_mean)
+        if kind is not None and not (prefill_tokens and not price):  # a prompt of unknown price: not counted
+            own = max(0.0, seconds - price * prefill_tokens)  # the prompt rows' price left out
+            if kind == "plain":
+                self._plain_time, self._plain_timed = self._plain_time + own, self._plain_timed + 1
+            elif self._plain_mean is not None:
+                self._probe_time, self._probe_steps = self._probe_time + own, self._probe_steps + 1
+                self._probe_extra = max(0.0, self._probe_time - self._probe_steps * self._plain_mean)
         if pending is None or self.settings.cost_window is None or (prefill_tokens and not price):
             return
         speculative, predicted = pending
