@@ -271,3 +271,28 @@ def test_the_labs_adaptive_gate_is_the_librarys_default_with_the_catch_up_priced
     untimed = dataclasses.replace(lab, probe=UNTIMED_PROBE).policy("adaptive", 2).gate.settings
     assert untimed == GateSettings(cost_window=None, catch_up_seconds=20e-6, prefill_token_seconds=per_token,
                                    probe_budget=None)
+
+
+def test_a_resumed_adaptive_policy_skips_the_warm_up_and_keeps_its_own_copy() -> None:
+    """A policy resumed from an earlier run at the same B chooses its depth from the carried averages at its first
+    speculative decision (a fresh one drafts gamma until every position has prior_weight outcomes)."""
+    trace = synthetic_trace(24, 3)
+    lab, ids = _lab(trace), queue_ids(trace, 12)
+    first = lab.policy("adaptive", 2)
+    lab.run(first, 2, ids)
+    assert first.feedback.counts.min() >= first.feedback_settings.prior_weight
+
+    def first_rates(policy) -> list[float]:
+        rates, decide = [], policy.gate.decide
+        policy.gate.decide = lambda b, depth, rate, plain: (rates.append(rate), decide(b, depth, rate, plain))
+        lab.run(policy, 2, ids)
+        return rates[:1]
+
+    fresh, warm = lab.policy("adaptive", 2), lab.policy("adaptive", 2)
+    warm.resume(first)
+    assert warm.feedback is not first.feedback and warm.feedback.mean.tolist() == first.feedback.mean.tolist()
+    assert first_rates(fresh) == [float("inf")]  # the warm-up: gamma, priced as certain to pay
+    assert first_rates(warm)[0] < float("inf")  # chosen from the realised averages
+    assert warm.feedback.counts.min() > first.feedback.counts.min()  # it learned on; the earlier policy did not
+    with pytest.raises(ValueError, match=r"resume needs a policy with the same \(draft depths, feedback"):
+        lab.policy("adaptive", 2).resume(dataclasses.replace(lab, choose_depth=False).policy("adaptive", 2))

@@ -76,7 +76,7 @@ from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.drafters.ngram import NgramDrafter
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.outcome import GenerateResult
-from dspark.serve.policies import make_policy
+from dspark.serve.policies import Adaptive, make_policy
 from dspark.serve.policies.gate import GateSettings
 from dspark.telemetry import StepRecord, tau_bias
 from dspark.util.fileio import temp_dir_beside
@@ -313,12 +313,18 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels, which must not land
         # in a timed round.
         warm = (queue, counts) if device.type != "cpu" else (queue[:b], max(2, cfg.max_new_tokens // 4))
+        earlier = {}  # name -> the policy of its last run at this B: an adaptive policy resumes from it
         for name in names:
-            decoders[name].generate(*warm, make(name), draws(cfg.seed), mode=mode, max_batch=b)
+            earlier[name] = make(name)
+            decoders[name].generate(*warm, earlier[name], draws(cfg.seed), mode=mode, max_batch=b)
             bar(f"B={b} warm-up {name}")
         for rep in range(cfg.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
             policies = {name: make(name) for name in order}
+            for name, policy in policies.items():  # warm, as a server's policy is after its first requests
+                if isinstance(policy, Adaptive):
+                    policy.resume(earlier[name])
+            earlier = policies
             results = lockstep({name: decoders[name].start(queue, counts, policies[name], draws(cfg.seed + rep),
                                                            mode=mode, max_batch=b) for name in order})
             bar(f"B={b} round {rep + 1}/{cfg.repeats}")

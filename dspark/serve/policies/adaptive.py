@@ -7,6 +7,7 @@ decides: docs/policies.md.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class Adaptive(Policy):
     depth's planner (a probe drafts gamma; until each position has `prior_weight` outcomes of its own every step
     speculates at gamma: the warm-up). With the feedback on, a large batch's probes that are not close calls
     draft for `gate.probe_requests` requests only (`GateSettings`); without it every probe drafts for the whole
-    batch. One policy object serves one run.
+    batch. One policy object serves one run; `resume` carries an earlier run's realised acceptance into it.
     """
 
     name = "adaptive"
@@ -107,6 +108,18 @@ class Adaptive(Policy):
     @property
     def draft_depths(self) -> tuple[int, ...]:
         return tuple(sorted(self._planners))
+
+    def resume(self, earlier: Adaptive) -> None:
+        """Start this run from `earlier`'s realised acceptance: a policy that served earlier runs at the same batch
+        size with the same draft depths and feedback (a server's policy is warm after its first requests, not at
+        every run). ValueError naming what differs otherwise."""
+        check_type("earlier", earlier, Adaptive)
+        mine = (self.draft_depths, self.feedback_settings, self.source)
+        theirs = (earlier.draft_depths, earlier.feedback_settings, earlier.source)
+        if mine != theirs:
+            raise ValueError(f"resume needs a policy with the same (draft depths, feedback, confidence source), got "
+                             f"{theirs} for this policy's {mine}")
+        self.feedback = copy.deepcopy(earlier.feedback)
 
     @property
     def realised(self) -> tuple[float, float] | None:
