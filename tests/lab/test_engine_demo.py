@@ -12,6 +12,7 @@ import torch
 from dspark.cli import main
 from dspark.lab.demo import run as demo_mod
 from dspark.lab.demo.run import DemoConfig, parse_policies, run_demo
+from dspark.serve.policies import Adaptive
 from tests.engine_models import VOCAB, tiny_models
 
 
@@ -242,3 +243,19 @@ def test_demo_queue_sizes(kw: dict, want: dict) -> None:
     from dspark.lab.demo.config import queue_size
     cfg = DemoConfig(**kw)
     assert {b: queue_size(cfg, b) for b in want} == want
+
+
+def test_each_round_resumes_the_adaptive_policy_of_the_run_before(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per B: the warm-up run's adaptive policy, then each round's, is what the next round's resumes from."""
+    calls: list[tuple[Adaptive, Adaptive]] = []  # (policy, the one it resumed from), kept alive
+    resume = Adaptive.resume
+    monkeypatch.setattr(Adaptive, "resume", lambda self, earlier: (calls.append((self, earlier)),
+                                                                   resume(self, earlier))[1])
+    run_demo(_cfg(tmp_path, batch_sizes=(1, 2), repeats=3, policies=("adaptive", "fixed-1")), echo=lambda s: None,
+             show_progress=False, models=_models())
+    assert len(calls) == 2 * 3  # two B, three rounds, one adaptive policy each
+    for b in range(2):
+        chain = calls[3 * b: 3 * b + 3]
+        assert chain[1][1] is chain[0][0] and chain[2][1] is chain[1][0]  # round r resumes round r - 1's policy
+        assert all(chain[0][1] is not c[0] for c in calls)  # round 1 resumes the untimed warm-up run's

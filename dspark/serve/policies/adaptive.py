@@ -112,7 +112,8 @@ class Adaptive(Policy):
     def resume(self, earlier: Adaptive) -> None:
         """Start this run from `earlier`'s realised acceptance: a policy that served earlier runs at the same batch
         size with the same draft depths and feedback (a server's policy is warm after its first requests, not at
-        every run). ValueError naming what differs otherwise."""
+        every run). The online estimator is not carried: adaptive-est's is whatever object each policy was built
+        with (the demo gives every run the same one). ValueError naming what differs otherwise."""
         check_type("earlier", earlier, Adaptive)
         mine = (self.draft_depths, self.feedback_settings, self.source)
         theirs = (earlier.draft_depths, earlier.feedback_settings, earlier.source)
