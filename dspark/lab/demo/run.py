@@ -311,12 +311,14 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
 
         # untimed warm-up at this batch size: the first runs at new shapes are slow. On an accelerator the
         # whole queue: every batch size of the drain tail JIT-compiles its Triton kernels, which must not land
-        # in a timed round.
-        warm = (queue, counts) if device.type != "cpu" else (queue[:b], max(2, cfg.max_new_tokens // 4))
+        # in a timed round. An adaptive policy also learns its realised acceptance there (the whole queue on
+        # the CPU too: a short run leaves its full-depth warm-up to the first timed round)
+        short = (queue[:b], max(2, cfg.max_new_tokens // 4))
         earlier = {}  # name -> the policy of its last run at this B: an adaptive policy resumes from it
         for name in names:
-            earlier[name] = make(name)
-            decoders[name].generate(*warm, earlier[name], draws(cfg.seed), mode=mode, max_batch=b)
+            earlier[name] = policy = make(name)
+            warm = (queue, counts) if device.type != "cpu" or isinstance(policy, Adaptive) else short
+            decoders[name].generate(*warm, policy, draws(cfg.seed), mode=mode, max_batch=b)
             bar(f"B={b} warm-up {name}")
         for rep in range(cfg.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
