@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.lab.demo.run import load_models
+from dspark.lab.demo.models import load_models
 from dspark.models.confidence_fit import acceptance
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256, load_draft

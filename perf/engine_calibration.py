@@ -41,7 +41,7 @@ from dspark.calibration.metrics import (
     paired_difference_interval,
 )
 from dspark.calibration.online import OnlineAcceptanceEstimator, fit_logistic
-from dspark.lab.demo.run import load_models
+from dspark.lab.demo.models import load_models
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256, load_draft
 from dspark.models.draft_eval import block_rows

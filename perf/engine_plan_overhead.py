@@ -22,7 +22,8 @@ import torch
 
 from dspark.config import ScheduleConfig
 from dspark.cost import AdditiveCostModel, BatchTerm, RowTerm
-from dspark.lab.demo.run import load_models, request_lengths
+from dspark.lab.demo.config import request_lengths
+from dspark.lab.demo.models import load_models
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.plan.allocate import allocate_verify_lens

@@ -17,7 +17,8 @@ import statistics
 
 import torch
 
-from dspark.lab.demo.run import load_models, request_lengths
+from dspark.lab.demo.config import request_lengths
+from dspark.lab.demo.models import load_models
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.serve.config import EngineConfig

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from dspark.lab.demo.run import load_models
+from dspark.lab.demo.models import load_models
 from dspark.lab.progress import Progress
 from dspark.lab.replay.lab import queue_ids
 from dspark.lab.replay.trace import load_trace

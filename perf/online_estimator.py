@@ -41,7 +41,8 @@ from dspark.calibration.metrics import Sample, bootstrap_interval, metric_functi
 from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
 from dspark.config import ScheduleConfig, VerifyMode
 from dspark.lab.calibrate import block_outcomes
-from dspark.lab.demo.run import load_models, request_lengths
+from dspark.lab.demo.config import request_lengths
+from dspark.lab.demo.models import load_models
 from dspark.lab.profile import ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows

@@ -75,7 +75,7 @@ def load(args: argparse.Namespace):
     description)."""
     gamma = args.gamma
     if args.model == "real":
-        from dspark.lab.demo.run import load_models
+        from dspark.lab.demo.models import load_models
         from dspark.lab.replay.trace import DEFAULT_TRACE, load_trace
         from dspark.models.corpus import prompt_windows
         from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256

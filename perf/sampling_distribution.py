@@ -95,7 +95,7 @@ def load(model: str, gamma: int) -> Models:
     """(target, draft, encoder or None): SmolLM2 + its shipped draft (`real`), or the tests' tiny Llama and a
     draft distilled on it for a second (`tiny`, gamma drafts)."""
     if model == "real":
-        from dspark.lab.demo.run import load_models
+        from dspark.lab.demo.models import load_models
 
         return load_models(torch.device("cpu"))
     if model == "tiny":

@@ -19,7 +19,7 @@ from dspark.cost.base import check_probes
 from dspark.cost.serving import COST_MODELS_DIR, ServingCost
 from dspark.cost.shipped import ANALYTIC, LONG_PROMPT, ServingCostSpec, doublings
 from dspark.lab.demo.config import DemoConfig, demo_clock, demo_tiers, length_range
-from dspark.lab.demo.run import load_models
+from dspark.lab.demo.models import load_models
 from dspark.lab.profile import ProfileRuns
 from dspark.lab.serving_profile import profile_serving_cost
 from dspark.models.corpus import prompt_windows

