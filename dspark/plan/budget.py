@@ -19,6 +19,7 @@ functions check their inputs, then call these; the planner, validated once, call
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -154,8 +155,7 @@ def _host_curves(host: HostSurvival, cost_model: CostModel | None, cfg: Schedule
     floor = b + (values[:, : f - 1].sum(dtype=np.float64) if f > 1 else 0.0)
     tau = np.empty(asc.size + 1)
     tau[0] = 0.0
-    best = torch.from_numpy(asc[asc.size - n:][::-1].astype(np.float64))
-    torch.cumsum(best, 0, out=torch.from_numpy(tau[1: n + 1]))  # sequential, like the traced path's
+    np.cumsum(asc[asc.size - n:][::-1], dtype=np.float64, out=tau[1: n + 1])  # sequential, like torch's on a CPU
     tau[n + 1:] = tau[n]
     tau += floor
     if cost_model is None:
@@ -173,11 +173,24 @@ def tier_keys(rows: np.ndarray, tiers: Sequence[int]) -> np.ndarray:
     return np.where(rows > t[-1], rows + t.size, np.searchsorted(t, rows, side="left"))
 
 
+@functools.lru_cache(maxsize=1024)
+def _tier_run_ends(base: int, count: int, tiers: tuple[int, ...]) -> np.ndarray:
+    """The last budget of each tier's run over budgets 0..count-1 (rows base + b), the window's last excepted."""
+    key = tier_keys(base + np.arange(count), tiers)
+    ends = np.flatnonzero(key[1:] != key[:-1])
+    ends.setflags(write=False)  # shared by every call with these arguments
+    return ends
+
+
 def _greedy_stop(c: _Curves, tiers: Sequence[int] | None) -> int:
     """`greedy_budget`'s scan over runs of one tier, or of equal predicted seconds (see its docstring)."""
     n = c.num_valid + 1
-    key = tier_keys(c.base + np.arange(n), tiers) if tiers else c.seconds[:n]
-    ends = np.flatnonzero(np.append(key[1:] != key[:-1], True))  # last budget of each run
+    if tiers:  # the runs depend on B and the tiers only: found once per window
+        ends = _tier_run_ends(c.base, c.tau.size, tuple(tiers))
+        ends = np.append(ends[: ends.searchsorted(n - 1)], n - 1)  # last budget of each run up to n - 1
+    else:
+        key = c.seconds[:n]
+        ends = np.flatnonzero(np.append(key[1:] != key[:-1], True))  # last budget of each run
     stops = np.flatnonzero(c.theta[ends[1:]] <= c.theta[ends[:-1]])
     return int(ends[stops[0]] if stops.size else ends[-1])
 

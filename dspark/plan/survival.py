@@ -109,8 +109,8 @@ def confidence_host(logits: np.ndarray, temperatures: np.ndarray | np.float32 | 
     """
     finite = np.isfinite(logits)
     z = logits if temperatures is None else logits / np.asarray(temperatures).astype(np.float64)
-    with np.errstate(over="ignore"):  # exp(-z) overflows to inf for z < -709: c = 0, as it should
-        c = (1.0 / (1.0 + np.exp(-np.where(finite, z, 0.0)))).astype(np.float32)
+    # z below -700 gives c < 1e-304, 0 in float32 either way: the clamp keeps exp(-z) from overflowing
+    c = (1.0 / (1.0 + np.exp(-np.maximum(np.where(finite, z, 0.0), -700.0)))).astype(np.float32)
     return np.where(finite, c, np.float32(0))
 
 

@@ -200,7 +200,7 @@ class RaggedVerifyLayout:
         if not host:
             return cls._on_device(verify_lens, rows, num_slots, ghost_cap, width, total, tier, reason)
         lens_np = verify_lens.numpy()
-        ghost = np.clip(leftover - np.arange(num_slots - b) * ghost_cap, 0, ghost_cap).astype(np.int32)
+        ghost = np.minimum(np.maximum(leftover - np.arange(num_slots - b, dtype=np.int32) * ghost_cap, 0), ghost_cap)
         slot_lens_np = np.concatenate([lens_np, ghost])
         slot_qo, row_slot, row_within = map(torch.from_numpy, _k.slot_maps_host(slot_lens_np, rows))
         return cls(verify_lens=verify_lens, qo_indptr=slot_qo[: b + 1].clone(),

@@ -50,8 +50,8 @@ class Adaptive(Policy):
     """dspark's VerifyPlanner: budget from lagged calibrated survival and the cost model, live allocation.
 
     planner: the VerifyPlanner (its gamma is the drafts per step). plain_seconds: B -> seconds of a target-only
-    step, profiled like the planner's cost model; with it each step first passes the speculate-or-not gate
-    (`gate`: its probe schedule and cost feedback). feedback: the realised-acceptance averages the gate reads.
+    step, profiled like the planner's cost model (asked once per B); with it each step first passes the
+    speculate-or-not gate (`gate`: its probe schedule and cost feedback). feedback: the realised-acceptance averages the gate reads.
     estimator: an OnlineAcceptanceEstimator in place of the draft's head (the planner then needs
     temperatures=None and its gamma). depths: planners for shallower drafts {k: planner with gamma k}, lag 0 like
     `planner`; with them the gate also picks the depth, from the realised acceptance per position priced by each
@@ -88,9 +88,11 @@ class Adaptive(Policy):
         self._features: Tensor | None = None  # the latest step's estimator features
         self.gamma = planner.cfg.gamma
         self._planners = {**depths, self.gamma: planner}  # depth -> its planner
+        self._by_depth = sorted(self._planners.items())
         self.planner = planner  # the current depth's planner
         self.num_drafts = self.gamma
         self.plain_seconds = plain_seconds
+        self._plain_by_b: dict[int, float] = {}  # plain_seconds(B), asked once per B (a profiled curve)
         if feedback.decay is None:  # a partial probe informs the realised acceptance only: without it, whole
             gate = dataclasses.replace(gate, probe_requests=None)
         self.gate = SpeculationGate(gate)
@@ -143,14 +145,20 @@ class Adaptive(Policy):
         if gate.decided is None or gate.decided[0] != b:
             # same B since the last decision and no admission (`admit`): same requests, same lagged survival
             depth, spec_rate = self._speculative_rate(slots, generations)
-            gate.decide(b, depth, spec_rate, self.plain_seconds(b))
+            gate.decide(b, depth, spec_rate, self._plain_at(b))
         if gate.decided[1]:
             gate.reset_probes()
             self._use_depth(gate.decided[2])
             return True
-        gate.went_plain(self.plain_seconds(b))
+        gate.went_plain(self._plain_at(b))
         self._catch_up = True
         return False
+
+    def _plain_at(self, b: int) -> float:
+        seconds = self._plain_by_b.get(b)
+        if seconds is None:
+            seconds = self._plain_by_b[b] = self.plain_seconds(b)
+        return seconds
 
     def _use_depth(self, depth: int) -> None:
         self.planner, self.num_drafts = self._planners[depth], depth
@@ -167,8 +175,9 @@ class Adaptive(Policy):
             return self.gamma, math.inf
         if self.feedback.mean is not None:
             best, catch_up = (self.gamma, -math.inf), self.gate.settings.catch_up_seconds
-            for depth, planner in sorted(self._planners.items()):
-                accepted, verified = self.feedback.predict(depth)
+            accepted_by_depth, verified_by_depth = self.feedback.by_depth()
+            for depth, planner in self._by_depth:
+                accepted, verified = accepted_by_depth[depth - 1], verified_by_depth[depth - 1]
                 base = b * planner.cfg.floor
                 budget = min(max(0, round(b * (1 + verified)) - base), b * planner.cfg.width - base)
                 # the step at its filled-tier price, and the next one's catch-up of the drafts it accepts
@@ -236,12 +245,13 @@ class Adaptive(Policy):
         if self._pending is None:
             return
         (plan, drafting), self._pending = self._pending, None
-        # one host read of the planner's own (already checked) lengths and survival
-        host = torch.cat([plan.verify_lens[:, None].to(torch.float64), plan.survival.to(torch.float64)], 1).cpu()
-        commit = commit_lens.cpu()
+        # the planner's own (already checked) lengths and survival: views on the CPU, read after the commit's sync
+        vl = boundary.to_host(plan.verify_lens).astype(np.int64)
+        survival = boundary.to_host(plan.survival).astype(np.float64)
+        commit = boundary.to_host(commit_lens)
         if drafting is not None:  # a partial probe: the outcomes of the requests that drafted; the rest were plain
-            host, commit = host[drafting], commit[drafting]
+            rows = drafting.numpy()
+            vl, survival, commit = vl[rows], survival[rows], commit[rows]
             self.feedback.observe_plain(int((~drafting).sum()))
-        vl = host[:, 0].numpy().astype(np.int64)
-        self.feedback.observe_plan(vl, host[:, 1:].numpy(), commit.numpy())
+        self.feedback.observe_plan(vl, survival, commit)
         self.gate.forget()

@@ -26,21 +26,33 @@ class RealisedAcceptance:
 
     def predict(self, depth: int) -> tuple[float, float] | None:
         """(accepted, verified) drafts per request of a step drafting `depth`; None before any outcome."""
+        by_depth = self.by_depth()
+        return None if by_depth is None else (by_depth[0][depth - 1], by_depth[1][depth - 1])
+
+    def by_depth(self) -> tuple[list[float], list[float]] | None:
+        """(accepted, verified) drafts per request of a step drafting 1..gamma (`predict` of every depth at
+        once); None before any outcome."""
         if self.mean is None:
             return None
-        return float(self.mean[0, :depth].sum()), float(self.mean[1, :depth].sum())
+        accepted, verified = np.cumsum(self.mean, axis=1).tolist()
+        return accepted, verified
 
     def observe_plan(self, verify_lens: np.ndarray, survival: np.ndarray, commit_lens: np.ndarray) -> None:
         """A speculative step's outcome: verify_lens [n] (root included), the plan's calibrated survival [n, k]
         (k: the step's depth; read only with prior_weight > 0), commit_lens [n]."""
         n, k = verify_lens.size, survival.shape[1]
         cols = np.arange(k)
-        verified = cols[None, :] < (verify_lens - 1)[:, None]  # [n, k] draft j verified
-        accepted = cols[None, :] < (np.minimum(commit_lens, verify_lens) - 1)[:, None]  # accepted within them
+        verified = cols < (verify_lens - 1)[:, None]  # [n, k] draft j verified
+        accepted = cols < (np.minimum(commit_lens, verify_lens) - 1)[:, None]  # accepted within them
+        counts = np.empty((2, k))  # accepted, verified outcomes per position
+        counts[0], counts[1] = accepted.sum(0), verified.sum(0)
         if self.prior_weight:
-            self.predicted[:, :k] += np.stack([(survival * verified).sum(0), verified.sum(0)])
-            self.prior = self.predicted / np.maximum(self.counts + n * (np.arange(self.gamma) < k), 1)[None, :]
-        outcome = np.stack([accepted.mean(0), verified.mean(0)])  # [2, k]
+            self.predicted[0, :k] += (survival * verified).sum(0)
+            self.predicted[1, :k] += counts[1]
+            seen = self.counts.copy()
+            seen[:k] += n
+            self.prior = self.predicted / np.maximum(seen, 1)
+        outcome = counts / n  # [2, k] per request outcome
         first = self.counts[:k] == 0
         self.counts[:k] += n
         self.totals[:, :k] += n * outcome
@@ -48,10 +60,12 @@ class RealisedAcceptance:
         w = np.maximum(1 - self.decay ** n, n / (self.counts[:k] + prior))
         if self.mean is None:
             self.mean = np.zeros((2, self.gamma))
-        start = self.prior[:, :k] if self.prior is not None else outcome
-        old = np.where(first[None, :], start, self.mean[:, :k])
+        old = self.mean[:, :k]
+        if first.any():
+            old = np.where(first, self.prior[:, :k] if self.prior is not None else outcome, old)
         self.mean[:, :k] = (1 - w) * old + w * outcome
-        self._revert(np.arange(self.gamma) >= k, n)
+        if k < self.gamma:
+            self._revert(np.arange(self.gamma) >= k, n)
 
     def observe_plain(self, n: int) -> None:
         """A plain step of n requests: every position reverts toward its long-run mean."""
