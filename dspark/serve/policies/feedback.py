@@ -41,20 +41,16 @@ class RealisedAcceptance:
         """A speculative step's outcome: verify_lens [n] (root included), the plan's calibrated survival [n, k]
         (k: the step's depth; read only with prior_weight > 0), commit_lens [n]."""
         n, k = verify_lens.size, survival.shape[1]
-        cols = np.arange(k)
-        verified = cols < (verify_lens - 1)[:, None]  # [n, k] draft j verified
-        accepted = cols < (np.minimum(commit_lens, verify_lens) - 1)[:, None]  # accepted within them
-        counts = np.empty((2, k))  # accepted, verified outcomes per position
-        counts[0], counts[1] = accepted.sum(0), verified.sum(0)
-        if self.prior_weight:
-            self.predicted[0, :k] += (survival * verified).sum(0)
-            self.predicted[1, :k] += counts[1]
-            seen = self.counts.copy()
-            seen[:k] += n
-            self.prior = self.predicted / np.maximum(seen, 1)
-        outcome = counts / n  # [2, k] per request outcome
+        ends = np.stack([np.minimum(commit_lens, verify_lens), verify_lens]) - 1  # [2, n] accepted, verified
+        within = np.arange(k) < ends[:, :, None]  # [2, n, k]: draft j accepted / verified
+        counts = within.sum(1)  # [2, k] outcomes per position
         first = self.counts[:k] == 0
         self.counts[:k] += n
+        if self.prior_weight:
+            self.predicted[0, :k] += (survival * within[1]).sum(0)
+            self.predicted[1, :k] += counts[1]
+            self.prior = self.predicted / np.maximum(self.counts, 1)
+        outcome = counts / n  # [2, k] per request outcome
         self.totals[:, :k] += n * outcome
         prior = self.prior_weight if self.prior is not None else 0
         w = np.maximum(1 - self.decay ** n, n / (self.counts[:k] + prior))
