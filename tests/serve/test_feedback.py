@@ -49,23 +49,29 @@ class ScalarReference:
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), prior_weight=st.sampled_from([0, 16]), decay=st.sampled_from([0.5, 0.985]),
        steps=st.lists(st.tuples(st.integers(1, 6), st.booleans()), min_size=1, max_size=12))
-def test_sums_over_positions_follow_the_scalar_rules_at_full_depth(seed, prior_weight, decay, steps) -> None:
+def test_sums_over_positions_follow_the_scalar_rules_at_every_depth(seed, prior_weight, decay, steps) -> None:
+    # at full depth, positions 0..d-1 summed are the scalar rules applied to the drafts cut at d
     rng = np.random.default_rng(seed)
-    mine, ref = RealisedAcceptance(GAMMA, decay, prior_weight), ScalarReference(decay, prior_weight)
+    mine = RealisedAcceptance(GAMMA, decay, prior_weight)
+    refs = {d: ScalarReference(decay, prior_weight) for d in range(1, GAMMA + 1)}
     for n, plain in steps:
         if plain:
             mine.observe_plain(n)
-            ref.plain(n)
+            for ref in refs.values():
+                ref.plain(n)
             continue
         vl = rng.integers(1, GAMMA + 2, n)
         commit = rng.integers(1, GAMMA + 2, n)
         surv = np.cumprod(rng.uniform(0.05, 1.0, (n, GAMMA)), 1)
         mine.observe_plan(vl, surv, commit)
-        ref.plan(vl, surv, commit)
-    if ref.realised is None:
-        assert mine.predict(GAMMA) is None
-    else:
-        assert mine.predict(GAMMA) == pytest.approx(tuple(ref.realised), rel=1e-9, abs=1e-12)
+        for d, ref in refs.items():
+            ref.plan(np.minimum(vl, d + 1), surv, commit)
+    for d, ref in refs.items():
+        if ref.realised is None:
+            assert mine.predict(d) is None and mine.by_depth() is None
+        else:
+            assert mine.predict(d) == pytest.approx(tuple(ref.realised), rel=1e-9, abs=1e-12), d
+            assert (mine.by_depth()[0][d - 1], mine.by_depth()[1][d - 1]) == mine.predict(d)
 
 
 def test_a_shallow_step_updates_its_positions_and_reverts_the_others() -> None:
