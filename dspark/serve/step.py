@@ -49,6 +49,7 @@ class Engine:
     mode: VerifyMode = VerifyMode.COMPACT
     keep_draft_logits: bool = False  # each speculative StepOutcome keeps the drafter's [B, k, V] token logits
     fold_prefill: bool = True  # admitted prompts ride the next step's target forward when others decode in it
+    host_seconds: float = 0.0  # a replay's price of the policy's host work per speculative step (live: measured)
 
 
 def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | None, plan_seconds: float
@@ -106,7 +107,7 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     plan = policy.plan(conf, dev_slots, batch.generations[dev_slots], prepass=prepass)
     times.host_plan = time.perf_counter() - host_t0
     t2 = now()
-    times.plan += t2 - t1 - untimed[0]
+    times.plan += t2 - t1 - untimed[0] + engine.host_seconds
     checked = target.verify(batch, slots, drafts, plan.verify_lens, engine.mode, plan.layout)
     t3 = now()
     acc = target.accept(checked, drafts, sampling)

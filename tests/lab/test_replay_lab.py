@@ -197,6 +197,26 @@ def test_fixed_k_rows_and_static_mode_price_every_row() -> None:
     assert all(int(s.layout.total_rows) == s.requests.numel() * 3 for s in res.steps)
 
 
+@pytest.mark.parametrize("policy", ["fixed-0", "fixed-2"])
+def test_a_host_price_is_charged_to_every_speculative_step_and_nothing_else(policy: str) -> None:
+    trace = synthetic_trace(30, seed=8)
+    ids, price = queue_ids(trace, 10), 0.0125
+    base, priced = _lab(trace).run(policy, 3, ids), _lab(trace, host_seconds=price).run(policy, 3, ids)
+    assert len(base.steps) == len(priced.steps) and torch.equal(base.tokens, priced.tokens)
+    for a, b in zip(base.steps, priced.steps):
+        extra = price if a.speculated else 0.0
+        assert b.times.plan == pytest.approx(a.times.plan + extra, abs=1e-12)
+        assert b.times.total == pytest.approx(a.times.total + extra, abs=1e-12)
+    spec = sum(s.speculated for s in base.steps)
+    assert spec == (0 if policy == "fixed-0" else len(base.steps))
+    assert priced.seconds == pytest.approx(base.seconds + price * spec, rel=1e-12)
+
+
+def test_a_negative_host_price_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="host_seconds"):
+        _lab(synthetic_trace(10, seed=1), host_seconds=-1e-3)
+
+
 def test_lab_refuses_a_cost_model_of_another_width_and_a_gamma_past_the_trace() -> None:
     trace = synthetic_trace(10, seed=1)
     with pytest.raises(ValueError, match="W = 5 but the policies verify W = gamma \\+ 1 = 3"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -32,7 +33,7 @@ from dspark.serve.policies.gate import GateSettings
 from dspark.serve.scheduler import Batch, Scheduler
 from dspark.serve.step import Engine, serve
 from dspark.serve.tier_step import graph_slot_count
-from dspark.util.validate import check_int, check_type
+from dspark.util.validate import check_int, check_real, check_type
 
 REQUESTS_PER_SLOT = 8  # measured requests per slot
 FILL_PER_SLOT = 4  # requests per slot queued after the measured ones: every measured request runs at full concurrency
@@ -121,7 +122,9 @@ class Lab:
     a prefill forward of their own, in which case the admitted requests decode in the same step); None (the
     default): fold where the charged serving cost prices a prefill forward of its own (`prefill.per_forward` >
     0), as dspark's engine on the CPU; a cost with no per-forward price models chunked prefill that decodes
-    the admitted request in the same step already (vLLM's), which folding would only delay by a step."""
+    the admitted request in the same step already (vLLM's), which folding would only delay by a step;
+    host_seconds: seconds the simulated clock charges each speculative step for the policy's host work (its
+    speculate, plan and observe hooks; 0: unpriced, as the cost models price the device only)."""
 
     trace: Trace
     cost: ServingCost
@@ -137,9 +140,11 @@ class Lab:
     price_catch_up: bool = True
     probe_requests: int | None = 16
     fold_prefill: bool | None = None
+    host_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
+        check_real("host_seconds", self.host_seconds, 0.0, math.inf, high_open=True)
         check_type("cost", self.cost, ServingCost)
         check_type("fold_prefill", self.fold_prefill, bool, optional=True)
         check_int("gamma", self.gamma, 1)
@@ -218,5 +223,6 @@ class Lab:
         fold = self.fold_prefill
         if fold is None:
             fold = (self.reality or self.cost).prefill.per_forward > 0
-        engine = dataclasses.replace(engine, mode=mode, fold_prefill=fold)
+        host = self.host_seconds if timed is None else 0.0  # a timed replay measures its host work
+        engine = dataclasses.replace(engine, mode=mode, fold_prefill=fold, host_seconds=host)
         return finish(serve(engine, scheduler, batch, pol, max_rows=longest + w))
