@@ -31,7 +31,7 @@ class RealisedAcceptance:
 
     def by_depth(self) -> tuple[list[float], list[float]] | None:
         """(accepted, verified) drafts per request of a step drafting 1..gamma (`predict` of every depth at
-        once); None before any outcome."""
+        once: the positions' averages summed left to right); None before any outcome."""
         if self.mean is None:
             return None
         accepted, verified = np.cumsum(self.mean, axis=1).tolist()
