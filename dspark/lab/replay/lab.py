@@ -123,8 +123,10 @@ class Lab:
     default): fold where the charged serving cost prices a prefill forward of its own (`prefill.per_forward` >
     0), as dspark's engine on the CPU; a cost with no per-forward price models chunked prefill that decodes
     the admitted request in the same step already (vLLM's), which folding would only delay by a step;
-    host_seconds: seconds the simulated clock charges each speculative step for the policy's host work (its
-    speculate, plan and observe hooks; 0: unpriced, as the cost models price the device only)."""
+    host_seconds: seconds added to each speculative step's plan phase for the policy's host work (its speculate,
+    plan and observe hooks; plain steps, whose hooks do less, are not charged; the gate's cost feedback sees it,
+    as it sees a live plan phase; a timed replay measures its own instead; 0: unpriced, as the cost models price
+    the device only)."""
 
     trace: Trace
     cost: ServingCost
