@@ -6,8 +6,9 @@ own scheduler, step and policies; a simulated target; time from a serving cost m
 simulator both read). Per cost model: a table of simulated steady tok/s per policy and B, adaptive / best
 fixed k and / oracle, rows per step, speculation share, tau bias, the planner's measured wall time per
 decision against the modelled step; a PNG; JSON. `--variants` adds what calibration buys (head before /
-after STS, temperatures x0.5 / x2, uniform survival, the estimator, the oracle), lag 0 / 1 / 2 and tiers
-on / off, on the first cost model.
+after STS, temperatures x0.5 / x2, uniform survival, the estimator, the oracle), lag 0 / 1 / 2, tiers
+on / off, the gate's parts and the policy's host work priced (`dspark.lab.replay.variants.VARIANTS`), on the
+first cost model.
 
     PYTHONPATH=. python perf/policy_lab.py [--costs cpu-measured,h100-llama8b-fitted,...] [--gamma 3]
         [--batch-sizes 1,2,4,8,16,32,64,128,256] [--variants] [--out perf/results/policy_lab]
