@@ -5,7 +5,8 @@ each policy as the lab builds it (adaptive: the speculate-or-not gate, the depth
 feedback), and the wall clock times the policy's own hooks each step: `speculate`, `confidence`, `plan`,
 `admit`, `observe`, `observe_seconds`. These are what the engine's `t_plan` holds on top of the verify step.
 Per policy and B: the median and p90 microseconds per step over every step of `--repeats` replays of the
-lab's queue, and the mean. The replay is identical from run to run, so two checkouts compare on the same steps:
+lab's queue, the mean, and each hook's share of the mean. The replay is identical from run to run, so two
+checkouts compare on the same steps:
 
     PYTHONPATH=. python perf/policy_overhead.py [--cost cpu-measured] [--batch-sizes 1,4,16,64] \
         [--label after] [--out perf/results/policy_overhead.json]
@@ -40,6 +41,7 @@ class HookClock:
 
     def __init__(self, policy: Policy, clock: Callable[[], float] = time.perf_counter) -> None:
         self.steps: list[float] = []
+        self.by_hook = dict.fromkeys(HOOKS, 0.0)  # seconds of each hook over the counted steps
         self.clock = clock
         for name in HOOKS:
             setattr(policy, name, self._timed(name, getattr(policy, name)))
@@ -53,7 +55,9 @@ class HookClock:
                 return hook(*args, **kwargs)
             finally:
                 if self.steps:
-                    self.steps[-1] += self.clock() - t0
+                    seconds = self.clock() - t0
+                    self.steps[-1] += seconds
+                    self.by_hook[name] += seconds
         return run
 
 
@@ -61,15 +65,17 @@ def measure(lab: Lab, name: str, b: int, repeats: int) -> dict:
     """Microseconds of `name`'s hooks per step at B = b over `repeats` replays of the lab's queue."""
     queue = serving_queue(lab.trace, b)
     steps: list[float] = []
+    by_hook = dict.fromkeys(HOOKS, 0.0)
     for _ in range(repeats):
         lab.estimators.clear()  # adaptive-est: a fresh estimator per replay, as the lab runs it
         policy = lab.policy(name, b)
         clock = HookClock(policy)
         lab.run(policy, b, queue.ids)
         steps += clock.steps
+        by_hook = {h: by_hook[h] + clock.by_hook[h] for h in HOOKS}
     us = np.asarray(steps) * 1e6
     return {"steps": len(steps), "median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)),
-            "mean_us": float(us.mean())}
+            "mean_us": float(us.mean()), "mean_us_by_hook": {h: by_hook[h] * 1e6 / len(steps) for h in HOOKS}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -86,9 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
     lab = Lab(trace, load_serving_cost(args.cost, width=4), 3, temperatures=temps)
     rows = {f"{name}@{b}": measure(lab, name, b, args.repeats) for b in args.batch_sizes for name in POLICIES}
     print(f"{args.label} (dspark at {Path(dspark.__file__).parent}, {args.cost}): policy hooks, us per step")
-    print(f"{'policy@B':>16} {'steps':>7} {'median':>8} {'p90':>8} {'mean':>8}")
+    print(f"{'policy@B':>16} {'steps':>7} {'median':>8} {'p90':>8} {'mean':>8}   mean per hook: "
+          + " / ".join(HOOKS))
     for key, r in rows.items():
-        print(f"{key:>16} {r['steps']:>7} {r['median_us']:>8.1f} {r['p90_us']:>8.1f} {r['mean_us']:>8.1f}")
+        hooks = " / ".join(f"{r['mean_us_by_hook'][h]:.1f}" for h in HOOKS)
+        print(f"{key:>16} {r['steps']:>7} {r['median_us']:>8.1f} {r['p90_us']:>8.1f} {r['mean_us']:>8.1f}   {hooks}")
     return save_labelled(args.out, args.label, {
         "dspark": str(Path(dspark.__file__).parent), "cost": args.cost, "repeats": args.repeats, "rows": rows,
         "median_of_medians_us": statistics.median(r["median_us"] for r in rows.values())})

@@ -188,6 +188,8 @@ def test_policy_overhead_charges_each_hook_to_the_step_it_ran_in() -> None:
     for name in ("speculate", "confidence", "plan", "observe", "observe_seconds", "admit", "speculate", "plan"):
         getattr(policy, name)()
     assert clock.steps == [1 + 2 + 4 + 16 + 32 + 8, 1 + 4]
+    assert clock.by_hook == {"speculate": 2.0, "confidence": 2.0, "plan": 8.0, "admit": 8.0, "observe": 16.0,
+                             "observe_seconds": 32.0}
 
 
 def test_demo_profile_check_compares_each_fixed_k_with_what_the_planners_believed(tmp_path: Path, capsys) -> None:
