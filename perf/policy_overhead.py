@@ -5,7 +5,8 @@ each policy as the lab builds it (adaptive: the speculate-or-not gate, the depth
 feedback), and the wall clock times the policy's own hooks each step: `speculate`, `confidence`, `plan`,
 `admit`, `observe`, `observe_seconds`. These are what the engine's `t_plan` holds on top of the verify step.
 Per policy and B: the median and p90 microseconds per step over every step of `--repeats` replays of the
-lab's queue, the mean, and each hook's share of the mean. The replay is identical from run to run, so two
+lab's queue, the mean, each hook's share of the mean, and the ragged layout built inside the hooks (the
+planner's; a fixed k's target builds its own in the verify phase). The replay is identical from run to run, so two
 checkouts compare on the same steps:
 
     PYTHONPATH=. python perf/policy_overhead.py [--cost cpu-measured] [--batch-sizes 1,4,16,64] \
@@ -14,10 +15,11 @@ checkouts compare on the same steps:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ from dspark.lab.replay.trace import load_trace
 from dspark.lab.replay.variants import fit_trace_temperatures
 from dspark.serve.policies import Policy
 from dspark.util.options import at_least, int_list, output_path
+from dspark.verify.layout import RaggedVerifyLayout
 
 HOOKS = ("speculate", "confidence", "plan", "admit", "observe", "observe_seconds")
 POLICIES = ("adaptive", "adaptive-est", "fixed-1")
@@ -42,6 +45,8 @@ class HookClock:
     def __init__(self, policy: Policy, clock: Callable[[], float] = time.perf_counter) -> None:
         self.steps: list[float] = []
         self.by_hook = dict.fromkeys(HOOKS, 0.0)  # seconds of each hook over the counted steps
+        self.layout = 0.0  # seconds of the ragged layouts built inside the counted hooks (`layout_timer`)
+        self.inside = False  # a hook is running
         self.clock = clock
         for name in HOOKS:
             setattr(policy, name, self._timed(name, getattr(policy, name)))
@@ -50,10 +55,11 @@ class HookClock:
         def run(*args: Any, **kwargs: Any) -> Any:
             if name == "speculate":
                 self.steps.append(0.0)
-            t0 = self.clock()
+            t0, self.inside = self.clock(), bool(self.steps)
             try:
                 return hook(*args, **kwargs)
             finally:
+                self.inside = False
                 if self.steps:
                     seconds = self.clock() - t0
                     self.steps[-1] += seconds
@@ -61,21 +67,44 @@ class HookClock:
         return run
 
 
+@contextlib.contextmanager
+def layout_timer(clock: HookClock) -> Iterator[None]:
+    """Adds the seconds of every `RaggedVerifyLayout` built inside one of `clock`'s counted hooks to
+    `clock.layout` (the planner's layout: a fixed k's is built in the verify phase, outside its hooks)."""
+    original = RaggedVerifyLayout.__dict__["_from_lens"]
+
+    def timed(cls: type, *args: Any, **kwargs: Any) -> RaggedVerifyLayout:
+        inside, t0 = clock.inside, clock.clock()
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            if inside:
+                clock.layout += clock.clock() - t0
+    RaggedVerifyLayout._from_lens = classmethod(timed)
+    try:
+        yield
+    finally:
+        RaggedVerifyLayout._from_lens = original
+
+
 def measure(lab: Lab, name: str, b: int, repeats: int) -> dict:
     """Microseconds of `name`'s hooks per step at B = b over `repeats` replays of the lab's queue."""
     queue = serving_queue(lab.trace, b)
     steps: list[float] = []
-    by_hook = dict.fromkeys(HOOKS, 0.0)
+    by_hook, layout = dict.fromkeys(HOOKS, 0.0), 0.0
     for _ in range(repeats):
         lab.estimators.clear()  # adaptive-est: a fresh estimator per replay, as the lab runs it
         policy = lab.policy(name, b)
         clock = HookClock(policy)
-        lab.run(policy, b, queue.ids)
+        with layout_timer(clock):
+            lab.run(policy, b, queue.ids)
         steps += clock.steps
         by_hook = {h: by_hook[h] + clock.by_hook[h] for h in HOOKS}
+        layout += clock.layout
     us = np.asarray(steps) * 1e6
     return {"steps": len(steps), "median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)),
-            "mean_us": float(us.mean()), "mean_us_by_hook": {h: by_hook[h] * 1e6 / len(steps) for h in HOOKS}}
+            "mean_us": float(us.mean()), "mean_us_by_hook": {h: by_hook[h] * 1e6 / len(steps) for h in HOOKS},
+            "mean_layout_us": layout * 1e6 / len(steps)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -92,11 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
     lab = Lab(trace, load_serving_cost(args.cost, width=4), 3, temperatures=temps)
     rows = {f"{name}@{b}": measure(lab, name, b, args.repeats) for b in args.batch_sizes for name in POLICIES}
     print(f"{args.label} (dspark at {Path(dspark.__file__).parent}, {args.cost}): policy hooks, us per step")
-    print(f"{'policy@B':>16} {'steps':>7} {'median':>8} {'p90':>8} {'mean':>8}   mean per hook: "
+    print(f"{'policy@B':>16} {'steps':>7} {'median':>8} {'p90':>8} {'mean':>8} {'layout':>7}   mean per hook: "
           + " / ".join(HOOKS))
     for key, r in rows.items():
         hooks = " / ".join(f"{r['mean_us_by_hook'][h]:.1f}" for h in HOOKS)
-        print(f"{key:>16} {r['steps']:>7} {r['median_us']:>8.1f} {r['p90_us']:>8.1f} {r['mean_us']:>8.1f}   {hooks}")
+        print(f"{key:>16} {r['steps']:>7} {r['median_us']:>8.1f} {r['p90_us']:>8.1f} {r['mean_us']:>8.1f} "
+              f"{r['mean_layout_us']:>7.1f}   {hooks}")
     return save_labelled(args.out, args.label, {
         "dspark": str(Path(dspark.__file__).parent), "cost": args.cost, "repeats": args.repeats, "rows": rows,
         "median_of_medians_us": statistics.median(r["median_us"] for r in rows.values())})

@@ -192,6 +192,34 @@ def test_policy_overhead_charges_each_hook_to_the_step_it_ran_in() -> None:
                              "observe_seconds": 32.0}
 
 
+def test_policy_overhead_counts_the_layouts_built_inside_a_hook_only(monkeypatch) -> None:
+    from dspark.serve.policies import Policy
+    from dspark.verify.layout import RaggedVerifyLayout
+
+    po = _script("policy_overhead")
+    now = [0.0]
+    monkeypatch.setattr(RaggedVerifyLayout, "_from_lens", classmethod(lambda cls: now.__setitem__(0, now[0] + 100)))
+    built_here = RaggedVerifyLayout.__dict__["_from_lens"]
+
+    class Planning(Policy):
+        def speculate(self, *a):
+            now[0] += 1
+
+        def plan(self, *a):
+            RaggedVerifyLayout._from_lens()  # the planner's layout, inside the hook
+            now[0] += 4
+
+    policy = Planning()
+    clock = po.HookClock(policy, clock=lambda: now[0])
+    with po.layout_timer(clock):
+        RaggedVerifyLayout._from_lens()  # before the first step: not counted
+        policy.speculate()
+        policy.plan()
+        RaggedVerifyLayout._from_lens()  # outside every hook (a fixed k's verify phase): not counted
+    assert clock.layout == 100 and clock.steps == [1 + 100 + 4]
+    assert RaggedVerifyLayout.__dict__["_from_lens"] is built_here  # restored
+
+
 def test_demo_profile_check_compares_each_fixed_k_with_what_the_planners_believed(tmp_path: Path, capsys) -> None:
     """Only full-batch steps without a prefill count; the ratio is their median over the believed step time."""
     from dspark.cost.serving import load_serving_cost
