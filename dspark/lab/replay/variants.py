@@ -35,7 +35,7 @@ VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estima
             "per-request oracle", "fixed depth", "lag 1", "lag 2", "no tiers", "no cost feedback", "no catch-up price",
             "whole-batch probes", "no probes", "host 0.25 ms")
 NEVER = 10 ** 9  # plain steps before a probe in the variant "no probes": more than any run takes
-HOST_SECONDS = 2.5e-4  # "host 0.25 ms": adaptive's host work per step on the lab's CPU beyond a fixed k's (policy_overhead.py)
+HOST_SECONDS = 2.5e-4  # "host 0.25 ms": adaptive's host work per step beyond a fixed k's (policy_overhead.py)
 SURE = 30.0  # |logit| of a known outcome: sigmoid(30) rounds to 1 in float32, sigmoid(-30) is 9e-14
 
 
