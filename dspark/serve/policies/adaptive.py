@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
@@ -51,12 +52,12 @@ class Adaptive(Policy):
 
     planner: the VerifyPlanner (its gamma is the drafts per step). plain_seconds: B -> seconds of a target-only
     step, profiled like the planner's cost model (asked once per B); with it each step first passes the
-    speculate-or-not gate (`gate`: its probe schedule and cost feedback). feedback: the realised-acceptance averages the gate reads.
-    estimator: an OnlineAcceptanceEstimator in place of the draft's head (the planner then needs
-    temperatures=None and its gamma). depths: planners for shallower drafts {k: planner with gamma k}, lag 0 like
-    `planner`; with them the gate also picks the depth, from the realised acceptance per position priced by each
-    depth's planner (a probe drafts gamma; until each position has `prior_weight` outcomes of its own every step
-    speculates at gamma: the warm-up). With the feedback on, a large batch's probes that are not close calls
+    speculate-or-not gate (`gate`: its probe schedule and cost feedback). feedback: the realised-acceptance
+    averages the gate reads. estimator: an OnlineAcceptanceEstimator in place of the draft's head (the planner
+    then needs temperatures=None and its gamma). depths: planners for shallower drafts {k: planner with gamma k},
+    lag 0 like `planner`; with them the gate also picks the depth, from the realised acceptance per position priced
+    by each depth's planner (a probe drafts gamma; until each position has `prior_weight` outcomes of its own every
+    step speculates at gamma: the warm-up). With the feedback on, a large batch's probes that are not close calls
     draft for `gate.probe_requests` requests only (`GateSettings`); without it every probe drafts for the whole
     batch. One policy object serves one run; `resume` carries an earlier run's realised acceptance into it.
     """
@@ -92,7 +93,7 @@ class Adaptive(Policy):
         self.planner = planner  # the current depth's planner
         self.num_drafts = self.gamma
         self.plain_seconds = plain_seconds
-        self._plain_by_b: dict[int, float] = {}  # plain_seconds(B), asked once per B (a profiled curve)
+        self._plain_at = None if plain_seconds is None else functools.cache(plain_seconds)  # once per B
         if feedback.decay is None:  # a partial probe informs the realised acceptance only: without it, whole
             gate = dataclasses.replace(gate, probe_requests=None)
         self.gate = SpeculationGate(gate)
@@ -153,12 +154,6 @@ class Adaptive(Policy):
         gate.went_plain(self._plain_at(b))
         self._catch_up = True
         return False
-
-    def _plain_at(self, b: int) -> float:
-        seconds = self._plain_by_b.get(b)
-        if seconds is None:
-            seconds = self._plain_by_b[b] = self.plain_seconds(b)
-        return seconds
 
     def _use_depth(self, depth: int) -> None:
         self.planner, self.num_drafts = self._planners[depth], depth
