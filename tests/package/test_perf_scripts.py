@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,8 +245,46 @@ def test_demo_profile_check_compares_each_fixed_k_with_what_the_planners_believe
     assert set(rows) == {(2, "fixed-1"), (4, "fixed-1")}  # fixed-k only
     believed = float(cost.believed(1, 0.0).step_seconds(4, 8))
     r = rows[(4, "fixed-1")]
-    assert r["steps"] == 3 and r["live_ms"] == pytest.approx(200.0) and r["believed_ms"] == pytest.approx(believed * 1e3)
+    assert r["steps"] == 3 and r["live_ms"] == pytest.approx(200.0)
+    assert r["believed_ms"] == pytest.approx(believed * 1e3)
     assert r["ratio"] == pytest.approx(0.2 / believed) and r["live_tok_s"] == pytest.approx(6.0 / 0.2)
     assert rows[(2, "fixed-1")]["steps"] == 1 and "fixed-1" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="demo.json is missing"):
         check.main(["--demo", str(tmp_path / "nowhere"), "--out", str(out)])
+
+
+def test_acceptance_history_prices_a_plain_step_at_its_marginal_seconds() -> None:
+    """At B = 1 a step sent plain saves T_spec - T_plain and loses its accepted drafts; the gain is exact per-step
+    accounting, a threshold that sends nothing plain gains nothing, and the best threshold is found."""
+    from dspark.cost.serving import StepWork, load_serving_cost
+
+    ah = _script("acceptance_history")
+    cost = load_serving_cost("h100-llama8b-fitted", width=4)
+    be = ah.break_even(cost, 1, 3, 100.0, 1.5)
+    spec, plain = cost.price(StepWork(1, 4, 100, drafts=3, drafting=1)), cost.price(StepWork(1, 1, 100))
+    assert be["spec_seconds"] == spec and be["marginal_seconds"] == pytest.approx(spec - plain, rel=1e-12)
+    assert be["a_star"] == pytest.approx((spec - plain) * 2.5 / spec, rel=1e-12)
+    accepted = np.array([0.0, 0.0, 3.0, 3.0, 1.0])
+    none = np.zeros(5, dtype=bool)
+    assert ah.rule_gain(accepted, none, be, 1) == pytest.approx(1.0, rel=1e-12)
+    zeros = accepted == 0  # two steps plain: no token lost (1 + 0 either way), 2 x (spec - plain) saved
+    expect = (12 / (5 * spec - 2 * (spec - plain))) / (12 / (5 * spec))
+    assert ah.rule_gain(accepted, zeros, be, 1) == pytest.approx(expect, rel=1e-12) and expect > 1
+    assert ah.rule_gain(accepted, accepted == 3, be, 1) < 1  # plain where 3 drafts would land loses
+    gain, steps = ah.best_threshold(accepted, accepted, be, 1)
+    assert (gain, steps) == (pytest.approx(expect, rel=1e-12), 2)
+    assert ah.best_threshold(accepted, -accepted, be, 1) == (1.0, 0)  # a score that ranks the wrong way: no rule
+
+
+def test_acceptance_history_reads_the_shipped_trace(tmp_path: Path) -> None:
+    ah = _script("acceptance_history")
+    out = tmp_path / "ah.json"
+    data = ah.main(["--batch-sizes", "1", "--out", str(out)])["current"]
+    assert json.loads(json.dumps(data)) == json.loads(out.read_text())["current"]
+    assert set(data["buckets"]) == {"prev accepted", "prev survival", "root margin", "prev 0 x root margin"}
+    for rows in data["buckets"].values():
+        assert sum(r["steps"] for r in rows) == data["steps"] > 10_000
+        assert all(0 <= r["mean_accepted"] <= 3 and 0 <= r["p_zero"] <= 1 for r in rows)
+    assert len(data["verdicts"]) == 4
+    for v in data["verdicts"].values():  # the oracle is told each outcome: no rule on a predictor beats it
+        assert v["per_step_oracle"][0] >= max(r[0] for r in v["rules"].values()) >= 1.0
