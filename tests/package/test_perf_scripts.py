@@ -253,12 +253,12 @@ def test_demo_profile_check_compares_each_fixed_k_with_what_the_planners_believe
         check.main(["--demo", str(tmp_path / "nowhere"), "--out", str(out)])
 
 
-def test_acceptance_history_prices_a_plain_step_at_its_marginal_seconds() -> None:
+def test_per_request_rules_price_a_plain_step_at_its_marginal_seconds() -> None:
     """At B = 1 a step sent plain saves T_spec - T_plain and loses its accepted drafts; the gain is exact per-step
     accounting, a threshold that sends nothing plain gains nothing, and the best threshold is found."""
     from dspark.cost.serving import StepWork, load_serving_cost
 
-    ah = _script("acceptance_history")
+    ah = _script("per_request_rules")
     cost = load_serving_cost("h100-llama8b-fitted", width=4)
     be = ah.break_even(cost, 1, 3, 100.0, 1.5)
     spec, plain = cost.price(StepWork(1, 4, 100, drafts=3, drafting=1)), cost.price(StepWork(1, 1, 100))
@@ -276,9 +276,9 @@ def test_acceptance_history_prices_a_plain_step_at_its_marginal_seconds() -> Non
     assert ah.best_threshold(accepted, -accepted, be, 1) == (1.0, 0)  # a score that ranks the wrong way: no rule
 
 
-def test_acceptance_history_reads_the_shipped_trace(tmp_path: Path) -> None:
-    ah = _script("acceptance_history")
-    out = tmp_path / "ah.json"
+def test_per_request_rules_read_the_shipped_trace(tmp_path: Path) -> None:
+    ah = _script("per_request_rules")
+    out = tmp_path / "rules.json"
     data = ah.main(["--batch-sizes", "1", "--out", str(out)])["current"]
     assert json.loads(json.dumps(data)) == json.loads(out.read_text())["current"]
     assert set(data["buckets"]) == {"prev accepted", "prev survival", "root margin", "prev 0 x root margin"}
@@ -288,3 +288,19 @@ def test_acceptance_history_reads_the_shipped_trace(tmp_path: Path) -> None:
     assert len(data["verdicts"]) == 4
     for v in data["verdicts"].values():  # the oracle is told each outcome: no rule on a predictor beats it
         assert v["per_step_oracle"][0] >= max(r[0] for r in v["rules"].values()) >= 1.0
+    assert len(data["early_exit"]) == 4
+    for e in data["early_exit"].values():
+        assert e["depth_oracle"] >= e["early_exit"] >= 1.0 and 1 <= e["mean_depth"] <= 3
+
+
+def test_per_request_rules_early_exit_against_the_best_fixed_depth() -> None:
+    """Two steps at gamma 2, depth d priced seconds[d - 1]: fixed depth 1 makes 3 tokens in 2 s, depth 2 4 in 3 s;
+    stopping the first step (survival 0.1) after draft 1 makes 4 in 2.5 s, as the depth oracle does."""
+    ah = _script("per_request_rules")
+    accepted, seconds = np.array([0, 2]), np.array([1.0, 1.5])
+    e = ah.early_exit(accepted, np.array([[0.1, 0.05], [0.9, 0.8]]), seconds)
+    assert e["fixed_depth"] == 1 and e["fixed_rates"] == pytest.approx([1.5, 4 / 3])
+    assert e["early_exit"] == pytest.approx(1.6 / 1.5) and 0.1 < e["threshold"] <= 0.9 and e["mean_depth"] == 1.5
+    assert e["depth_oracle"] == pytest.approx(1.6 / 1.5)
+    never = ah.early_exit(accepted, np.array([[0.9, 0.8], [0.1, 0.05]]), seconds)  # survival ranks the wrong way
+    assert never["early_exit"] == 1.0 and never["threshold"] is None
