@@ -16,16 +16,20 @@ Every request of the shipped trace is walked along the fixed-gamma greedy path (
    marginal seconds at the all-speculating batch's tokens / s. `best rule`: over every predictor and every
    threshold on its bucket means (the lowest buckets plain), the best gain over always speculating, picked with
    hindsight on the same steps (an upper bound for a rule on these predictors); `per-step oracle`: the best
-   threshold on a(t) itself. Exact at B = 1, approximate where many requests of a batch go plain.
-2. While drafting (early exit, B = 1: a chain drafter stops after draft j when the draft's own calibrated
-   survival s_j is below a threshold; the drafts it made are verified). Each step priced at the depth d it drafted
-   (`ServingCost.price`: d drafts, d + 1 rows) and committing 1 + min(a(t), d). `early exit`: the best threshold,
-   with hindsight, against the best fixed depth; `depth oracle`: every step drafting max(a(t), 1).
+   threshold on a(t) itself. At B > 1 each plain request is priced at the margin of a batch that speculates
+   (approximate where many go plain).
+2. While drafting (early exit, B = 1: a chain drafter stops after the first draft j < gamma whose survival
+   through j, the calibrated product c_1 ... c_j, is at or below a threshold; the drafts it made are verified).
+   Each step priced at the depth d it drafted (`ServingCost.price`: d drafts, d + 1 rows) and committing
+   1 + min(a(t), d). `early exit`: the best threshold over every survival value, with hindsight, against the best
+   fixed depth; `depth oracle`: every step drafting max(a(t), 1).
 
-Per-step accounting on the fixed-gamma path (a replay would move later steps; the lab's "per-request oracle"
-variant is that replay for rule 1).
+The marginal price of one step is exact at B = 1, but the accounting keeps the fixed-gamma path throughout: a
+step sent plain or drafting less would move the later steps of a replay (the lab's "per-request oracle" variant
+is that replay for rule 1). The gains are tok/s ratios over always speculating at gamma (rule 1) and over the
+best fixed depth (rule 2), on the same steps.
 
-    PYTHONPATH=. python perf/per_request_rules.py [--gamma 3] [--batch-sizes 1,16] \
+    PYTHONPATH=. python perf/per_request_rules.py [--gamma 3] [--batch-sizes 1,16] [--label current] \
         [--out perf/results/per_request_rules.json]
 """
 from __future__ import annotations
@@ -60,8 +64,10 @@ def history(trace: Trace, steps: dict[str, np.ndarray], gamma: int) -> dict[str,
     """Per step after a request's first: a(t) and the predictors known before it drafts."""
     rows, request, accepted, survival = steps["rows"], steps["request"], steps["accepted"], steps["survival"]
     failed_at = survival[np.arange(rows.size), np.minimum(accepted, gamma - 1)]
-    # the root of the step at position t is continuation position t - 1, stored from offsets[i] + i * gamma
-    root_margin = trace.target_margin.numpy()[rows - 1 + request * gamma]
+    # the root of a step at position t is continuation position t - 1 (request i's from `_cont_start[i]`: the
+    # trace stores N_i + trace.gamma entries per request, whatever gamma the walk drafts)
+    t = rows - trace.position_offsets.numpy()[request]
+    root_margin = trace.target_margin.numpy()[trace._cont_start.numpy()[request] + t - 1]
     later = np.flatnonzero(request[1:] == request[:-1]) + 1  # a step with an earlier step of the same request
     return {"accepted": accepted[later].astype(np.float64), "prev_accepted": accepted[later - 1],
             "prev_survival": failed_at[later - 1], "root_margin": root_margin[later].astype(np.float64)}
@@ -114,25 +120,34 @@ def best_threshold(accepted: np.ndarray, score: np.ndarray, be: dict, b: int) ->
     return best
 
 
-def depth_rate(accepted: np.ndarray, depth: np.ndarray, seconds: np.ndarray) -> float:
-    """Tokens / s of steps drafting `depth` [n] (1..gamma), priced seconds[depth - 1] each."""
-    return float((1 + np.minimum(accepted, depth)).sum() / seconds[depth - 1].sum())
-
-
 def early_exit(accepted: np.ndarray, survival: np.ndarray, seconds: np.ndarray) -> dict:
-    """At B = 1: the best fixed depth, the best early-exit threshold on the draft's survival against it (stop
-    after the first draft j < gamma with s_j below it), and the depth oracle (max(a(t), 1) drafts)."""
+    """At B = 1: the best fixed depth, the best early-exit threshold against it (stop after the first draft
+    j < gamma whose survival through j is <= the threshold), over every threshold, and the depth oracle (max(a(t), 1)
+    drafts). accepted [n], survival [n, gamma] non-increasing along positions, seconds [gamma] per depth."""
     n, gamma = survival.shape
-    fixed = [depth_rate(accepted, np.full(n, d), seconds) for d in range(1, gamma + 1)]
-    base = max(fixed)
-    best = (1.0, None, gamma)
-    for t in np.unique(np.quantile(survival[:, : gamma - 1], np.linspace(0, 1, 201))):
-        below = survival[:, : gamma - 1] < t
-        depth = np.where(below.any(1), below.argmax(1) + 1, gamma)
-        gain = depth_rate(accepted, depth, seconds) / base
-        if gain > best[0]:
-            best = (gain, float(t), float(depth.mean()))
-    oracle = depth_rate(accepted, np.maximum(accepted, 1), seconds) / base
+
+    def tokens(depth: int | np.ndarray) -> np.ndarray:  # per step drafting `depth` (an int, [n] or [1, m])
+        a = accepted if np.ndim(depth) < 2 else accepted[:, None]
+        return 1 + np.minimum(a, depth)
+
+    fixed = [float(tokens(d).sum() / (n * seconds[d - 1])) for d in range(1, gamma + 1)]
+    base, best = max(fixed), (1.0, None, float(np.argmax(fixed) + 1))
+    # raising the threshold past s[i, j - 1] moves step i from depth j + 1 to depth j (survival never rises)
+    j = np.arange(1, gamma)
+    at = survival[:, : gamma - 1].ravel()
+    d_tok = (tokens(j[None, :]) - tokens(j[None, :] + 1)).ravel()
+    d_sec = np.broadcast_to(seconds[j - 1] - seconds[j], (n, gamma - 1)).ravel()
+    order = np.argsort(at, kind="stable")
+    at, d_tok, d_sec = at[order], d_tok[order], d_sec[order]
+    last = np.append(at[1:] != at[:-1], True)  # a threshold takes every event at its value
+    tok = tokens(gamma).sum() + np.cumsum(d_tok)
+    sec = n * seconds[gamma - 1] + np.cumsum(d_sec)
+    depth_sum = n * gamma - np.cumsum(np.ones_like(at))
+    gain = np.where(last, tok / sec / base, -np.inf)
+    i = int(np.argmax(gain))
+    if gain[i] > best[0]:
+        best = (float(gain[i]), float(at[i]), float(depth_sum[i] / n))
+    oracle = float(tokens(np.maximum(accepted, 1)).sum() / seconds[np.maximum(accepted, 1) - 1].sum() / base)
     return {"fixed_depth": int(np.argmax(fixed)) + 1, "fixed_rates": fixed, "early_exit": best[0],
             "threshold": best[1], "mean_depth": best[2], "depth_oracle": oracle}
 

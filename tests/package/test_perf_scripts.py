@@ -258,28 +258,28 @@ def test_per_request_rules_price_a_plain_step_at_its_marginal_seconds() -> None:
     accounting, a threshold that sends nothing plain gains nothing, and the best threshold is found."""
     from dspark.cost.serving import StepWork, load_serving_cost
 
-    ah = _script("per_request_rules")
+    rules = _script("per_request_rules")
     cost = load_serving_cost("h100-llama8b-fitted", width=4)
-    be = ah.break_even(cost, 1, 3, 100.0, 1.5)
+    be = rules.break_even(cost, 1, 3, 100.0, 1.5)
     spec, plain = cost.price(StepWork(1, 4, 100, drafts=3, drafting=1)), cost.price(StepWork(1, 1, 100))
     assert be["spec_seconds"] == spec and be["marginal_seconds"] == pytest.approx(spec - plain, rel=1e-12)
     assert be["a_star"] == pytest.approx((spec - plain) * 2.5 / spec, rel=1e-12)
     accepted = np.array([0.0, 0.0, 3.0, 3.0, 1.0])
     none = np.zeros(5, dtype=bool)
-    assert ah.rule_gain(accepted, none, be, 1) == pytest.approx(1.0, rel=1e-12)
+    assert rules.rule_gain(accepted, none, be, 1) == pytest.approx(1.0, rel=1e-12)
     zeros = accepted == 0  # two steps plain: no token lost (1 + 0 either way), 2 x (spec - plain) saved
     expect = (12 / (5 * spec - 2 * (spec - plain))) / (12 / (5 * spec))
-    assert ah.rule_gain(accepted, zeros, be, 1) == pytest.approx(expect, rel=1e-12) and expect > 1
-    assert ah.rule_gain(accepted, accepted == 3, be, 1) < 1  # plain where 3 drafts would land loses
-    gain, steps = ah.best_threshold(accepted, accepted, be, 1)
+    assert rules.rule_gain(accepted, zeros, be, 1) == pytest.approx(expect, rel=1e-12) and expect > 1
+    assert rules.rule_gain(accepted, accepted == 3, be, 1) < 1  # plain where 3 drafts would land loses
+    gain, steps = rules.best_threshold(accepted, accepted, be, 1)
     assert (gain, steps) == (pytest.approx(expect, rel=1e-12), 2)
-    assert ah.best_threshold(accepted, -accepted, be, 1) == (1.0, 0)  # a score that ranks the wrong way: no rule
+    assert rules.best_threshold(accepted, -accepted, be, 1) == (1.0, 0)  # a score that ranks the wrong way: no rule
 
 
 def test_per_request_rules_read_the_shipped_trace(tmp_path: Path) -> None:
-    ah = _script("per_request_rules")
+    rules = _script("per_request_rules")
     out = tmp_path / "rules.json"
-    data = ah.main(["--batch-sizes", "1", "--out", str(out)])["current"]
+    data = rules.main(["--batch-sizes", "1", "--out", str(out)])["current"]
     assert json.loads(json.dumps(data)) == json.loads(out.read_text())["current"]
     assert set(data["buckets"]) == {"prev accepted", "prev survival", "root margin", "prev 0 x root margin"}
     for rows in data["buckets"].values():
@@ -296,11 +296,41 @@ def test_per_request_rules_read_the_shipped_trace(tmp_path: Path) -> None:
 def test_per_request_rules_early_exit_against_the_best_fixed_depth() -> None:
     """Two steps at gamma 2, depth d priced seconds[d - 1]: fixed depth 1 makes 3 tokens in 2 s, depth 2 4 in 3 s;
     stopping the first step (survival 0.1) after draft 1 makes 4 in 2.5 s, as the depth oracle does."""
-    ah = _script("per_request_rules")
+    rules = _script("per_request_rules")
     accepted, seconds = np.array([0, 2]), np.array([1.0, 1.5])
-    e = ah.early_exit(accepted, np.array([[0.1, 0.05], [0.9, 0.8]]), seconds)
+    e = rules.early_exit(accepted, np.array([[0.1, 0.05], [0.9, 0.8]]), seconds)
     assert e["fixed_depth"] == 1 and e["fixed_rates"] == pytest.approx([1.5, 4 / 3])
-    assert e["early_exit"] == pytest.approx(1.6 / 1.5) and 0.1 < e["threshold"] <= 0.9 and e["mean_depth"] == 1.5
+    assert e["early_exit"] == pytest.approx(1.6 / 1.5) and e["threshold"] == 0.1 and e["mean_depth"] == 1.5
     assert e["depth_oracle"] == pytest.approx(1.6 / 1.5)
-    never = ah.early_exit(accepted, np.array([[0.9, 0.8], [0.1, 0.05]]), seconds)  # survival ranks the wrong way
+    never = rules.early_exit(accepted, np.array([[0.9, 0.8], [0.1, 0.05]]), seconds)  # survival ranks the wrong way
     assert never["early_exit"] == 1.0 and never["threshold"] is None
+
+
+def test_per_request_rules_walk_each_request_and_read_its_root_from_the_traces_own_layout() -> None:
+    """A trace recorded at gamma 4 walked at gamma 2: each step's previous step is its own request's, and the root
+    margin is read at continuation position t - 1 of that request (N_i + 4 entries per request)."""
+    from dspark.plan.survival import calibrated_survival
+    from tests.lab.test_replay_lab import synthetic_trace
+
+    rules = _script("per_request_rules")
+    trace, gamma, temps = synthetic_trace(6, seed=3, gamma=4), 2, [1.5, 0.5]
+    steps = rules.path_steps(trace, gamma, temps)
+    h = rules.history(trace, steps, gamma)
+    expect = {"accepted": [], "prev_accepted": [], "prev_survival": [], "root_margin": []}
+    cont = 0
+    for i in range(trace.num_requests):
+        start, n = int(trace.position_offsets[i]), int(trace.new_tokens[i])
+        t, prev = 0, None
+        while t < n:
+            a = min(int(trace.accepted[start + t]), gamma)
+            if prev is not None:
+                s = calibrated_survival(trace.confidence_logits[prev[0]: prev[0] + 1, :gamma], temps)[0]
+                expect["accepted"].append(a)
+                expect["prev_accepted"].append(prev[1])
+                expect["prev_survival"].append(float(s[min(prev[1], gamma - 1)]))
+                expect["root_margin"].append(float(trace.target_margin[cont + t - 1]))
+            prev, t = (start + t, a), t + a + 1
+        cont += n + trace.gamma
+    assert len(expect["accepted"]) > 10
+    for key, values in expect.items():
+        assert h[key].tolist() == pytest.approx(values, rel=1e-6), key
