@@ -30,6 +30,10 @@ class EngineConfig:
         fold_prefill: chunked prefill: prompts admitted while other requests decode ride the next step's target
             forward (eager on any device) and their requests decode from the step after; False: every admission
             is prefilled in a forward of its own before the step.
+        defer_observe: the policy observes a step's outcome once the next step's forward is launched (its draft,
+            or a plain step's target forward), so its host work runs while the device does; its decisions then
+            read outcomes one step old. None (the default): on an accelerator, off on the CPU (one processor
+            does both: nothing to overlap).
     """
 
     cache_tokens: int = 65536
@@ -40,6 +44,7 @@ class EngineConfig:
     reserve_new_tokens: int | None = None
     keep_draft_logits: bool = False
     fold_prefill: bool = True
+    defer_observe: bool | None = None
 
     def __post_init__(self) -> None:
         check_int("cache_tokens", self.cache_tokens, 1)
@@ -54,6 +59,12 @@ class EngineConfig:
         check_positive_or_none("reserve_new_tokens", self.reserve_new_tokens)
         check_type("keep_draft_logits", self.keep_draft_logits, bool)
         check_type("fold_prefill", self.fold_prefill, bool)
+        check_type("defer_observe", self.defer_observe, bool, optional=True)
+
+    @property
+    def defers_observe(self) -> bool:
+        """`defer_observe`, resolved for this device."""
+        return self.device.type != "cpu" if self.defer_observe is None else self.defer_observe
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ class SpecDecoder:
         batch = Batch.empty(min(n, max_batch or n), max_len, self.device)
         engine = Engine(self._drafter, self._target, self._now, self._sync,
                         Sampling.seeded(sampling, self.device), mode, self.config.keep_draft_logits,
-                        self.config.fold_prefill)
+                        self.config.fold_prefill, defer_observe=self.config.defers_observe)
         catch_up = new if policy.catch_up is None else min(policy.catch_up, new)
         return serve(engine, scheduler, batch, policy, max_rows=p + w + catch_up)
 

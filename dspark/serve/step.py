@@ -5,8 +5,8 @@
     plan    = policy.plan(conf, slots, generations, prepass)  # Policy: fixed-k | adaptive | oracle
     checked = target.verify(batch, slots, drafts, plan...)    # Target: live model | simulated
     result  = target.accept(checked, drafts, sampling)        # greedy / rejection sampling, capped
-    batch.commit(...); policy.observe(...)
-
+    batch.commit(...); policy.observe(...)                    # defer_observe: once the next step's forward
+                                                              # is launched, the host busy while the device runs
 `serve` is the run: retire finished requests, admit queued ones into free slots (prefilled by the target,
 in a forward of their own or folded into the step's while other requests decode; caught up by the drafter at
 its next proposal), step, until the queue is drained. The live engine
@@ -50,23 +50,31 @@ class Engine:
     keep_draft_logits: bool = False  # each speculative StepOutcome keeps the drafter's [B, k, V] token logits
     fold_prefill: bool = True  # admitted prompts ride the next step's target forward when others decode in it
     host_seconds: float = 0.0  # a replay's price of the policy's host work per speculative step (live: measured)
+    # a step's `observe` / `observe_seconds` wait until the next step's forward is launched (the host works while
+    # the device drafts); the policy then decides each step from outcomes one step old
+    defer_observe: bool = False
+    deferred_host_seconds: float = 0.0  # a replay's price of the hooks deferred after a speculative step (live: 0)
 
 
-def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | None, plan_seconds: float
-               ) -> tuple[StepOutcome, Tensor]:
-    """Target-only decoding (fixed-0, or a policy's choice that took `plan_seconds`): one row per request.
-    Returns the outcome and the host commit lengths."""
+Launched = Callable[[], float]  # run the held step's feedback now that a forward is launched; a replay's price of it
+
+
+def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | None, plan_seconds: float,
+               launched: Launched) -> tuple[StepOutcome, Tensor]:
+    """Target-only decoding (fixed-0, or a policy's choice that took `plan_seconds`): one row per request;
+    `launched` runs once the forward is launched. Returns the outcome and the host commit lengths."""
     b, dev = slots.numel(), batch.tokens.device
     now = engine.clock
     t0 = now()
     layout = RaggedVerifyLayout._from_lens(torch.ones(b, dtype=torch.int32), (), None, 1, total_rows=b, host=True)
     layout = layout.to(dev)
     token = engine.target.plain(batch, slots, layout, engine.sampling)
+    overlapped = launched()
     t1 = now()
     ones = torch.ones(b, dtype=torch.int32, device=dev)
     commit = batch.commit(slots, token, ones, stop_ids)
     engine.sync()
-    times = StepTimes(plan=plan_seconds, verify=t1 - t0, accept=now() - t1)
+    times = StepTimes(plan=plan_seconds, verify=max(t1 - t0, overlapped), accept=now() - t1)
     out = StepOutcome(requests=slots, plan=PolicyPlan(ones), layout=layout, caps=ones,
                       confidence_logits=torch.zeros(b, 0, device=dev), commit_lens=ones, correct_lens=ones - 1,
                       times=times, host_syncs=0)
@@ -74,9 +82,9 @@ def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | N
 
 
 def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy, stop_ids: Tensor | None,
-                     plan_seconds: float) -> tuple[StepOutcome, Tensor]:
+                     plan_seconds: float, launched: Launched) -> tuple[StepOutcome, Tensor]:
     """Draft, plan, verify, accept and commit for the requests in `slots` (host ids, ascending); the requests
-    `policy.drafting` leaves out verify their root only."""
+    `policy.drafting` leaves out verify their root only; `launched` runs once the draft is launched."""
     now, target, k, sampling = engine.clock, engine.target, policy.num_drafts, engine.sampling
     b, dev = slots.numel(), batch.tokens.device
     rows = None if policy.drafting is None else policy.drafting.nonzero().squeeze(1)  # host positions that draft
@@ -85,8 +93,9 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     drafts = engine.drafter.propose(batch, slots if rows is None else slots[rows], k, policy.source, sampling)
     if rows is not None:
         drafts = drafts.spread(boundary.to_device(rows, dev), b)
+    overlapped = launched()  # before `confidence`: an estimator's features are still the held step's
     t1 = now()
-    times.draft = t1 - t0
+    times.draft = max(t1 - t0, overlapped)
     conf = policy.confidence(drafts)
     if rows is not None:  # an estimator's confidence of a request that did not draft: none
         conf = conf.masked_fill(boundary.to_device(~policy.drafting, dev)[:, None], -math.inf)
@@ -125,6 +134,12 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     return out, commit
 
 
+def _observe_seconds(policy: Policy, out: StepOutcome) -> None:
+    """The step's measured seconds for the policy's cost feedback (a folded prompt's tokens rode its forward)."""
+    policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept,
+                           out.prefill_tokens if out.prefill_folded else 0)
+
+
 @torch.no_grad()
 def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *, max_rows: int) -> DecodeRun:
     """Run the scheduler's queue to its end on `batch`'s slots with one policy; yields each StepOutcome and
@@ -134,6 +149,16 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
     stop_ids = scheduler.stop_ids
     result = GenerateResult(tokens=scheduler.result.tokens)
     prefill, prefill_tokens = 0.0, 0
+    held: list[tuple[Tensor, StepOutcome]] = []  # `defer_observe`: the last step, observed once the next launches
+
+    def launched() -> float:
+        if not held:
+            return 0.0
+        commit, out = held.pop()
+        policy.observe(commit, out)
+        _observe_seconds(policy, out)
+        return engine.deferred_host_seconds if out.speculated else 0.0
+
     target.start(batch, tuple(d + 1 for d in policy.draft_depths), max_rows)
     try:
         drafter.start(batch, max_rows)
@@ -159,6 +184,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             if folded.numel():
                 slots = slots[~torch.isin(slots, folded)]
             if not slots.numel():
+                launched()  # the last step's feedback: the policy has seen every outcome when the run returns
                 break
             lens = batch.lens[slots].clone()
             t0 = now()
@@ -168,23 +194,26 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
                 speculate = bool(check_drafting(policy, slots.numel()).any())  # no request drafts: a plain step
             decided = now() - t0
             if speculate:
-                out, commit = speculative_step(engine, batch, slots, policy, stop_ids, decided)
+                out, commit = speculative_step(engine, batch, slots, policy, stop_ids, decided, launched)
             else:
-                out, commit = plain_step(engine, batch, slots, stop_ids, decided)
+                out, commit = plain_step(engine, batch, slots, stop_ids, decided, launched)
             out.owners = batch.owners[slots].clone()
-            out.useful_per_request = torch.minimum(lens + commit, batch.ends[slots]) - lens  # none past the count or a stop
+            # none past the count or a stop
+            out.useful_per_request = torch.minimum(lens + commit, batch.ends[slots]) - lens
             out.useful = int(out.useful_per_request.sum())
             out.times.prefill, prefill = prefill, 0.0
             out.prefill_tokens, prefill_tokens = prefill_tokens, 0
             if folded.numel():
                 out.prefill_folded, out.folded_owners = True, batch.owners[folded].clone()
             out.kv_tokens, out.kv_longest = int((lens - 1).sum()), int((lens - 1).max())
-            t0 = now()
-            policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
-            out.times.plan += now() - t0
-            policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept,
-                                   out.prefill_tokens if folded.numel() else 0)
-            out.host_syncs += 1
+            out.host_syncs += 1  # the policy's read of the commit lengths, now or after the next launch
+            if engine.defer_observe:
+                held.append((commit, out))
+            else:
+                t0 = now()
+                policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
+                out.times.plan += now() - t0
+                _observe_seconds(policy, out)
             result.steps.append(out)
             yield out
     finally:

@@ -14,8 +14,10 @@ which does not wait for the device. tests/plan/test_host_boundary.py counts ever
 read of a step on the CPU and proves none happens outside this function; the cuda-marked sync test in
 tests/plan/test_planner.py asserts the same on a GPU.
 
-The module also owns the other host-or-device choices of a step (`on_host`, `pinned`, `copy_done`,
-`synchronize`): callers ask these instead of testing device types themselves.
+What a step's policy reads after the commit sync (the plan it made) it copies with `to_host_later` while planning:
+the copy rides behind the step's work and the read needs no device. The module also owns the other host-or-device
+choices of a step (`on_host`, `pinned`, `copy_done`, `synchronize`): callers ask these instead of testing device
+types themselves.
 """
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ def to_host(values: Tensor) -> np.ndarray:
     """`values` as a host numpy array: one device-to-host copy that waits for the device (a sync off the
     CPU, a view on the CPU). The only host read of a verify step; see the module docstring."""
     return values.detach().cpu().numpy()
+
+
+def to_host_later(values: Tensor) -> Tensor:
+    """A host copy of `values` queued behind the device's work, not waited for: read it only after the device's
+    next `synchronize` (a step's commit sync), then without a device read (pinned on CUDA: an asynchronous copy).
+    The same tensor on the CPU."""
+    if on_host(values):
+        return values.detach()
+    out = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned(values.device))
+    return out.copy_(values.detach(), non_blocking=True)
 
 
 def to_device(values: Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:

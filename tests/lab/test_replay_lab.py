@@ -19,6 +19,7 @@ from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
 from dspark.lab.replay.lab import UNTIMED_PROBE, Lab, queue_ids, serving_queue
 from dspark.lab.replay.trace import Trace
+from dspark.serve.policies import FixedK
 
 pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
 GAMMA, VOCAB = 4, 50
@@ -328,3 +329,57 @@ def test_a_resumed_adaptive_policy_skips_the_warm_up_and_keeps_its_own_copy() ->
     for other in (other_depths, other_feedback, lab.policy("adaptive-est", 2)):
         with pytest.raises(ValueError, match=r"resume needs a policy with the same \(draft depths, feedback"):
             lab.policy("adaptive", 2).resume(other)
+
+
+class _EveryOther(FixedK):
+    """Fixed-2 that decodes plain at every other step: speculative and plain steps follow each other."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.steps = 0
+
+    def speculate(self, slots, generations) -> bool:
+        self.steps += 1
+        return self.steps % 2 == 1
+
+
+@pytest.mark.parametrize("policy", ["fixed-2", "adaptive", "every other"])
+def test_a_deferred_host_price_overlaps_the_forward_its_hooks_wait_for(policy: str) -> None:
+    """With `defer_observe` a step's hooks run once the next step's forward is launched: after a speculative step
+    that forward's phase (the next draft, or a plain step's target forward) lasts the longer of its device time
+    and the deferred price; the critical price stays in the plan phase. UNTIMED_PROBE: no decision reads a time."""
+    trace = synthetic_trace(30, seed=8)
+    ids = queue_ids(trace, 10)
+
+    def run(**kw):
+        return _lab(trace, probe=UNTIMED_PROBE, defer_observe=True, **kw).run(
+            _EveryOther() if policy == "every other" else policy, 3, ids)
+
+    def forward(s) -> float:  # the phase a step's held hooks overlap: its draft, or a plain step's forward
+        return s.times.draft if s.speculated else s.times.verify
+
+    base = run()
+    waited = sorted(forward(s) for s, before in zip(base.steps[1:], base.steps) if before.speculated)
+    price = waited[len(waited) // 2]  # outlasts half of them: both sides of the overlap are taken
+    priced = run(host_seconds=1e-3, deferred_host_seconds=price)
+    assert len(base.steps) == len(priced.steps) and torch.equal(base.tokens, priced.tokens)
+    overlapped = {True: 0, False: 0}  # after a speculative step, the price outlasted: a draft / a plain forward
+    for i, (a, b) in enumerate(zip(base.steps, priced.steps)):
+        assert a.speculated == b.speculated
+        after_spec = i > 0 and base.steps[i - 1].speculated
+        expect = max(forward(a), price) if after_spec else forward(a)
+        assert forward(b) == pytest.approx(expect, abs=1e-12), i
+        assert b.times.plan == pytest.approx(a.times.plan + (1e-3 if a.speculated else 0.0), abs=1e-12), i
+        overlapped[a.speculated] += after_spec and forward(a) < price
+    assert overlapped[policy != "every other"] > 0
+
+
+def test_a_deferred_host_price_without_deferred_hooks_is_refused_naming_it() -> None:
+    trace = synthetic_trace(10, seed=1)
+    for defer in (None, False):
+        with pytest.raises(ValueError, match="deferred_host_seconds = 0.001 prices the hooks defer_observe=True"):
+            _lab(trace, defer_observe=defer, deferred_host_seconds=1e-3)
+    with pytest.raises(ValueError, match="deferred_host_seconds"):
+        _lab(trace, defer_observe=True, deferred_host_seconds=-1.0)
+    with pytest.raises(TypeError, match="defer_observe must be a bool or None, got str"):
+        _lab(trace, defer_observe="yes")

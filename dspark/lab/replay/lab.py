@@ -94,7 +94,8 @@ def check_queue(trace: Trace, ids: Tensor) -> Tensor:
     bad = ((ids < 0) | (ids >= trace.num_requests)).nonzero()
     if bad.numel():
         i = int(bad[0])
-        raise ValueError(f"ids[{i}] = {int(ids[i])} is not a request of the trace (it holds 0..{trace.num_requests - 1})")
+        raise ValueError(f"ids[{i}] = {int(ids[i])} is not a request of the trace "
+                         f"(it holds 0..{trace.num_requests - 1})")
     return ids
 
 
@@ -126,7 +127,10 @@ class Lab:
     host_seconds: seconds added to each speculative step's plan phase for the policy's host work (its speculate,
     plan and observe hooks; plain steps, whose hooks do less, are not charged; the gate's cost feedback sees it,
     as it sees a live plan phase; a timed replay measures its own instead; 0: unpriced, as the cost models price
-    the device only)."""
+    the device only); defer_observe: the policy observes each step once the next step's forward is launched
+    (`Engine.defer_observe`; None: as the live engine on the replay's device, on an accelerator only);
+    deferred_host_seconds: with it, the price of the hooks deferred after a speculative step, run while the next
+    forward runs (that phase lasts the longer of the two; `host_seconds` then prices the rest)."""
 
     trace: Trace
     cost: ServingCost
@@ -143,10 +147,17 @@ class Lab:
     probe_requests: int | None = 16
     fold_prefill: bool | None = None
     host_seconds: float = 0.0
+    defer_observe: bool | None = None
+    deferred_host_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
         check_real("host_seconds", self.host_seconds, 0.0, math.inf, high_open=True)
+        check_type("defer_observe", self.defer_observe, bool, optional=True)
+        check_real("deferred_host_seconds", self.deferred_host_seconds, 0.0, math.inf, high_open=True)
+        if self.deferred_host_seconds and self.defer_observe is not True:
+            raise ValueError(f"deferred_host_seconds = {self.deferred_host_seconds} prices the hooks "
+                             f"defer_observe=True defers, got defer_observe={self.defer_observe}")
         check_type("cost", self.cost, ServingCost)
         check_type("fold_prefill", self.fold_prefill, bool, optional=True)
         check_int("gamma", self.gamma, 1)
@@ -225,6 +236,9 @@ class Lab:
         fold = self.fold_prefill
         if fold is None:
             fold = (self.reality or self.cost).prefill.per_forward > 0
-        host = self.host_seconds if timed is None else 0.0  # a timed replay measures its host work
-        engine = dataclasses.replace(engine, mode=mode, fold_prefill=fold, host_seconds=host)
+        # a timed replay measures its host work
+        host, deferred = (self.host_seconds, self.deferred_host_seconds) if timed is None else (0.0, 0.0)
+        defer = device.type != "cpu" if self.defer_observe is None else self.defer_observe
+        engine = dataclasses.replace(engine, mode=mode, fold_prefill=fold, host_seconds=host, defer_observe=defer,
+                                     deferred_host_seconds=deferred)
         return finish(serve(engine, scheduler, batch, pol, max_rows=longest + w))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
-from dspark.plan.planner import VerifyPlan, VerifyPlanner
+from dspark.plan.planner import VerifyPlanner
 from dspark.serve.drafters.base import Drafts
 from dspark.serve.policies.base import Policy, PolicyPlan
 from dspark.serve.policies.feedback import RealisedAcceptance
@@ -104,7 +104,8 @@ class Adaptive(Policy):
         self._catch_up = False  # the next speculative step's draft catches up on plain steps' tokens
         self.feedback_settings = feedback
         self.feedback = RealisedAcceptance(self.gamma, feedback.decay or 0.0, feedback.prior_weight)
-        self._pending: tuple[VerifyPlan, Tensor | None] | None = None  # the speculative step awaiting its outcome
+        # the speculative step awaiting its outcome: host copies of its verify lengths and survival, its drafters
+        self._pending: tuple[Tensor, Tensor, Tensor | None] | None = None
         slots = planner.ring.num_slots if planner.ring is not None else 0
         self._unseen = torch.zeros(slots, dtype=torch.int64)  # per slot: planned steps until its survival is read
 
@@ -210,7 +211,9 @@ class Adaptive(Policy):
             host_slots = slots.cpu()
             self._unseen[host_slots] = (self._unseen[host_slots] - 1).clamp(min=0)
         if self.plain_seconds is not None and self.feedback_settings.decay is not None:
-            self._pending = p, self.drafting  # read in `observe`, after the step's commit sync: no device read
+            # read in `observe`, after the step's commit sync (maybe after the next draft's launch): host copies
+            # queued now, so that read waits for no device work
+            self._pending = boundary.to_host_later(p.verify_lens), boundary.to_host_later(p.survival), self.drafting
         return PolicyPlan(p.verify_lens, survival=p.survival, layout=p.layout, budget=p.budget)
 
     def admit(self, slots: Tensor) -> None:
@@ -239,10 +242,9 @@ class Adaptive(Policy):
             self.gate.forget()
         if self._pending is None:
             return
-        (plan, drafting), self._pending = self._pending, None
-        # the planner's own (already checked) lengths and survival: views on the CPU, read after the commit's sync
-        vl = boundary.to_host(plan.verify_lens).astype(np.int64)
-        survival = boundary.to_host(plan.survival).astype(np.float64)
+        (lens, survival, drafting), self._pending = self._pending, None
+        # the planner's own (already checked) lengths and survival, copied to the host while it planned
+        vl, survival = lens.numpy().astype(np.int64), survival.numpy().astype(np.float64)
         commit = boundary.to_host(commit_lens)
         if drafting is not None:  # a partial probe: the outcomes of the requests that drafted; the rest were plain
             rows = drafting.numpy()
