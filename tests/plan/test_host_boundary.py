@@ -207,3 +207,17 @@ def test_host_values_reach_the_device_without_a_wait(monkeypatch):
     assert boundary.pinned("cuda") and not boundary.pinned("cpu") and not boundary.pinned("meta")
     assert boundary.copy_done("cpu") is None
     boundary.synchronize("cpu")  # nothing to wait for
+
+
+def test_a_later_host_copy_is_queued_behind_the_device_and_read_after_its_sync(device):
+    """`boundary.to_host_later`: on the CPU the tensor itself (no copy); on an accelerator a host copy (pinned on
+    CUDA) whose values are the device's once the device is synchronized, the copy issued non-blocking."""
+    x = torch.arange(7, dtype=torch.float32, device=device) * 1.5 - 2.0
+    later = boundary.to_host_later(x)
+    boundary.synchronize(device)
+    assert later.device.type == "cpu" and later.dtype == x.dtype and later.shape == x.shape
+    assert torch.equal(later, x.cpu())
+    if device.type == "cpu":
+        assert later.data_ptr() == x.data_ptr()  # a view: nothing copied
+    else:
+        assert later.data_ptr() != x.data_ptr() and later.is_pinned() == boundary.pinned(device)
