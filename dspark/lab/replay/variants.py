@@ -9,7 +9,8 @@ its survival (the planner's own loss, with nothing left to estimate); the oracle
 whose first draft the target accepts (the most per-request speculation adds); the policy drafting gamma at every
 speculative step (no depth choice); the planner's lag 1 / 2 (default 0); eager steps (no graph tiers); the gate
 without its measured-cost feedback, without the catch-up price, probing the whole batch every time (no partial
-probes), or never probing; and the policy's host work priced at 0.25 ms per speculative step (what its hooks take
+probes), or never probing; each step's feedback deferred until the next step's forward is launched
+(`Engine.defer_observe`: decisions from outcomes one step old); and the policy's host work priced at 0.25 ms per speculative step (what its hooks take
 per step on the lab's 2-core CPU beyond a fixed k's, less the ragged layout a fixed k builds in its verify phase
 too, `perf/policy_overhead.py`; the cost models price the device only), in the plan phase of a synchronous loop
 or, with its `observe` / `observe_seconds` (0.10 ms of it) deferred until the next step's forward is launched
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
             "per-request oracle", "fixed depth", "lag 1", "lag 2", "no tiers", "no cost feedback", "no catch-up price",
-            "whole-batch probes", "no probes", "host 0.25 ms", "host 0.25 ms deferred")
+            "whole-batch probes", "no probes", "observe deferred", "host 0.25 ms", "host 0.25 ms deferred")
 NEVER = 10 ** 9  # plain steps before a probe in the variant "no probes": more than any run takes
 HOST_SECONDS = 2.5e-4  # "host 0.25 ms": adaptive's host work per step beyond a fixed k's (policy_overhead.py)
 DEFERRED_SECONDS = 1.0e-4  # of it, its observe hooks' (observe, observe_seconds)
@@ -151,6 +152,7 @@ def variant_lab(base: Lab, name: str, b: int, ids: Tensor | None = None) -> tupl
               "no catch-up price": (replace(base, price_catch_up=False), "adaptive"),
               "whole-batch probes": (replace(base, probe_requests=None), "adaptive"),
               "no probes": (replace(base, probe=(NEVER, NEVER, base.probe[2])), "adaptive"),
+              "observe deferred": (replace(base, defer_observe=True), "adaptive"),
               "host 0.25 ms": (replace(base, host_seconds=HOST_SECONDS), "adaptive"),
               "host 0.25 ms deferred": (replace(base, host_seconds=HOST_SECONDS - DEFERRED_SECONDS, defer_observe=True,
                                                 deferred_host_seconds=DEFERRED_SECONDS), "adaptive")}
