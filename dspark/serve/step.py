@@ -7,6 +7,7 @@
     result  = target.accept(checked, drafts, sampling)        # greedy / rejection sampling, capped
     batch.commit(...); policy.observe(...)                    # defer_observe: once the next step's forward
                                                               # is launched, the host busy while the device runs
+
 `serve` is the run: retire finished requests, admit queued ones into free slots (prefilled by the target,
 in a forward of their own or folded into the step's while other requests decode; caught up by the drafter at
 its next proposal), step, until the queue is drained. The live engine
@@ -51,7 +52,8 @@ class Engine:
     fold_prefill: bool = True  # admitted prompts ride the next step's target forward when others decode in it
     host_seconds: float = 0.0  # a replay's price of the policy's host work per speculative step (live: measured)
     # a step's `observe` / `observe_seconds` wait until the next step's forward is launched (the host works while
-    # the device drafts); the policy then decides each step from outcomes one step old
+    # the device drafts; their clock time falls in that step's draft, or plain forward, phase); the policy then
+    # decides each step from outcomes one step old
     defer_observe: bool = False
     deferred_host_seconds: float = 0.0  # a replay's price of the hooks deferred after a speculative step (live: 0)
 
