@@ -51,14 +51,14 @@ class Engine:
     keep_draft_logits: bool = False  # each speculative StepOutcome keeps the drafter's [B, k, V] token logits
     fold_prefill: bool = True  # admitted prompts ride the next step's target forward when others decode in it
     host_seconds: float = 0.0  # a replay's price of the policy's host work per speculative step (live: measured)
-    # a step's `observe` / `observe_seconds` wait until the next step's forward is launched (the host works while
-    # the device drafts; their clock time falls in that step's draft, or plain forward, phase); the policy then
-    # decides each step from outcomes one step old
+    # a step's `observe` waits until the next step's forward is launched (the host works while the device drafts;
+    # its clock time falls in that step's draft, or plain forward, phase); the policy then decides each step from
+    # outcomes one step old (`observe_seconds`, the step's time, still comes at once)
     defer_observe: bool = False
-    deferred_host_seconds: float = 0.0  # a replay's price of the hooks deferred after a speculative step (live: 0)
+    deferred_host_seconds: float = 0.0  # a replay's price of an `observe` deferred after a speculative step (live: 0)
 
 
-Launched = Callable[[], float]  # run the held step's feedback now that a forward is launched; a replay's price of it
+Launched = Callable[[], float]  # run the held step's `observe` now that a forward is launched; a replay's price of it
 
 
 def plain_step(engine: Engine, batch: Batch, slots: Tensor, stop_ids: Tensor | None, plan_seconds: float,
@@ -136,12 +136,6 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     return out, commit
 
 
-def _observe_seconds(policy: Policy, out: StepOutcome) -> None:
-    """The step's measured seconds for the policy's cost feedback (a folded prompt's tokens rode its forward)."""
-    policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept,
-                           out.prefill_tokens if out.prefill_folded else 0)
-
-
 @torch.no_grad()
 def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *, max_rows: int) -> DecodeRun:
     """Run the scheduler's queue to its end on `batch`'s slots with one policy; yields each StepOutcome and
@@ -158,7 +152,6 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             return 0.0
         commit, out = held.pop()
         policy.observe(commit, out)
-        _observe_seconds(policy, out)
         return engine.deferred_host_seconds if out.speculated else 0.0
 
     target.start(batch, tuple(d + 1 for d in policy.draft_depths), max_rows)
@@ -215,7 +208,8 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
                 t0 = now()
                 policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
                 out.times.plan += now() - t0
-                _observe_seconds(policy, out)
+            policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept,
+                                   out.prefill_tokens if folded.numel() else 0)
             result.steps.append(out)
             yield out
     finally:

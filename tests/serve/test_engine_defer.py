@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
@@ -55,20 +56,25 @@ def test_each_outcome_reaches_the_policy_once_in_order_after_the_next_launch_whe
     assert [id(o) for o in observed] == [id(s) for s in out.steps]  # every step once, in order
     assert [kind for kind, _ in policy.events].count("seconds") == len(out.steps)
     index = {id(o): n for n, o in enumerate(observed)}
-    step = -1  # the step whose hooks run now
+    step, seconds = -1, 0  # the step whose hooks run now; the steps whose seconds were observed
     for i, (kind, o) in enumerate(policy.events):
         if kind == "speculate":
             step += 1
+            assert seconds == step  # every earlier step's seconds came at its own end, deferred or not
+        elif kind == "seconds":
+            seconds += 1
         elif kind == "observe":
-            assert policy.events[i + 1][0] == "seconds"  # its seconds right after it
             held = index[id(o)]
             # deferred: during the next step (after its speculate, before its confidence: the draft is launched);
-            # else within its own step (before the next speculate)
+            # else within its own step (before its seconds and the next speculate)
             assert held == (step - 1 if defer and held < len(out.steps) - 1 else step), (i, held, step)
             if defer and held < len(out.steps) - 1 and out.steps[held + 1].speculated:
-                assert policy.events[i - 1][0] == "speculate" and policy.events[i + 2][0] == "confidence"
+                assert policy.events[i - 1][0] == "speculate" and policy.events[i + 1][0] == "confidence"
+            if not defer:
+                assert policy.events[i + 1][0] == "seconds"
     assert any(not s.speculated for s in out.steps) and any(s.speculated for s in out.steps)
-    assert policy.events[-1][0] == "seconds"  # the last step's feedback before the run returned
+    # the last step's outcome before the run returned
+    assert policy.events[-1][0] == ("observe" if defer else "seconds")
 
 
 def test_deferred_feedback_is_lossless_and_the_adaptive_gate_reads_the_outcome_one_step_later(decoders) -> None:
@@ -79,6 +85,21 @@ def test_deferred_feedback_is_lossless_and_the_adaptive_gate_reads_the_outcome_o
         out = dec.generate(prompts, 16, policy, mode="compact", max_batch=3)
         assert torch.equal(out.tokens, ref.tokens), defer
         assert policy.feedback.counts.sum() > 0  # every speculative outcome reached the realised averages
+
+
+def test_a_deferred_outcome_labels_the_estimator_with_the_requests_that_drafted_in_its_own_step(decoders) -> None:
+    """Partial probes of one request: the next step's `speculate` has set its own drafting mask when the held
+    outcome is observed; the estimator still takes one position-0 label per request that drafted in that step."""
+    dec = decoders[True]
+    prompts = _prompts(4, 6, seed=6)
+    est = OnlineAcceptanceEstimator(GAMMA, refit_every=2, min_labels=4)
+    gate = GateSettings(probe_every=2, max_probe_every=2, cost_window=None, probe_requests=1, probe_budget=None)
+    policy = Adaptive(_planner(lag=0, device=dec.device), plain_seconds=lambda b: 1e-6, gate=gate, estimator=est)
+    out = dec.generate(prompts, 16, policy, mode="static")
+    assert torch.equal(out.tokens, decoders[False].generate(prompts, 16, FixedK(0), mode="static").tokens)
+    spec = [s for s in out.steps if s.speculated]
+    assert any(s.drafting < s.requests.numel() for s in spec)
+    assert est.labels_seen[0] == sum(s.drafting for s in spec)
 
 
 def test_defer_observe_defaults_to_the_accelerator_and_refuses_a_non_bool(device) -> None:

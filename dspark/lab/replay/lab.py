@@ -129,8 +129,8 @@ class Lab:
     as it sees a live plan phase; a timed replay measures its own instead; 0: unpriced, as the cost models price
     the device only); defer_observe: the policy observes each step once the next step's forward is launched
     (`Engine.defer_observe`; None: as the live engine on the replay's device, on an accelerator only);
-    deferred_host_seconds: with it, the price of the hooks deferred after a speculative step, run while the next
-    forward runs (that phase lasts the longer of the two; `host_seconds` then prices the rest)."""
+    deferred_host_seconds: with it, the price of the `observe` deferred after a speculative step, run while the
+    next forward runs (that phase lasts the longer of the two; `host_seconds` then prices the rest)."""
 
     trace: Trace
     cost: ServingCost

@@ -86,7 +86,7 @@ class Adaptive(Policy):
                 raise ValueError(f"choosing the depth needs lag-0 planners, got lag {planner.lag} / {p.lag}")
         self.estimator = estimator
         self.source = "head" if estimator is None else "features"
-        self._features: Tensor | None = None  # the latest step's estimator features
+        self._features: tuple[Tensor, Tensor | None] | None = None  # the latest step's estimator features, drafters
         self.gamma = planner.cfg.gamma
         self._planners = {**depths, self.gamma: planner}  # depth -> its planner
         self._by_depth = sorted(self._planners.items())
@@ -197,7 +197,7 @@ class Adaptive(Policy):
         feats, k = drafts.features, drafts.features.shape[1]
         if k < self.gamma:  # a shallower step: the estimator's columns past k stay unlabelled (censored)
             feats = torch.cat([feats, feats.new_zeros(feats.shape[0], self.gamma - k, feats.shape[2])], 1)
-        self._features = feats  # the inputs of this step's labels (`observe`)
+        self._features = feats, self.drafting  # the inputs of this step's labels and who drafted (`observe`)
         return self.estimator.predict(feats)[:, :k]
 
     def plan(self, confidence_logits: Tensor, slots: Tensor, generations: Tensor,
@@ -230,9 +230,9 @@ class Adaptive(Policy):
         """After a step: host commit lengths [B] of its requests; a speculative `outcome` also labels the
         estimator's features."""
         if self.estimator is not None and outcome is not None and outcome.speculated:
-            caps, correct, feats = outcome.caps, outcome.correct_lens, self._features
-            if self.drafting is not None:  # the requests that drafted (a static verify checks the fillers too)
-                rows = boundary.to_device(self.drafting.nonzero().squeeze(1), feats.device)
+            (feats, drafting), caps, correct = self._features, outcome.caps, outcome.correct_lens
+            if drafting is not None:  # the requests that drafted (a static verify checks the fillers too)
+                rows = boundary.to_device(drafting.nonzero().squeeze(1), feats.device)
                 caps, correct, feats = caps[rows], correct[rows], feats[rows]
             self.estimator.observe(verify_lens=caps, correct_lens=correct, features=feats)
         if outcome is not None and not outcome.speculated and self.feedback.mean is not None:
