@@ -52,8 +52,8 @@ class Engine:
     fold_prefill: bool = True  # admitted prompts ride the next step's target forward when others decode in it
     host_seconds: float = 0.0  # a replay's price of the policy's host work per speculative step (live: measured)
     # a step's `observe` waits until the next step's forward is launched (the host works while the device drafts;
-    # its clock time falls in that step's draft, or plain forward, phase); the policy then decides each step from
-    # outcomes one step old (`observe_seconds`, the step's time, still comes at once)
+    # its clock time falls in that step's draft, or plain forward, phase), for a policy whose `observe_deferrable`
+    # allows it; it then decides each step from outcomes one step old (`observe_seconds` still comes at once)
     defer_observe: bool = False
     deferred_host_seconds: float = 0.0  # a replay's price of an `observe` deferred after a speculative step (live: 0)
 
@@ -146,6 +146,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
     result = GenerateResult(tokens=scheduler.result.tokens)
     prefill, prefill_tokens = 0.0, 0
     held: list[tuple[Tensor, StepOutcome]] = []  # `defer_observe`: the last step, observed once the next launches
+    defer = engine.defer_observe and policy.observe_deferrable
 
     def launched() -> float:
         if not held:
@@ -179,7 +180,6 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             if folded.numel():
                 slots = slots[~torch.isin(slots, folded)]
             if not slots.numel():
-                launched()  # the last step's feedback: the policy has seen every outcome when the run returns
                 break
             lens = batch.lens[slots].clone()
             t0 = now()
@@ -202,7 +202,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
                 out.prefill_folded, out.folded_owners = True, batch.owners[folded].clone()
             out.kv_tokens, out.kv_longest = int((lens - 1).sum()), int((lens - 1).max())
             out.host_syncs += 1  # the policy's read of the commit lengths, now or after the next launch
-            if engine.defer_observe:
+            if defer:
                 held.append((commit, out))
             else:
                 t0 = now()
@@ -213,6 +213,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             result.steps.append(out)
             yield out
     finally:
+        launched()  # the last step's outcome: the policy has seen every step when the run ends
         drafter.finish()
         target.finish()
     result.max_batch = batch.num_slots

@@ -35,12 +35,12 @@ def to_host(values: Tensor) -> np.ndarray:
 
 
 def to_host_later(values: Tensor) -> Tensor:
-    """A host copy of `values` queued behind the device's work, not waited for: read it only after the device's
-    next `synchronize` (a step's commit sync), then without a device read (pinned on CUDA: an asynchronous copy).
-    The same tensor on the CPU."""
-    if on_host(values):
+    """`values` for a `to_host` read after the device's next `synchronize` (a step's commit sync): on CUDA a
+    pinned host copy queued behind the device's work now, not waited for, so that read waits for nothing; on the
+    CPU the tensor itself (a view, not a snapshot); elsewhere the device tensor (read then, after the sync)."""
+    if on_host(values) or not pinned(values.device):
         return values.detach()
-    out = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned(values.device))
+    out = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     return out.copy_(values.detach(), non_blocking=True)
 
 

@@ -376,10 +376,9 @@ def test_a_deferred_host_price_overlaps_the_forward_its_hooks_wait_for(policy: s
 
 def test_a_deferred_host_price_without_deferred_hooks_is_refused_naming_it() -> None:
     trace = synthetic_trace(10, seed=1)
-    for defer in (None, False):
-        with pytest.raises(ValueError, match="deferred_host_seconds = 0.001 prices the hooks defer_observe=True"):
-            _lab(trace, defer_observe=defer, deferred_host_seconds=1e-3)
+    with pytest.raises(ValueError, match="deferred_host_seconds = 0.001 prices the hooks defer_observe=True"):
+        _lab(trace, deferred_host_seconds=1e-3)
     with pytest.raises(ValueError, match="deferred_host_seconds"):
         _lab(trace, defer_observe=True, deferred_host_seconds=-1.0)
-    with pytest.raises(TypeError, match="defer_observe must be a bool or None, got str"):
+    with pytest.raises(TypeError, match="defer_observe must be a bool, got str"):
         _lab(trace, defer_observe="yes")

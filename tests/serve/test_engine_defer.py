@@ -9,7 +9,7 @@ import torch
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
-from dspark.serve.policies import Adaptive, FixedK
+from dspark.serve.policies import Adaptive, FixedK, Oracle
 from dspark.serve.policies.gate import GateSettings
 from tests.engine_models import tiny_models
 from tests.serve.test_engine import _prompts
@@ -77,19 +77,57 @@ def test_each_outcome_reaches_the_policy_once_in_order_after_the_next_launch_whe
     assert policy.events[-1][0] == ("observe" if defer else "seconds")
 
 
-def test_deferred_feedback_is_lossless_and_the_adaptive_gate_reads_the_outcome_one_step_later(decoders) -> None:
+def test_deferred_feedback_is_lossless_and_the_adaptive_policy_sees_each_outcome_one_step_later(decoders) -> None:
     prompts = _prompts(4, 6, seed=3)
     ref = decoders[False].generate(prompts, 16, FixedK(0), mode="static")
     for defer, dec in decoders.items():
-        policy = Adaptive(_planner(device=dec.device), lambda b: 0.004 * b, gate=GateSettings(probe_every=2))
-        out = dec.generate(prompts, 16, policy, mode="compact", max_batch=3)
+        policy = Adaptive(_planner(lag=0, device=dec.device), lambda b: 1e-6 * b, gate=GateSettings(probe_every=2))
+        run = dec.start(prompts, 16, policy, mode="compact", max_batch=3)
+        seen = []  # request outcomes in the realised averages when each step is handed out
+        try:
+            while True:
+                step = next(run)
+                seen.append((int(policy.feedback.counts[0]), step.requests.numel() if step.speculated else 0))
+        except StopIteration as stop:
+            out = stop.value
         assert torch.equal(out.tokens, ref.tokens), defer
-        assert policy.feedback.counts.sum() > 0  # every speculative outcome reached the realised averages
+        assert seen[0][1] > 0 and len(seen) > 3  # lag 0: the first step speculates
+        # in order, a step's outcome is counted when it is handed out; deferred, one step later
+        counted = [n for n, _ in seen]
+        drafted = [sum(d for _, d in seen[: i + 1 - defer]) for i in range(len(seen))]
+        assert counted == drafted, defer
+        assert policy.feedback.counts[0] == sum(d for _, d in seen)  # the last one too, before the run returned
 
 
-def test_a_deferred_outcome_labels_the_estimator_with_the_requests_that_drafted_in_its_own_step(decoders) -> None:
-    """Partial probes of one request: the next step's `speculate` has set its own drafting mask when the held
-    outcome is observed; the estimator still takes one position-0 label per request that drafted in that step."""
+def test_a_run_closed_early_still_hands_its_last_outcome_to_the_policy(decoders) -> None:
+    policy = Recording()
+    run = decoders[True].start(_prompts(3, 4), 12, policy)
+    steps = [next(run), next(run)]
+    assert [id(o) for kind, o in policy.events if kind == "observe"] == [id(steps[0])]  # the second is held
+    run.close()
+    assert [id(o) for kind, o in policy.events if kind == "observe"] == [id(s) for s in steps]
+
+
+def test_a_policy_observes_in_order_unless_it_says_its_observe_may_wait(decoders) -> None:
+    """`Policy.observe_deferrable` is False by default: a policy of one's own, the oracle and adaptive-est (its
+    estimator labels read the device) see each outcome before the next step's `speculate`."""
+
+    class Mine(Recording):
+        observe_deferrable = False
+
+    policy = Mine()
+    out = decoders[True].generate(_prompts(5, 4), 7, policy, max_batch=2)
+    kinds = [kind for kind, _ in policy.events]
+    assert kinds.count("observe") == len(out.steps)
+    assert all(kinds[i + 1] == "seconds" for i, kind in enumerate(kinds) if kind == "observe")
+    est = Adaptive(_planner(lag=0), plain_seconds=lambda b: 1e-6, estimator=OnlineAcceptanceEstimator(GAMMA))
+    assert Recording.observe_deferrable and not est.observe_deferrable and not Oracle(GAMMA).observe_deferrable
+    assert Adaptive(_planner(lag=0), plain_seconds=lambda b: 1e-6).observe_deferrable
+
+
+def test_adaptive_est_under_deferral_labels_its_estimator_with_each_steps_own_drafters(decoders) -> None:
+    """Partial probes of one request with the engine deferring: adaptive-est observes in order and its estimator
+    takes one position-0 label per request that drafted in each step."""
     dec = decoders[True]
     prompts = _prompts(4, 6, seed=6)
     est = OnlineAcceptanceEstimator(GAMMA, refit_every=2, min_labels=4)

@@ -128,7 +128,8 @@ class Lab:
     plan and observe hooks; plain steps, whose hooks do less, are not charged; the gate's cost feedback sees it,
     as it sees a live plan phase; a timed replay measures its own instead; 0: unpriced, as the cost models price
     the device only); defer_observe: the policy observes each step once the next step's forward is launched
-    (`Engine.defer_observe`; None: as the live engine on the replay's device, on an accelerator only);
+    (`Engine.defer_observe`, as the live engine does on an accelerator; off by default, so that a priced and a
+    timed replay take the same steps, and a timed replay's drafter waits for its device anyway);
     deferred_host_seconds: with it, the price of the `observe` deferred after a speculative step, run while the
     next forward runs (that phase lasts the longer of the two; `host_seconds` then prices the rest)."""
 
@@ -147,15 +148,15 @@ class Lab:
     probe_requests: int | None = 16
     fold_prefill: bool | None = None
     host_seconds: float = 0.0
-    defer_observe: bool | None = None
+    defer_observe: bool = False
     deferred_host_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
         check_real("host_seconds", self.host_seconds, 0.0, math.inf, high_open=True)
-        check_type("defer_observe", self.defer_observe, bool, optional=True)
+        check_type("defer_observe", self.defer_observe, bool)
         check_real("deferred_host_seconds", self.deferred_host_seconds, 0.0, math.inf, high_open=True)
-        if self.deferred_host_seconds and self.defer_observe is not True:
+        if self.deferred_host_seconds and not self.defer_observe:
             raise ValueError(f"deferred_host_seconds = {self.deferred_host_seconds} prices the hooks "
                              f"defer_observe=True defers, got defer_observe={self.defer_observe}")
         check_type("cost", self.cost, ServingCost)
@@ -238,7 +239,6 @@ class Lab:
             fold = (self.reality or self.cost).prefill.per_forward > 0
         # a timed replay measures its host work
         host, deferred = (self.host_seconds, self.deferred_host_seconds) if timed is None else (0.0, 0.0)
-        defer = device.type != "cpu" if self.defer_observe is None else self.defer_observe
-        engine = dataclasses.replace(engine, mode=mode, fold_prefill=fold, host_seconds=host, defer_observe=defer,
-                                     deferred_host_seconds=deferred)
+        engine = dataclasses.replace(engine, mode=mode, fold_prefill=fold, host_seconds=host,
+                                     defer_observe=self.defer_observe, deferred_host_seconds=deferred)
         return finish(serve(engine, scheduler, batch, pol, max_rows=longest + w))

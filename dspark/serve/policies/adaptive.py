@@ -86,6 +86,8 @@ class Adaptive(Policy):
                 raise ValueError(f"choosing the depth needs lag-0 planners, got lag {planner.lag} / {p.lag}")
         self.estimator = estimator
         self.source = "head" if estimator is None else "features"
+        # its observe reads host copies only (`to_host_later`); the estimator's labels read the device: in order
+        self.observe_deferrable = estimator is None
         self._features: tuple[Tensor, Tensor | None] | None = None  # the latest step's estimator features, drafters
         self.gamma = planner.cfg.gamma
         self._planners = {**depths, self.gamma: planner}  # depth -> its planner
@@ -244,7 +246,7 @@ class Adaptive(Policy):
             return
         (lens, survival, drafting), self._pending = self._pending, None
         # the planner's own (already checked) lengths and survival, copied to the host while it planned
-        vl, survival = lens.numpy().astype(np.int64), survival.numpy().astype(np.float64)
+        vl, survival = boundary.to_host(lens).astype(np.int64), boundary.to_host(survival).astype(np.float64)
         commit = boundary.to_host(commit_lens)
         if drafting is not None:  # a partial probe: the outcomes of the requests that drafted; the rest were plain
             rows = drafting.numpy()

@@ -32,7 +32,9 @@ class Policy:
     (`"features"`). catch_up: the most tokens committed without the drafter (plain steps) between two of its
     proposals, beyond the verify width (None: no bound but the request's length). drafting: host bool [B] over a
     speculative step's requests, those that draft (the rest verify their root only, as in a plain step), set by
-    `speculate`; None: every request drafts.
+    `speculate`; None: every request drafts. observe_deferrable: the policy's `observe` of a step may run after
+    the next step's `speculate`, admissions and draft launch (`EngineConfig.defer_observe`); a policy that keeps
+    per-slot or per-step state across those hooks leaves it False, and the engine observes it in order.
     """
 
     name: str = "policy"
@@ -40,6 +42,7 @@ class Policy:
     source: Source = "head"
     catch_up: int | None = 0
     drafting: Tensor | None = None
+    observe_deferrable: bool = False
 
     @property
     def draft_depths(self) -> tuple[int, ...]:

@@ -13,6 +13,8 @@ from dspark.verify.accept import AcceptResult
 class FixedK(Policy):
     """Draft k tokens and verify all k (+ the root) for every request."""
 
+    observe_deferrable = True  # it observes nothing
+
     def __init__(self, k: int):
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"fixed-k needs an int k >= 0, got {k!r}")
