@@ -51,9 +51,9 @@ class Engine:
     keep_draft_logits: bool = False  # each speculative StepOutcome keeps the drafter's [B, k, V] token logits
     fold_prefill: bool = True  # admitted prompts ride the next step's target forward when others decode in it
     host_seconds: float = 0.0  # a replay's price of the policy's host work per speculative step (live: measured)
-    # a step's `observe` waits until the next step's forward is launched (the host works while the device drafts;
-    # its clock time falls in that step's draft, or plain forward, phase), for a policy whose `observe_deferrable`
-    # allows it; it then decides each step from outcomes one step old (`observe_seconds` still comes at once)
+    # a step's `observe` / `observe_seconds` wait until the next step's forward is launched (the host works while
+    # the device drafts; their clock time falls in that step's draft, or plain forward, phase), for a policy whose
+    # `observe_deferrable` allows it; it then decides each step from outcomes and times one step old
     defer_observe: bool = False
     deferred_host_seconds: float = 0.0  # a replay's price of an `observe` deferred after a speculative step (live: 0)
 
@@ -136,6 +136,12 @@ def speculative_step(engine: Engine, batch: Batch, slots: Tensor, policy: Policy
     return out, commit
 
 
+def _observe_seconds(policy: Policy, out: StepOutcome) -> None:
+    """The step's measured seconds for the policy's cost feedback (a folded prompt's tokens rode its forward)."""
+    policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept,
+                           out.prefill_tokens if out.prefill_folded else 0)
+
+
 @torch.no_grad()
 def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *, max_rows: int) -> DecodeRun:
     """Run the scheduler's queue to its end on `batch`'s slots with one policy; yields each StepOutcome and
@@ -153,6 +159,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
             return 0.0
         commit, out = held.pop()
         policy.observe(commit, out)
+        _observe_seconds(policy, out)
         return engine.deferred_host_seconds if out.speculated else 0.0
 
     target.start(batch, tuple(d + 1 for d in policy.draft_depths), max_rows)
@@ -208,8 +215,7 @@ def serve(engine: Engine, scheduler: Scheduler, batch: Batch, policy: Policy, *,
                 t0 = now()
                 policy.observe(commit, out)  # feedback from the step's outcome, charged to plan
                 out.times.plan += now() - t0
-            policy.observe_seconds(out.times.draft + out.times.plan + out.times.verify + out.times.accept,
-                                   out.prefill_tokens if folded.numel() else 0)
+                _observe_seconds(policy, out)
             result.steps.append(out)
             yield out
     finally:

@@ -10,10 +10,11 @@ from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK, Oracle
+from dspark.serve.policies.adaptive import FeedbackSettings
 from dspark.serve.policies.gate import GateSettings
 from tests.engine_models import tiny_models
 from tests.serve.test_engine import _prompts
-from tests.serve.test_engine_speculate import GAMMA, _planner
+from tests.serve.test_engine_speculate import GAMMA, STEP, _planner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,21 +61,19 @@ def test_each_outcome_reaches_the_policy_once_in_order_after_the_next_launch_whe
     for i, (kind, o) in enumerate(policy.events):
         if kind == "speculate":
             step += 1
-            assert seconds == step  # every earlier step's seconds came at its own end, deferred or not
+            assert seconds == (max(step - 1, 0) if defer else step)  # deferred: all but the previous step's
         elif kind == "seconds":
             seconds += 1
         elif kind == "observe":
+            assert policy.events[i + 1][0] == "seconds"  # its seconds right after it
             held = index[id(o)]
             # deferred: during the next step (after its speculate, before its confidence: the draft is launched);
-            # else within its own step (before its seconds and the next speculate)
+            # else within its own step (before the next speculate)
             assert held == (step - 1 if defer and held < len(out.steps) - 1 else step), (i, held, step)
             if defer and held < len(out.steps) - 1 and out.steps[held + 1].speculated:
-                assert policy.events[i - 1][0] == "speculate" and policy.events[i + 1][0] == "confidence"
-            if not defer:
-                assert policy.events[i + 1][0] == "seconds"
+                assert policy.events[i - 1][0] == "speculate" and policy.events[i + 2][0] == "confidence"
     assert any(not s.speculated for s in out.steps) and any(s.speculated for s in out.steps)
-    # the last step's outcome before the run returned
-    assert policy.events[-1][0] == ("observe" if defer else "seconds")
+    assert policy.events[-1][0] == "seconds"  # the last step's feedback before the run returned
 
 
 def test_deferred_feedback_is_lossless_and_the_adaptive_policy_sees_each_outcome_one_step_later(decoders) -> None:
@@ -146,3 +145,21 @@ def test_defer_observe_defaults_to_the_accelerator_and_refuses_a_non_bool(device
         assert EngineConfig(device=device, defer_observe=value).defers_observe is value
     with pytest.raises(TypeError, match="defer_observe must be a bool or None, got str: 'yes'"):
         EngineConfig(defer_observe="yes")
+
+
+def test_the_gate_keeps_each_steps_record_until_its_own_times_arrive(device) -> None:
+    """Deferred feedback: step 2 begins (and goes plain) before step 1's seconds arrive. Each step's seconds are
+    read against its own kind and prediction: the speculative step's 3x goes to the speculative ratio, the plain
+    step's 2x to the plain one (cost_window 1: each ratio is its last sample)."""
+    planner = _planner(device=device)  # lag 1: the decision reads the ring
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
+    policy = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(cost_window=1, probe_budget=None),
+                      feedback=FeedbackSettings(decay=None))
+    assert policy.speculate(slots, gens)  # step 1: the stale ring reads all-ones, 800 tok/s against plain's 400
+    policy.plan(torch.full((2, GAMMA), 3.0, device=device), slots, gens)  # predicted STEP
+    planner.ring.write(slots, gens, torch.zeros(2, GAMMA, device=device))  # tau 2 per STEP: 200 tok/s
+    assert not policy.speculate(slots, gens)  # step 2: plain, predicted 2 / 400 s
+    policy.observe_seconds(3 * STEP)  # step 1's seconds, after step 2 began
+    policy.observe_seconds(2 * 2 / 400.0)  # step 2's
+    assert policy.gate.cost_ratio == {True: pytest.approx(3.0), False: pytest.approx(2.0)}
+    assert not policy.gate._steps  # every record read

@@ -132,7 +132,7 @@ def test_realised_cost_feedback_follows_measured_step_times(device) -> None:
     policy.plan(sure, slots, gens)
     samples = list(policy.gate._samples[True])
     policy.observe_seconds(9 * STEP, prefill_tokens=5)  # a refill's prompt rode the step (chunked prefill) and
-    assert list(policy.gate._samples[True]) == samples and policy.gate._pending is None  # its price is unknown
+    assert list(policy.gate._samples[True]) == samples and not policy.gate._steps  # its price is unknown
     priced = Adaptive(planner, plain_seconds=lambda b: b / 400.0, gate=GateSettings(prefill_token_seconds=STEP / 5))
     for _ in range(3):  # with the prompt's price the step's prediction holds its rows: measured 2 x (STEP + STEP)
         priced.plan(sure, slots, gens)

@@ -137,6 +137,7 @@ class Adaptive(Policy):
     def speculate(self, slots: Tensor, generations: Tensor) -> bool:
         """Before drafting: True to run a speculative step for these requests (at the depth it sets in
         `num_drafts`), False for a plain one."""
+        self.gate.begin()
         if self.plain_seconds is None:
             return True
         forced = self.gate.probe(slots.numel())

@@ -11,8 +11,9 @@ than `probe_requests` drafts for that many of its requests, in turn, while the r
 whole batch runs two speculative steps so the second, free of the draft's catch-up, is timed. With
 `probe_budget`, a probe of a clear loss also waits until the plain steps since the last probe have taken at least
 the last probe's measured extra seconds (its steps' seconds less as many plain steps' mean) over that fraction, or
-`max_probe_wait` plain steps. Without `cost_window` and `probe_budget` no decision reads a step's time. Why each
-rule: docs/policies.md.
+`max_probe_wait` plain steps. Without `cost_window` and `probe_budget` no decision reads a step's time. Each step
+keeps its own record (probe or plain, predicted seconds) until its seconds arrive, which may be after the next step
+began (`Engine.defer_observe`). Why each rule: docs/policies.md.
 """
 from __future__ import annotations
 
@@ -78,6 +79,14 @@ class GateSettings:
         check_int("max_probe_wait", self.max_probe_wait, 1)
 
 
+@dataclass
+class _StepRecord:
+    """What one step was to the gate, read by its `observe_seconds`."""
+
+    kind: str | None = None  # "plain", "probe" (a probe's step) or None (on its merits)
+    pending: tuple[bool, float] | None = None  # (speculative, predicted seconds), when it is sampled
+
+
 class SpeculationGate:
     """The gate's state over one run: the probe schedule, the cost ratios and the last decision."""
 
@@ -86,17 +95,28 @@ class SpeculationGate:
         self.cost_ratio = {True: 1.0, False: 1.0}  # speculative? -> median of recent measured / predicted seconds
         self.decided: tuple[int, bool, int] | None = None  # (B, speculate, depth) until something changes
         self._samples = {kind: collections.deque(maxlen=settings.cost_window or 1) for kind in (True, False)}
-        self._pending: tuple[bool, float] | None = None  # (speculative, predicted seconds) of this step
+        # per step not yet timed, oldest first: two when a step's times come after the next step began (deferred)
+        self._steps: collections.deque[_StepRecord] = collections.deque()
         self._plain_run = 0  # plain steps since the last speculative step
         self._interval = settings.probe_every  # plain steps before the next probe
         self._probe_left = 0  # speculative steps of the current probe still to run
         self._probed = 0  # requests probed so far: where the next partial probe starts in the batch
         self._behind = 0.0  # how far the last decision put speculation behind plain (1 - rate ratio)
-        self._kind: str | None = None  # this step: "plain", "probe" (a probe's step) or None (on its merits)
         self._plain_time, self._plain_timed = 0.0, 0  # measured seconds and count of plain steps since the last probe
         self._plain_mean: float | None = None  # their mean when the last probe started (None: none was timed)
         self._probe_time, self._probe_steps = 0.0, 0  # the last probe's timed seconds and steps
         self._probe_extra = 0.0  # its measured seconds beyond as many plain steps
+
+    def begin(self) -> None:
+        """A step starts: it gets its own record (probe or plain, its predicted seconds), read by its own
+        `observe_seconds`, which may come after the next step began (a policy's feedback deferred)."""
+        self._steps.append(_StepRecord())
+
+    def _step(self) -> _StepRecord:
+        """The current step's record (opened here when the caller did not `begin` one)."""
+        if not self._steps:
+            self._steps.append(_StepRecord())
+        return self._steps[-1]
 
     def probe(self, b: int) -> Tensor | None:
         """Whether the probe schedule forces this step over `b` requests to speculate at full depth: None when the
@@ -104,7 +124,7 @@ class SpeculationGate:
         `probe_requests` in turn through the batch positions)."""
         if self._probe_left:  # a probe's second step: timed for the realised-cost feedback
             self._probe_left -= 1
-            self._kind = "probe"
+            self._step().kind = "probe"
             return torch.ones(b, dtype=torch.bool)
         s, budget = self.settings, self.settings.probe_budget
         held = (budget is not None and self._behind > s.full_probe_within  # a clear loss explores within the budget
@@ -114,7 +134,7 @@ class SpeculationGate:
         # probe, at the full depth: every position is observed again
         self._plain_mean = self._plain_time / self._plain_timed if self._plain_timed else None
         self._plain_time, self._plain_timed, self._probe_time, self._probe_steps = 0.0, 0, 0.0, 0
-        self._plain_run, self._kind = 0, "probe"
+        self._plain_run, self._step().kind = 0, "probe"
         self._interval = min(2 * self._interval, self.settings.max_probe_every)
         mask = None if self._behind <= self.settings.full_probe_within else self.sample(b)
         if mask is None:  # the whole batch
@@ -152,20 +172,20 @@ class SpeculationGate:
     def expect(self, predicted: float | None) -> None:
         """A speculative step was planned, predicted to take `predicted` seconds (None: not sampled, its draft
         catches up on plain steps' tokens)."""
-        self._pending = None if predicted is None else (True, predicted)
+        self._step().pending = None if predicted is None else (True, predicted)
 
     def went_plain(self, predicted: float) -> None:
         """A plain step runs, predicted to take `predicted` seconds."""
         self._plain_run += 1
-        self._pending, self._kind = (False, predicted), "plain"
+        step = self._step()
+        step.pending, step.kind = (False, predicted), "plain"
 
     def observe_seconds(self, seconds: float, prefill_tokens: int = 0) -> None:
         """The step's measured seconds: one more ratio for its side; a moved median re-decides. prefill_tokens:
         prompt tokens that rode its forward, priced at `prefill_token_seconds` on top of its prediction (not
         sampled where that price is unknown)."""
-        pending, self._pending = self._pending, None
-        price = self.settings.prefill_token_seconds
-        kind, self._kind = self._kind, None
+        step = self._steps.popleft() if self._steps else _StepRecord()
+        pending, kind, price = step.pending, step.kind, self.settings.prefill_token_seconds
         if kind is not None and not (prefill_tokens and not price):  # a prompt of unknown price: not counted
             own = max(0.0, seconds - price * prefill_tokens)  # the prompt rows' price left out
             if kind == "plain":
