@@ -13,8 +13,8 @@ probes), or never probing; each step's `observe` deferred until the next step's 
 (`Engine.defer_observe`: decisions from outcomes one step old); and the policy's host work priced at 0.25 ms per
 speculative step (what its hooks take per step on the lab's 2-core CPU beyond a fixed k's, less the ragged layout
 a fixed k builds in its verify phase too, `perf/policy_overhead.py`; the cost models price the device only), in
-the plan phase of a synchronous loop or, with its `observe` (0.09 ms of it) deferred, 0.16 ms there and 0.09 ms
-overlapping the next step's forward.
+the plan phase of a synchronous loop or, with its `observe` / `observe_seconds` (0.09 ms of it) deferred, 0.16 ms
+there and 0.09 ms overlapping the next step's forward (modelled, not measured on a GPU).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estima
             "whole-batch probes", "no probes", "observe deferred", "host 0.25 ms", "host 0.25 ms deferred")
 NEVER = 10 ** 9  # plain steps before a probe in the variant "no probes": more than any run takes
 HOST_SECONDS = 2.5e-4  # "host 0.25 ms": adaptive's host work per step beyond a fixed k's (policy_overhead.py)
-DEFERRED_SECONDS = 9e-5  # of it, its `observe` hook's
+DEFERRED_SECONDS = 9e-5  # of it, its `observe` / `observe_seconds` hooks'
 SURE = 30.0  # |logit| of a known outcome: sigmoid(30) rounds to 1 in float32, sigmoid(-30) is 9e-14
 
 
