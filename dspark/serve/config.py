@@ -30,10 +30,10 @@ class EngineConfig:
         fold_prefill: chunked prefill: prompts admitted while other requests decode ride the next step's target
             forward (eager on any device) and their requests decode from the step after; False: every admission
             is prefilled in a forward of its own before the step.
-        defer_observe: the policy observes a step's outcome once the next step's forward is launched (its draft,
-            or a plain step's target forward), so its host work runs while the device does; its decisions then
-            read outcomes one step old. None (the default): on an accelerator, off on the CPU (one processor
-            does both: nothing to overlap).
+        defer_observe: a policy that allows it (`Policy.observe_deferrable`) observes a step's outcome and
+            seconds once the next step's forward is launched (its draft, or a plain step's target forward), so its
+            host work can run while the device does; its decisions then read outcomes one step old. None (the
+            default): on an accelerator, off on the CPU (one processor does both: nothing to overlap).
     """
 
     cache_tokens: int = 65536
