@@ -163,3 +163,13 @@ def test_the_gate_keeps_each_steps_record_until_its_own_times_arrive(device) -> 
     policy.observe_seconds(2 * 2 / 400.0)  # step 2's
     assert policy.gate.cost_ratio == {True: pytest.approx(3.0), False: pytest.approx(2.0)}
     assert not policy.gate._steps  # every record read
+
+
+def test_a_gate_whose_steps_are_never_timed_keeps_two_records_at_most(device) -> None:
+    """A loop of one's own that calls `speculate` / `plan` and never `observe_seconds` does not grow the gate."""
+    slots, gens = torch.tensor([0, 1], device=device), torch.tensor([1, 1], device=device)
+    policy = Adaptive(_planner(lag=0, device=device), plain_seconds=lambda b: b / 400.0)
+    for _ in range(50):
+        if policy.speculate(slots, gens):
+            policy.plan(torch.full((2, GAMMA), 3.0, device=device), slots, gens)
+    assert len(policy.gate._steps) == 2

@@ -95,8 +95,9 @@ class SpeculationGate:
         self.cost_ratio = {True: 1.0, False: 1.0}  # speculative? -> median of recent measured / predicted seconds
         self.decided: tuple[int, bool, int] | None = None  # (B, speculate, depth) until something changes
         self._samples = {kind: collections.deque(maxlen=settings.cost_window or 1) for kind in (True, False)}
-        # per step not yet timed, oldest first: two when a step's times come after the next step began (deferred)
-        self._steps: collections.deque[_StepRecord] = collections.deque()
+        # per step not yet timed, oldest first: two when a step's times come after the next step began (deferred);
+        # a driver that never times its steps keeps the last two, no more
+        self._steps: collections.deque[_StepRecord] = collections.deque(maxlen=2)
         self._plain_run = 0  # plain steps since the last speculative step
         self._interval = settings.probe_every  # plain steps before the next probe
         self._probe_left = 0  # speculative steps of the current probe still to run
