@@ -14,8 +14,8 @@ which does not wait for the device. tests/plan/test_host_boundary.py counts ever
 read of a step on the CPU and proves none happens outside this function; the cuda-marked sync test in
 tests/plan/test_planner.py asserts the same on a GPU.
 
-What a step's policy reads after the commit sync (the plan it made) it copies with `to_host_later` while planning:
-the copy rides behind the step's work and the read needs no device. The module also owns the other host-or-device
+What a step's policy reads after the commit sync (the plan it made) it takes with `to_host_later` while planning:
+on CUDA the copy rides behind the step's work and the read needs no device; elsewhere it is read after the sync. The module also owns the other host-or-device
 choices of a step (`on_host`, `pinned`, `copy_done`, `synchronize`): callers ask these instead of testing device
 types themselves.
 """
