@@ -15,9 +15,9 @@ read of a step on the CPU and proves none happens outside this function; the cud
 tests/plan/test_planner.py asserts the same on a GPU.
 
 What a step's policy reads after the commit sync (the plan it made) it takes with `to_host_later` while planning:
-on CUDA the copy rides behind the step's work and the read needs no device; elsewhere it is read after the sync. The module also owns the other host-or-device
-choices of a step (`on_host`, `pinned`, `copy_done`, `synchronize`): callers ask these instead of testing device
-types themselves.
+on CUDA the copy rides behind the step's work and the read needs no device; elsewhere it is read after the sync.
+The module also owns the other host-or-device choices of a step (`on_host`, `pinned`, `copy_done`,
+`synchronize`): callers ask these instead of testing device types themselves.
 """
 from __future__ import annotations
 
