@@ -217,6 +217,34 @@ def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig
                              torch.from_numpy(c.theta))
 
 
+def full_window_bound(seconds: np.ndarray, num_requests: int, cfg: ScheduleConfig, *, greedy: bool,
+                      tiers: Sequence[int] | None = None) -> float:
+    """A survival above which `host_decision` takes every candidate: when each candidate of a step's window is at
+    least this, the argmax (or with `greedy` the early-stop scan over `tiers`' runs) is the whole window, with a
+    margin far above float64 rounding (survivals <= 1; docs/architecture.md); inf without candidates.
+
+    Args:
+        seconds: float64 [B * C + 1] T(B, B * F + b) (`seconds_over_window`); num_requests: B.
+        cfg: the schedule; greedy / tiers: as `host_decision`.
+    Returns:
+        The bound, >= cfg.survival_eps.
+    """
+    n, base = seconds.size - 1, num_requests * cfg.floor
+    if n <= 0 or not (seconds.min() > 0 and np.isfinite(seconds).all()):  # no window, or one past the tiers
+        return float("inf")
+    if greedy:  # the scan's run ends, as `_greedy_stop` finds them when every candidate is valid
+        ends = (_tier_run_ends(base, n + 1, tuple(tiers)) if tiers
+                else np.flatnonzero(seconds[1:] != seconds[:-1]))
+        ends = np.append(ends, n)
+        lo, hi = ends[:-1], ends[1:]
+    else:
+        lo, hi = np.arange(n), np.full(n, n)
+    # theta(hi) > theta(lo) once (hi - lo) * s_min * T(lo) > (B * F + lo) * (T(hi) - T(lo)), tau(lo) <= B * F + lo
+    need = (base + lo) * np.maximum(seconds[hi] - seconds[lo], 0.0) / ((hi - lo) * seconds[lo])
+    margin = 1e-7 * num_requests * cfg.width * float(seconds.max() / seconds.min())
+    return max(cfg.survival_eps, float(need.max(initial=0.0)) * (1 + 1e-6) + margin)
+
+
 def traced_decision(survival: Tensor, seconds: Tensor, cfg: ScheduleConfig, *, greedy: bool = False,
                     tiers: Tensor | None = None) -> BudgetDecision:
     """The budget with torch ops only (static shapes, no host read): the `torch.compile` path.

@@ -6,7 +6,8 @@ Each `plan` call:
    guard (non-anticipation, DESIGN.md 4.4); with `lag = 0` the greedy scan over live survival;
 3. graph-tier fill (DESIGN.md 4.7): when tiers are given, the padding of the tier the chosen rows will
    replay is already paid for, so the allocation budget grows to the tier top (never across it);
-4. the allocation from live survival (global top-k) and the ragged layout padded to the tier;
+4. the allocation from live survival (global top-k) and the ragged layout padded to the tier; a host step whose
+   candidates all clear `full_window_bound` verifies every one without the scan or the top-k (the same plan);
 5. with `parallel=ParallelConfig(...)`: TP ranks agree on `verify_lens` (hash check or broadcast) and
    DP ranks on the global tier, idle ranks included (`dspark.parallel`).
 
@@ -31,8 +32,9 @@ platform once per device type, then runs the unchecked stages (`_survival`, `hos
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -50,6 +52,7 @@ from dspark.plan.budget import (
     check_config,
     choose_budget,
     filled_tier_seconds,
+    full_window_bound,
     host_decision,
     host_survival,
     seconds_over_window,
@@ -74,19 +77,25 @@ class VerifyPlan:
     a sync-free plan, whose total stays on the device).
     `tier_budget` is what the allocation was offered: the decision's budget grown to the tier top by
     graph-tier fill; it exceeds `budget` when the candidates run out first (the rest is padding).
-    `decision` lives where the budget was chosen (the host, or the device: `_device_decision`); `step_seconds`
+    `decision` lives where the budget was chosen (the host, or the device: `_device_decision`); a host plan
+    that took every candidate by `full_window_bound` builds its curves on first access. `step_seconds`
     is T(B, decision.rows) on the host, the step time the decision expects.
     `dp` is the DP-global tier decision when the planner runs with a DP group.
     """
 
     verify_lens: Tensor
     layout: RaggedVerifyLayout
-    decision: BudgetDecision
+    _decision: BudgetDecision | Callable[[], BudgetDecision] = field(repr=False, compare=False)
     survival: Tensor
     budget: int | None
     tier_budget: int
     step_seconds: float
     dp: DpTier | None = None
+
+    @functools.cached_property
+    def decision(self) -> BudgetDecision:
+        """The budget decision (its curves over every budget)."""
+        return self._decision() if callable(self._decision) else self._decision
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,10 @@ class PlannerSettings:
         object.__setattr__(self, "tiers", check_tiers(self.tiers))
         if self.graph_slots is not None:
             check_int("graph_slots", self.graph_slots, 1)
+
+
+def _decision_of(decide: Callable[[], tuple[int, BudgetDecision]]) -> BudgetDecision:
+    return decide()[1]
 
 
 def tier_fill(budget: int, num_requests: int, floor: int, tiers: Sequence[int]) -> tuple[int, int | None]:
@@ -157,6 +170,7 @@ class VerifyPlanner:
         self._seconds: dict[tuple[int, torch.device], Tensor] = {}  # T(B, B*F + b) per (B, device)
         self._seconds_window_by_b: dict[int, np.ndarray] = {}  # the same on the host, per B
         self._filled_window_by_b: dict[int, np.ndarray] = {}  # its `filled_tier_seconds`, per B
+        self._full_bound: dict[tuple[int, bool], float] = {}  # `full_window_bound` per (B, greedy)
         if parallel is not None and not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
         self.parallel = None if parallel is None else ParallelAgreement(
@@ -199,15 +213,14 @@ class VerifyPlanner:
         host = host_survival(survival, calibrated=True) if host_plan else None
         lagged = None if self.ring is None else self.ring._exchange(slots, generations, survival).to(survival.device)
         if host is None:
-            decision, budget, live_valid = self._device_decision(survival, lagged)
+            takes_all, (decision, budget, live_valid) = False, self._device_decision(survival, lagged)
         else:
-            # the ring holds calibrated rows (or ones): no repair
-            budget_from = host if lagged is None else host_survival(lagged, calibrated=True)
-            budget, decision = host_decision(budget_from, self.cost_model, cfg, greedy=lagged is None,
-                                             seconds=self.seconds_window(b), tiers=self.tiers or None)
-            live_valid = host.window(cfg)[1]
+            takes_all, budget, decision, live_valid = self._host_budget(host, lagged)
         offered, _ = tier_fill(budget, b, cfg.floor, self.tiers)
-        verify_lens = _allocate(survival if host is None else host, offered, cfg)
+        if takes_all:
+            verify_lens = torch.full((b,), cfg.cap, dtype=torch.int32)
+        else:
+            verify_lens = _allocate(survival if host is None else host, offered, cfg)
         dp = None
         if self.parallel is not None:
             verify_lens = self.parallel.verify_lens(verify_lens)
@@ -222,6 +235,39 @@ class VerifyPlanner:
                 verify_lens = layout.verify_lens
         return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * cfg.floor, offered,
                           float(self.seconds_window(b)[budget]), dp)
+
+    def _host_budget(self, live: HostSurvival, lagged: Tensor | None
+                     ) -> tuple[bool, int, BudgetDecision | Callable[[], BudgetDecision], int]:
+        """A host step's (whether it takes every candidate, budget, decision, live candidates): the scan over the
+        lagged survival (argmax) or at lag 0 the live one (greedy); when `_takes_all` knows its answer, the
+        decision's curves are left to a first `VerifyPlan.decision`."""
+        cfg, b = self.cfg, live.values.shape[0]
+        # the ring holds calibrated rows (or ones): no repair
+        budget_from = live if lagged is None else host_survival(lagged, calibrated=True)
+        decide = functools.partial(host_decision, budget_from, self.cost_model, cfg, greedy=lagged is None,
+                                   seconds=self.seconds_window(b), tiers=self.tiers or None)
+        if self._takes_all(budget_from, live, greedy=lagged is None):
+            every = b * cfg.num_candidate_columns
+            return True, every, functools.partial(_decision_of, decide), every
+        budget, decision = decide()
+        return False, budget, decision, live.window(cfg)[1]
+
+    def _takes_all(self, budget_from: HostSurvival, live: HostSurvival, greedy: bool) -> bool:
+        """Whether this host step verifies every candidate, known without the scan: each candidate the budget
+        reads is at least `full_window_bound` and each live one at least survival_eps (the allocation then takes
+        them all). Not with TP / DP agreement (the ranks' one path)."""
+        cfg, b = self.cfg, budget_from.values.shape[0]
+        if self.parallel is not None:
+            return False
+        key = (b, greedy)
+        bound = self._full_bound.get(key)
+        if bound is None:
+            bound = self._full_bound[key] = full_window_bound(self.seconds_window(b), b, cfg, greedy=greedy,
+                                                              tiers=self.tiers or None)
+        window = budget_from.values[:, cfg.floor - 1: cfg.cap - 1]
+        if bound > 1.0 or not window.size or not window.min() >= bound:  # no survival exceeds 1
+            return False
+        return budget_from is live or bool(live.values[:, cfg.floor - 1: cfg.cap - 1].min() >= cfg.survival_eps)
 
     def _placement(self, logits: Tensor) -> tuple[bool, bool]:
         """Where this step's small tensors are computed, decided once per step (the only host-path choice of the

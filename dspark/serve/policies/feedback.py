@@ -23,6 +23,8 @@ class RealisedAcceptance:
         self.totals = np.zeros((2, gamma))  # accepted, verified per position summed over those outcomes
         self.predicted = np.zeros((2, gamma))  # the plans' calibrated predictions summed over the same
         self.prior: np.ndarray | None = None  # [2, gamma] mean prediction per outcome (prior_weight > 0)
+        self.depth_seen = 0  # positions with outcomes: 0..depth_seen-1 (a step drafting k observes 0..k-1)
+        self._positions = np.arange(gamma)
 
     def predict(self, depth: int) -> tuple[float, float] | None:
         """(accepted, verified) drafts per request of a step drafting `depth`; None before any outcome."""
@@ -41,10 +43,15 @@ class RealisedAcceptance:
         """A speculative step's outcome: verify_lens [n] (root included), the plan's calibrated survival [n, k]
         (k: the step's depth; read only with prior_weight > 0), commit_lens [n]."""
         n, k = verify_lens.size, survival.shape[1]
-        ends = np.stack([np.minimum(commit_lens, verify_lens), verify_lens]) - 1  # [2, n] accepted, verified
-        within = np.arange(k) < ends[:, :, None]  # [2, n, k]: draft j accepted / verified
+        if n == 0:  # no request drafted: nothing observed
+            return
+        ends = np.empty((2, n), dtype=np.int64)  # accepted, verified
+        np.minimum(commit_lens, verify_lens, out=ends[0])
+        ends[1] = verify_lens
+        ends -= 1
+        within = self._positions[:k] < ends[:, :, None]  # [2, n, k]: draft j accepted / verified
         counts = within.sum(1)  # [2, k] outcomes per position
-        first = self.counts[:k] == 0
+        seen = self.depth_seen  # positions seen..k-1 have their first outcomes
         self.counts[:k] += n
         if self.prior_weight:
             self.predicted[0, :k] += (survival * within[1]).sum(0)
@@ -57,21 +64,26 @@ class RealisedAcceptance:
         if self.mean is None:
             self.mean = np.zeros((2, self.gamma))
         old = self.mean[:, :k]
-        if first.any():
-            old = np.where(first, self.prior[:, :k] if self.prior is not None else outcome, old)
+        if k > seen:
+            old = old.copy()
+            old[:, seen:] = (self.prior if self.prior is not None else outcome)[:, seen:k]
+            self.depth_seen = k
         self.mean[:, :k] = (1 - w) * old + w * outcome
-        if k < self.gamma:
-            self._revert(np.arange(self.gamma) >= k, n)
+        self._revert(k, n)
 
     def observe_plain(self, n: int) -> None:
         """A plain step of n requests: every position reverts toward its long-run mean."""
-        self._revert(np.ones(self.gamma, dtype=bool), n)
+        self._revert(0, n)
 
-    def _revert(self, unobserved: np.ndarray, n: int) -> None:
-        if self.mean is None or not unobserved.any():
+    def _revert(self, first: int, n: int) -> None:
+        """Positions first.. that have outcomes (first..depth_seen-1) move toward their long-run mean."""
+        lo, hi = first, self.depth_seen
+        if self.mean is None or lo >= hi:
             return
-        seen = unobserved & (self.counts > 0)
-        prior, weight = (self.prior, self.prior_weight) if self.prior is not None else (np.zeros_like(self.totals), 0)
-        mean = (self.totals + weight * prior) / np.maximum(self.counts + weight, 1)[None, :]
+        totals, counts = self.totals[:, lo:hi], self.counts[lo:hi]
+        if self.prior is not None:
+            mean = (totals + self.prior_weight * self.prior[:, lo:hi]) / np.maximum(counts + self.prior_weight, 1)
+        else:
+            mean = totals / np.maximum(counts, 1)
         w = 1 - self.decay ** n
-        self.mean[:, seen] = (1 - w) * self.mean[:, seen] + w * mean[:, seen]
+        self.mean[:, lo:hi] = (1 - w) * self.mean[:, lo:hi] + w * mean
