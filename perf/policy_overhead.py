@@ -5,8 +5,9 @@ each policy as the lab builds it (adaptive: the speculate-or-not gate, the depth
 feedback), and the wall clock times the policy's own hooks each step: `speculate`, `confidence`, `plan`,
 `admit`, `observe`, `observe_seconds`. These are what the engine's `t_plan` holds on top of the verify step.
 Per policy and B: the median and p90 microseconds per step over every step of `--repeats` replays of the
-lab's queue, the mean, each hook's share of the mean, and the ragged layout built inside the hooks (the
-planner's; a fixed k's target builds its own in the verify phase). The replay is identical from run to run, so two
+lab's queue, the mean, each hook's share of the mean, the ragged layout built inside the hooks (the
+planner's; a fixed k's target builds its own in the verify phase) and the share of the planner's host steps that
+skipped the budget scan (`full_window_bound`). The replay is identical from run to run, so two
 checkouts compare on the same steps:
 
     PYTHONPATH=. python perf/policy_overhead.py [--cost cpu-measured] [--batch-sizes 1,4,16,64] \
@@ -30,6 +31,7 @@ from dspark.cost.serving import load_serving_cost
 from dspark.lab.replay.lab import Lab, serving_queue
 from dspark.lab.replay.trace import load_trace
 from dspark.lab.replay.variants import fit_trace_temperatures
+from dspark.plan.planner import VerifyPlanner
 from dspark.serve.policies import Policy
 from dspark.util.options import at_least, int_list, output_path
 from dspark.verify.layout import RaggedVerifyLayout
@@ -87,16 +89,38 @@ def layout_timer(clock: HookClock) -> Iterator[None]:
         RaggedVerifyLayout._from_lens = original
 
 
+@contextlib.contextmanager
+def shortcut_counter(counts: list[int]) -> Iterator[None]:
+    """Counts the planners' host steps in `counts` [taken, asked]: those that verified every candidate without the
+    budget scan (`VerifyPlanner._takes_all`, `full_window_bound`) and all of them; none counted by a checkout
+    without the shortcut."""
+    original = VerifyPlanner.__dict__.get("_takes_all")
+    if original is None:
+        yield
+        return
+
+    def counted(self: VerifyPlanner, *args: Any, **kwargs: Any) -> bool:
+        taken = original(self, *args, **kwargs)
+        counts[0] += taken
+        counts[1] += 1
+        return taken
+    VerifyPlanner._takes_all = counted
+    try:
+        yield
+    finally:
+        VerifyPlanner._takes_all = original
+
+
 def measure(lab: Lab, name: str, b: int, repeats: int) -> dict:
     """Microseconds of `name`'s hooks per step at B = b over `repeats` replays of the lab's queue."""
     queue = serving_queue(lab.trace, b)
     steps: list[float] = []
-    by_hook, layout = dict.fromkeys(HOOKS, 0.0), 0.0
+    by_hook, layout, shortcut = dict.fromkeys(HOOKS, 0.0), 0.0, [0, 0]
     for _ in range(repeats):
         lab.estimators.clear()  # adaptive-est: a fresh estimator per replay, as the lab runs it
         policy = lab.policy(name, b)
         clock = HookClock(policy)
-        with layout_timer(clock):
+        with layout_timer(clock), shortcut_counter(shortcut):
             lab.run(policy, b, queue.ids)
         steps += clock.steps
         by_hook = {h: by_hook[h] + clock.by_hook[h] for h in HOOKS}
@@ -104,7 +128,8 @@ def measure(lab: Lab, name: str, b: int, repeats: int) -> dict:
     us = np.asarray(steps) * 1e6
     return {"steps": len(steps), "median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)),
             "mean_us": float(us.mean()), "mean_us_by_hook": {h: by_hook[h] * 1e6 / len(steps) for h in HOOKS},
-            "mean_layout_us": layout * 1e6 / len(steps)}
+            "mean_layout_us": layout * 1e6 / len(steps),
+            "shortcut_share": shortcut[0] / shortcut[1] if shortcut[1] else None}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -121,12 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
     lab = Lab(trace, load_serving_cost(args.cost, width=4), 3, temperatures=temps)
     rows = {f"{name}@{b}": measure(lab, name, b, args.repeats) for b in args.batch_sizes for name in POLICIES}
     print(f"{args.label} (dspark at {Path(dspark.__file__).parent}, {args.cost}): policy hooks, us per step")
-    print(f"{'policy@B':>16} {'steps':>7} {'median':>8} {'p90':>8} {'mean':>8} {'layout':>7}   mean per hook: "
-          + " / ".join(HOOKS))
+    print(f"{'policy@B':>16} {'steps':>7} {'median':>8} {'p90':>8} {'mean':>8} {'layout':>7} {'shortcut':>8}   "
+          "mean per hook: " + " / ".join(HOOKS))
     for key, r in rows.items():
         hooks = " / ".join(f"{r['mean_us_by_hook'][h]:.1f}" for h in HOOKS)
+        share = "-" if r["shortcut_share"] is None else f"{r['shortcut_share']:.2f}"
         print(f"{key:>16} {r['steps']:>7} {r['median_us']:>8.1f} {r['p90_us']:>8.1f} {r['mean_us']:>8.1f} "
-              f"{r['mean_layout_us']:>7.1f}   {hooks}")
+              f"{r['mean_layout_us']:>7.1f} {share:>8}   {hooks}")
     return save_labelled(args.out, args.label, {
         "dspark": str(Path(dspark.__file__).parent), "cost": args.cost, "repeats": args.repeats, "rows": rows,
         "median_of_medians_us": statistics.median(r["median_us"] for r in rows.values())})

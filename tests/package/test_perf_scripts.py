@@ -221,6 +221,26 @@ def test_policy_overhead_counts_the_layouts_built_inside_a_hook_only(monkeypatch
     assert RaggedVerifyLayout.__dict__["_from_lens"] is built_here  # restored
 
 
+def test_policy_overhead_counts_the_planner_steps_that_skip_the_scan() -> None:
+    import torch
+
+    from dspark import PlannerSettings, ScheduleConfig, VerifyPlanner
+    from dspark.cost.serving import load_serving_cost
+
+    po = _script("policy_overhead")
+    original = VerifyPlanner.__dict__["_takes_all"]
+    planner = VerifyPlanner(ScheduleConfig(gamma=3), load_serving_cost("h100-llama8b-fitted", width=4).believed(3, 0.0),
+                            PlannerSettings(lag=0))
+    counts = [0, 0]
+    slots, gens = torch.arange(2), torch.zeros(2, dtype=torch.int64)
+    with po.shortcut_counter(counts):
+        planner.plan(torch.full((2, 3), 6.0), slots, gens)  # confident: every draft, no scan
+        planner.plan(torch.tensor([[6.0, 6.0, 6.0], [6.0, -9.0, -9.0]]), slots, gens)  # one unsure draft: the scan
+    planner.plan(torch.full((2, 3), 6.0), slots, gens)  # outside the block: not counted
+    assert counts == [1, 2]
+    assert VerifyPlanner.__dict__["_takes_all"] is original  # restored
+
+
 def test_demo_profile_check_compares_each_fixed_k_with_what_the_planners_believed(tmp_path: Path, capsys) -> None:
     """Only full-batch steps without a prefill count; the ratio is their median over the believed step time."""
     from dspark.cost.serving import load_serving_cost
