@@ -182,15 +182,20 @@ def _tier_run_ends(base: int, count: int, tiers: tuple[int, ...]) -> np.ndarray:
     return ends
 
 
+def _scan_ends(base: int, seconds: np.ndarray, last: int, tiers: Sequence[int] | None) -> np.ndarray:
+    """The greedy scan's units over budgets 0..last: the last budget of each run of one tier (`tiers`, rows
+    base + b) or of equal predicted seconds (`seconds` [>= last + 1]), `last` included."""
+    if tiers:  # the runs depend on B and the tiers only: found once per window
+        ends = _tier_run_ends(base, seconds.size, tuple(tiers))
+        ends = ends[: ends.searchsorted(last)]
+    else:
+        ends = np.flatnonzero(seconds[1: last + 1] != seconds[:last])
+    return np.append(ends, last)
+
+
 def _greedy_stop(c: _Curves, tiers: Sequence[int] | None) -> int:
     """`greedy_budget`'s scan over runs of one tier, or of equal predicted seconds (see its docstring)."""
-    n = c.num_valid + 1
-    if tiers:  # the runs depend on B and the tiers only: found once per window
-        ends = _tier_run_ends(c.base, c.tau.size, tuple(tiers))
-        ends = np.append(ends[: ends.searchsorted(n - 1)], n - 1)  # last budget of each run up to n - 1
-    else:
-        key = c.seconds[:n]
-        ends = np.flatnonzero(np.append(key[1:] != key[:-1], True))  # last budget of each run
+    ends = _scan_ends(c.base, c.seconds, c.num_valid, tiers)
     stops = np.flatnonzero(c.theta[ends[1:]] <= c.theta[ends[:-1]])
     return int(ends[stops[0]] if stops.size else ends[-1])
 
@@ -232,10 +237,8 @@ def full_window_bound(seconds: np.ndarray, num_requests: int, cfg: ScheduleConfi
     n, base = seconds.size - 1, num_requests * cfg.floor
     if n <= 0 or not (seconds.min() > 0 and np.isfinite(seconds).all()):  # no window, or one past the tiers
         return float("inf")
-    if greedy:  # the scan's run ends, as `_greedy_stop` finds them when every candidate is valid
-        ends = (_tier_run_ends(base, n + 1, tuple(tiers)) if tiers
-                else np.flatnonzero(seconds[1:] != seconds[:-1]))
-        ends = np.append(ends, n)
+    if greedy:  # the scan's units when every candidate is valid
+        ends = _scan_ends(base, seconds, n, tiers)
         lo, hi = ends[:-1], ends[1:]
     else:
         lo, hi = np.arange(n), np.full(n, n)
