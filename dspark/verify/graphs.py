@@ -61,7 +61,8 @@ class GraphBackend(Protocol):
 
 
 class EagerBackend:
-    """CPU (or any device) backend: 'replay' runs the step eagerly at the padded tier shape."""
+    """CPU (or any device) backend: nothing is captured (the capture runs no step); 'replay' runs the step
+    eagerly at the padded tier shape."""
 
     name = "eager"
     static_outputs = False
@@ -70,7 +71,6 @@ class EagerBackend:
         return None
 
     def capture(self, fn: Callable[[], None], pool: object) -> object:
-        fn()
         return fn
 
     def replay(self, graph: object, update: Callable[[], None] | None = None) -> None:

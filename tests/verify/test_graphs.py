@@ -268,9 +268,10 @@ def test_backend_protocol_contract(device):
             events.append("pool")
             return "the-pool"
 
-        def capture(self, fn, pool):
+        def capture(self, fn, pool):  # a graph backend's capture runs the step once
             events.append(("capture", pool))
-            return super().capture(fn, pool)
+            fn()
+            return fn
 
         def replay(self, graph, update=None):
             events.append("replay")
@@ -299,6 +300,22 @@ def test_backend_protocol_contract(device):
     big = runner.layout([4, 4, 4, 4, 1])  # eager past the largest tier: prepared too
     runner.run(big, x=torch.ones(17, 1, device=device))
     assert events[-2:] == [("prepare", None, 5), "step"]
+
+
+def test_eager_capture_runs_no_step(device):
+    """The eager backend captures nothing: building the runner runs no step (on the CPU a tier ladder's
+    forwards cost seconds per batch size), and each run runs the step once at its tier's padded shape."""
+    calls = []
+
+    def step(bufs):
+        calls.append(bufs.num_tokens)
+        return bufs.rows["x"] * 3
+
+    runner = TierGraphRunner(step, TierSpec(TIERS, SLOTS, W), device, EagerBackend(),
+                             row_inputs={"x": ((1,), torch.float32)}).capture()
+    assert runner.captured and calls == []
+    out = runner.run(runner.layout([2, 1]), x=torch.tensor([[1.0], [-2.0], [0.5]], device=device))
+    assert calls == [4] and out.tolist() == [[3.0], [-6.0], [1.5]]
 
 
 @pytest.mark.parametrize("static", [False, True])
