@@ -8,7 +8,7 @@ fixed k and / oracle, rows per step, speculation share, tau bias, the planner's 
 decision against the modelled step; a PNG; JSON. `--variants` adds what calibration buys (head before /
 after STS, temperatures x0.5 / x2, uniform survival, the estimator, the oracle), lag 0 / 1 / 2, tiers
 on / off, the gate's parts and the policy's host work priced (`dspark.lab.replay.variants.VARIANTS`), on the
-first cost model.
+first cost model, at B = 1 / 4 / 16 / 64 / 256 up to its `max_requests` (a demo's `serving_cost.json`: 16).
 
     PYTHONPATH=. python perf/policy_lab.py [--costs cpu-measured,h100-llama8b-fitted,...] [--gamma 3]
         [--batch-sizes 1,2,4,8,16,32,64,128,256] [--variants] [--out perf/results/policy_lab]
@@ -50,6 +50,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def batches_priced(batch_sizes, cost) -> list[int]:
+    """The batch sizes a serving cost prices (at most its `max_requests`)."""
+    return [b for b in batch_sizes if b <= cost.max_requests]
+
+
 def study(lab: Lab, batch_sizes, policies, bar) -> dict[int, dict[str, dict]]:
     """Every policy at every B: run_summary cells."""
     rows: dict[int, dict[str, dict]] = {}
@@ -72,11 +77,16 @@ def main(argv: list[str] | None = None) -> dict:
     models = [load_serving_cost(c, width=args.gamma + 1) for c in costs]  # every error before any work
     for b in args.batch_sizes:
         serving_queue(trace, b)
+        for cost in models:
+            if b > cost.max_requests:
+                raise SystemExit(f"--batch-sizes {b}: serving cost {cost.name!r} prices at most {cost.max_requests} "
+                                 f"requests per step; pass batch sizes <= {cost.max_requests} for it")
+    variant_batches = batches_priced(VARIANT_BATCHES, models[0])
     temps, fit = fit_trace_temperatures(trace, args.gamma)
     policies = [f"fixed-{k}" for k in range(args.gamma + 1)] + ["adaptive", "adaptive-est", "oracle"]
     units = len(models) * len(args.batch_sizes) * len(policies)
     if args.variants:
-        units += len(VARIANTS) * len(VARIANT_BATCHES)
+        units += len(VARIANTS) * len(variant_batches)
     bar = Progress(units, print)
     out: dict = {"trace": {"path": str(args.trace), "sha256": trace.meta.get("sha256"),
                            "draft_sha256": trace.meta.get("draft_sha256"), "summary": trace.summary()},
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         base = Lab(trace, models[0], args.gamma, temperatures=temps)
         cells: dict = {}
         for name in VARIANTS:
-            for b in VARIANT_BATCHES:
+            for b in variant_batches:
                 queue = serving_queue(trace, b)
                 lab, policy = variant_lab(base, name, b, queue.ids)
                 cells.setdefault(name, {})[str(b)] = run_summary(lab.run(policy, b, queue.ids),
@@ -109,9 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                                 queue.measured)
                 bar(f"variant {name} B={b}")
         out["variants"] = {"cost_model": models[0].name, "cells": cells}
-        head = "variant (tok/s over the queue)  " + "  ".join(f"B={b:>6}" for b in VARIANT_BATCHES)
+        head = "variant (tok/s over the queue)  " + "  ".join(f"B={b:>6}" for b in variant_batches)
         tables.append("\n".join([f"variants on {models[0].name}", head] + [
-            f"{name:<22}  " + "  ".join(f"{cells[name][str(b)]['tok_s']:>8.1f}" for b in VARIANT_BATCHES)
+            f"{name:<22}  " + "  ".join(f"{cells[name][str(b)]['tok_s']:>8.1f}" for b in variant_batches)
             for name in VARIANTS]))
     out["seconds"] = time.perf_counter() - t_start
     atomic_write_text(folder / "policy_lab.json", json.dumps(out, indent=1))

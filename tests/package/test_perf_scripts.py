@@ -221,6 +221,23 @@ def test_policy_overhead_counts_the_layouts_built_inside_a_hook_only(monkeypatch
     assert RaggedVerifyLayout.__dict__["_from_lens"] is built_here  # restored
 
 
+def test_policy_lab_refuses_a_batch_size_past_a_cost_models_requests(tmp_path: Path) -> None:
+    """A serving cost of 16 requests (a demo's own): --batch-sizes 64 is refused before any replay, naming the
+    value, the cost and its limit; its variants run at the batch sizes it prices."""
+    import dataclasses
+
+    from dspark.cost.serving import load_serving_cost
+
+    lab = _script("policy_lab")
+    small = dataclasses.replace(load_serving_cost("cpu-measured"), name="small", max_requests=16)
+    path = small.save(tmp_path / "small.json")
+    with pytest.raises(SystemExit, match="--batch-sizes 64: serving cost 'small' prices at most 16 requests"):
+        lab.main(["--costs", str(path), "--batch-sizes", "1,64", "--out", str(tmp_path / "lab")])
+    assert not (tmp_path / "lab").exists()
+    assert lab.batches_priced(lab.VARIANT_BATCHES, small) == [1, 4, 16]
+    assert lab.batches_priced((1, 64, 256), load_serving_cost("cpu-measured")) == [1, 64, 256]
+
+
 def test_policy_overhead_counts_the_planner_steps_that_skip_the_scan() -> None:
     import torch
 
