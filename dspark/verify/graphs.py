@@ -37,8 +37,9 @@ class GraphBackend(Protocol):
     """What the runner needs from a graph platform (CUDA graphs, NPU graphs, or eager).
 
     static_outputs: True when a replay writes the step's outputs into the tensors its capture returned (graphs:
-    the runner keeps every tier's outputs), False when each replay returns fresh tensors (eager: the runner
-    keeps none once a step has returned, so idle tiers hold no memory)."""
+    the runner keeps every tier's outputs; such a backend's `capture` must run `fn`), False when each replay
+    returns fresh tensors (eager: the runner keeps none once a step has returned, so idle tiers hold no memory;
+    its `capture` may run nothing)."""
 
     name: str
     static_outputs: bool
@@ -48,7 +49,8 @@ class GraphBackend(Protocol):
         ...
 
     def capture(self, fn: Callable[[], None], pool: object) -> object:
-        """Capture `fn` (which reads and writes only static buffers); return a graph handle."""
+        """Capture `fn` (which reads and writes only static buffers; run here when `static_outputs`); return a
+        graph handle."""
         ...
 
     def replay(self, graph: object, update: Callable[[], None] | None = None) -> None:

@@ -65,15 +65,18 @@ def test_one_compile_serves_every_tier_step_and_layer(device, monkeypatch):
         target = TransformersCausalLM(hf)
         first = VerifyStepAdapter(target, verify_step.VerifyStepShape((8, 16, 24), width=6, max_requests=6),
                                   SweepCache(context=20, seed=3), device=device, compile_model=True)
-        for i, (b, rows) in enumerate(((4, 22), (2, 7), (6, 31), (5, 27))):  # tiers 24, 8; eager past the top
+        for b, rows in ((4, 22), (2, 7), (3, 14)):  # tiers 24, 8, 16: compiled at the first forwards
             first.prepare(b, rows)
             first.step()
-            if i == 1:  # compiled at the first forwards, dynamic in the rows from the second tier's
-                counts.append(len(graphs))
+        counts.append(len(graphs))
+        for b, rows in ((6, 31), (5, 27)):  # eager past the largest tier
+            first.prepare(b, rows)
+            first.step()
         second = VerifyStepAdapter(target, verify_step.VerifyStepShape((4, 12, 20), width=5, max_requests=4),
                                    SweepCache(context=20, seed=3), device=device, compile_model=True)
-        second.prepare(3, 11)
-        second.step()
+        for b, rows in ((2, 4), (3, 11), (4, 18)):  # its tiers 4, 12, 20
+            second.prepare(b, rows)
+            second.step()
         assert len(graphs) == counts[-1], f"{layers} layers: {counts[-1]} graphs, then {len(graphs)}"
         assert first.runner.eager_steps == 2
     assert counts[0] == counts[1] < 36, counts
