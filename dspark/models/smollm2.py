@@ -64,7 +64,8 @@ def load_gguf_causal_lm(path: Path | str, *, dtype: torch.dtype = torch.float32,
     check_supported(config)  # before the weights are dequantized
     with _reading(path, reinstall):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        # the config read above: transformers would parse the file's metadata once more for it
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, config=config)
     return TransformersCausalLM(model), tokenizer
 
 
