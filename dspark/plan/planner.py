@@ -3,7 +3,8 @@
 Each `plan` call:
 1. live survival from the logits (STS temperatures);
 2. the budget from survival at least `lag` steps old, read from the lag ring under the generation
-   guard (non-anticipation, DESIGN.md 4.4); with `lag = 0` the greedy scan over live survival;
+   guard (non-anticipation, DESIGN.md 4.4); with `lag = 0` the greedy scan over live survival, or with
+   `live_argmax` (greedy decoding only) the argmax over it;
 3. graph-tier fill (DESIGN.md 4.7): when tiers are given, the padding of the tier the chosen rows will
    replay is already paid for, so the allocation budget grows to the tier top (never across it);
 4. the allocation from live survival (global top-k) and the ragged layout padded to the tier; a host step whose
@@ -106,7 +107,10 @@ class PlannerSettings:
     (0: no ring, the greedy scan over live survival); sync_free: choose that budget on the host from the ring
     row the previous step copied, with no device read (needs lag >= 1); tiers: captured graph token tiers,
     strictly increasing (None or empty: eager, no tier fill); graph_slots: the captured slot count S handed to
-    the layout (None: B + 1 when padding exists).
+    the layout (None: B + 1 when padding exists); live_argmax (lag 0 only): the budget is the argmax of theta
+    over the live survival, not the early-stop scan. It reads each draft's own survival, so it is lossless with
+    greedy acceptance only (any verify lengths commit the target's argmax tokens there); `SpecDecoder` refuses a
+    policy planning so under sampling (`Policy.greedy_only`).
     """
 
     lag: int = 1
@@ -114,9 +118,14 @@ class PlannerSettings:
     sync_free: bool = False
     tiers: Sequence[int] | None = None
     graph_slots: int | None = None
+    live_argmax: bool = False
 
     def __post_init__(self) -> None:
         check_int("lag", self.lag, 0)
+        check_type("live_argmax", self.live_argmax, bool)
+        if self.live_argmax and self.lag != 0:
+            raise ValueError(f"live_argmax=True chooses the budget over live survival (lag 0), got lag={self.lag}: "
+                             "with lag >= 1 the budget is already the argmax over the lagged survival")
         check_int("num_slots", self.num_slots, 1)
         check_type("sync_free", self.sync_free, bool)
         if self.sync_free and self.lag < 1:
@@ -165,6 +174,7 @@ class VerifyPlanner:
         self.graph_slots = graph_slots = settings.graph_slots
         self.temperatures = None if temperatures is None else check_temperatures(temperatures, cfg.gamma)
         self.ring = SurvivalLagRing(settings.num_slots, cfg.gamma, lag, device) if lag > 0 else None
+        self._scan = lag == 0 and not settings.live_argmax  # the greedy early-stop scan over live survival
         self.sync_free = sync_free
         self._next_row = self.ring.next_row_to_host() if sync_free else None
         self._seconds: dict[tuple[int, torch.device], Tensor] = {}  # T(B, B*F + b) per (B, device)
@@ -186,6 +196,7 @@ class VerifyPlanner:
             "schedule": repr(self.cfg), "tiers": repr(self.tiers), "graph_slots": repr(self.graph_slots),
             "width": repr(self.cfg.width), "temperatures": repr(None if temps is None else [t.hex() for t in temps]),
             "lag": repr(self.lag), "num_slots": repr(self.ring.num_slots if self.ring is not None else None),
+            "live_argmax": repr(self.settings.live_argmax),
         }
 
     def best_decision(self, survival: Tensor) -> BudgetDecision:
@@ -238,15 +249,15 @@ class VerifyPlanner:
 
     def _host_budget(self, live: HostSurvival, lagged: Tensor | None
                      ) -> tuple[bool, int, BudgetDecision | Callable[[], BudgetDecision], int]:
-        """A host step's (whether it takes every candidate, budget, decision, live candidates): the scan over the
-        lagged survival (argmax) or at lag 0 the live one (greedy); when `_takes_all` knows its answer, the
-        decision's curves are left to a first `VerifyPlan.decision`."""
+        """A host step's (whether it takes every candidate, budget, decision, live candidates): the argmax over the
+        lagged survival, or at lag 0 over the live one (the greedy scan unless `live_argmax`); when `_takes_all`
+        knows its answer, the decision's curves are left to a first `VerifyPlan.decision`."""
         cfg, b = self.cfg, live.values.shape[0]
         # the ring holds calibrated rows (or ones): no repair
         budget_from = live if lagged is None else host_survival(lagged, calibrated=True)
-        decide = functools.partial(host_decision, budget_from, self.cost_model, cfg, greedy=lagged is None,
+        decide = functools.partial(host_decision, budget_from, self.cost_model, cfg, greedy=self._scan,
                                    seconds=self.seconds_window(b), tiers=self.tiers or None)
-        if self._takes_all(budget_from, live, greedy=lagged is None):
+        if self._takes_all(budget_from, live, greedy=self._scan):
             every = b * cfg.num_candidate_columns
             return True, every, functools.partial(_decision_of, decide), every
         budget, decision = decide()
@@ -320,15 +331,16 @@ class VerifyPlanner:
         return self._tier_tensors[device]
 
     def _device_decision(self, live: Tensor, lagged: Tensor | None) -> tuple[BudgetDecision, int, int]:
-        """The decision on the device (argmax over lagged survival, or the greedy scan over live survival at
-        lag 0); its budget and the live candidate count, brought to the host in one read."""
+        """The decision on the device (the argmax over lagged survival, or at lag 0 the greedy scan over live
+        survival, or its argmax with `live_argmax`); its budget and the live candidate count, brought to the host
+        in one read."""
         b = live.shape[0]
         key = (b, live.device)
         if key not in self._seconds:
             self._seconds[key] = seconds_over_window(self.cost_model, b, self.cfg).to(live.device)
         seconds = self._seconds[key]
         cfg = self.cfg
-        traced = traced_decision(live if lagged is None else lagged, seconds, cfg, greedy=lagged is None,
+        traced = traced_decision(live if lagged is None else lagged, seconds, cfg, greedy=self._scan,
                                  tiers=self._device_tiers(live.device))
         live_valid = (live[:, cfg.floor - 1: cfg.cap - 1] >= cfg.survival_eps).sum()
         budget, valid = boundary.to_host(torch.stack([traced.budget, live_valid])).tolist()

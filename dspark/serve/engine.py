@@ -144,6 +144,10 @@ class SpecDecoder:
         stop = check_stop_ids(stop_token_ids, vocab)
         check_positive_or_none("max_batch", max_batch)
         check_type("policy", policy, Policy)
+        if policy.greedy_only and not sampling.greedy:
+            raise ValueError(f"policy {policy.name!r} plans with PlannerSettings(live_argmax=True), lossless with "
+                             f"greedy decoding only, got sampling temperature {sampling.temperature}: build its "
+                             "planners with live_argmax=False (the greedy scan) to sample")
         k, most = policy.num_drafts, self.drafter.max_drafts
         if most is not None and k > most:
             raise ValueError(f"policy {policy.name!r} drafts {k} tokens but the drafter proposes at most {most} "

@@ -92,3 +92,13 @@ def test_the_gate_variants_switch_off_what_they_name() -> None:
     assert gates["no catch-up price"].cost_window == gates["head+STS"].cost_window
     assert gates["head+STS"].probe_requests == 16 and gates["whole-batch probes"].probe_requests is None
     assert gates["no probes"].probe_every > 10 ** 6 and gates["no probes"].cost_window == gates["head+STS"].cost_window
+
+
+def test_the_lab_budgets_lag_zero_by_the_live_argmax_and_the_scan_variant_does_not() -> None:
+    """A replay decodes greedily, so at lag 0 its planners take the argmax over live survival (as the demo's do);
+    the variant "lag-0 scan" plans as a sampling run must, and a lagged planner reads its ring."""
+    lab = _lab(synthetic_trace(10, seed=1))
+    assert lab.lag == 0 and lab.planner(4).settings.live_argmax and lab.policy("adaptive", 4).greedy_only
+    for name in ("lag-0 scan", "lag 1"):
+        other, policy = variant_lab(lab, name, 4)
+        assert not other.planner(4).settings.live_argmax and not other.policy(policy, 4).greedy_only, name

@@ -112,12 +112,14 @@ def planners(cfg, cost, settings_):
 
 
 @settings(max_examples=80, deadline=None)
-@given(seed=st.integers(0, 10_000), b=st.integers(1, 16), lag=st.sampled_from([0, 1, 2]),
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 16), lag=st.sampled_from([0, "0 argmax", 1, 2]),
        cost=st.sampled_from(sorted(COSTS)), tiered=st.booleans(), shift=st.floats(-1.0, 6.0),
        floor=st.sampled_from([1, 2]), cap_cut=st.sampled_from([0, 1]), eps=st.sampled_from([1e-6, 0.3]))
 def test_the_shortcut_plans_what_the_scan_plans(seed, b, lag, cost, tiered, shift, floor, cap_cut, eps) -> None:
     cfg = ScheduleConfig(gamma=4, min_verify_len=floor, max_verify_len=5 - cap_cut, survival_eps=eps)
-    fast, full, taken = planners(cfg, cost, PlannerSettings(lag=lag, num_slots=16, tiers=TIERS if tiered else None))
+    live_argmax = lag == "0 argmax"  # lag 0, the budget by the argmax over live survival
+    fast, full, taken = planners(cfg, cost, PlannerSettings(lag=0 if live_argmax else lag, num_slots=16,
+                                                            tiers=TIERS if tiered else None, live_argmax=live_argmax))
     gen = torch.Generator().manual_seed(seed)
     slots, gens = torch.arange(b), torch.zeros(b, dtype=torch.int64)
     plans = []

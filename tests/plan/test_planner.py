@@ -88,6 +88,46 @@ def test_lag_zero_uses_the_greedy_scan_on_live_survival(device):
     assert torch.equal(plan.verify_lens, allocate_verify_lens(s, plan.decision.budget, cfg))
 
 
+def hump() -> AdditiveCostModel:
+    """One extra row costs as much as six (a tier edge, as graph tiers or this CPU's first verify row give)."""
+    return AdditiveCostModel(1.0, BatchTerm([1, 16], [0.0, 0.0]), RowTerm([0, 4, 5, 10, 40], [0.0, 0.0, 0.5, 0.52, 2.0]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 8), seed=st.integers(0, 2**31 - 1), shift=st.floats(-2.0, 4.0))
+def test_lag_zero_live_argmax_takes_the_argmax_over_live_survival(b, seed, shift, device):
+    cfg = ScheduleConfig(gamma=GAMMA)
+    z = (torch.randn(b, GAMMA, generator=torch.Generator().manual_seed(seed)) * 2 + shift).to(device)
+    s = calibrated_survival(z)
+    for model in (cost(), hump()):
+        plan = VerifyPlanner(cfg, model, PlannerSettings(lag=0, live_argmax=True)).plan(z, *ids(b))
+        want = choose_budget(s, model, cfg)
+        assert plan.decision.budget == want.budget and plan.decision.theta == pytest.approx(want.theta)
+        assert torch.equal(plan.verify_lens.cpu(), allocate_verify_lens(s, want.budget, cfg).cpu())
+
+
+def test_live_argmax_crosses_the_row_where_the_scan_stops(device):
+    cfg = ScheduleConfig(gamma=GAMMA)
+    z = torch.logit(torch.tensor([[0.6, 0.95, 0.95, 0.95, 0.95]] * 4, dtype=torch.float64)).float().to(device)
+    s = calibrated_survival(z)
+    scan = VerifyPlanner(cfg, hump(), PlannerSettings(lag=0)).plan(z, *ids(4))
+    free = VerifyPlanner(cfg, hump(), PlannerSettings(lag=0, live_argmax=True)).plan(z, *ids(4))
+    # one more row (survival 0.6) costs 50 %: the scan stops at the roots; six rows cost 52 %, and pay
+    assert scan.decision.budget == greedy_budget(s, hump(), cfg).budget == 0
+    assert free.decision.budget == choose_budget(s, hump(), cfg).budget > 0
+    assert free.decision.theta > scan.decision.theta
+
+
+@pytest.mark.cpu_only(reason="settings validation, no tensors")
+def test_live_argmax_needs_lag_zero_and_a_bool():
+    with pytest.raises(ValueError, match="live_argmax=True .* lag=1"):
+        PlannerSettings(lag=1, live_argmax=True)
+    with pytest.raises(TypeError, match="live_argmax"):
+        PlannerSettings(lag=0, live_argmax=1)
+    a, b = (VerifyPlanner(ScheduleConfig(gamma=2), cost(), PlannerSettings(lag=0, live_argmax=v)) for v in (True, False))
+    assert a.planning_config()["live_argmax"] != b.planning_config()["live_argmax"]  # TP / DP ranks compare it
+
+
 @settings(max_examples=30)
 @given(b=st.integers(1, 12), seed=st.integers(0, 2**31 - 1), scale=st.floats(0.1, 8.0),
        special=st.sampled_from([None, math.inf, -math.inf, math.nan]))

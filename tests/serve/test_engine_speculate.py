@@ -9,7 +9,7 @@ from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import StepsPerSecondTable
 from dspark.lab.profile import PlainStepCost
 from dspark.plan.planner import PlannerSettings, VerifyPlanner
-from dspark.serve.config import EngineConfig
+from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, FixedK
 from dspark.serve.policies.adaptive import FeedbackSettings
@@ -401,3 +401,18 @@ def test_a_policys_drafting_mask_of_the_wrong_shape_or_type_is_refused(decoder: 
             return True
     with pytest.raises(ValueError, match=rf"policy 'fixed-2' set drafting to {got}.*CPU bool tensor \[B=3\]"):
         decoder.generate(_prompts(3, 5), 4, Bad(2))
+
+
+def test_a_live_argmax_policy_decodes_greedy_and_refuses_to_sample(decoder: SpecDecoder) -> None:
+    """A lag-0 planner's live argmax reads each draft's own survival: lossless under greedy acceptance only, so the
+    engine serves it greedy (the target's own tokens) and refuses a sampling run, naming the temperature."""
+    cost = StepsPerSecondTable([1, 8], [1 / STEP, 0.5 / STEP], width=GAMMA + 1)
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost, PlannerSettings(lag=0, live_argmax=True),
+                            device=decoder.device)
+    policy = Adaptive(planner)
+    assert policy.greedy_only and not Adaptive(_planner(lag=0, device=decoder.device)).greedy_only
+    prompts = _prompts(3, 5, seed=2)
+    assert torch.equal(decoder.generate(prompts, 12, policy).tokens, decoder.generate(prompts, 12, FixedK(0)).tokens)
+    with pytest.raises(ValueError, match=r"policy 'adaptive' plans with PlannerSettings\(live_argmax=True\).*"
+                                         r"temperature 0\.7"):
+        decoder.generate(prompts, 4, Adaptive(planner), SamplingParams(temperature=0.7))

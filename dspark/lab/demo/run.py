@@ -211,8 +211,10 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     def planner(b: int, sts: bool = True, depth: int = gamma) -> VerifyPlanner:
         # depth gamma: the profiled whole-step table; shallower: its target part plus the draft at that depth
         believed = cost if depth == gamma else serving.believed(depth, 0.0)
+        # greedy decoding at lag 0: the argmax over live survival (lossless there; a sampling run scans)
         planning = PlannerSettings(lag=cfg.lag, num_slots=bmax, tiers=decoder.tiers or None,
-                                   graph_slots=decoder.graph_slots(b, depth + 1))
+                                   graph_slots=decoder.graph_slots(b, depth + 1),
+                                   live_argmax=cfg.lag == 0 and not cfg.sampling)
         return VerifyPlanner(ScheduleConfig(gamma=depth), believed, planning,
                              temperatures=temps[:depth] if sts else None)
 

@@ -131,7 +131,10 @@ class Lab:
     (`Engine.defer_observe`, as the live engine does on an accelerator; off by default, so that a priced and a
     timed replay take the same steps, and a timed replay's drafter waits for its device anyway);
     deferred_host_seconds: with it, the price of the `observe` deferred after a speculative step, run while the
-    next forward runs (that phase lasts the longer of the two; `host_seconds` then prices the rest)."""
+    next forward runs (that phase lasts the longer of the two; `host_seconds` then prices the rest);
+    live_argmax: at lag 0 the planners choose the budget by the argmax over live survival
+    (`PlannerSettings.live_argmax`: a replay decodes greedily, where that is lossless, as the demo's adaptive
+    policies do); False: the greedy early-stop scan a sampling run needs."""
 
     trace: Trace
     cost: ServingCost
@@ -150,11 +153,13 @@ class Lab:
     host_seconds: float = 0.0
     defer_observe: bool = False
     deferred_host_seconds: float = 0.0
+    live_argmax: bool = True
 
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
         check_real("host_seconds", self.host_seconds, 0.0, math.inf, high_open=True)
         check_type("defer_observe", self.defer_observe, bool)
+        check_type("live_argmax", self.live_argmax, bool)
         check_real("deferred_host_seconds", self.deferred_host_seconds, 0.0, math.inf, high_open=True)
         if self.deferred_host_seconds and not self.defer_observe:
             raise ValueError(f"deferred_host_seconds = {self.deferred_host_seconds} prices the hooks "
@@ -192,7 +197,8 @@ class Lab:
         tiers, w = self.graph_tiers, depth + 1
         temps = None if self.temperatures is None or not sts else list(self.temperatures)[:depth]
         planning = PlannerSettings(lag=self.lag, num_slots=b, tiers=tiers or None,
-                                   graph_slots=graph_slot_count(b, tiers, w) if tiers else None)
+                                   graph_slots=graph_slot_count(b, tiers, w) if tiers else None,
+                                   live_argmax=self.live_argmax and self.lag == 0)
         return VerifyPlanner(ScheduleConfig(gamma=depth), self.cost.believed(depth, self.context), planning,
                              temperatures=temps)
 

@@ -7,7 +7,8 @@ after STS (the default) or before it, temperatures mis-set x0.5 / x2, one unifor
 request, the online estimator, the oracle's exact acceptance, the adaptive policy given the oracle's knowledge as
 its survival (the planner's own loss, with nothing left to estimate); the oracle drafting only for the requests
 whose first draft the target accepts (the most per-request speculation adds); the policy drafting gamma at every
-speculative step (no depth choice); the planner's lag 1 / 2 (default 0); eager steps (no graph tiers); the gate
+speculative step (no depth choice); the planner's lag 1 / 2 (default 0); at lag 0 the greedy early-stop scan in
+place of the argmax over live survival (what a sampling run must use, "lag-0 scan"); eager steps (no graph tiers); the gate
 without its measured-cost feedback, without the catch-up price, probing the whole batch every time (no partial
 probes), or never probing; each step's `observe` deferred until the next step's forward is launched
 (`Engine.defer_observe`: decisions from outcomes one step old); and the policy's host work priced at 0.25 ms per
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from dspark.serve.outcome import StepOutcome
 
 VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
-            "per-request oracle", "fixed depth", "lag 1", "lag 2", "no tiers", "no cost feedback", "no catch-up price",
+            "per-request oracle", "fixed depth", "lag 1", "lag 2", "lag-0 scan", "no tiers", "no cost feedback", "no catch-up price",
             "whole-batch probes", "no probes", "observe deferred", "host 0.25 ms", "host 0.25 ms deferred")
 NEVER = 10 ** 9  # plain steps before a probe in the variant "no probes": more than any run takes
 HOST_SECONDS = 2.5e-4  # "host 0.25 ms": adaptive's host work per step beyond a fixed k's (policy_overhead.py)
@@ -147,6 +148,7 @@ def variant_lab(base: Lab, name: str, b: int, ids: Tensor | None = None) -> tupl
               "estimator": (base, "adaptive-est"), "oracle": (base, "oracle"),
               "fixed depth": (replace(base, choose_depth=False), "adaptive"),
               "lag 1": (replace(base, lag=1), "adaptive"), "lag 2": (replace(base, lag=2), "adaptive"),
+              "lag-0 scan": (replace(base, live_argmax=False), "adaptive"),
               "no tiers": (replace(base, tiers=False), "adaptive"),
               "no cost feedback": (replace(base, probe=(*base.probe[:2], False)), "adaptive"),
               "no catch-up price": (replace(base, price_catch_up=False), "adaptive"),

@@ -91,6 +91,7 @@ class Adaptive(Policy):
         self._features: tuple[Tensor, Tensor | None] | None = None  # the latest step's estimator features, drafters
         self.gamma = planner.cfg.gamma
         self._planners = {**depths, self.gamma: planner}  # depth -> its planner
+        self.greedy_only = any(p.settings.live_argmax for p in self._planners.values())
         self._by_depth = sorted(self._planners.items())
         self.planner = planner  # the current depth's planner
         self.num_drafts = self.gamma

@@ -35,6 +35,8 @@ class Policy:
     `speculate`; None: every request drafts. observe_deferrable: the policy's `observe` of a step may run after
     the next step's `speculate`, admissions and draft launch (`EngineConfig.defer_observe`); a policy that keeps
     per-slot or per-step state across those hooks leaves it False, and the engine observes it in order.
+    greedy_only: its verify lengths may depend on the drafts' own values (a lag-0 planner's `live_argmax`),
+    lossless with greedy decoding only: `SpecDecoder` refuses to sample with it.
     """
 
     name: str = "policy"
@@ -43,6 +45,7 @@ class Policy:
     catch_up: int | None = 0
     drafting: Tensor | None = None
     observe_deferrable: bool = False
+    greedy_only: bool = False
 
     @property
     def draft_depths(self) -> tuple[int, ...]:
