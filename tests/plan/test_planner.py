@@ -90,7 +90,8 @@ def test_lag_zero_uses_the_greedy_scan_on_live_survival(device):
 
 def hump() -> AdditiveCostModel:
     """One extra row costs as much as six (a tier edge, as graph tiers or this CPU's first verify row give)."""
-    return AdditiveCostModel(1.0, BatchTerm([1, 16], [0.0, 0.0]), RowTerm([0, 4, 5, 10, 40], [0.0, 0.0, 0.5, 0.52, 2.0]))
+    rows = RowTerm([0, 4, 5, 10, 40], [0.0, 0.0, 0.5, 0.52, 2.0])
+    return AdditiveCostModel(1.0, BatchTerm([1, 16], [0.0, 0.0]), rows)
 
 
 @settings(max_examples=30, deadline=None)
@@ -124,7 +125,8 @@ def test_live_argmax_needs_lag_zero_and_a_bool():
         PlannerSettings(lag=1, live_argmax=True)
     with pytest.raises(TypeError, match="live_argmax"):
         PlannerSettings(lag=0, live_argmax=1)
-    a, b = (VerifyPlanner(ScheduleConfig(gamma=2), cost(), PlannerSettings(lag=0, live_argmax=v)) for v in (True, False))
+    a, b = (VerifyPlanner(ScheduleConfig(gamma=2), cost(), PlannerSettings(lag=0, live_argmax=live))
+            for live in (True, False))
     assert a.planning_config()["live_argmax"] != b.planning_config()["live_argmax"]  # TP / DP ranks compare it
 
 

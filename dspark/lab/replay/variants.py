@@ -1,21 +1,21 @@
 """What calibration, lag and tiers buy: the adaptive policy replayed with one thing changed at a time.
 
-`fit_trace_temperatures` fits STS temperatures on a seeded half of the trace's requests at the positions a
-decode loop steps at (labels: the greedy prefix reaches draft k), as the demo's teacher-forced recorder does.
-`variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`: survival from the head
-after STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform survival per position for every
-request, the online estimator, the oracle's exact acceptance, the adaptive policy given the oracle's knowledge as
-its survival (the planner's own loss, with nothing left to estimate); the oracle drafting only for the requests
-whose first draft the target accepts (the most per-request speculation adds); the policy drafting gamma at every
+`fit_trace_temperatures` fits STS temperatures on a seeded half of the trace's requests at the positions a decode
+loop steps at (labels: the greedy prefix reaches draft k), as the demo's teacher-forced recorder does.
+`variant_lab(base, name, B)` gives the lab and policy of each variant in `VARIANTS`: survival from the head after
+STS (the default) or before it, temperatures mis-set x0.5 / x2, one uniform survival per position for every request,
+the online estimator, the oracle's exact acceptance, the adaptive policy given the oracle's knowledge as its
+survival (the planner's own loss, with nothing left to estimate); the oracle drafting only for the requests whose
+first draft the target accepts (the most per-request speculation adds); the policy drafting gamma at every
 speculative step (no depth choice); the planner's lag 1 / 2 (default 0); at lag 0 the greedy early-stop scan in
-place of the argmax over live survival (what a sampling run must use, "lag-0 scan"); eager steps (no graph tiers); the gate
-without its measured-cost feedback, without the catch-up price, probing the whole batch every time (no partial
-probes), or never probing; each step's `observe` deferred until the next step's forward is launched
+place of the argmax over live survival (what a sampling run must use, "lag-0 scan"); eager steps (no graph tiers);
+the gate without its measured-cost feedback, without the catch-up price, probing the whole batch every time (no
+partial probes), or never probing; each step's `observe` deferred until the next step's forward is launched
 (`Engine.defer_observe`: decisions from outcomes one step old); and the policy's host work priced at 0.25 ms per
-speculative step (what its hooks take per step on the lab's 2-core CPU beyond a fixed k's, less the ragged layout
-a fixed k builds in its verify phase too, `perf/policy_overhead.py`; the cost models price the device only), in
-the plan phase of a synchronous loop or, with its `observe` / `observe_seconds` (0.09 ms of it) deferred, 0.16 ms
-there and 0.09 ms overlapping the next step's forward (modelled, not measured on a GPU).
+speculative step (what its hooks take per step on the lab's 2-core CPU beyond a fixed k's, less the ragged layout a
+fixed k builds in its verify phase too, `perf/policy_overhead.py`; the cost models price the device only), in the
+plan phase of a synchronous loop or, with its `observe` / `observe_seconds` (0.09 ms of it) deferred, 0.16 ms there
+and 0.09 ms overlapping the next step's forward (modelled, not measured on a GPU).
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ if TYPE_CHECKING:
     from dspark.serve.outcome import StepOutcome
 
 VARIANTS = ("head+STS", "head raw", "temps x0.5", "temps x2", "uniform", "estimator", "oracle", "oracle survival",
-            "per-request oracle", "fixed depth", "lag 1", "lag 2", "lag-0 scan", "no tiers", "no cost feedback", "no catch-up price",
-            "whole-batch probes", "no probes", "observe deferred", "host 0.25 ms", "host 0.25 ms deferred")
+            "per-request oracle", "fixed depth", "lag 1", "lag 2", "lag-0 scan", "no tiers", "no cost feedback",
+            "no catch-up price", "whole-batch probes", "no probes", "observe deferred", "host 0.25 ms",
+            "host 0.25 ms deferred")
 NEVER = 10 ** 9  # plain steps before a probe in the variant "no probes": more than any run takes
 HOST_SECONDS = 2.5e-4  # "host 0.25 ms": adaptive's host work per step beyond a fixed k's (policy_overhead.py)
 DEFERRED_SECONDS = 9e-5  # of it, its `observe` / `observe_seconds` hooks'
