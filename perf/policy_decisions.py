@@ -8,9 +8,11 @@ and drafter catch-up tokens beside a full-batch plain step's median seconds; a f
 fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: committed tokens over the
 run's seconds).
 `demo`: a `dspark demo` output's demo.json: per (policy, B) the medians over full-batch steps (every round) of
-the draft, plan and verify seconds and the verify rows, the drafts per step, and the rows' tiers; per round the
-tok/s of all its steps beside the steady window's (its steps, tokens, tok/s and the share of its seconds spent in steps
-a refill's prompt rode).
+the draft, plan and verify seconds and the verify rows, the drafts per step, and the rows' tiers; the full-batch
+speculative steps no prompt rode grouped by their verify rows (steps, tokens per step, draft + plan + verify ms per
+step, tok/s over those phases) and the drain-tail steps per round (fewer than B requests, no prompt riding); per round
+the tok/s of all its steps beside the steady window's (its steps, tokens, tok/s and the share of its seconds spent in
+steps a refill's prompt rode).
 
     PYTHONPATH=. python perf/policy_decisions.py lab --cost cpu-measured --batch 64 [--out PATH]
     PYTHONPATH=. python perf/policy_decisions.py demo [--demo-json demo_out/demo.json] [--out PATH]
@@ -97,9 +99,26 @@ def demo(path: Path) -> dict:
             continue
         med = {f: statistics.median(s[f] for s in full) for f in ("t_draft", "t_plan", "t_verify", "rows")}
         out[key] = {"steps": len(full), **med, "proposed_per_step": statistics.median(s["proposed"] for s in full),
-                    "rows_seen": dict(collections.Counter(s["rows"] for s in full)), "rounds": [_window(run, b)
-                                                                                              for run in rounds]}
+                    "rows_seen": dict(collections.Counter(s["rows"] for s in full)), "by_rows": _by_rows(full),
+                    "tail_steps": [sum(1 for s in run if s["batch"] < b and not _refill(s)) for run in rounds],
+                    "rounds": [_window(run, b) for run in rounds]}
     return out
+
+
+def _useful(s: dict) -> int:
+    return s["committed"] if s.get("useful") is None else s["useful"]
+
+
+def _by_rows(full: list[dict]) -> dict:
+    """Full-batch speculative steps no prompt rode, by verify rows: steps, tokens per step, draft + plan + verify
+    milliseconds per step."""
+    groups: dict[int, list[dict]] = collections.defaultdict(list)
+    for s in full:
+        if s["speculated"] and not _refill(s):
+            groups[s["rows"]].append(s)
+    return {rows: {"steps": len(g), "tokens_per_step": sum(map(_useful, g)) / len(g),
+                   "ms_per_step": 1e3 * sum(s["t_draft"] + s["t_plan"] + s["t_verify"] for s in g) / len(g)}
+            for rows, g in sorted(groups.items())}
 
 
 def _seconds(s: dict) -> float:
@@ -110,7 +129,7 @@ def _window(run: list[dict], b: int) -> dict:
     """One round's steps: all of them (steps, committed tokens, seconds; the first admission's prefill is not a
     step's) and the steady window's, with the window's seconds in refill steps: a prompt rode the step, or was
     prefilled right before it (None: a demo.json without `busy_slots`)."""
-    useful = [s["committed"] if s.get("useful") is None else s["useful"] for s in run]
+    useful = [_useful(s) for s in run]
     whole = {"steps": len(run), "tokens": sum(useful), "seconds": sum(map(_seconds, run))}
     if any(s.get("busy_slots") is None for s in run):
         return {"whole": whole, "window": None}
@@ -157,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         for key, r in report.items():
             print(f"{key:>16} {r['steps']:>5} {1e3 * r['t_draft']:>8.1f} {1e3 * r['t_plan']:>7.2f} "
                   f"{1e3 * r['t_verify']:>9.1f} {r['rows']:>5.0f} {r['proposed_per_step']:>6.0f}  {r['rows_seen']}")
+        print("full-batch speculative steps no prompt rode, by verify rows (steps, tokens / step, draft + plan + "
+              "verify ms / step, tok/s); drain-tail steps per round")
+        for key, r in report.items():
+            groups = "; ".join(f"{rows}: {g['steps']} {g['tokens_per_step']:.2f} {g['ms_per_step']:.1f} "
+                               f"{1e3 * g['tokens_per_step'] / g['ms_per_step']:.1f}"
+                               for rows, g in r["by_rows"].items())
+            print(f"{key:>16}  {groups or '-'} | tail {r['tail_steps']}")
         print("per round: all steps, the first admission's prefill left out (steps, tok/s) | steady window (steps, "
               "tokens, tok/s, share of its seconds in refill steps)")
         for key, r in report.items():

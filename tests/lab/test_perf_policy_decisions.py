@@ -1,5 +1,5 @@
-"""perf/policy_decisions.py: the demo phases are medians over every round's full-batch steps only; a missing
-demo.json is refused with a message naming it."""
+"""perf/policy_decisions.py: the demo phases are medians over every round's full-batch steps only, the by-rows
+groups take its speculative steps no prompt rode; a missing demo.json is refused with a message naming it."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,7 +24,7 @@ def _script():
 def _step(batch: int, draft: float, rows: int, busy: int | None = None, folded: int = 0) -> dict:
     return {"batch": batch, "t_draft": draft, "t_plan": 1e-3, "t_verify": 0.1 + rows * 1e-3, "rows": rows,
             "proposed": 2 * batch, "t_accept": 2e-3, "t_prefill": 0.0, "useful": batch + 1, "committed": batch + 2,
-            "folded_prefill": folded, "busy_slots": busy}
+            "folded_prefill": folded, "busy_slots": busy, "speculated": True}
 
 
 def test_demo_phases_take_full_batch_steps_of_every_round(tmp_path: Path, capsys) -> None:
@@ -57,3 +57,19 @@ def test_demo_steady_window_counts_busy_steps_and_their_refill_seconds(tmp_path:
     assert window["seconds"] == pytest.approx(seconds[0] + seconds[1] + seconds[4])
     assert window["refill_step_seconds"] == pytest.approx(seconds[1] + seconds[4])
     assert got["fixed-2@4"]["rounds"][0]["window"] is None
+
+
+def test_demo_groups_full_batch_speculative_steps_by_rows_and_counts_tail_steps(tmp_path: Path) -> None:
+    """By rows: full-batch speculative steps no prompt rode (useful tokens, draft + plan + verify ms); a plain step,
+    a folded prompt's step and a smaller batch's step are left out. Tail: per round, steps of fewer than B requests
+    that no prompt rode."""
+    runs = [[_step(4, 0.010, 12), _step(4, 0.030, 8), {**_step(4, 0.020, 4), "speculated": False},
+             _step(4, 0.040, 12, folded=31), _step(3, 0.050, 6, folded=31), _step(2, 0.060, 4), _step(1, 0.07, 2)],
+            [_step(4, 0.020, 12), _step(3, 0.080, 9)]]
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps({"steps": {"adaptive@4": runs}}))
+    got = _script().demo(path)["adaptive@4"]
+    ms = [1e3 * (d + 1e-3 + 0.1 + r * 1e-3) for d, r in ((0.030, 8), (0.010, 12), (0.020, 12))]
+    assert got["by_rows"] == {8: {"steps": 1, "tokens_per_step": 5.0, "ms_per_step": pytest.approx(ms[0])},
+                              12: {"steps": 2, "tokens_per_step": 5.0, "ms_per_step": pytest.approx(sum(ms[1:]) / 2)}}
+    assert got["tail_steps"] == [2, 1]
