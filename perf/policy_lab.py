@@ -6,7 +6,7 @@ own scheduler, step and policies; a simulated target; time from a serving cost m
 simulator both read). Per cost model: a table of simulated steady tok/s per policy and B, adaptive / best
 fixed k and / oracle, rows per step, speculation share, tau bias, the planner's measured wall time per
 decision against the modelled step; a PNG; JSON. `--variants` adds what calibration buys (head before /
-after STS, temperatures x0.5 / x2, uniform survival, the estimator, the oracle), lag 0 / 1 / 2, tiers
+after STS, temperatures x0.5 / x2, uniform survival, the estimator, the oracle), lag 0 / 1 / 2, the lag-0 scan, tiers
 on / off, the gate's parts and the policy's host work priced (`dspark.lab.replay.variants.VARIANTS`), on the
 first cost model, at B = 1 / 4 / 16 / 64 / 256 up to its `max_requests` (a demo's `serving_cost.json`: 16).
 

@@ -63,8 +63,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling", action="store_true", help="rejection sampling instead of greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lag", type=int, default=0,
-                   help="planner survival lag (default 0: synchronous greedy scan over live survival, this "
-                        "decode loop does not overlap drafting and verification; 1: the overlap scheduler's)")
+                   help="planner survival lag (default 0: the budget from live survival, this decode loop does not "
+                        "overlap drafting and verification: its argmax when greedy, the early-stop scan with "
+                        "--sampling; 1: the overlap scheduler's)")
     p.add_argument("--probe-every", type=int, default=8,
                    help="adaptive: after this many plain steps in a row, speculate once (default 8)")
     p.add_argument("--max-probe-every", type=int, default=64,

@@ -259,3 +259,17 @@ def test_each_round_resumes_the_adaptive_policy_of_the_run_before(tmp_path: Path
         chain = calls[3 * b: 3 * b + 3]
         assert chain[1][1] is chain[0][0] and chain[2][1] is chain[1][0]  # round r resumes round r - 1's policy
         assert all(chain[0][1] is not c[0] for c in calls)  # round 1 resumes the untimed warm-up run's
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_the_demo_budgets_lag_zero_by_the_live_argmax_only_when_greedy(tmp_path: Path, sampling: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy: every adaptive policy's planners take the argmax over live survival (greedy-only policies);
+    sampling: the early-stop scan, and the run samples (a greedy-only policy would be refused)."""
+    seen: list[Adaptive] = []
+    resume = Adaptive.resume
+    monkeypatch.setattr(Adaptive, "resume", lambda self, earlier: (seen.append(self), resume(self, earlier))[1])
+    run_demo(_cfg(tmp_path, batch_sizes=(2,), policies=("adaptive", "adaptive-est", "fixed-1"), sampling=sampling),
+             echo=lambda s: None, show_progress=False, models=_models())
+    assert len(seen) == 2 and all(p.greedy_only is not sampling for p in seen)
+    assert all(q.settings.live_argmax is not sampling for p in seen for q in p._planners.values())

@@ -69,6 +69,7 @@ def test_demo_groups_full_batch_speculative_steps_by_rows_and_counts_tail_steps(
     path = tmp_path / "demo.json"
     path.write_text(json.dumps({"steps": {"adaptive@4": runs}}))
     got = _script().demo(path)["adaptive@4"]
+    assert _script().main(["demo", "--demo-json", str(path)]) == 0  # the printed table reads the same groups
     ms = [1e3 * (d + 1e-3 + 0.1 + r * 1e-3) for d, r in ((0.030, 8), (0.010, 12), (0.020, 12))]
     assert got["by_rows"] == {8: {"steps": 1, "tokens_per_step": 5.0, "ms_per_step": pytest.approx(ms[0])},
                               12: {"steps": 2, "tokens_per_step": 5.0, "ms_per_step": pytest.approx(sum(ms[1:]) / 2)}}

@@ -107,7 +107,9 @@ def test_lag_zero_live_argmax_takes_the_argmax_over_live_survival(b, seed, shift
         assert torch.equal(plan.verify_lens.cpu(), allocate_verify_lens(s, want.budget, cfg).cpu())
 
 
-def test_live_argmax_crosses_the_row_where_the_scan_stops(device):
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # torch: the traced decision, as on an accelerator
+def test_live_argmax_crosses_the_row_where_the_scan_stops(backend, device, monkeypatch):
+    monkeypatch.setenv("DSPARK_KERNEL_BACKEND", backend)
     cfg = ScheduleConfig(gamma=GAMMA)
     z = torch.logit(torch.tensor([[0.6, 0.95, 0.95, 0.95, 0.95]] * 4, dtype=torch.float64)).float().to(device)
     s = calibrated_survival(z)
@@ -130,13 +132,14 @@ def test_live_argmax_needs_lag_zero_and_a_bool():
     assert a.planning_config()["live_argmax"] != b.planning_config()["live_argmax"]  # TP / DP ranks compare it
 
 
-@settings(max_examples=30)
+@settings(max_examples=40)
 @given(b=st.integers(1, 12), seed=st.integers(0, 2**31 - 1), scale=st.floats(0.1, 8.0),
-       special=st.sampled_from([None, math.inf, -math.inf, math.nan]))
-def test_lag_zero_host_path_equals_the_torch_path(b, seed, scale, special, device):
+       special=st.sampled_from([None, math.inf, -math.inf, math.nan]), live_argmax=st.booleans(),
+       model=st.sampled_from([cost, hump]))
+def test_lag_zero_host_path_equals_the_torch_path(b, seed, scale, special, live_argmax, model, device):
     """On the CPU the planner shares one numpy copy of the live survival between budget and allocation
     (no running minimum: calibrated survival is already monotone); the torch path on the device must agree
-    exactly."""
+    exactly, with the scan and with the live argmax."""
     cfg = ScheduleConfig(gamma=GAMMA)
     gen = torch.Generator().manual_seed(seed)
     z = torch.randn(b, GAMMA, generator=gen) * scale + 1.0
@@ -146,7 +149,8 @@ def test_lag_zero_host_path_equals_the_torch_path(b, seed, scale, special, devic
         plans = []
         for backend, on in (("auto", z), ("torch", z.to(device))):
             mp.setenv("DSPARK_KERNEL_BACKEND", backend)
-            planner = VerifyPlanner(cfg, cost(), PlannerSettings(lag=0), temperatures=[1.3, 0.7, 1.0, 2.0, 0.9])
+            planner = VerifyPlanner(cfg, model(), PlannerSettings(lag=0, live_argmax=live_argmax),
+                                    temperatures=[1.3, 0.7, 1.0, 2.0, 0.9])
             plans.append(planner.plan(on, *ids(b)))
     host, ref = plans
     assert ref.verify_lens.device == z.to(device).device

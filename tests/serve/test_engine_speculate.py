@@ -416,3 +416,6 @@ def test_a_live_argmax_policy_decodes_greedy_and_refuses_to_sample(decoder: Spec
     with pytest.raises(ValueError, match=r"policy 'adaptive' plans with PlannerSettings\(live_argmax=True\).*"
                                          r"temperature 0\.7"):
         decoder.generate(prompts, 4, Adaptive(planner), SamplingParams(temperature=0.7))
+    scanned = decoder.generate(prompts, 4, Adaptive(_planner(lag=0, device=decoder.device)),
+                               SamplingParams(temperature=0.7))  # the scan samples
+    assert int(scanned.num_tokens.sum()) == 3 * 4

@@ -35,8 +35,9 @@ class Policy:
     `speculate`; None: every request drafts. observe_deferrable: the policy's `observe` of a step may run after
     the next step's `speculate`, admissions and draft launch (`EngineConfig.defer_observe`); a policy that keeps
     per-slot or per-step state across those hooks leaves it False, and the engine observes it in order.
-    greedy_only: its verify lengths may depend on the drafts' own values (a lag-0 planner's `live_argmax`),
-    lossless with greedy decoding only: `SpecDecoder` refuses to sample with it.
+    greedy_only: whether draft k's admission may read a later draft's survival (a lag-0 planner's `live_argmax`),
+    lossless with greedy decoding only: `SpecDecoder` refuses to sample with it. `Adaptive` sets it from its
+    planners; a policy of your own that plans with such a planner sets it too.
     """
 
     name: str = "policy"
