@@ -108,9 +108,9 @@ class PlannerSettings:
     row the previous step copied, with no device read (needs lag >= 1); tiers: captured graph token tiers,
     strictly increasing (None or empty: eager, no tier fill); graph_slots: the captured slot count S handed to
     the layout (None: B + 1 when padding exists); live_argmax (lag 0 only): the budget is the argmax of theta
-    over the live survival, not the early-stop scan. It reads each draft's own survival, so it is lossless with
-    greedy acceptance only (any verify lengths commit the target's argmax tokens there); `SpecDecoder` refuses a
-    policy planning so under sampling (`Policy.greedy_only`).
+    over the live survival, not the early-stop scan. A later draft's survival may then admit an earlier draft, so it
+    is lossless with greedy acceptance only (any verify lengths commit the target's argmax tokens there);
+    `SpecDecoder` refuses a policy planning so under sampling (`Policy.greedy_only`).
     """
 
     lag: int = 1
