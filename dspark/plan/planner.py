@@ -69,6 +69,8 @@ from dspark.util.validate import check_int, check_tensor, check_type
 from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
+LAYOUT_CACHE = 4096  # host layouts a planner keeps for reuse (`VerifyPlanner._host_layout`)
+
 
 @dataclass(frozen=True)
 class VerifyPlan:
@@ -181,6 +183,7 @@ class VerifyPlanner:
         self._seconds_window_by_b: dict[int, np.ndarray] = {}  # the same on the host, per B
         self._filled_window_by_b: dict[int, np.ndarray] = {}  # its `filled_tier_seconds`, per B
         self._full_bound: dict[tuple[int, bool], float] = {}  # `full_window_bound` per (B, greedy)
+        self._host_layouts: dict[tuple[int, bytes], RaggedVerifyLayout] = {}  # host layouts by rows, lengths
         if parallel is not None and not isinstance(parallel, ParallelConfig):
             raise TypeError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
         self.parallel = None if parallel is None else ParallelAgreement(
@@ -239,13 +242,29 @@ class VerifyPlanner:
             layout, dp = self.parallel.dp.step(verify_lens)
         else:
             total = None if self.parallel is not None else b * cfg.floor + min(offered, live_valid)
-            layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width,
-                                                     total_rows=total, host=host_plan)
+            if host_plan and total is not None:
+                layout = self._host_layout(verify_lens, total)
+            else:
+                layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width,
+                                                         total_rows=total, host=host_plan)
             if layout.verify_lens.device != survival.device:  # planned on the host for an accelerator
                 layout = layout.to(survival.device)
                 verify_lens = layout.verify_lens
         return VerifyPlan(verify_lens, layout, decision, survival, layout.total_rows - b * cfg.floor, offered,
                           float(self.seconds_window(b)[budget]), dp)
+
+    def _host_layout(self, verify_lens: Tensor, total: int) -> RaggedVerifyLayout:
+        """The host-built layout of CPU `verify_lens` [B] int32 summing to `total`: a layout is a function of its
+        lengths under this planner's tiers, slots and width, and its tensors are never written, so an earlier
+        step's equal one is reused (at most `LAYOUT_CACHE` kept)."""
+        key = total, verify_lens.numpy().tobytes()
+        layout = self._host_layouts.get(key)
+        if layout is None:
+            if len(self._host_layouts) >= LAYOUT_CACHE:
+                self._host_layouts.clear()
+            layout = self._host_layouts[key] = RaggedVerifyLayout._from_lens(
+                verify_lens, self.tiers, self.graph_slots, self.cfg.width, total_rows=total, host=True)
+        return layout
 
     def _host_budget(self, live: HostSurvival, lagged: Tensor | None
                      ) -> tuple[bool, int, BudgetDecision | Callable[[], BudgetDecision], int]:

@@ -25,6 +25,8 @@ from dspark.kernels import dispatch
 from dspark.util.validate import check_int, check_tensor, check_type, first_duplicate
 from dspark.verify import boundary
 
+_NUMPY_FLOATS = (torch.float32, torch.float64)  # logits the host path reads without a torch cast
+
 
 def _check_matrix(name: str, x: object) -> Tensor:
     check_tensor(name, x)
@@ -93,7 +95,9 @@ def _survival(logits: Tensor, temperatures: Tensor | None, host: bool = False) -
     """
     if host:
         t = None if temperatures is None else temperatures.numpy()
-        return torch.from_numpy(survival_host(logits.to(torch.float64).numpy(), t))
+        # float32 / float64 logits are read as they are (numpy's cast to float64 is exact, as torch's)
+        z = logits.numpy() if logits.dtype in _NUMPY_FLOATS else logits.to(torch.float64).numpy()
+        return torch.from_numpy(survival_host(z.astype(np.float64, copy=False), t))
     return _cumulative_torch(_confidence_torch(logits, temperatures))
 
 
@@ -108,10 +112,11 @@ def confidence_host(logits: np.ndarray, temperatures: np.ndarray | np.float32 | 
         float32 array of the logits' shape; 0 where the logit is not finite.
     """
     finite = np.isfinite(logits)
-    z = logits if temperatures is None else logits / np.asarray(temperatures).astype(np.float64)
+    z = logits if temperatures is None else logits / np.asarray(temperatures, dtype=np.float64)
+    every = bool(finite.all())  # the common case: no masking
     # z below -700 gives c < 1e-304, 0 in float32 either way: the clamp keeps exp(-z) from overflowing
-    c = (1.0 / (1.0 + np.exp(-np.maximum(np.where(finite, z, 0.0), -700.0)))).astype(np.float32)
-    return np.where(finite, c, np.float32(0))
+    c = (1.0 / (1.0 + np.exp(-np.maximum(z if every else np.where(finite, z, 0.0), -700.0)))).astype(np.float32)
+    return c if every else np.where(finite, c, np.float32(0))
 
 
 def survival_host(logits: np.ndarray, temperatures: np.ndarray | None) -> np.ndarray:

@@ -21,7 +21,7 @@ from dspark import (
     greedy_budget,
 )
 from dspark.cli import main as cli_main
-from dspark.verify.layout import round_up_to_tier
+from dspark.verify.layout import RaggedVerifyLayout, round_up_to_tier
 
 GAMMA = 5
 
@@ -130,6 +130,31 @@ def test_live_argmax_needs_lag_zero_and_a_bool():
     a, b = (VerifyPlanner(ScheduleConfig(gamma=2), cost(), PlannerSettings(lag=0, live_argmax=live))
             for live in (True, False))
     assert a.planning_config()["live_argmax"] != b.planning_config()["live_argmax"]  # TP / DP ranks compare it
+
+
+@pytest.mark.cpu_only(reason="the host plan path and its layout cache live on the CPU")
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 4), seed=st.integers(0, 2**31 - 1), steps=st.integers(2, 12),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_a_reused_host_layout_equals_the_layout_built_afresh(b, seed, steps, dtype):
+    """The planner keeps the layouts it built on the host and hands an earlier step's back when the verify lengths
+    repeat: every step's layout equals one built from its lengths alone, and equal lengths share one object."""
+    tiers = (1, 2, 4, 6, 8, 12, 16, 24)
+    planner = VerifyPlanner(ScheduleConfig(gamma=GAMMA), cost(), PlannerSettings(lag=0, tiers=tiers, graph_slots=b + 8),
+                            temperatures=[1.3, 0.7, 1.0, 2.0, 0.9])
+    gen = torch.Generator().manual_seed(seed)
+    seen = {}
+    for _ in range(steps):
+        z = (torch.randn(b, GAMMA, generator=gen) * 3 + 1.0).to(dtype)
+        plan = planner.plan(z, *ids(b))
+        fresh = RaggedVerifyLayout.from_verify_lens(plan.verify_lens, tiers, b + 8, width=GAMMA + 1)
+        for f in dataclasses.fields(fresh):
+            mine, want = getattr(plan.layout, f.name), getattr(fresh, f.name)
+            assert torch.equal(mine, want) if isinstance(want, torch.Tensor) else mine == want, f.name
+        key = tuple(plan.verify_lens.tolist())
+        assert seen.setdefault(key, plan.layout) is plan.layout
+        # the survival read on the host is the torch path's, whatever the logits' float type
+        assert torch.equal(plan.survival, calibrated_survival(z, [1.3, 0.7, 1.0, 2.0, 0.9]))
 
 
 @settings(max_examples=40)
