@@ -74,7 +74,12 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     trace = load_trace(args.trace, draft_sha256=args.draft_sha256)
     costs = args.costs.split(",") if args.costs else serving_cost_names()
-    models = [load_serving_cost(c, width=args.gamma + 1) for c in costs]  # every error before any work
+    try:  # every error before any work
+        models = [load_serving_cost(c, width=args.gamma + 1) for c in costs]
+        for cost in models:
+            Lab(trace, cost, args.gamma)  # its draft, width and gamma against the trace's
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"--costs: {e}") from None
     for b in args.batch_sizes:
         serving_queue(trace, b)
         for cost in models:
@@ -95,8 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "what_if": "acceptance from the 135M SmolLM2 pair; on the 8B cost models a what-if",
                  "cost_models": {}}
     folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    tables = []
+    tables, plots = [], []
     for cost in models:
         t0 = time.perf_counter()
         lab = Lab(trace, cost, args.gamma, temperatures=temps)
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          "cells": {str(b): r for b, r in rows.items()},
                                          "ratios": {str(b): ratios(r) for b, r in rows.items()}}
         tables.append(format_table(cost.name, rows, policies) + f"\n(replayed in {seconds:.1f} s)")
-        plot_throughput(cost.name, rows, policies, folder / f"{cost.name}.png")
+        plots.append((cost.name, rows))
     if args.variants:
         base = Lab(trace, models[0], args.gamma, temperatures=temps)
         cells: dict = {}
@@ -124,6 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"{name:<22}  " + "  ".join(f"{cells[name][str(b)]['tok_s']:>8.1f}" for b in variant_batches)
             for name in VARIANTS]))
     out["seconds"] = time.perf_counter() - t_start
+    folder.mkdir(parents=True, exist_ok=True)  # written only once every study ran
+    for name, rows in plots:
+        plot_throughput(name, rows, policies, folder / f"{name}.png")
     atomic_write_text(folder / "policy_lab.json", json.dumps(out, indent=1))
     print("\n\n".join(tables))
     print(f"wrote {folder}/policy_lab.json and a PNG per cost model in {out['seconds']:.0f} s")

@@ -70,9 +70,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def load(args: argparse.Namespace):
+def load(args: argparse.Namespace, given: ServingCost | None):
     """(target, draft, profile prompts [[max B, P], [max B, P'] longer], the trace recorded with the pair, a
-    description)."""
+    description); a `given` cost table is checked against the shipped trace before the models load."""
     gamma = args.gamma
     if args.model == "real":
         from dspark.lab.demo.models import load_models
@@ -82,6 +82,11 @@ def load(args: argparse.Namespace):
 
         trace = load_trace(DEFAULT_TRACE, draft_sha256=file_sha256(DEFAULT_WEIGHTS))
         queues(args, trace)  # a bad B is refused before the models load
+        if given is not None:
+            try:  # its draft, gamma and width against the trace's
+                Lab(trace, given, args.gamma)
+            except ValueError as e:
+                raise SystemExit(f"--cost {args.cost}: {e}") from None
         target, draft, encode = load_models(torch.device("cpu"))
         prompts = [prompt_windows("heldout", encode, max(args.batch_sizes), n, 0) for n in (PROMPT_LEN, LONG_PROMPT_LEN)]
         return target, draft, prompts, trace, "SmolLM2-135M-Instruct"
@@ -211,10 +216,14 @@ def main(argv: list[str] | None = None) -> dict:
     from dspark.verify.layout import tier_ladder
 
     ladder, here = tier_ladder(tuple(args.batch_sizes), args.gamma + 1), f"{platform.machine()}-cpu"
+    given = None
     if args.cost != "same-run":  # a bad name or another geometry is refused before any work
-        given = load_serving_cost(args.cost, width=args.gamma + 1)
-        live_tiers(given, here, ladder, args.batch_sizes, args.gamma + 1)
-    target, draft, prompts, trace, what = load(args)
+        try:
+            given = load_serving_cost(args.cost, width=args.gamma + 1)
+            live_tiers(given, here, ladder, args.batch_sizes, args.gamma + 1)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"--cost {args.cost}: {e}") from None
+    target, draft, prompts, trace, what = load(args, given)
     qs = queues(args, trace)
     longest = int(trace.prompt_offsets.diff().max() + trace.new_tokens.max())
     per_request = longest + 2 * (args.gamma + 1) + 64 + 16  # catch-up rows, a page

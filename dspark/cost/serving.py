@@ -47,6 +47,7 @@ from dspark.cost.step import (
     kv_priced,
     prefill_from_dict,
 )
+from dspark.cost.tiered import TieredCostModel
 from dspark.util.fileio import load_json_as, write_json_atomic
 from dspark.util.validate import check_int, check_real, check_type
 
@@ -58,6 +59,12 @@ COST_MODELS_DIR = Path(__file__).resolve().parents[2] / "graphs" / "cost_models"
 _PERTURBED_FIELDS = {"additive": (("bias", 1), ("alpha", 1), ("theta", 1)),
                      "tiered": (("bias", 1), ("alpha", 1), ("phi", 1), ("table", 1)),
                      "steps_per_second": (("steps_per_second", -1),)}
+
+
+# the fields of a schema-2 file: every one required but kv_layout (`ragged` when absent)
+_REQUIRED = frozenset({"schema", "schema_version", "name", "platform", "description", "sources", "max_requests",
+                       "tiers", "parameters", "verify", "plain_seconds", "per_kv_token", "drafter", "prefill"})
+_OPTIONAL = frozenset({"kv_layout"})
 
 
 @dataclass(frozen=True)
@@ -106,9 +113,9 @@ class ServingCost:
         check_real("per_kv_token", self.per_kv_token, 0.0, math.inf, high_open=True)
         check_type("drafter", self.drafter, DraftCost)
         check_type("prefill", self.prefill, PrefillCost)
-        if self.drafter.max_drafts < self.verify.width - 1:
+        if self.drafter.max_drafts != self.verify.width - 1:
             raise ValueError(f"the drafter is priced for depths 1..{self.drafter.max_drafts} but verify covers W = "
-                             f"{self.verify.width} (gamma = {self.verify.width - 1} drafts)")
+                             f"{self.verify.width} (gamma = {self.verify.width - 1} drafts): price depths 1..gamma")
         curves = [("plain", self.plain)] + [(f"drafter depth {k}", c)
                                             for k, c in enumerate(self.drafter.seconds_per_depth, 1)]
         for name, curve in curves:
@@ -116,8 +123,19 @@ class ServingCost:
             if curve.batch_sizes[0] != 1 or curve.batch_sizes[-1] < self.max_requests:
                 raise ValueError(f"{name} must cover B = 1..max_requests = {self.max_requests}, got batch sizes "
                                  f"{curve.batch_sizes[0]}..{curve.batch_sizes[-1]}")
-        object.__setattr__(self, "tiers", check_probes("tiers", self.tiers, 1) if self.tiers else ())
+        tiers = check_type("tiers (() for an eager engine)", self.tiers, (list, tuple))
+        object.__setattr__(self, "tiers", check_probes("tiers", tiers, 1) if tiers else ())
+        if self.tiers and isinstance(self.verify, TieredCostModel) and tuple(self.verify.tiers) != self.tiers:
+            raise ValueError(f"tiers {list(self.tiers)} differ from the tiered verify model's "
+                             f"{list(self.verify.tiers)} (() for an eager engine)")
         parameters = dict(check_type("parameters", self.parameters, Mapping))
+        gamma, sha = parameters.get("gamma"), parameters.get("draft_sha256")
+        if gamma is not None and gamma != self.verify.width - 1:
+            raise ValueError(f"parameters.gamma {gamma!r} differs from the verify model's W - 1 = "
+                             f"{self.verify.width - 1}")
+        if sha is not None and not (isinstance(sha, str) and len(sha) == 64
+                                    and all(c in "0123456789abcdef" for c in sha)):
+            raise ValueError(f"parameters.draft_sha256 must be 64 lowercase hex digits (or absent), got {sha!r}")
         try:
             json.dumps(parameters, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -142,7 +160,7 @@ class ServingCost:
 
     def price(self, work: StepWork) -> float:
         """Seconds of one step that did `work` (the rules in this module's docstring and docs/replay.md)."""
-        b = self._batch(work.requests)
+        b = self._batch(check_type("work", work, StepWork).requests)
         target = (float(self.verify.step_seconds(num_requests=b, rows=work.rows)) if work.drafts
                   else self.plain(b))
         kv = self.per_kv_token * kv_priced(work, self.kv_layout)
@@ -187,7 +205,10 @@ class ServingCost:
         """Validate and rebuild from `to_dict` output."""
         if not isinstance(d, dict):
             raise ValueError(f"a serving cost must be a JSON object, got {type(d).__name__}")
-        if d.get("schema") == SCHEMA and d.get("schema_version") == 1:
+        version = d.get("schema_version")
+        if not isinstance(version, int) or isinstance(version, bool):  # 2.0 or True is no version
+            raise ValueError(f"schema_version must be an int ({SCHEMA_VERSION}), got {version!r}")
+        if d.get("schema") == SCHEMA and version == 1:
             raise ValueError("schema version 1 charged every policy for gamma drafts at one fixed context; "
                              "regenerate the file (python -m dspark.lab.cost_models --write NAME) for version "
                              f"{SCHEMA_VERSION}")
@@ -197,10 +218,12 @@ class ServingCost:
         if "drafter" in d and isinstance(d["drafter"], dict) and "kind" not in d["drafter"]:
             raise ValueError(f"drafter: the serving cost {d.get('name')!r} names no drafter kind; add \"kind\": one "
                              f"of {DRAFTER_KINDS}")
-        missing = sorted({"name", "platform", "description", "sources", "max_requests", "tiers", "parameters",
-                          "verify", "plain_seconds", "per_kv_token", "drafter", "prefill"} - set(d))
+        missing = sorted(_REQUIRED - set(d))
         if missing:
             raise ValueError(f"serving cost is missing {missing}")
+        unknown = sorted(set(d) - _REQUIRED - _OPTIONAL)
+        if unknown:
+            raise ValueError(f"serving cost has unknown fields {unknown} (known: {sorted(_REQUIRED | _OPTIONAL)})")
         parts = {}
         for key, load in (("verify", CostModel.from_dict), ("plain_seconds", BatchCurve.from_dict),
                           ("drafter", DraftCost.from_dict), ("prefill", prefill_from_dict)):
@@ -247,6 +270,11 @@ def load_serving_cost(name_or_path: str | os.PathLike, *, width: int | None = No
     W = gamma + 1, or None to accept any.
     """
     path = Path(check_type("name_or_path", name_or_path, (str, os.PathLike)))
+    if not str(name_or_path).strip():
+        raise ValueError(f"name_or_path must name a serving cost or a .json file, got {name_or_path!r}")
+    if path.is_dir():
+        hint = f"; a demo's profile is {path / 'serving_cost.json'}" if (path / "serving_cost.json").is_file() else ""
+        raise ValueError(f"serving cost {str(name_or_path)!r} is a folder, not a .json file{hint}")
     if isinstance(name_or_path, str) and path.suffix != ".json" and len(path.parts) == 1:
         path = COST_MODELS_DIR / f"{name_or_path}.json"
         if not path.is_file():

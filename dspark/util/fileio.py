@@ -17,8 +17,14 @@ T = TypeVar("T")
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call `write(temp_path)`, then rename the temp file to `path` (parents created; the file gets the
-    usual permissions, 0o666 less the umask, not mkstemp's private 0o600)."""
-    path = Path(path)
+    usual permissions, 0o666 less the umask, not mkstemp's private 0o600). ValueError naming the path when it is
+    a folder or a parent is a file."""
+    path = check_path("path", path)
+    if path.is_dir():
+        raise ValueError(f"cannot write {str(path)!r}: it is a folder; pass a file path")
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"cannot write {str(path)!r}: {str(blocker)!r} is a file, not a folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -69,9 +75,16 @@ def load_json_as(path: str | os.PathLike, from_dict: Callable[[object], T]) -> T
 
 
 def read_json(path: str | os.PathLike) -> object:
-    """Parse a JSON file; corrupt JSON -> ValueError naming the file and position."""
-    text = check_path("path", path).read_text()
+    """Parse a JSON file; a missing file -> FileNotFoundError, a folder or corrupt JSON (not UTF-8, not JSON) ->
+    ValueError, each naming the path."""
+    path = check_path("path", path)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a folder, not a JSON file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r}: no such JSON file")
     try:
-        return json.loads(text)
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON (not UTF-8 text: {err})") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err})") from err

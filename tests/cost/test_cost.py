@@ -20,7 +20,7 @@ from dspark import (
     register_cost_model,
 )
 from dspark.cost import SCHEMA_VERSION, bin_rows
-from dspark.util.fileio import atomic_write
+from dspark.util.fileio import atomic_write, read_json
 
 
 def sps() -> StepsPerSecondTable:
@@ -198,6 +198,17 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     with pytest.raises(RuntimeError):
         atomic_write(tmp_path / "x.json", half_then_fail)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_write_and_read_json_refuse_a_folder_or_a_file_in_the_path_naming_it(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="it is a folder; pass a file path"):
+        atomic_write(tmp_path, lambda p: p.write_text("{}"))
+    with pytest.raises(ValueError, match=r"afile' is a file, not a folder"):
+        atomic_write(tmp_path / "afile" / "x.json", lambda p: p.write_text("{}"))
+    with pytest.raises(ValueError, match=r"is a folder, not a JSON file"):
+        read_json(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing half-written
 
 
 @pytest.mark.parametrize("args, exc, needle", [

@@ -448,6 +448,17 @@ def _chain(*depths: tuple[float, ...], probes: tuple[int, ...] = (1, 4)) -> Draf
                                                             "covers W = 4 (gamma = 3 drafts)"),
     (lambda: _cost(drafter=_chain((0.1, 0.2), (0.2, 0.3), (0.3, 0.4), probes=(1, 3))),
      "drafter depth 1 must cover B = 1..max_requests = 4, got batch sizes 1..3"),
+    (lambda: _cost(drafter=_chain((0.1, 0.2), (0.2, 0.3), (0.3, 0.4), (0.4, 0.5))),
+     "the drafter is priced for depths 1..4 but verify covers W = 4 (gamma = 3 drafts)"),
+    (lambda: _cost(tiers=None), "tiers (() for an eager engine) must be a list or tuple, got NoneType: None"),
+    (lambda: _cost(tiers=0), "tiers (() for an eager engine) must be a list or tuple, got int: 0"),
+    (lambda: _cost(verify=_shipped("cpu-measured").verify, tiers=(3, 8)),
+     "tiers [3, 8] differ from the tiered verify model's [1, 2, 4"),
+    (lambda: _cost(parameters={"gamma": 5}), "parameters.gamma 5 differs from the verify model's W - 1 = 3"),
+    (lambda: _cost(parameters={"draft_sha256": "zz"}), "parameters.draft_sha256 must be 64 lowercase hex digits"),
+    (lambda: _cost(parameters={"draft_sha256": 123}), "parameters.draft_sha256 must be 64 lowercase hex digits"),
+    (lambda: _cost().price(None), "work must be a StepWork, got NoneType: None"),
+    (lambda: load_serving_cost(""), "name_or_path must name a serving cost or a .json file, got ''"),
     (lambda: _cost(drafter="chain"), "drafter must be a DraftCost"),
     (lambda: _cost(prefill=(0.0, 1e-5)), "prefill must be a PrefillCost"),
     (lambda: PrefillCost(-1.0, 1e-5), "per_forward must be a number in [0, inf), got -1.0"),
@@ -504,6 +515,30 @@ def test_a_file_of_another_schema_or_with_bad_seconds_is_refused_naming_the_file
     (tmp_path / "short.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match=r"short.json: serving cost is missing \['prefill'\]"):
         load_serving_cost(tmp_path / "short.json")
+
+
+def test_a_file_with_unknown_fields_a_bad_version_or_unreadable_bytes_is_refused_naming_it(tmp_path) -> None:
+    d = _shipped("h100-llama8b-fitted").to_dict()
+    bad = {"typo.json": {**{k: v for k, v in d.items() if k != "kv_layout"}, "kv_layuot": "padded"},
+           "float.json": {**d, "schema_version": 2.0}, "bool.json": {**d, "schema_version": True}}
+    for name, body in bad.items():
+        (tmp_path / name).write_text(json.dumps(body))
+    with pytest.raises(ValueError, match=r"typo.json: serving cost has unknown fields \['kv_layuot'\]"):
+        load_serving_cost(tmp_path / "typo.json")
+    for name, shown in (("float.json", "2.0"), ("bool.json", "True")):
+        with pytest.raises(ValueError, match=rf"{name}: schema_version must be an int \(2\), got {shown}"):
+            load_serving_cost(tmp_path / name)
+    (tmp_path / "bytes.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=r"bytes.json is not valid JSON \(not UTF-8 text"):
+        load_serving_cost(tmp_path / "bytes.json")
+    with pytest.raises(FileNotFoundError, match=r"nothing.json': no such JSON file"):
+        load_serving_cost(tmp_path / "nothing.json")
+    demo = tmp_path / "demo_out"
+    demo.mkdir()
+    _shipped("cpu-measured").save(demo / "serving_cost.json")
+    with pytest.raises(ValueError, match=r"demo_out' is a folder, not a .json file; a demo's profile is .*"
+                                         r"demo_out/serving_cost.json"):
+        load_serving_cost(demo)
 
 
 def test_a_version_1_file_is_refused_with_the_command_that_regenerates_it(tmp_path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from hypothesis import strategies as st
 from dspark.config import VerifyMode
 from dspark.cost.shipped import h100_llama8b_fitted
 from dspark.lab.replay.lab import UNTIMED_PROBE, Lab, queue_ids, serving_queue
+from dspark.lab.replay.report import ratios, run_summary
 from dspark.lab.replay.trace import Trace
+from dspark.lab.replay.variants import fit_trace_temperatures
 from dspark.serve.policies import FixedK
 
 pytestmark = pytest.mark.cpu_only(reason="the trace replay runs on host tensors (a simulated target, no device work)")
@@ -157,7 +160,6 @@ def test_a_recycled_queue_repeats_every_request_before_any_twice_and_refuses_pas
 @given(seed=st.integers(0, 1000), b=st.sampled_from([2, 3, 5]), policy=st.sampled_from(POLICIES), fold=st.booleans())
 def test_every_measured_request_runs_at_full_concurrency_and_tok_s_is_their_tokens_over_time(seed, b, policy,
                                                                                             fold) -> None:
-    from dspark.lab.replay.report import run_summary
 
     trace = synthetic_trace(30, seed)
     q = serving_queue(trace, b, requests_per_slot=3, fill_per_slot=4, min_requests=6)
@@ -231,7 +233,6 @@ def test_the_adaptive_policy_drafts_shallower_when_deep_drafts_cost_more_than_th
     import dataclasses
 
     from dspark.cost.serving import BatchCurve, DraftCost
-    from dspark.lab.replay.report import run_summary
 
     trace = synthetic_trace(40, seed=11)
     base = _cost()
@@ -382,3 +383,50 @@ def test_a_deferred_host_price_without_deferred_hooks_is_refused_naming_it() -> 
         _lab(trace, defer_observe=True, deferred_host_seconds=-1.0)
     with pytest.raises(TypeError, match="defer_observe must be a bool, got str"):
         _lab(trace, defer_observe="yes")
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda t: _lab(t, lag=-1), ValueError, "lag must be an int >= 0, got -1"),
+    (lambda t: _lab(t, lag=True), ValueError, "lag must be an int >= 0, got True"),
+    (lambda t: _lab(t, tiers="no"), TypeError, "tiers must be a bool, got str: 'no'"),
+    (lambda t: _lab(t, choose_depth=1), TypeError, "choose_depth must be a bool, got int: 1"),
+    (lambda t: _lab(t, price_catch_up=None), TypeError, "price_catch_up must be a bool, got NoneType"),
+    (lambda t: _lab(t, context=math.nan), ValueError, "context must be a number in [0, inf), got nan"),
+    (lambda t: _lab(t, context=-1.0), ValueError, "context must be a number in [0, inf), got -1.0"),
+    (lambda t: _lab(t, reality="h100"), TypeError, "reality must be a ServingCost or None, got str: 'h100'"),
+    (lambda t: _lab(t, estimators=None), TypeError, "estimators must be a dict, got NoneType: None"),
+    (lambda t: _lab(t, probe=None), ValueError, "probe must be (probe_every, max_probe_every, measured time on"),
+    (lambda t: _lab(t, probe=(8, 64, "no")), ValueError, "got (8, 64, 'no')"),
+    (lambda t: _lab(t, probe=(0, 64, True)), ValueError, "probe_every must be an int >= 1, got 0"),
+    (lambda t: _lab(t, probe_requests=0), ValueError, "probe_requests must be an int >= 1, got 0"),
+    (lambda t: Lab(t, _cost(), GAMMA, temperatures=[1.0, 1.1, math.nan, 1.2]), ValueError,
+     "temperatures[2] must be a number in (0, inf), got nan"),
+    (lambda t: Lab(t, _cost(), GAMMA, temperatures=[1.0, 1.1, 0.9, 1.2, -1.0]), ValueError,
+     "temperatures[4] must be a number in (0, inf), got -1.0"),
+    (lambda t: Lab(t, _cost(), GAMMA, temperatures=3), TypeError, "temperatures must be a list or tuple or Tensor"),
+    (lambda t: _lab(t).run("fixed-1", 0, torch.arange(4)), ValueError, "b must be an int >= 1, got 0"),
+    (lambda t: _lab(t).run("fixed-1", 2.5), ValueError, "b must be an int >= 1, got 2.5"),
+    (lambda t: _lab(t).run("fixed-1", 17, torch.arange(4)), ValueError, "b must be in [1, max_requests = 16]"),
+    (lambda t: _lab(t).policy("adaptive", 17), ValueError, "b must be in [1, max_requests = 16]"),
+    (lambda t: _lab(t).run("fixed-1", 2, torch.arange(4), mode="compact"), TypeError,
+     "mode must be a VerifyMode, got str: 'compact'"),
+    (lambda t: _lab(t).run(None, 2, torch.arange(4)), TypeError, "policy must be a Policy, got NoneType: None"),
+    (lambda t: _lab(t).run(f"fixed-{GAMMA + 1}", 2, torch.arange(4)), ValueError,
+     f"policy 'fixed-{GAMMA + 1}' drafts {GAMMA + 1} tokens, past the lab's gamma = {GAMMA}"),
+    (lambda t: queue_ids(t, 4, seed=-1), ValueError, "seed must be an int >= 0, got -1"),
+    (lambda t: queue_ids(t, 4, seed=2**64), ValueError, "seed must be in [0, "),
+    (lambda t: queue_ids(None, 4), TypeError, "trace must be a Trace, got NoneType"),
+    (lambda t: fit_trace_temperatures(t, GAMMA + 1), ValueError,
+     f"gamma must be in [1, {GAMMA}] (the trace's recorded"),
+    (lambda t: ratios({}), ValueError, "cells must hold at least one fixed-k policy's run_summary, got []"),
+    (lambda t: run_summary(_lab(t).run("fixed-1", 2, torch.arange(4)), None, range(3, 9)), ValueError,
+     "measured must be a non-empty range of the run's queue positions 0..3, got range(3, 9)"),
+    (lambda t: run_summary(_lab(t).run("fixed-1", 2, torch.arange(4)), None, range(0)), ValueError,
+     "measured must be a non-empty range"),
+    (lambda t: run_summary(_lab(t).run("fixed-2", 2, torch.arange(4)), [1.0], range(2, 4)), ValueError,
+     "temperatures must hold 2 values (one per draft position), got [1.0]"),
+])
+def test_bad_lab_settings_runs_and_queues_are_refused_naming_the_value(make, error, message) -> None:
+    with pytest.raises(error) as err:
+        make(synthetic_trace(10, 0))
+    assert message in str(err.value)

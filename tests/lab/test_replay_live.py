@@ -120,7 +120,12 @@ def test_a_cost_table_from_another_geometry_is_refused_with_its_values() -> None
         live_tiers(dataclasses.replace(cpu, tiers=()), cpu.platform, ladder, [1, 4, 16], 4)
     with pytest.raises(ValueError, match=r"prices graph tiers \[1, 2, 4, 5, 6, 8, 12, 16\] .* \(missing \[5, 6\]\)"):
         live_tiers(cpu, cpu.platform, (1, 2, 4, 8, 12, 16), [1, 4], 4)
-    with pytest.raises(ValueError, match=r"prices no graph tier up to max B x W = 2 \(its smallest: 3\)"):
-        live_tiers(dataclasses.replace(cpu, tiers=(3, 8)), cpu.platform, (1, 2, 3, 8), [1], 2)
-    with pytest.raises(ValueError, match=r"prices no graph tier up to max B x W = 2 \(its smallest: 3\)"):
-        live_tiers(dataclasses.replace(cpu, tiers=(3, 8)), cpu.platform, (1, 2, 3, 8), [1], 2)
+    h100 = load_serving_cost("h100-llama8b-fitted", width=4)  # additive: its tiers are the engine's alone
+    with pytest.raises(ValueError, match=r"prices no graph tier up to max B x W = 4 \(its smallest: 8\)"):
+        live_tiers(dataclasses.replace(h100, tiers=(8, 16)), h100.platform, (1, 2, 4, 8, 16), [1], 4)
+    with pytest.raises(ValueError, match=r"prices verify width W = 4 but the live run verifies W = 7 \(gamma = 6\)"):
+        live_tiers(cpu, cpu.platform, ladder, [1, 4, 16], 7)
+    with pytest.raises(ValueError, match=r"batch_sizes must name at least one live batch size, got \[\]"):
+        live_tiers(cpu, cpu.platform, ladder, [], 4)
+    with pytest.raises(ValueError, match=r"tiers \[3, 8\] differ from the tiered verify model's \[1, 2, 4"):
+        dataclasses.replace(cpu, tiers=(3, 8))  # a tiered table prices its own tiers

@@ -238,6 +238,27 @@ def test_policy_lab_refuses_a_batch_size_past_a_cost_models_requests(tmp_path: P
     assert lab.batches_priced((1, 64, 256), load_serving_cost("cpu-measured")) == [1, 64, 256]
 
 
+def test_policy_lab_refuses_every_cost_the_trace_cannot_price_before_any_replay(tmp_path: Path) -> None:
+    """A table profiled with another draft, listed after a good one: refused before the first study, naming the
+    draft, with nothing written; an empty entry or a demo's folder, named."""
+    import dataclasses
+
+    from dspark.cost.serving import load_serving_cost
+
+    lab = _script("policy_lab")
+    cpu = load_serving_cost("cpu-measured")
+    other = dataclasses.replace(cpu, name="other", parameters={**cpu.parameters, "draft_sha256": "f" * 64})
+    path = other.save(tmp_path / "other.json")
+    out = tmp_path / "lab"
+    with pytest.raises(SystemExit, match=f"--costs: cost 'other' was profiled with the draft of sha256 {'f' * 64}"):
+        lab.main(["--costs", f"cpu-measured,{path}", "--batch-sizes", "1", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--costs: name_or_path must name a serving cost or a .json file, got ''"):
+        lab.main(["--costs", "cpu-measured,", "--batch-sizes", "1", "--out", str(out)])
+    with pytest.raises(SystemExit, match="is a folder, not a .json file"):
+        lab.main(["--costs", str(tmp_path), "--batch-sizes", "1", "--out", str(out)])
+    assert not out.exists()
+
+
 def test_policy_overhead_counts_the_planner_steps_that_skip_the_scan() -> None:
     import torch
 

@@ -42,6 +42,7 @@ MAX_REPEATS = 8  # the most times one trace request may appear in a recycled que
 # timed run takes the replay's steps one for one (perf/replay_live.py, the timed replay); the lab's default is
 # the library's gate
 UNTIMED_PROBE = (8, 64, False)
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest
 
 
 def queue_ids(trace: Trace, n: int, *, seed: int = 0, max_repeats: int = MAX_REPEATS) -> Tensor:
@@ -49,8 +50,12 @@ def queue_ids(trace: Trace, n: int, *, seed: int = 0, max_repeats: int = MAX_REP
     seed + 1, ...), cut at n, so the kinds stay mixed and a request repeats only once every other request has
     been queued (under greedy decoding a repeat is the same request again). ValueError when n needs a request
     more than `max_repeats` times."""
+    check_type("trace", trace, Trace)
     check_int("n", n, 1)
     check_int("max_repeats", max_repeats, 1)
+    if check_int("seed", seed, 0) > MAX_SEED - max_repeats:
+        raise ValueError(f"seed must be in [0, {MAX_SEED - max_repeats}] (torch seeds seed .. seed + max_repeats - 1),"
+                         f" got {seed}")
     repeats = -(-n // trace.num_requests)
     if repeats > max_repeats:
         raise ValueError(f"a queue of {n} requests needs {repeats} copies of each of the trace's {trace.num_requests}, "
@@ -102,6 +107,7 @@ def check_queue(trace: Trace, ids: Tensor) -> Tensor:
 def mean_context(trace: Trace) -> float:
     """Mean KV tokens a request holds at a decode position of the trace: prompt - 1 + t over every recorded
     position t of every request (what a server profiling at its typical context would assume)."""
+    check_type("trace", trace, Trace)
     prompts = trace.prompt_offsets.diff().to(torch.float64)
     n = trace.new_tokens.to(torch.float64)
     return float(((prompts - 1) * n + n * (n - 1) / 2).sum() / n.sum())
@@ -158,8 +164,13 @@ class Lab:
     def __post_init__(self) -> None:
         check_type("trace", self.trace, Trace)
         check_real("host_seconds", self.host_seconds, 0.0, math.inf, high_open=True)
-        check_type("defer_observe", self.defer_observe, bool)
-        check_type("live_argmax", self.live_argmax, bool)
+        for flag in ("tiers", "choose_depth", "price_catch_up", "defer_observe", "live_argmax"):
+            check_type(flag, getattr(self, flag), bool)
+        check_int("lag", self.lag, 0)
+        check_type("reality", self.reality, ServingCost, optional=True)
+        check_type("estimators", self.estimators, dict)
+        if self.context is not None:
+            check_real("context", self.context, 0.0, math.inf, high_open=True)
         check_real("deferred_host_seconds", self.deferred_host_seconds, 0.0, math.inf, high_open=True)
         if self.deferred_host_seconds and not self.defer_observe:
             raise ValueError(f"deferred_host_seconds = {self.deferred_host_seconds} prices the hooks "
@@ -180,10 +191,22 @@ class Lab:
                                  "trace was recorded with (or record a trace with this draft)")
         if self.reality is not None and self.reality.width != self.cost.width:
             raise ValueError(f"reality's width {self.reality.width} differs from the cost model's {self.cost.width}")
-        if self.temperatures is not None and len(self.temperatures) < self.gamma:
-            raise ValueError(f"temperatures must hold gamma = {self.gamma} values, got {list(self.temperatures)}")
+        if self.temperatures is not None:
+            temps = list(check_type("temperatures", self.temperatures, (list, tuple, Tensor)))
+            if len(temps) < self.gamma:
+                raise ValueError(f"temperatures must hold gamma = {self.gamma} values, got {temps}")
+            for i, t in enumerate(temps):
+                check_real(f"temperatures[{i}]", float(t) if isinstance(t, Tensor) else t, 0.0, math.inf,
+                           low_open=True, high_open=True)
         if self.context is None:
             self.context = mean_context(self.trace)
+        check_type("gate", self.gate, GateSettings)  # bad probe settings refused now, not at the first adaptive run
+
+    def _check_batch(self, b: int) -> None:
+        limit = min(self.cost.max_requests, (self.reality or self.cost).max_requests)
+        if check_int("b", b, 1) > limit:
+            raise ValueError(f"b must be in [1, max_requests = {limit}] (the batch sizes the cost models price), "
+                             f"got {b}")
 
     @property
     def graph_tiers(self) -> tuple[int, ...]:
@@ -211,6 +234,7 @@ class Lab:
     def policy(self, name: str, b: int) -> Policy:
         """The named policy for B = b; `adaptive-est` gets a fresh online estimator per B (it then learns over
         that B's run as a server's would)."""
+        self._check_batch(b)
         est = self.estimators.setdefault(b, OnlineAcceptanceEstimator(self.gamma)) if name == "adaptive-est" else None
         return make_policy(name, self.gamma, functools.partial(self.planner, b), self.cost.believed_plain(self.context),
                            self.gate, est, choose_depth=self.choose_depth and self.lag == 0)
@@ -220,9 +244,14 @@ class Lab:
         """Serve the trace requests `ids` [N] (default `serving_queue(trace, b).ids`) on b slots with `policy`
         (a name, or a policy object built for this lab). timed: run every step on that device's models and time
         it with the wall clock (`dspark.lab.replay.timed`; `reality` unused), the same outcomes step for step."""
+        self._check_batch(b)
         ids = serving_queue(self.trace, b).ids if ids is None else check_queue(self.trace, ids)
+        check_type("mode", mode, VerifyMode)
         check_type("timed", timed, TimedReplay, optional=True)
-        pol = self.policy(policy, b) if isinstance(policy, str) else policy
+        pol = self.policy(policy, b) if isinstance(policy, str) else check_type("policy", policy, Policy)
+        if pol.num_drafts > self.gamma:
+            raise ValueError(f"policy {pol.name!r} drafts {pol.num_drafts} tokens, past the lab's gamma = "
+                             f"{self.gamma} (its serving cost prices depths 1..{self.cost.drafter.max_drafts})")
         prompts = [self.trace.prompt(int(i)) for i in ids]
         new_tokens = self.trace.new_tokens[ids].to(torch.int64)
         w = pol.num_drafts + 1

@@ -19,6 +19,7 @@ from torch import Tensor
 from dspark.cost.serving import ServingCost, StepWork
 from dspark.lab.replay.trace import Trace
 from dspark.serve.outcome import GenerateResult, StepOutcome
+from dspark.util.validate import check_int, check_type
 
 SHOWN = 8  # differing steps and diverging requests listed in full
 
@@ -48,6 +49,10 @@ def step_agreement(live: GenerateResult, replay: GenerateResult, trace: Trace, i
     SHOWN differing steps (both sides' caps and commit lengths, the largest confidence-logit difference between
     the live drafter and the trace), and the requests whose live tokens leave the trace's greedy continuation:
     (request, position, the target's top-1 minus top-2 logit there, from the trace)."""
+    rows = max(live.tokens.shape[0], replay.tokens.shape[0])
+    if ids.ndim != 1 or ids.numel() != rows or bool(((ids < 0) | (ids >= trace.num_requests)).any()):
+        raise ValueError(f"ids must be the [{rows}] trace requests both runs served (each in "
+                         f"0..{trace.num_requests - 1}), got shape {list(ids.shape)}: {ids.tolist()[:SHOWN]}")
     n = min(len(live.steps), len(replay.steps))
     same = [_same_step(x, y) for x, y in zip(live.steps[:n], replay.steps[:n])]
     differing = [_difference(i, live.steps[i], replay.steps[i]) for i in range(n) if not same[i]][:SHOWN]
@@ -71,6 +76,15 @@ def live_tiers(cost: ServingCost, platform: str, ladder: Sequence[int], batch_si
     platform than the live run's (`platform`, e.g. "x86_64-cpu"), covers fewer requests than the largest B, prices
     eager steps (no tiers), or prices a tier in that reach that the ladder does not capture."""
     fix = "compare with a table profiled for this run (perf/replay_live.py --cost same-run)"
+    check_type("cost", cost, ServingCost)
+    batch_sizes = list(batch_sizes)
+    if not batch_sizes:
+        raise ValueError("batch_sizes must name at least one live batch size, got []")
+    for b in batch_sizes:
+        check_int("batch sizes", b, 1)
+    if check_int("width", width, 2) != cost.width:
+        raise ValueError(f"the cost {cost.name!r} prices verify width W = {cost.width} but the live run verifies W = "
+                         f"{width} (gamma = {width - 1}): {fix}")
     if cost.platform != platform:
         raise ValueError(f"the cost {cost.name!r} models platform {cost.platform!r} but the live run decodes on "
                          f"{platform!r}: {fix}")
@@ -105,6 +119,7 @@ def priced_phases(res: GenerateResult, cost: ServingCost) -> dict:
 
     Returns per phase (draft, target: verify + accept, prefill, plan: the policy's decision and host work)
     measured and priced seconds and priced / measured - 1, and the same for the whole run."""
+    check_type("cost", cost, ServingCost)
     parts = {p: [0.0, 0.0] for p in ("draft", "target", "prefill", "plan")}
     for i, s in enumerate(res.steps):
         work = work_of(s)

@@ -21,6 +21,7 @@ from dspark.config import ScheduleConfig
 from dspark.plan.budget import expected_commit
 from dspark.plan.survival import calibrated_survival
 from dspark.serve.outcome import GenerateResult
+from dspark.util.validate import check_type
 
 BUDGET_POLICIES = ("adaptive", "adaptive-est")
 
@@ -48,11 +49,22 @@ def per_request(res: GenerateResult) -> dict[int, tuple[int, float, float, bool]
     return {r: tuple(v) for r, v in out.items()}
 
 
+def _counted(reqs: dict[int, tuple], measured: range | None) -> list[tuple]:
+    """`per_request`'s rows of the queue positions `measured` (None: all); ValueError unless they are a non-empty
+    range of the run's positions."""
+    if measured is None:
+        return [reqs[r] for r in sorted(reqs)]
+    if not (len(check_type("measured", measured, range)) and min(measured) in reqs and max(measured) in reqs):
+        raise ValueError(f"measured must be a non-empty range of the run's queue positions 0..{len(reqs) - 1}, "
+                         f"got {measured!r}")
+    return [reqs[r] for r in measured]
+
+
 def time_per_output_token(res: GenerateResult, measured: range | None = None) -> list[float]:
     """Seconds per output token of each counted request that produced one: (latency - time to its first decode
     step) / tokens (`per_request`); measured: the queue positions counted (None: every request)."""
     reqs = per_request(res)
-    counted = [reqs[r] for r in (measured if measured is not None else sorted(reqs))]
+    counted = _counted(reqs, measured)
     return [(c[1] - c[2]) / c[0] for c in counted if c[0]]
 
 
@@ -67,7 +79,7 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
     forwards (admissions of at least one prompt token to prefill in a forward of their own); prefills_folded:
     the steps whose forward prefilled admitted prompts."""
     reqs = per_request(res)
-    counted = [reqs[r] for r in (measured if measured is not None else sorted(reqs))]
+    counted = _counted(reqs, measured)
     tokens = sum(c[0] for c in counted)
     latency = sum(c[1] for c in counted)
     tpot = time_per_output_token(res, measured)
@@ -75,6 +87,8 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
     predicted = committed = 0.0
     for s in spec:
         k = s.confidence_logits.shape[1]
+        if temperatures is not None and len(temperatures) < k:
+            raise ValueError(f"temperatures must hold {k} values (one per draft position), got {list(temperatures)}")
         temps = None if temperatures is None else torch.as_tensor(list(temperatures)[:k])
         survival = calibrated_survival(s.confidence_logits, temps)
         predicted += float(expected_commit(survival, s.caps.to(torch.int64), ScheduleConfig(gamma=k)))
@@ -107,6 +121,8 @@ def ratios(cells: Mapping[str, dict]) -> dict:
     """At one B, `cells` policy -> run_summary: the best fixed policy (`fixed-0`, plain decoding, included) and
     each budget policy's throughput over it and over the oracle."""
     fixed = {name: c["tok_s"] for name, c in cells.items() if name.startswith("fixed-")}
+    if not fixed:
+        raise ValueError(f"cells must hold at least one fixed-k policy's run_summary, got {sorted(cells)}")
     best = max(fixed, key=fixed.__getitem__)
     out: dict = {"best_fixed": best, "best_fixed_tok_s": fixed[best]}
     for name in cells:

@@ -30,6 +30,7 @@ from dspark.lab.replay.lab import Lab, serving_queue
 from dspark.lab.replay.trace import Trace
 from dspark.serve.drafters.base import Drafts
 from dspark.serve.policies import Adaptive, Oracle, Policy, PolicyPlan
+from dspark.util.validate import check_int, check_type
 from dspark.verify.accept import AcceptResult
 
 if TYPE_CHECKING:
@@ -68,6 +69,10 @@ def trace_labels(trace: Trace, gamma: int, requests: Tensor) -> tuple[Tensor, Te
 
 def fit_trace_temperatures(trace: Trace, gamma: int, seed: int = 0) -> tuple[list[float], dict]:
     """STS temperatures [gamma] fitted on a seeded half of the requests, and what the fit saw per position."""
+    check_type("trace", trace, Trace)
+    if not 1 <= check_int("gamma", gamma, 1) <= trace.gamma:
+        raise ValueError(f"gamma must be in [1, {trace.gamma}] (the trace's recorded drafts), got {gamma}")
+    check_int("seed", seed, 0)
     half = torch.randperm(trace.num_requests, generator=torch.Generator().manual_seed(seed))[: trace.num_requests // 2]
     logits, labels = trace_labels(trace, gamma, half.sort().values)
     fits = fit_temperatures(logits, labels)
@@ -143,6 +148,8 @@ class PerRequestOracle(Oracle):
 def variant_lab(base: Lab, name: str, b: int, ids: Tensor | None = None) -> tuple[Lab, str | Policy]:
     """The lab and the policy (a name or an object) of variant `name` at B = b; ids [N]: the queue the run will
     serve (default `serving_queue(trace, b).ids`; read by "per-request oracle")."""
+    check_type("base", base, Lab)
+    check_int("b", b, 1)
     replace = dataclasses.replace
     temps = None if base.temperatures is None else list(base.temperatures)
     simple = {"head+STS": (base, "adaptive"), "head raw": (replace(base, temperatures=None), "adaptive"),
