@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -196,8 +197,8 @@ class Lab:
             if len(temps) < self.gamma:
                 raise ValueError(f"temperatures must hold gamma = {self.gamma} values, got {temps}")
             for i, t in enumerate(temps):
-                check_real(f"temperatures[{i}]", float(t) if isinstance(t, Tensor) else t, 0.0, math.inf,
-                           low_open=True, high_open=True)
+                check_real(f"temperatures[{i}]", float(t) if isinstance(t, (Tensor, np.floating)) else t, 0.0,
+                           math.inf, low_open=True, high_open=True)
         if self.context is None:
             self.context = mean_context(self.trace)
         check_type("gate", self.gate, GateSettings)  # bad probe settings refused now, not at the first adaptive run
