@@ -206,8 +206,8 @@ class ServingCost:
         if not isinstance(d, dict):
             raise ValueError(f"a serving cost must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version")
-        if not isinstance(version, int) or isinstance(version, bool):  # 2.0 or True is no version
-            raise ValueError(f"schema_version must be an int ({SCHEMA_VERSION}), got {version!r}")
+        if d.get("schema") == SCHEMA and (not isinstance(version, int) or isinstance(version, bool)):
+            raise ValueError(f"schema_version must be an int ({SCHEMA_VERSION}), got {version!r}")  # not 2.0, True
         if d.get("schema") == SCHEMA and version == 1:
             raise ValueError("schema version 1 charged every policy for gamma drafts at one fixed context; "
                              "regenerate the file (python -m dspark.lab.cost_models --write NAME) for version "
@@ -272,14 +272,16 @@ def load_serving_cost(name_or_path: str | os.PathLike, *, width: int | None = No
     path = Path(check_type("name_or_path", name_or_path, (str, os.PathLike)))
     if not str(name_or_path).strip():
         raise ValueError(f"name_or_path must name a serving cost or a .json file, got {name_or_path!r}")
-    if path.is_dir():
+    shipped = COST_MODELS_DIR / f"{name_or_path}.json"
+    bare = isinstance(name_or_path, str) and path.suffix != ".json" and len(path.parts) == 1
+    if bare and shipped.is_file():
+        path = shipped
+    elif path.is_dir():
         hint = f"; a demo's profile is {path / 'serving_cost.json'}" if (path / "serving_cost.json").is_file() else ""
         raise ValueError(f"serving cost {str(name_or_path)!r} is a folder, not a .json file{hint}")
-    if isinstance(name_or_path, str) and path.suffix != ".json" and len(path.parts) == 1:
-        path = COST_MODELS_DIR / f"{name_or_path}.json"
-        if not path.is_file():
-            raise ValueError(f"unknown serving cost {name_or_path!r}; shipped: {serving_cost_names()} (or pass the "
-                             "path of a .json file)")
+    elif bare:
+        raise ValueError(f"unknown serving cost {name_or_path!r}; shipped: {serving_cost_names()} (or pass the "
+                         "path of a .json file)")
     cost = ServingCost.load(path)
     if width is not None:
         try:

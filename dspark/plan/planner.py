@@ -69,7 +69,9 @@ from dspark.util.validate import check_int, check_tensor, check_type
 from dspark.verify import boundary
 from dspark.verify.layout import RaggedVerifyLayout, check_tiers, round_up_to_tier
 
-LAYOUT_CACHE = 4096  # host layouts a planner keeps for reuse (`VerifyPlanner._host_layout`)
+# host layouts a planner keeps for reuse (`VerifyPlanner._host_layout`), for batches of at most this many requests:
+# larger batches rarely repeat their verify lengths
+LAYOUT_CACHE, LAYOUT_REUSE_MAX_REQUESTS = 4096, 8
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ class VerifyPlanner:
             layout, dp = self.parallel.dp.step(verify_lens)
         else:
             total = None if self.parallel is not None else b * cfg.floor + min(offered, live_valid)
-            if host_plan and total is not None:
+            if host_plan and total is not None and b <= LAYOUT_REUSE_MAX_REQUESTS:
                 layout = self._host_layout(verify_lens, total)
             else:
                 layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width,

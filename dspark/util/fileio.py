@@ -80,7 +80,7 @@ def read_json(path: str | os.PathLike) -> object:
     path = check_path("path", path)
     if path.is_dir():
         raise ValueError(f"{str(path)!r} is a folder, not a JSON file")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{str(path)!r}: no such JSON file")
     try:
         return json.loads(path.read_text(encoding="utf-8"))

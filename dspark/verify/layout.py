@@ -52,7 +52,8 @@ def round_up_to_tier(total_rows: int, tiers: Sequence[int]) -> int | None:
 
 @dataclass(frozen=True)
 class RaggedVerifyLayout:
-    """Packed verify geometry for one step. Tensors live on the device of `verify_lens`."""
+    """Packed verify geometry for one step. Tensors live on the device of `verify_lens`; they are never written
+    (a planner hands one layout to every step with the same lengths: `VerifyPlanner._host_layout`)."""
 
     verify_lens: Tensor      # [B] int32, rows per real request (root included)
     qo_indptr: Tensor        # [B+1] int32, [0, cumsum(verify_lens)]

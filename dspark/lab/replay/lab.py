@@ -54,14 +54,14 @@ def queue_ids(trace: Trace, n: int, *, seed: int = 0, max_repeats: int = MAX_REP
     check_type("trace", trace, Trace)
     check_int("n", n, 1)
     check_int("max_repeats", max_repeats, 1)
-    if check_int("seed", seed, 0) > MAX_SEED - max_repeats:
-        raise ValueError(f"seed must be in [0, {MAX_SEED - max_repeats}] (torch seeds seed .. seed + max_repeats - 1),"
-                         f" got {seed}")
     repeats = -(-n // trace.num_requests)
     if repeats > max_repeats:
         raise ValueError(f"a queue of {n} requests needs {repeats} copies of each of the trace's {trace.num_requests}, "
                          f"past max_repeats = {max_repeats}: record a larger trace (python -m dspark.lab.replay.record "
                          f"--requests {-(-n // max_repeats)}), lower B or the requests per slot, or raise max_repeats")
+    if check_int("seed", seed, 0) > MAX_SEED - repeats + 1:
+        raise ValueError(f"seed must be in [0, {MAX_SEED - repeats + 1}] (this queue seeds seed .. seed + "
+                         f"{repeats - 1}), got {seed}")
     perms = [torch.randperm(trace.num_requests, generator=torch.Generator().manual_seed(seed + i))
              for i in range(repeats)]
     return torch.cat(perms)[:n]
@@ -193,15 +193,18 @@ class Lab:
         if self.reality is not None and self.reality.width != self.cost.width:
             raise ValueError(f"reality's width {self.reality.width} differs from the cost model's {self.cost.width}")
         if self.temperatures is not None:
-            temps = list(check_type("temperatures", self.temperatures, (list, tuple, Tensor)))
+            given = check_type("temperatures", self.temperatures, (list, tuple, Tensor, np.ndarray))
+            if isinstance(given, (Tensor, np.ndarray)) and given.ndim != 1:
+                raise ValueError(f"temperatures must be 1-D [gamma], got shape {tuple(given.shape)}")
+            temps = list(given)
             if len(temps) < self.gamma:
                 raise ValueError(f"temperatures must hold gamma = {self.gamma} values, got {temps}")
             for i, t in enumerate(temps):
-                check_real(f"temperatures[{i}]", float(t) if isinstance(t, (Tensor, np.floating)) else t, 0.0,
+                check_real(f"temperatures[{i}]", float(t) if isinstance(t, (Tensor, np.number)) else t, 0.0,
                            math.inf, low_open=True, high_open=True)
         if self.context is None:
             self.context = mean_context(self.trace)
-        check_type("gate", self.gate, GateSettings)  # bad probe settings refused now, not at the first adaptive run
+        _ = self.gate  # bad probe settings refused now, not at the first adaptive run
 
     def _check_batch(self, b: int) -> None:
         limit = min(self.cost.max_requests, (self.reality or self.cost).max_requests)

@@ -80,8 +80,8 @@ def live_tiers(cost: ServingCost, platform: str, ladder: Sequence[int], batch_si
     batch_sizes = list(batch_sizes)
     if not batch_sizes:
         raise ValueError("batch_sizes must name at least one live batch size, got []")
-    for b in batch_sizes:
-        check_int("batch sizes", b, 1)
+    for i, b in enumerate(batch_sizes):
+        check_int(f"batch_sizes[{i}]", b, 1)
     if check_int("width", width, 2) != cost.width:
         raise ValueError(f"the cost {cost.name!r} prices verify width W = {cost.width} but the live run verifies W = "
                          f"{width} (gamma = {width - 1}): {fix}")

@@ -61,7 +61,7 @@ class GateSettings:
         budget; off: no decision reads a step's time), the catch-up price, the requests per probe and the price of
         a prompt token riding a step."""
         if not (isinstance(probe, (tuple, list)) and len(probe) == 3 and isinstance(probe[2], bool)):
-            raise ValueError(f"probe must be (probe_every, max_probe_every, measured time on: a bool), got {probe!r}")
+            raise TypeError(f"probe must be (probe_every, max_probe_every, measured time on: a bool), got {probe!r}")
         every, most, timed = probe
         return cls(every, most, 9 if timed else None, catch_up_seconds, probe_requests,
                    prefill_token_seconds=prefill_token_seconds, probe_budget=cls.probe_budget if timed else None)
