@@ -43,6 +43,7 @@ class StepRecord:
     useful: int | None = None  # committed tokens within max_new_tokens (None: not recorded)
     folded_prefill: int = 0    # prompt tokens that rode this step's forward (chunked prefill: it ran eager)
     busy_slots: int | None = None  # slots holding a request: `batch` + those whose prompt rode it (None: unknown)
+    drafted: int | None = None  # draft tokens proposed per request: the step's depth k (0: plain; None: unknown)
 
     @property
     def seconds(self) -> float:

@@ -110,15 +110,16 @@ def _useful(s: dict) -> int:
 
 
 def _by_rows(full: list[dict]) -> dict:
-    """Full-batch speculative steps no prompt rode, by verify rows: steps, tokens per step, draft + plan + verify
-    milliseconds per step."""
-    groups: dict[int, list[dict]] = collections.defaultdict(list)
+    """Full-batch speculative steps no prompt rode, by verify rows (and draft depth k where the demo recorded it:
+    key "ROWS rows, k=K"): steps, tokens per step, draft + plan + verify milliseconds per step."""
+    groups: dict[tuple[int, int], list[dict]] = collections.defaultdict(list)
     for s in full:
         if s["speculated"] and not _refill(s):
-            groups[s["rows"]].append(s)
-    return {rows: {"steps": len(g), "tokens_per_step": sum(map(_useful, g)) / len(g),
-                   "ms_per_step": 1e3 * sum(s["t_draft"] + s["t_plan"] + s["t_verify"] for s in g) / len(g)}
-            for rows, g in sorted(groups.items())}
+            groups[(s["rows"], s.get("drafted") or 0)].append(s)
+    return {(rows if not k else f"{rows} rows, k={k}"): {
+                "steps": len(g), "tokens_per_step": sum(map(_useful, g)) / len(g),
+                "ms_per_step": 1e3 * sum(s["t_draft"] + s["t_plan"] + s["t_verify"] for s in g) / len(g)}
+            for (rows, k), g in sorted(groups.items())}
 
 
 def _seconds(s: dict) -> float:

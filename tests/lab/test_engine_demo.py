@@ -71,6 +71,10 @@ def test_demo_writes_outputs_and_checks_losslessness(tmp_path: Path) -> None:
         b = int(key.split("@")[1])
         row = next(r for r in data["results"] if f"{r['policy']}@{r['batch']}" == key)
         assert sum(s["useful"] for s in steps) == row["queue_tokens"] == int(lengths[: max(2 * b, 4)].sum())  # drained
+        # each step's draft depth: 0 for a plain step, and at least the drafts any request verified
+        assert all((s["drafted"] > 0) == s["speculated"] and s["drafted"] >= max(s["verify_lens"]) - 1 for s in steps)
+        if key.startswith("fixed-"):
+            assert {s["drafted"] for s in steps} == {int(key.split("@")[0][len("fixed-"):])}
     assert {(g["policy"], g["batch"]) for g in data["goals"]} == {(p, b) for p in ("adaptive", "adaptive-est")
                                                                   for b in (1, 3)}
     assert all(("faster_than_best_fixed_at_largest_batch" in g) == (g["batch"] == 3) for g in data["goals"])

@@ -74,3 +74,9 @@ def test_demo_groups_full_batch_speculative_steps_by_rows_and_counts_tail_steps(
     assert got["by_rows"] == {8: {"steps": 1, "tokens_per_step": 5.0, "ms_per_step": pytest.approx(ms[0])},
                               12: {"steps": 2, "tokens_per_step": 5.0, "ms_per_step": pytest.approx(sum(ms[1:]) / 2)}}
     assert got["tail_steps"] == [2, 1]
+    # a demo that records each step's draft depth: the same rows at two depths are two groups
+    runs[0][0]["drafted"], runs[0][1]["drafted"], runs[1][0]["drafted"] = 3, 1, 2
+    path.write_text(json.dumps({"steps": {"adaptive@4": runs}}))
+    got = _script().demo(path)["adaptive@4"]
+    assert list(got["by_rows"]) == ["8 rows, k=1", "12 rows, k=2", "12 rows, k=3"]
+    assert got["by_rows"]["12 rows, k=3"]["ms_per_step"] == pytest.approx(ms[1])

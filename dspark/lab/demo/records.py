@@ -36,6 +36,6 @@ def step_records(result: GenerateResult, *, policy: str, mode: str, sampling: bo
             accepted=int((commit - 1).sum()), t_draft=s.times.draft, t_plan=s.times.plan,
             t_verify=s.times.verify, t_accept=s.times.accept, host_syncs=s.host_syncs, speculated=k > 0,
             t_prefill=s.times.prefill, useful=s.useful, folded_prefill=s.prefill_tokens if s.prefill_folded else 0,
-            busy_slots=s.busy_slots,
+            busy_slots=s.busy_slots, drafted=k,
         ))
     return out
