@@ -8,9 +8,10 @@ and drafter catch-up tokens beside a full-batch plain step's median seconds; a f
 fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: committed tokens over the
 run's seconds).
 `demo`: a `dspark demo` output's demo.json: per (policy, B) the medians over full-batch steps (every round) of
-the draft, plan and verify seconds and the verify rows, the drafts per step, and the rows' tiers; the full-batch
-speculative steps no prompt rode grouped by their verify rows (steps, tokens per step, draft + plan + verify ms per
-step, tok/s over those phases) and the drain-tail steps per round (fewer than B requests, no prompt riding); per round
+the draft, plan and verify seconds and the verify rows, the drafts verified per step, and the rows' tiers; the
+full-batch speculative steps no prompt rode grouped by their verify rows and, where the demo recorded it
+(`StepRecord.drafted`), their draft depth (steps, tokens per step, draft + plan + verify ms per step, tok/s over
+those phases) and the drain-tail steps per round (fewer than B requests, no prompt riding); per round
 the tok/s of all its steps beside the steady window's (its steps, tokens, tok/s and the share of its seconds spent in
 steps a refill's prompt rode).
 
