@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     trace = load_trace(args.trace, draft_sha256=args.draft_sha256)
     costs = args.costs.split(",") if args.costs else serving_cost_names()
-    try:  # every error before any work
+    temps, fit = fit_trace_temperatures(trace, args.gamma)
+    try:  # every error before any study: each cost's draft, width and gamma against the trace's
         models = [load_serving_cost(c, width=args.gamma + 1) for c in costs]
-        for cost in models:
-            Lab(trace, cost, args.gamma)  # its draft, width and gamma against the trace's
+        labs = [Lab(trace, cost, args.gamma, temperatures=temps) for cost in models]
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"--costs: {e}") from None
     for b in args.batch_sizes:
@@ -87,7 +87,6 @@ def main(argv: list[str] | None = None) -> dict:
                 raise SystemExit(f"--batch-sizes {b}: serving cost {cost.name!r} prices at most {cost.max_requests} "
                                  f"requests per step; pass batch sizes <= {cost.max_requests} for it")
     variant_batches = batches_priced(VARIANT_BATCHES, models[0])
-    temps, fit = fit_trace_temperatures(trace, args.gamma)
     policies = [f"fixed-{k}" for k in range(args.gamma + 1)] + ["adaptive", "adaptive-est", "oracle"]
     units = len(models) * len(args.batch_sizes) * len(policies)
     if args.variants:
@@ -101,9 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "cost_models": {}}
     folder = Path(args.out)
     tables, plots = [], []
-    for cost in models:
+    for cost, lab in zip(models, labs):
         t0 = time.perf_counter()
-        lab = Lab(trace, cost, args.gamma, temperatures=temps)
         rows = study(lab, args.batch_sizes, policies, bar)
         seconds = time.perf_counter() - t0
         out["cost_models"][cost.name] = {"platform": cost.platform, "replay_seconds": seconds,
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         tables.append(format_table(cost.name, rows, policies) + f"\n(replayed in {seconds:.1f} s)")
         plots.append((cost.name, rows))
     if args.variants:
-        base = Lab(trace, models[0], args.gamma, temperatures=temps)
+        base = Lab(trace, models[0], args.gamma, temperatures=temps)  # fresh online estimators, not the study's
         cells: dict = {}
         for name in VARIANTS:
             for b in variant_batches:

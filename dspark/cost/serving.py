@@ -49,7 +49,7 @@ from dspark.cost.step import (
 )
 from dspark.cost.tiered import TieredCostModel
 from dspark.util.fileio import load_json_as, write_json_atomic
-from dspark.util.validate import check_int, check_real, check_type
+from dspark.util.validate import check_int, check_real, check_sha256, check_type
 
 SCHEMA = "dspark.serving_cost"
 SCHEMA_VERSION = 2
@@ -129,13 +129,12 @@ class ServingCost:
             raise ValueError(f"tiers {list(self.tiers)} differ from the tiered verify model's "
                              f"{list(self.verify.tiers)} (() for an eager engine)")
         parameters = dict(check_type("parameters", self.parameters, Mapping))
-        gamma, sha = parameters.get("gamma"), parameters.get("draft_sha256")
+        gamma = parameters.get("gamma")
         if gamma is not None and gamma != self.verify.width - 1:
             raise ValueError(f"parameters.gamma {gamma!r} differs from the verify model's W - 1 = "
                              f"{self.verify.width - 1}")
-        if sha is not None and not (isinstance(sha, str) and len(sha) == 64
-                                    and all(c in "0123456789abcdef" for c in sha)):
-            raise ValueError(f"parameters.draft_sha256 must be 64 lowercase hex digits (or absent), got {sha!r}")
+        if parameters.get("draft_sha256") is not None:
+            check_sha256("parameters.draft_sha256 (or absent)", parameters["draft_sha256"])
         try:
             json.dumps(parameters, allow_nan=False)
         except (TypeError, ValueError) as e:

@@ -51,6 +51,13 @@ def check_directory(name: str, value: object) -> Path:
     return path
 
 
+def check_sha256(name: str, value: object) -> str:
+    """`value` when it is a sha256 hex digest (64 lowercase hex digits); ValueError naming it otherwise."""
+    if not isinstance(value, str) or len(value) != 64 or set(value) - set("0123456789abcdef"):
+        raise ValueError(f"{name} must be a sha256: 64 lowercase hex digits, got {_shown(value)}")
+    return value
+
+
 def check_int(name: str, value: object, minimum: int = 0) -> int:
     """`value` when it is an int (bools are not) >= minimum; ValueError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -44,7 +44,7 @@ from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import FixedK
 from dspark.util.options import at_least, output_path, usable_device
-from dspark.util.validate import check_int, check_type
+from dspark.util.validate import check_int, check_sha256, check_type
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as `StageProgress` prints it
 SHOWN_MISMATCHES = 8  # (request, position) pairs of argmax mismatches kept in meta
@@ -152,8 +152,7 @@ def record_trace(target: TransformersCausalLM, draft: DraftModel, requests: Sequ
     check_type("target", target, TransformersCausalLM)
     check_type("draft", draft, DraftModel)
     check_type("settings", settings, RecordSettings)
-    if not isinstance(draft_sha256, str) or len(draft_sha256) != 64 or set(draft_sha256) - set("0123456789abcdef"):
-        raise ValueError(f"draft_sha256 must be a 64-character hex sha256, got {draft_sha256!r}")
+    check_sha256("draft_sha256", draft_sha256)
     gamma = draft.gamma if settings.gamma is None else settings.gamma
     if gamma > draft.gamma:
         raise ValueError(f"gamma={gamma} exceeds the draft's block of {draft.gamma}")

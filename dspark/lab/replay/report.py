@@ -84,11 +84,12 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
     latency = sum(c[1] for c in counted)
     tpot = time_per_output_token(res, measured)
     spec = [s for s in res.steps if s.speculated]
+    deepest = max((s.confidence_logits.shape[1] for s in spec), default=0)
+    if temperatures is not None and len(temperatures) < deepest:
+        raise ValueError(f"temperatures must hold {deepest} values (one per draft position), got {list(temperatures)}")
     predicted = committed = 0.0
     for s in spec:
         k = s.confidence_logits.shape[1]
-        if temperatures is not None and len(temperatures) < k:
-            raise ValueError(f"temperatures must hold {k} values (one per draft position), got {list(temperatures)}")
         temps = None if temperatures is None else torch.as_tensor(list(temperatures)[:k])
         survival = calibrated_survival(s.confidence_logits, temps)
         predicted += float(expected_commit(survival, s.caps.to(torch.int64), ScheduleConfig(gamma=k)))
