@@ -72,7 +72,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def load(args: argparse.Namespace, given: ServingCost | None):
     """(target, draft, profile prompts [[max B, P], [max B, P'] longer], the trace recorded with the pair, a
-    description); a `given` cost table is checked against the shipped trace before the models load."""
+    description); a bad B, or a `given` cost table that does not fit the trace, is refused before the live work
+    (the real trace's before the models load)."""
     gamma = args.gamma
     if args.model == "real":
         from dspark.lab.demo.models import load_models
@@ -81,12 +82,7 @@ def load(args: argparse.Namespace, given: ServingCost | None):
         from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
 
         trace = load_trace(DEFAULT_TRACE, draft_sha256=file_sha256(DEFAULT_WEIGHTS))
-        queues(args, trace)  # a bad B is refused before the models load
-        if given is not None:
-            try:  # its draft, gamma and width against the trace's
-                Lab(trace, given, args.gamma)
-            except ValueError as e:
-                raise SystemExit(f"--cost {args.cost}: {e}") from None
+        check_trace(args, given, trace)  # before the models load
         target, draft, encode = load_models(torch.device("cpu"))
         prompts = [prompt_windows("heldout", encode, max(args.batch_sizes), n, 0) for n in (PROMPT_LEN, LONG_PROMPT_LEN)]
         return target, draft, prompts, trace, "SmolLM2-135M-Instruct"
@@ -104,8 +100,19 @@ def load(args: argparse.Namespace, given: ServingCost | None):
                                                torch.randint(3, 12, (24,), generator=g)))]
     trace = record_trace(target, draft, requests, draft_sha256="0" * 64,
                          settings=RecordSettings(gamma=gamma, max_batch=4))
+    check_trace(args, given, trace)
     prompts = [torch.randint(3, VOCAB, (max(args.batch_sizes), n), generator=g) for n in (8, 24)]
     return target, draft, prompts, trace, "the tests' tiny Llama"
+
+
+def check_trace(args: argparse.Namespace, given: ServingCost | None, trace: Trace) -> None:
+    """Refuse a bad B, or a `given` cost table of another draft, gamma or width than the trace's (SystemExit)."""
+    queues(args, trace)
+    if given is not None:
+        try:
+            Lab(trace, given, args.gamma)
+        except ValueError as e:
+            raise SystemExit(f"--cost {args.cost}: {e}") from None
 
 
 def queues(args: argparse.Namespace, trace: Trace) -> dict[int, ServingQueue]:

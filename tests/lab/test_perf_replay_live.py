@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import platform
 import statistics
 import sys
 from pathlib import Path
@@ -67,9 +68,14 @@ def test_tiny_run_compares_every_cell_with_a_table_profiled_in_the_same_run(tmp_
     (["--batch-sizes", "64"], ValueError, "a queue of 256 requests needs 11 copies of each of the trace's 24"),
     (["--cost", "h100-llama8b-fitted"], SystemExit, "models platform 'h100-cuda' but the live run decodes on"),
     (["--cost", "{tmp}"], SystemExit, "serving cost '.*' is a folder, not a .json file"),
+    (["--cost", "{other}"], SystemExit, "--cost .*other.json: cost 'cpu-measured' was profiled with the draft of "
+                                        "sha256 41e61c47"),
 ])
 def test_bad_input_is_refused_with_its_name(script, capsys, tmp_path, argv, error, match) -> None:
+    other = tmp_path / "other.json"  # the real draft's CPU table, on this machine's platform: not the tiny trace's
+    table = json.loads((PATH.parents[1] / "graphs" / "cost_models" / "cpu-measured.json").read_text())
+    other.write_text(json.dumps({**table, "platform": f"{platform.machine()}-cpu"}))
     with pytest.raises(error, match=match):
-        script.main(["--model", "tiny", *(a.format(tmp=tmp_path) for a in argv)])
+        script.main(["--model", "tiny", *(a.format(tmp=tmp_path, other=other) for a in argv)])
     if error is SystemExit and match is None:
         assert "argument --min-requests: value must be an int >= 1, got 0" in capsys.readouterr().err

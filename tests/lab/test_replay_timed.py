@@ -190,3 +190,13 @@ def test_timed_replay_refuses_bad_arguments() -> None:
     short = TimedReplay(TransformersCausalLM(tiny_llama(VOCAB, seed=5, max_seq_len=8)), NgramDrafter())
     with pytest.raises(ValueError, match="max_len = .* timed target holds 8 positions"):
         _lab(tiers=False).run("fixed-2", 1, torch.arange(N), timed=short)
+
+
+def test_a_timed_run_is_not_limited_by_the_batch_sizes_reality_prices(device: torch.device) -> None:
+    """`reality` plays the simulator only: a timed run serves any B the planner's cost model prices."""
+    trace, cost = _setup()
+    lab = dataclasses.replace(_lab(tiers=False), reality=h100_llama8b_fitted(gamma=GAMMA, max_requests=2))
+    with pytest.raises(ValueError, match=r"b must be in \[1, max_requests = 2\]"):
+        lab.run("fixed-2", 4, torch.arange(N))
+    priced = dataclasses.replace(lab, reality=None).run("fixed-2", 4, torch.arange(N))
+    _same_steps(priced, lab.run("fixed-2", 4, torch.arange(N), timed=_rig(device)))

@@ -206,8 +206,11 @@ class Lab:
             self.context = mean_context(self.trace)
         _ = self.gate  # bad probe settings refused now, not at the first adaptive run
 
-    def _check_batch(self, b: int) -> None:
-        limit = min(self.cost.max_requests, (self.reality or self.cost).max_requests)
+    def _check_batch(self, b: int, simulated: bool = False) -> None:
+        """b in [1, the batch sizes the cost model prices] (and `reality`'s, when it plays the simulator)."""
+        limit = self.cost.max_requests
+        if simulated and self.reality is not None:
+            limit = min(limit, self.reality.max_requests)
         if check_int("b", b, 1) > limit:
             raise ValueError(f"b must be in [1, max_requests = {limit}] (the batch sizes the cost models price), "
                              f"got {b}")
@@ -248,7 +251,7 @@ class Lab:
         """Serve the trace requests `ids` [N] (default `serving_queue(trace, b).ids`) on b slots with `policy`
         (a name, or a policy object built for this lab). timed: run every step on that device's models and time
         it with the wall clock (`dspark.lab.replay.timed`; `reality` unused), the same outcomes step for step."""
-        self._check_batch(b)
+        self._check_batch(b, simulated=timed is None)
         ids = serving_queue(self.trace, b).ids if ids is None else check_queue(self.trace, ids)
         check_type("mode", mode, VerifyMode)
         check_type("timed", timed, TimedReplay, optional=True)
