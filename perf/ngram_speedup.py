@@ -203,8 +203,9 @@ def adaptive_est(decoder: SpecDecoder, prompts: list[list[int]], gamma: int, slo
     estimator = OnlineAcceptanceEstimator(gamma)
 
     def make() -> Policy:
-        planner = VerifyPlanner(ScheduleConfig(gamma=gamma), cost, PlannerSettings(lag=0, num_slots=slots),
-                                temperatures=None)
+        # greedy decoding at lag 0: the argmax over the live survival, as the demo plans
+        planning = PlannerSettings(lag=0, num_slots=slots, live_argmax=True)
+        planner = VerifyPlanner(ScheduleConfig(gamma=gamma), cost, planning, temperatures=None)
         return Adaptive(planner, plain.step_seconds, gate=GateSettings(cost_window=None), estimator=estimator)
     return make, {"samples": [[s.num_requests, s.rows, s.seconds] for s in samples], "plain": plain.to_dict(),
                   "fit_rms": fit.rms}

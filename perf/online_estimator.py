@@ -163,8 +163,9 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
         if name.startswith("fixed-"):
             return FixedK(int(name[6:]))
         t = temps if name == "adaptive-head" else None
+        # greedy decoding at lag 0: the argmax over the live survival, as the demo plans
         planning = PlannerSettings(lag=0, num_slots=bmax, tiers=decoder.tiers or None,
-                                   graph_slots=decoder.graph_slots(b, gamma + 1))
+                                   graph_slots=decoder.graph_slots(b, gamma + 1), live_argmax=True)
         planner = VerifyPlanner(sched, cost, planning, temperatures=t)
         return Adaptive(planner, plain.step_seconds, gate=GateSettings(8, 64, cost_window=None),
                         estimator=est if name == "adaptive-estimator" else None)
