@@ -18,7 +18,8 @@
    continuous batching with fixed-0..gamma, adaptive with the head (STS temperatures from step 1) and
    adaptive with the estimator (head off), all in `lockstep`, `--repeats` rounds; every run's greedy tokens
    must equal fixed-0's. One estimator serves every run (as in a server: it starts from the prior at the
-   first warm-up and keeps learning). Reported: committed tokens/s over the queue (median over rounds) and
+   first warm-up and keeps learning); as in the demo each adaptive policy warms up on the whole queue and every
+   round's resumes from the one before (`Adaptive.resume`: its realised acceptance). Reported: committed tokens/s over the queue (median over rounds) and
    each adaptive's per-round ratio to the best fixed k (median).
 
 Prints both tables and writes perf/results/online_estimator.json.
@@ -175,12 +176,23 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
     out = {}
     for b in args.batch_sizes:
         queue, counts = prompts[: args.requests_per_slot * b], lengths[: args.requests_per_slot * b]
-        for n in names:  # untimed warm-up at this B
-            decoders[n].generate(queue[:b], max(2, args.max_new_tokens // 4), make(n, b), max_batch=b)
+        # untimed warm-up at this B, as the demo's: an adaptive policy serves the whole queue (it learns its
+        # realised acceptance) and every timed round's resumes from the one before, as a server's is warm
+        earlier = {}  # name -> the policy of its last run at this B
+        for n in names:
+            earlier[n] = policy = make(n, b)
+            warm = (queue, counts) if isinstance(policy, Adaptive) else (queue[:b], max(2, args.max_new_tokens // 4))
+            decoders[n].generate(*warm, policy, max_batch=b)
         tps: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]
-            res = lockstep({n: decoders[n].start(queue, counts, make(n, b), mode=VerifyMode.COMPACT, max_batch=b) for n in order})
+            policies = {n: make(n, b) for n in order}
+            for n, policy in policies.items():
+                if isinstance(policy, Adaptive):
+                    policy.resume(earlier[n])
+            earlier = policies
+            res = lockstep({n: decoders[n].start(queue, counts, policies[n], mode=VerifyMode.COMPACT, max_batch=b)
+                            for n in order})
             for n in names:
                 if not torch.equal(res[n].tokens, res["fixed-0"].tokens):
                     raise AssertionError(f"{n} at B={b} is not lossless (tokens differ from fixed-0)")

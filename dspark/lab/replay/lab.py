@@ -208,12 +208,13 @@ class Lab:
 
     def _check_batch(self, b: int, simulated: bool = False) -> None:
         """b in [1, the batch sizes the cost model prices] (and `reality`'s, when it plays the simulator)."""
-        limit = self.cost.max_requests
-        if simulated and self.reality is not None:
-            limit = min(limit, self.reality.max_requests)
+        limit, by = self.cost.max_requests, self.cost
+        if simulated and self.reality is not None and self.reality.max_requests < limit:
+            limit, by = self.reality.max_requests, self.reality
         if check_int("b", b, 1) > limit:
-            raise ValueError(f"b must be in [1, max_requests = {limit}] (the batch sizes the cost models price), "
-                             f"got {b}")
+            role = "reality" if by is not self.cost else "cost"
+            raise ValueError(f"b must be in [1, max_requests = {limit}] (the batch sizes {role} {by.name!r} "
+                             f"prices), got {b}")
 
     @property
     def graph_tiers(self) -> tuple[int, ...]:
@@ -250,7 +251,8 @@ class Lab:
             timed: TimedReplay | None = None) -> GenerateResult:
         """Serve the trace requests `ids` [N] (default `serving_queue(trace, b).ids`) on b slots with `policy`
         (a name, or a policy object built for this lab). timed: run every step on that device's models and time
-        it with the wall clock (`dspark.lab.replay.timed`; `reality` unused), the same outcomes step for step."""
+        it with the wall clock (`dspark.lab.replay.timed`; `reality` sets only the default `fold_prefill`, as in
+        the priced run), the same outcomes step for step."""
         self._check_batch(b, simulated=timed is None)
         ids = serving_queue(self.trace, b).ids if ids is None else check_queue(self.trace, ids)
         check_type("mode", mode, VerifyMode)
