@@ -14,13 +14,15 @@
    not a probability); also the estimator's prequential score on the train stream (each step predicted
    before it was observed: what the planner saw while it learned).
 2. Throughput (`--batch-sizes`, skipped with `--no-throughput`). The demo's procedure, shortened: profile the
-   step costs and fit the cost model, then per B serve a queue of `--requests-per-slot` x B prompts by
-   continuous batching with fixed-0..gamma, adaptive with the head (STS temperatures from step 1) and
-   adaptive with the estimator (head off), all in `lockstep`, `--repeats` rounds; every run's greedy tokens
-   must equal fixed-0's. One estimator serves every run (as in a server: it starts from the prior at the
-   first warm-up and keeps learning); as in the demo each adaptive policy warms up on the whole queue and every
-   round's resumes from the one before (`Adaptive.resume`: its realised acceptance). Reported: committed tokens/s over the queue (median over rounds) and
-   each adaptive's per-round ratio to the best fixed k (median).
+   step costs and fit the cost model, and the draft per depth (`serving_cost_of_steps`), then per B serve a
+   queue of `--requests-per-slot` x B prompts by continuous batching with fixed-0..gamma, adaptive with the
+   head (STS temperatures from step 1) and adaptive with the estimator (head off), both choosing the draft
+   depth per step as the demo's do (each depth priced by its own draft), all in `lockstep`, `--repeats`
+   rounds; every run's greedy tokens must equal fixed-0's. One estimator serves every run (as in a server: it
+   starts from the prior at the first warm-up and keeps learning); as in the demo each adaptive policy warms
+   up on the whole queue and every round's resumes from the one before (`Adaptive.resume`: its realised
+   acceptance). Reported: committed tokens/s over the queue (median over rounds) and each adaptive's
+   per-round ratio to the best fixed k (median).
 
 Prints both tables and writes perf/results/online_estimator.json.
 
@@ -29,6 +31,7 @@ Prints both tables and writes perf/results/online_estimator.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import platform
 import statistics
@@ -41,17 +44,19 @@ from dspark.calibration.fit import _json_clean, fit_temperatures, split_by_reque
 from dspark.calibration.metrics import Sample, bootstrap_interval, metric_functions
 from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
 from dspark.config import ScheduleConfig, VerifyMode
+from dspark.cost.shipped import ServingCostSpec
 from dspark.lab.calibrate import block_outcomes
 from dspark.lab.demo.config import request_lengths
 from dspark.lab.demo.models import load_models
 from dspark.lab.profile import ProfileRuns, fit_cost_model, profile_points, profile_step_costs
+from dspark.lab.serving_profile import serving_cost_of_steps
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.models.streams import greedy_streams
 from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
-from dspark.serve.policies import Adaptive, FixedK
+from dspark.serve.policies import Adaptive, make_policy
 from dspark.serve.policies.gate import GateSettings
 from dspark.util.fileio import write_json_atomic
 from dspark.util.options import at_least, output_path
@@ -154,22 +159,34 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
     lengths = request_lengths(prompts.shape[0], args.max_new_tokens, 0.5, args.seed)
     grid = profile_points(args.batch_sizes, gamma, decoder.tiers)
     t0 = time.perf_counter()
-    samples, plain = profile_step_costs(decoder.fork(reserve_new_tokens=int(lengths.max())), prompts, grid, gamma,
-                                        runs=ProfileRuns(args.max_new_tokens, args.profile_repeats))
+    profiled, runs = decoder.fork(reserve_new_tokens=int(lengths.max())), ProfileRuns(args.max_new_tokens,
+                                                                                       args.profile_repeats)
+    samples, plain = profile_step_costs(profiled, prompts, grid, gamma, runs=runs)
     cost, _, _ = fit_cost_model(samples, gamma, platform=f"{platform.machine()}-cpu", tiers=decoder.tiers)
-    print(f"profiled {len(grid)} points in {time.perf_counter() - t0:.0f} s")
-    sched = ScheduleConfig(gamma=gamma)
+    # the draft per depth too, as the demo profiles it: a policy choosing a shallower depth is priced for it
+    sizes = sorted({1, *args.batch_sizes})
+    spec = ServingCostSpec("same-run", "this CPU, profiled by perf/online_estimator.py", gamma=gamma,
+                           max_requests=max(sizes), tiers=decoder.tiers,
+                           parameters={"gamma": gamma, "batch_sizes": sizes, "tier_ladder": list(decoder.tiers)})
+    serving = serving_cost_of_steps(profiled, prompts, (samples, plain), sizes, spec, runs=runs)
+    print(f"profiled {len(grid)} points and the draft per depth in {time.perf_counter() - t0:.0f} s")
+
+    def planner(b: int, sts: bool = True, depth: int = gamma) -> VerifyPlanner:
+        # the demo's: the profiled whole-step table at gamma, shallower depths their target part plus their draft;
+        # greedy decoding at lag 0: the argmax over the live survival
+        believed = cost if depth == gamma else serving.believed(depth, 0.0)
+        planning = PlannerSettings(lag=0, num_slots=bmax, tiers=decoder.tiers or None,
+                                   graph_slots=decoder.graph_slots(b, depth + 1), live_argmax=True)
+        return VerifyPlanner(ScheduleConfig(gamma=depth), believed, planning,
+                             temperatures=temps[:depth] if sts else None)
+
+    gate = GateSettings.probing((8, 64, False), serving.drafter.per_catch_up_token,
+                                prefill_token_seconds=serving.prefill.per_token)
 
     def make(name: str, b: int):
-        if name.startswith("fixed-"):
-            return FixedK(int(name[6:]))
-        t = temps if name == "adaptive-head" else None
-        # greedy decoding at lag 0: the argmax over the live survival, as the demo plans
-        planning = PlannerSettings(lag=0, num_slots=bmax, tiers=decoder.tiers or None,
-                                   graph_slots=decoder.graph_slots(b, gamma + 1), live_argmax=True)
-        planner = VerifyPlanner(sched, cost, planning, temperatures=t)
-        return Adaptive(planner, plain.step_seconds, gate=GateSettings(8, 64, cost_window=None),
-                        estimator=est if name == "adaptive-estimator" else None)
+        policy = {"adaptive-head": "adaptive", "adaptive-estimator": "adaptive-est"}.get(name, name)
+        return make_policy(policy, gamma, functools.partial(planner, b), plain.step_seconds, gate, est,
+                           choose_depth=True)
 
     names = [f"fixed-{k}" for k in range(gamma + 1)] + ["adaptive-head", "adaptive-estimator"]
     decoders = {n: decoder.fork() for n in names}

@@ -24,6 +24,7 @@ from dspark.cost.step import KV_LAYOUTS
 from dspark.kernels import dispatch
 from dspark.lab.profile import (
     ForcedRows,
+    PlainStepCost,
     ProfileRuns,
     _median_step,
     fit_cost_model,
@@ -192,6 +193,39 @@ def profile_serving_cost(decoders: Callable[[int], SpecDecoder], prompts: Tensor
         kv = (max(sum(extra) / sum(tokens), 0.0), statistics.fmean(contexts))
     profile = ServingProfile(samples, BatchCurve(batch_sizes, plain), [BatchCurve(batch_sizes, d) for d in drafting],
                              fit_prefill(prefills), catch_up=statistics.median(catch_ups), kv=kv, kv_layout=layout)
+    return profiled_cost(profile, spec)
+
+
+def serving_cost_of_steps(decoder: SpecDecoder, prompts: Tensor, steps: tuple[list[ProfileSample], PlainStepCost],
+                          batch_sizes: Sequence[int], spec: ServingCostSpec, *, runs: ProfileRuns,
+                          progress: Callable[[str], None] | None = None) -> ServingCost:
+    """Whole and plain steps already profiled on `decoder` as a ServingCost: the draft phase per depth, the prefill
+    and the drafter's catch-up measured here (`profile_drafting`) at each B of `batch_sizes`.
+
+    Args:
+        decoder: the SpecDecoder the steps were profiled on.
+        prompts: [N >= max B, P] the held-out prompts they were profiled with.
+        steps: (`profile_step_costs`' samples drafting spec.gamma, its PlainStepCost covering `batch_sizes`).
+        batch_sizes: the B to profile the draft at (strictly increasing; the table covers 1..their largest).
+        spec: the cost's name, description, gamma, max_requests, tier ladder and parameters.
+        runs: tokens per run and repeats per point.
+        progress: called with a line after each B.
+    """
+    samples, plain = steps
+    batch_sizes = check_probes("batch_sizes", batch_sizes, 1)
+    drafting: list[list[float]] = [[] for _ in range(spec.gamma)]
+    prefills, catch_ups = [], []
+    for b in batch_sizes:
+        depths, admissions, catch_up = profile_drafting(decoder, prompts[:b], spec.gamma, runs=runs)
+        for k, seconds in enumerate(depths):
+            drafting[k].append(seconds)
+        prefills += admissions
+        catch_ups.append(catch_up)
+        if progress:
+            progress(f"profiling the draft per depth, B={b}")
+    profile = ServingProfile(samples, BatchCurve(tuple(batch_sizes), [plain.step_seconds(b) for b in batch_sizes]),
+                             [BatchCurve(tuple(batch_sizes), d) for d in drafting], fit_prefill(prefills),
+                             catch_up=statistics.median(catch_ups), kv_layout=attention_kv_layout(decoder.device))
     return profiled_cost(profile, spec)
 
 

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -42,8 +41,8 @@ from torch import Tensor
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
-from dspark.cost.serving import BatchCurve, ServingCost
-from dspark.cost.shipped import ServingCostSpec, fit_prefill
+from dspark.cost.serving import ServingCost
+from dspark.cost.shipped import ServingCostSpec
 from dspark.lab.calibrate import StsRecording, record_and_fit
 from dspark.lab.demo.config import (
     ADAPTIVE,
@@ -62,7 +61,7 @@ from dspark.lab.demo.report import format_goals, format_table, goal_check, media
 from dspark.lab.profile import PlainStepCost, ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.progress import Progress
 from dspark.lab.replay.report import time_per_output_token
-from dspark.lab.serving_profile import ServingProfile, attention_kv_layout, profile_drafting, profiled_cost
+from dspark.lab.serving_profile import serving_cost_of_steps
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DraftConfig
@@ -128,28 +127,17 @@ def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progr
 def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, samples, plain: PlainStepCost,
                       draft_sha256: str | None, bar: Callable[[str], None]) -> ServingCost:
     """The profile as a serving cost: the whole steps and plain steps already measured, the draft phase per depth,
-    the prefill and the drafter's catch-up measured here (`profile_drafting`) at 1 and every demo B; covers B = 1..max B.
+    the prefill and the drafter's catch-up measured by `serving_cost_of_steps` at 1 and every demo B; covers B = 1..max
+    B.
     draft_sha256: the draft weights' (None for models handed in)."""
     sizes = sorted({1, *cfg.batch_sizes})
-    drafting: list[list[float]] = [[] for _ in range(cfg.gamma)]
-    prefills, catch_ups = [], []
-    for b in sizes:
-        depths, admissions, catch_up = profile_drafting(decoder, prompts[:b], cfg.gamma,
-                                                        runs=ProfileRuns(cfg.max_new_tokens, cfg.profile_repeats))
-        for k, seconds in enumerate(depths):
-            drafting[k].append(seconds)
-        prefills += admissions
-        catch_ups.append(catch_up)
-        bar(f"profiling the draft per depth, B={b}")
-    profile = ServingProfile(samples, BatchCurve(tuple(sizes), [plain.step_seconds(b) for b in sizes]),
-                             [BatchCurve(tuple(sizes), d) for d in drafting], fit_prefill(prefills),
-                             catch_up=statistics.median(catch_ups), kv_layout=attention_kv_layout(decoder.device))
     spec = ServingCostSpec("demo", "the demo's own profile of this machine (the same run as its live rounds)",
                            gamma=cfg.gamma, max_requests=max(sizes), tiers=decoder.tiers,
                            parameters={"gamma": cfg.gamma, "batch_sizes": sizes, "tier_ladder": list(decoder.tiers),
                                        "draft_sha256": draft_sha256, "prompt_len": cfg.prompt_len,
                                        "tokens": cfg.max_new_tokens})
-    return profiled_cost(profile, spec)
+    return serving_cost_of_steps(decoder, prompts, (samples, plain), sizes, spec,
+                                 runs=ProfileRuns(cfg.max_new_tokens, cfg.profile_repeats), progress=bar)
 
 
 def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[str], tmp: Path,
