@@ -43,17 +43,17 @@ import torch
 from dspark.calibration.fit import _json_clean, fit_temperatures, split_by_request
 from dspark.calibration.metrics import Sample, bootstrap_interval, metric_functions
 from dspark.calibration.online import OnlineAcceptanceEstimator, draft_features
-from dspark.config import ScheduleConfig, VerifyMode
+from dspark.config import VerifyMode
 from dspark.cost.shipped import ServingCostSpec
 from dspark.lab.calibrate import block_outcomes
-from dspark.lab.demo.config import request_lengths
+from dspark.lab.demo.config import DemoConfig, request_lengths
 from dspark.lab.demo.models import load_models
 from dspark.lab.profile import ProfileRuns, fit_cost_model, profile_points, profile_step_costs
-from dspark.lab.serving_profile import serving_cost_of_steps
+from dspark.lab.serving_profile import ProfiledPlanners, serving_cost_of_steps
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.models.streams import greedy_streams
-from dspark.plan.planner import PlannerSettings, VerifyPlanner
+from dspark.plan.planner import PlannerSettings
 from dspark.serve.config import EngineConfig
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import Adaptive, make_policy
@@ -171,17 +171,14 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
     serving = serving_cost_of_steps(profiled, prompts, (samples, plain), sizes, spec, runs=runs)
     print(f"profiled {len(grid)} points and the draft per depth in {time.perf_counter() - t0:.0f} s")
 
-    def planner(b: int, sts: bool = True, depth: int = gamma) -> VerifyPlanner:
-        # the demo's: the profiled whole-step table at gamma, shallower depths their target part plus their draft;
-        # greedy decoding at lag 0: the argmax over the live survival
-        believed = cost if depth == gamma else serving.believed(depth, 0.0)
-        planning = PlannerSettings(lag=0, num_slots=bmax, tiers=decoder.tiers or None,
-                                   graph_slots=decoder.graph_slots(b, depth + 1), live_argmax=True)
-        return VerifyPlanner(ScheduleConfig(gamma=depth), believed, planning,
-                             temperatures=temps[:depth] if sts else None)
-
-    gate = GateSettings.probing((8, 64, False), serving.drafter.per_catch_up_token,
-                                prefill_token_seconds=serving.prefill.per_token)
+    # as the demo: served with the tiers worth replaying (`serving_tiers`), greedy decoding at lag 0 planned by the
+    # live argmax, the demo's probe schedule
+    if decoder.tiers:
+        decoder = decoder.fork(tiers=cost.tiers)
+    planner = ProfiledPlanners(cost, serving, decoder, temps, PlannerSettings(lag=0, num_slots=bmax, live_argmax=True))
+    demo = DemoConfig()
+    gate = GateSettings.probing((demo.probe_every, demo.max_probe_every, demo.cost_feedback),
+                                serving.drafter.per_catch_up_token, prefill_token_seconds=serving.prefill.per_token)
 
     def make(name: str, b: int):
         policy = {"adaptive-head": "adaptive", "adaptive-estimator": "adaptive-est"}.get(name, name)

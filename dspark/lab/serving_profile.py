@@ -4,6 +4,7 @@ policy lab replays with (`profiled_cost`, `profile_serving_cost`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -13,8 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.config import VerifyMode
+from dspark.config import ScheduleConfig, VerifyMode
 from dspark.cost import (
+    CostModel,
     ProfileSample,
 )
 from dspark.cost.base import check_probes, check_samples
@@ -32,6 +34,7 @@ from dspark.lab.profile import (
     profile_step_costs,
 )
 from dspark.lab.timing import lockstep
+from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.engine import SpecDecoder
 from dspark.serve.policies import FixedK
 from dspark.util.validate import check_real, check_type
@@ -206,13 +209,17 @@ def serving_cost_of_steps(decoder: SpecDecoder, prompts: Tensor, steps: tuple[li
         decoder: the SpecDecoder the steps were profiled on.
         prompts: [N >= max B, P] the held-out prompts they were profiled with.
         steps: (`profile_step_costs`' samples drafting spec.gamma, its PlainStepCost covering `batch_sizes`).
-        batch_sizes: the B to profile the draft at (strictly increasing; the table covers 1..their largest).
+        batch_sizes: the B to profile the draft at (strictly increasing, from 1; the cost covers 1..spec.max_requests).
         spec: the cost's name, description, gamma, max_requests, tier ladder and parameters.
         runs: tokens per run and repeats per point.
         progress: called with a line after each B.
     """
+    check_type("spec", spec, ServingCostSpec)
+    check_type("runs", runs, ProfileRuns)
     samples, plain = steps
     batch_sizes = check_probes("batch_sizes", batch_sizes, 1)
+    if batch_sizes[0] != 1:
+        raise ValueError(f"batch_sizes must start at 1 (the cost covers B = 1..max_requests), got {list(batch_sizes)}")
     drafting: list[list[float]] = [[] for _ in range(spec.gamma)]
     prefills, catch_ups = [], []
     for b in batch_sizes:
@@ -227,6 +234,37 @@ def serving_cost_of_steps(decoder: SpecDecoder, prompts: Tensor, steps: tuple[li
                              [BatchCurve(tuple(batch_sizes), d) for d in drafting], fit_prefill(prefills),
                              catch_up=statistics.median(catch_ups), kv_layout=attention_kv_layout(decoder.device))
     return profiled_cost(profile, spec)
+
+
+@dataclass(frozen=True)
+class ProfiledPlanners:
+    """The VerifyPlanners of a live decoder planning with this machine's profile: `planners(b, sts, depth)` for
+    B = b requests drafting `depth` tokens (default gamma), with the STS temperatures when `sts`.
+
+    Args:
+        cost: the profiled whole-step table, drafting gamma (its W = gamma + 1) (depth gamma's belief).
+        serving: the ServingCost of the same profile (a shallower depth's belief: its target part plus that depth's
+            draft, `believed(depth, 0.0)`); None: depth gamma only.
+        decoder: the SpecDecoder served (its graph tiers and slots).
+        temperatures: STS per position (gamma values).
+        settings: the planners' lag, ring slots and live argmax (`PlannerSettings`; tiers and graph slots come
+            from the decoder).
+    """
+
+    cost: CostModel
+    serving: ServingCost | None
+    decoder: SpecDecoder
+    temperatures: Sequence[float]
+    settings: PlannerSettings
+
+    def __call__(self, b: int, sts: bool = True, depth: int | None = None) -> VerifyPlanner:
+        gamma = self.cost.width - 1
+        depth = gamma if depth is None else depth
+        believed = self.cost if depth == gamma else self.serving.believed(depth, 0.0)
+        planning = dataclasses.replace(self.settings, tiers=self.decoder.tiers or None,
+                                       graph_slots=self.decoder.graph_slots(b, depth + 1))
+        return VerifyPlanner(ScheduleConfig(gamma=depth), believed, planning,
+                             temperatures=list(self.temperatures)[:depth] if sts else None)
 
 
 def profiled_cost(profile: ServingProfile, spec: ServingCostSpec) -> ServingCost:

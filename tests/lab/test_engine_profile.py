@@ -175,3 +175,40 @@ def test_a_kv_slope_larger_than_the_plain_steps_never_prices_plain_at_or_below_z
     assert any("KV slope held" in s for s in noisy.sources), noisy.sources
     calm = fit(1e-6)
     assert calm.per_kv_token == 1e-6 and not any("KV slope held" in s for s in calm.sources)
+
+
+@pytest.mark.cpu_only(reason="builds planners from a synthetic profile")
+def test_profiled_planners_price_each_depth_by_its_own_draft_on_the_decoders_tiers():
+    """Depth gamma plans with the whole-step table, a shallower depth with the serving cost's target part plus
+    that depth's draft; the tiers and graph slots are the served decoder's, the temperatures cut to the depth."""
+    import types
+
+    from dspark.cost.serving import BatchCurve, PrefillCost
+    from dspark.cost.shipped import ServingCostSpec
+    from dspark.lab.profile import ProfileRuns, profile_points
+    from dspark.lab.serving_profile import ProfiledPlanners, ServingProfile, profiled_cost, serving_cost_of_steps
+    from dspark.plan.planner import PlannerSettings
+
+    tiers = (1, 2, 3, 4, 8, 12, 16)
+    samples = [ProfileSample(b, m, 1e-3 * (20 + 0.5 * m)) for b, m in profile_points((1, 4), 3, tiers)]
+    table = fit_cost_model(samples, gamma=3, platform="cpu", tiers=tiers)[0]
+    drafting = [BatchCurve((1, 4), (1e-3 * k, 2e-3 * k)) for k in (1, 2, 3)]
+    serving = profiled_cost(ServingProfile(samples, BatchCurve((1, 4), (15e-3, 18e-3)), drafting,
+                                           PrefillCost(0.0, 1e-5)),
+                            ServingCostSpec("synthetic", "", gamma=3, max_requests=4, tiers=tiers))
+    served = types.SimpleNamespace(tiers=(1, 2, 4, 8, 16), graph_slots=lambda b, w: 10 * b + w)
+    planners = ProfiledPlanners(table, serving, served, [1.5, 1.25, 0.75],
+                                PlannerSettings(lag=0, num_slots=8, live_argmax=True))
+    deep, shallow = planners(4), planners(4, True, 1)
+    assert deep.cost_model is table and deep.cfg.gamma == 3 and shallow.cfg.gamma == 1
+    believed = serving.believed(1, 0.0)
+    assert [float(shallow.cost_model.step_seconds(4, m)) for m in range(4, 9)] == pytest.approx(
+        [float(believed.step_seconds(4, m)) for m in range(4, 9)])
+    assert float(believed.step_seconds(4, 8)) < float(table.step_seconds(4, 8))  # one draft, not three
+    assert deep.temperatures.tolist() == [1.5, 1.25, 0.75] and shallow.temperatures.tolist() == [1.5]
+    assert planners(4, False).temperatures is None
+    assert deep.tiers == (1, 2, 4, 8, 16) and deep.graph_slots == 44 and shallow.graph_slots == 42
+    assert deep.settings.live_argmax and deep.lag == 0
+    with pytest.raises(ValueError, match=r"batch_sizes must start at 1 \(the cost covers"):
+        serving_cost_of_steps(served, None, (samples, None), (4,), ServingCostSpec("x", "", gamma=3, max_requests=4,
+                                                                                   tiers=tiers), runs=ProfileRuns(4, 1))

@@ -196,7 +196,8 @@ def test_a_timed_run_is_not_limited_by_the_batch_sizes_reality_prices(device: to
     """`reality` plays the simulator only: a timed run serves any B the planner's cost model prices."""
     trace, cost = _setup()
     lab = dataclasses.replace(_lab(tiers=False), reality=h100_llama8b_fitted(gamma=GAMMA, max_requests=2))
-    with pytest.raises(ValueError, match=r"b must be in \[1, max_requests = 2\]"):
+    with pytest.raises(ValueError, match=r"b must be in \[1, max_requests = 2\] \(the batch sizes reality "
+                                         r"'h100-llama8b-fitted' prices\), got 4"):
         lab.run("fixed-2", 4, torch.arange(N))
     priced = dataclasses.replace(lab, reality=None).run("fixed-2", 4, torch.arange(N))
     _same_steps(priced, lab.run("fixed-2", 4, torch.arange(N), timed=_rig(device)))

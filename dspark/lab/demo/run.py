@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
-from dspark.config import ScheduleConfig, VerifyMode
+from dspark.config import VerifyMode
 from dspark.cost.serving import ServingCost
 from dspark.cost.shipped import ServingCostSpec
 from dspark.lab.calibrate import StsRecording, record_and_fit
@@ -61,11 +61,11 @@ from dspark.lab.demo.report import format_goals, format_table, goal_check, media
 from dspark.lab.profile import PlainStepCost, ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.progress import Progress
 from dspark.lab.replay.report import time_per_output_token
-from dspark.lab.serving_profile import serving_cost_of_steps
+from dspark.lab.serving_profile import ProfiledPlanners, serving_cost_of_steps
 from dspark.lab.timing import lockstep
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DraftConfig
-from dspark.plan.planner import PlannerSettings, VerifyPlanner
+from dspark.plan.planner import PlannerSettings
 from dspark.serve.checks import check_device
 from dspark.serve.config import EngineConfig, SamplingParams
 from dspark.serve.drafters.ngram import NgramDrafter
@@ -196,15 +196,9 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
     calib.save(tmp / "calibration.json")
     temps = calib.temperatures
 
-    def planner(b: int, sts: bool = True, depth: int = gamma) -> VerifyPlanner:
-        # depth gamma: the profiled whole-step table; shallower: its target part plus the draft at that depth
-        believed = cost if depth == gamma else serving.believed(depth, 0.0)
-        # greedy decoding at lag 0: the argmax over live survival (lossless there; a sampling run scans)
-        planning = PlannerSettings(lag=cfg.lag, num_slots=bmax, tiers=decoder.tiers or None,
-                                   graph_slots=decoder.graph_slots(b, depth + 1),
-                                   live_argmax=cfg.lag == 0 and not cfg.sampling)
-        return VerifyPlanner(ScheduleConfig(gamma=depth), believed, planning,
-                             temperatures=temps[:depth] if sts else None)
+    # greedy decoding at lag 0: the argmax over live survival (lossless there; a sampling run scans)
+    planner = ProfiledPlanners(cost, serving, decoder, temps, PlannerSettings(
+        lag=cfg.lag, num_slots=bmax, live_argmax=cfg.lag == 0 and not cfg.sampling))
 
     probe = (cfg.probe_every, cfg.max_probe_every, cfg.cost_feedback)
     # adaptive-est: the draft's head off, one online estimator for the whole demo (as in a server: it starts
