@@ -1,6 +1,7 @@
 """Profile this machine's serving cost: the draft phase per depth, the drafter's catch-up, the prefill and the
 KV term, measured on the real decode loop and assembled with the whole-step samples into a `ServingCost` the
-policy lab replays with (`profiled_cost`, `profile_serving_cost`).
+policy lab replays with (`profiled_cost`, `profile_serving_cost`, `serving_cost_of_steps`); `ProfiledPlanners`
+plans a live decoder with such a profile, each draft depth priced by its own draft.
 """
 from __future__ import annotations
 

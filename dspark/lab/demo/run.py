@@ -127,8 +127,7 @@ def run_demo(cfg: DemoConfig, *, echo: Callable[[str], None] = print, show_progr
 def demo_serving_cost(cfg: DemoConfig, decoder: SpecDecoder, prompts: Tensor, samples, plain: PlainStepCost,
                       draft_sha256: str | None, bar: Callable[[str], None]) -> ServingCost:
     """The profile as a serving cost: the whole steps and plain steps already measured, the draft phase per depth,
-    the prefill and the drafter's catch-up measured by `serving_cost_of_steps` at 1 and every demo B; covers B = 1..max
-    B.
+    the prefill and the drafter's catch-up measured by `serving_cost_of_steps` at 1 and every demo B (B = 1..max B).
     draft_sha256: the draft weights' (None for models handed in)."""
     sizes = sorted({1, *cfg.batch_sizes})
     spec = ServingCostSpec("demo", "the demo's own profile of this machine (the same run as its live rounds)",
