@@ -71,9 +71,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load(args: argparse.Namespace, given: ServingCost | None):
-    """(target, draft, profile prompts [[max B, P], [max B, P'] longer], the trace recorded with the pair, a
-    description); a bad B, or a `given` cost table that does not fit the trace, is refused before the live work
-    (the real trace's before the models load)."""
+    """(target, draft, profile prompts [[max B, P], [max B, P'] longer], the trace recorded with the pair, each B's
+    queue, a description); a bad B, or a `given` cost table that does not fit the trace, is refused before the live
+    work (the real trace's before the models load)."""
     gamma = args.gamma
     if args.model == "real":
         from dspark.lab.demo.models import load_models
@@ -82,10 +82,10 @@ def load(args: argparse.Namespace, given: ServingCost | None):
         from dspark.models.draft import DEFAULT_WEIGHTS, file_sha256
 
         trace = load_trace(DEFAULT_TRACE, draft_sha256=file_sha256(DEFAULT_WEIGHTS))
-        check_trace(args, given, trace)  # before the models load
+        qs = check_trace(args, given, trace)  # before the models load
         target, draft, encode = load_models(torch.device("cpu"))
         prompts = [prompt_windows("heldout", encode, max(args.batch_sizes), n, 0) for n in (PROMPT_LEN, LONG_PROMPT_LEN)]
-        return target, draft, prompts, trace, "SmolLM2-135M-Instruct"
+        return target, draft, prompts, trace, qs, "SmolLM2-135M-Instruct"
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -100,19 +100,21 @@ def load(args: argparse.Namespace, given: ServingCost | None):
                                                torch.randint(3, 12, (24,), generator=g)))]
     trace = record_trace(target, draft, requests, draft_sha256="0" * 64,
                          settings=RecordSettings(gamma=gamma, max_batch=4))
-    check_trace(args, given, trace)
+    qs = check_trace(args, given, trace)
     prompts = [torch.randint(3, VOCAB, (max(args.batch_sizes), n), generator=g) for n in (8, 24)]
-    return target, draft, prompts, trace, "the tests' tiny Llama"
+    return target, draft, prompts, trace, qs, "the tests' tiny Llama"
 
 
-def check_trace(args: argparse.Namespace, given: ServingCost | None, trace: Trace) -> None:
-    """Refuse a bad B, or a `given` cost table of another draft, gamma or width than the trace's (SystemExit)."""
-    queues(args, trace)
+def check_trace(args: argparse.Namespace, given: ServingCost | None, trace: Trace) -> dict[int, ServingQueue]:
+    """Each B's queue (`queues`); a bad B, or a `given` cost table of another draft, gamma or width than the trace's
+    (SystemExit), refused."""
+    qs = queues(args, trace)
     if given is not None:
         try:
             Lab(trace, given, args.gamma)
         except ValueError as e:
             raise SystemExit(f"--cost {args.cost}: {e}") from None
+    return qs
 
 
 def queues(args: argparse.Namespace, trace: Trace) -> dict[int, ServingQueue]:
@@ -230,8 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
             live_tiers(given, here, ladder, args.batch_sizes, args.gamma + 1)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"--cost {args.cost}: {e}") from None
-    target, draft, prompts, trace, what = load(args, given)
-    qs = queues(args, trace)
+    target, draft, prompts, trace, qs, what = load(args, given)
     longest = int(trace.prompt_offsets.diff().max() + trace.new_tokens.max())
     per_request = longest + 2 * (args.gamma + 1) + 64 + 16  # catch-up rows, a page
     decoder = SpecDecoder(target, draft, config=EngineConfig(cache_tokens=max(args.batch_sizes) * per_request, tiers=ladder, clock="thread"))
