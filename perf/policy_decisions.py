@@ -6,7 +6,9 @@ speculative and plain tok/s (believed costs) and the rates of every depth from t
 adaptive run's partial probes (full-batch steps where only some requests drafted: their count, median seconds
 and drafter catch-up tokens beside a full-batch plain step's median seconds; a folded prompt's rows included); then
 fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: committed tokens over the
-run's seconds).
+run's seconds), and adaptive with its depth choice off at each depth 1..gamma (the gate and that depth's planner):
+what the depth choice gains or loses against the best single depth. `--cost` takes a serving cost's name or a JSON
+file (a demo's `serving_cost.json`).
 `demo`: a `dspark demo` output's demo.json: per (policy, B) the medians over full-batch steps (every round) of
 the draft, plan and verify seconds and the verify rows, the drafts verified per step, and the rows' tiers; the
 full-batch speculative steps no prompt rode grouped by their verify rows and, where the demo recorded it
@@ -37,6 +39,7 @@ def lab(cost_name: str, b: int) -> dict:
     from dspark.lab.replay.lab import Lab
     from dspark.lab.replay.trace import load_trace
     from dspark.lab.replay.variants import fit_trace_temperatures
+    from dspark.serve.policies import Adaptive
 
     trace = load_trace()
     temps, _ = fit_trace_temperatures(trace, 3)
@@ -49,29 +52,49 @@ def lab(cost_name: str, b: int) -> dict:
         decide(n, depth, rate, plain_seconds)
         if n != b:
             return
-        by_depth = {}
+        by_depth, believed = {}, {}
         if policy.feedback.mean is not None:
             for k, planner in sorted(policy._planners.items()):
-                accepted, verified = policy.feedback.predict(k)
+                accepted, verified = believed[k] = policy.feedback.predict(k)
                 rows = min(max(n, round(n * (1 + verified))), n * planner.cfg.width)
                 by_depth[k] = n * (1 + accepted) / float(planner.cost_model.seconds_curve(n, rows, 1)[0])
         decisions.append({"speculate": gate.decided[1], "depth": depth, "speculative_tok_s": rate,
-                          "plain_tok_s": n / plain_seconds, "realised_tok_s_by_depth": by_depth})
+                          "plain_tok_s": n / plain_seconds, "realised_tok_s_by_depth": by_depth,
+                          "believed_by_depth": believed})
 
     gate.decide = spy
     runs, probes = {}, {}
     for name in ("fixed-0", "fixed-1", "fixed-2", "fixed-3", "adaptive"):
         res = study.run(policy if name == "adaptive" else name, b)
-        runs[name] = sum(int(s.commit_lens.sum()) for s in res.steps) / res.seconds
+        runs[name] = _tok_s(res)
         if name == "adaptive":
             probes = _probes(res.steps, b)
+    # the depth choice off: the gate and one depth's planner (depth gamma: the variant "fixed depth")
+    depths = {}
+    for k in range(1, study.gamma + 1):
+        one = Adaptive(study.planner(b, depth=k), study.cost.believed_plain(study.context), study.gate)
+        res = study.run(one, b)
+        runs[f"adaptive depth {k}"] = _tok_s(res)
+        full = [s for s in res.steps if s.requests.numel() == b and s.speculated]
+        finite = [d["believed_by_depth"][k] for d in decisions if d["speculative_tok_s"] != float("inf")]
+        depths[k] = {  # per request per step: what the gate believed of depth k, what depth k's own steps did
+            "believed": [statistics.median(x[i] for x in finite) for i in (0, 1)] if finite else None,
+            "own_steps": len(full),
+            "own": [sum(float((x - 1).sum()) for x in xs) / (b * len(full)) if full else None
+                    for xs in ([s.commit_lens for s in full], [s.caps for s in full])]}
     finite = [d for d in decisions if d["speculative_tok_s"] != float("inf")]
     return {"cost": cost_name, "batch": b, "decisions": len(decisions),
             "plain_decisions": sum(not d["speculate"] for d in decisions),
             "depths_when_speculating": dict(collections.Counter(d["depth"] for d in decisions if d["speculate"])),
             "median_speculative_tok_s": statistics.median(d["speculative_tok_s"] for d in finite) if finite else None,
             "plain_tok_s": decisions[0]["plain_tok_s"] if decisions else None,
-            "last": decisions[-1] if decisions else None, "partial_probes": probes, "run_tok_s": runs}
+            "last": decisions[-1] if decisions else None, "partial_probes": probes, "run_tok_s": runs,
+            "depths": depths}
+
+
+def _tok_s(res) -> float:
+    """A run's committed tokens over its seconds."""
+    return sum(int(s.commit_lens.sum()) for s in res.steps) / res.seconds
 
 
 def _probes(steps: list, b: int) -> dict:
@@ -149,7 +172,7 @@ def _refill(s: dict) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["lab", "demo"])
-    ap.add_argument("--cost", default="cpu-measured", help="lab: the serving cost model's name")
+    ap.add_argument("--cost", default="cpu-measured", help="lab: a serving cost model's name or JSON file")
     ap.add_argument("--batch", type=at_least(1), default=64, help="lab: the batch size B")
     ap.add_argument("--demo-json", type=Path, default=Path("demo_out/demo.json"), help="demo: a demo's demo.json")
     ap.add_argument("--out", type=output_path(), default=None)
@@ -165,9 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         if pr["count"]:
             print(f"  {pr['count']} partial probes: median {pr['ms_median']:.2f} ms, catch-up "
                   f"{pr['catch_up_median']:.0f} tokens; a plain step {pr['plain_ms_median']:.2f} ms")
-        best = max((v, k) for k, v in report["run_tok_s"].items() if k != "adaptive")
-        print("  run tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in report["run_tok_s"].items())
-              + f"; adaptive / best fixed ({best[1]}) {report['run_tok_s']['adaptive'] / best[0]:.3f}")
+        runs = report["run_tok_s"]
+        best = max((v, k) for k, v in runs.items() if k.startswith("fixed-"))
+        depth = max((v, k) for k, v in runs.items() if k.startswith("adaptive depth"))
+        for k, d in report["depths"].items():
+            if d["believed"] is not None and d["own_steps"]:
+                print(f"  depth {k}: accepted / verified drafts per request per full-batch step, believed (median "
+                      f"over decisions) {d['believed'][0]:.3f} / {d['believed'][1]:.3f}, its own run's "
+                      f"{d['own'][0]:.3f} / {d['own'][1]:.3f} ({d['own_steps']} steps)")
+        print("  run tok/s: " + ", ".join(f"{k} {v:.2f}" for k, v in runs.items())
+              + f"; adaptive / best fixed ({best[1]}) {runs['adaptive'] / best[0]:.3f}, / its best single depth "
+              f"({depth[1]}) {runs['adaptive'] / depth[0]:.4f}")
     else:
         if not args.demo_json.is_file():
             print(f"{args.demo_json} is not a file: give a `dspark demo` output's demo.json", file=sys.stderr)

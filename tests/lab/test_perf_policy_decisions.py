@@ -80,3 +80,23 @@ def test_demo_groups_full_batch_speculative_steps_by_rows_and_counts_tail_steps(
     got = _script().demo(path)["adaptive@4"]
     assert list(got["by_rows"]) == ["8 rows, k=1", "12 rows, k=2", "12 rows, k=3"]
     assert got["by_rows"]["12 rows, k=3"]["ms_per_step"] == pytest.approx(ms[1])
+
+
+def test_lab_runs_each_depth_alone_and_judges_adaptive_against_fixed_k_only(capsys, monkeypatch) -> None:
+    """The lab mode runs adaptive with its depth choice off at every depth (the gate and that depth's planner) and
+    reports what the gate believed of each depth beside what its own run did; the best fixed policy is a fixed-k,
+    never one of the single-depth adaptive runs."""
+    script = _script()
+    report = script.lab("cpu-measured", 4)
+    runs, depths = report["run_tok_s"], report["depths"]
+    assert sorted(depths) == [1, 2, 3] and {f"adaptive depth {k}" for k in depths} <= set(runs)
+    for k, d in depths.items():
+        accepted, verified = d["own"]
+        assert d["own_steps"] > 0 and 0 < accepted <= verified <= k  # per request per full-batch step
+        assert d["believed"] is not None and 0 < d["believed"][0] <= d["believed"][1] <= k
+    monkeypatch.setattr(script, "lab", lambda cost, b: report)  # the printed lines, from the same report
+    assert script.main(["lab", "--cost", "cpu-measured", "--batch", "4"]) == 0
+    printed = capsys.readouterr().out
+    best = max((v, k) for k, v in runs.items() if k.startswith("fixed-"))
+    assert f"adaptive / best fixed ({best[1]}) {runs['adaptive'] / best[0]:.3f}" in printed
+    assert "its best single depth (adaptive depth " in printed
