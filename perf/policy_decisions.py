@@ -5,10 +5,12 @@ with a spy on the gate (`SpeculationGate.decide`): per full-batch decision the d
 speculative and plain tok/s (believed costs) and the rates of every depth from the realised averages; the
 adaptive run's partial probes (full-batch steps where only some requests drafted: their count, median seconds
 and drafter catch-up tokens beside a full-batch plain step's median seconds; a folded prompt's rows included); then
-fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: committed tokens over the
-run's seconds), and adaptive with its depth choice off at each depth 1..gamma (the gate and that depth's planner):
-what the depth choice gains or loses against the best single depth. `--cost` takes a serving cost's name or a JSON
-file (a demo's `serving_cost.json`).
+fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: useful tokens over the run's
+seconds, as `policy_lab.py`'s `run_tok_s`), and adaptive with its depth choice off at each depth 1..gamma (the gate
+and that depth's planner): what the depth choice gains or loses against the best single depth, and per depth the
+accepted / verified drafts per request the gate believed beside what the run at that depth did (printed where that
+run has at least 10 full-batch steps every request drafted in). `--cost` takes a serving cost's name or a JSON file
+(a demo's `serving_cost.json`).
 `demo`: a `dspark demo` output's demo.json: per (policy, B) the medians over full-batch steps (every round) of
 the draft, plan and verify seconds and the verify rows, the drafts verified per step, and the rows' tiers; the
 full-batch speculative steps no prompt rode grouped by their verify rows and, where the demo recorded it
@@ -34,7 +36,10 @@ from dspark.util.options import at_least, output_path
 
 
 def lab(cost_name: str, b: int) -> dict:
-    """The gate's decisions at B = b on `cost_name`, and the fixed / adaptive run tok/s beside them."""
+    """The gate's decisions at B = b on `cost_name` (a serving cost's name or JSON file), the fixed / adaptive run
+    tok/s beside them, and per depth k adaptive with its depth choice off at k: its run tok/s, the accepted and
+    verified drafts per request the gate believed of depth k (median over its decisions) and what the run at k did
+    (mean over its full-batch speculative steps in which every request drafted)."""
     from dspark.cost.serving import load_serving_cost
     from dspark.lab.replay.lab import Lab
     from dspark.lab.replay.trace import load_trace
@@ -75,7 +80,7 @@ def lab(cost_name: str, b: int) -> dict:
         one = Adaptive(study.planner(b, depth=k), study.cost.believed_plain(study.context), study.gate)
         res = study.run(one, b)
         runs[f"adaptive depth {k}"] = _tok_s(res)
-        full = [s for s in res.steps if s.requests.numel() == b and s.speculated]
+        full = [s for s in res.steps if s.requests.numel() == b and s.speculated and s.drafting == b]
         finite = [d["believed_by_depth"][k] for d in decisions if d["speculative_tok_s"] != float("inf")]
         depths[k] = {  # per request per step: what the gate believed of depth k, what depth k's own steps did
             "believed": [statistics.median(x[i] for x in finite) for i in (0, 1)] if finite else None,
@@ -93,8 +98,8 @@ def lab(cost_name: str, b: int) -> dict:
 
 
 def _tok_s(res) -> float:
-    """A run's committed tokens over its seconds."""
-    return sum(int(s.commit_lens.sum()) for s in res.steps) / res.seconds
+    """A run's useful tokens (none past a request's end) over its seconds, as `policy_lab.py`'s `run_tok_s`."""
+    return sum(s.useful for s in res.steps) / res.seconds if res.seconds > 0 else 0.0
 
 
 def _probes(steps: list, b: int) -> dict:
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         best = max((v, k) for k, v in runs.items() if k.startswith("fixed-"))
         depth = max((v, k) for k, v in runs.items() if k.startswith("adaptive depth"))
         for k, d in report["depths"].items():
-            if d["believed"] is not None and d["own_steps"]:
+            if d["believed"] is not None and d["own_steps"] >= 10:
                 print(f"  depth {k}: accepted / verified drafts per request per full-batch step, believed (median "
                       f"over decisions) {d['believed'][0]:.3f} / {d['believed'][1]:.3f}, its own run's "
                       f"{d['own'][0]:.3f} / {d['own'][1]:.3f} ({d['own_steps']} steps)")

@@ -1,5 +1,6 @@
 """perf/policy_decisions.py: the demo phases are medians over every round's full-batch steps only, the by-rows
-groups take its speculative steps no prompt rode; a missing demo.json is refused with a message naming it."""
+groups take its speculative steps no prompt rode; a missing demo.json is refused with a message naming it; the lab
+mode runs each depth alone and judges adaptive against the fixed-k runs only."""
 from __future__ import annotations
 
 import importlib.util
@@ -82,21 +83,36 @@ def test_demo_groups_full_batch_speculative_steps_by_rows_and_counts_tail_steps(
     assert got["by_rows"]["12 rows, k=3"]["ms_per_step"] == pytest.approx(ms[1])
 
 
-def test_lab_runs_each_depth_alone_and_judges_adaptive_against_fixed_k_only(capsys, monkeypatch) -> None:
+def test_lab_runs_each_depth_alone_and_reports_belief_beside_each_depths_run() -> None:
     """The lab mode runs adaptive with its depth choice off at every depth (the gate and that depth's planner) and
-    reports what the gate believed of each depth beside what its own run did; the best fixed policy is a fixed-k,
-    never one of the single-depth adaptive runs."""
-    script = _script()
-    report = script.lab("cpu-measured", 4)
+    reports what the gate believed of each depth beside what the run at that depth did, per request per step."""
+    report = _script().lab("cpu-measured", 4)
     runs, depths = report["run_tok_s"], report["depths"]
     assert sorted(depths) == [1, 2, 3] and {f"adaptive depth {k}" for k in depths} <= set(runs)
+    assert all(v > 0 for v in runs.values())
     for k, d in depths.items():
         accepted, verified = d["own"]
-        assert d["own_steps"] > 0 and 0 < accepted <= verified <= k  # per request per full-batch step
+        assert d["own_steps"] > 0 and 0 < accepted <= verified <= k
         assert d["believed"] is not None and 0 < d["believed"][0] <= d["believed"][1] <= k
-    monkeypatch.setattr(script, "lab", lambda cost, b: report)  # the printed lines, from the same report
-    assert script.main(["lab", "--cost", "cpu-measured", "--batch", "4"]) == 0
+
+
+def test_lab_print_judges_adaptive_against_fixed_k_only(capsys, monkeypatch) -> None:
+    """The best fixed policy is a fixed-k even where a single-depth adaptive run is faster; the best single depth is
+    one of those runs; a depth whose run has fewer than 10 counted steps prints no belief line."""
+    runs = {"fixed-0": 10.0, "fixed-1": 12.0, "fixed-2": 11.0, "fixed-3": 9.0, "adaptive": 13.0,
+            "adaptive depth 1": 12.5, "adaptive depth 2": 14.0, "adaptive depth 3": 9.5}
+    depths = {1: {"believed": [0.5, 0.8], "own_steps": 40, "own": [0.6, 1.0]},
+              2: {"believed": [0.7, 1.1], "own_steps": 9, "own": [0.9, 1.9]},
+              3: {"believed": None, "own_steps": 30, "own": [1.0, 2.0]}}
+    report = {"cost": "x", "batch": 4, "decisions": 5, "plain_decisions": 1, "depths_when_speculating": {1: 4},
+              "median_speculative_tok_s": 20.0, "plain_tok_s": 15.0,
+              "last": {"realised_tok_s_by_depth": {1: 20.0}}, "partial_probes": {"count": 0}, "run_tok_s": runs,
+              "depths": depths}
+    script = _script()
+    monkeypatch.setattr(script, "lab", lambda cost, b: report)
+    assert script.main(["lab", "--cost", "x", "--batch", "4"]) == 0
     printed = capsys.readouterr().out
-    best = max((v, k) for k, v in runs.items() if k.startswith("fixed-"))
-    assert f"adaptive / best fixed ({best[1]}) {runs['adaptive'] / best[0]:.3f}" in printed
-    assert "its best single depth (adaptive depth " in printed
+    assert "adaptive / best fixed (fixed-1) 1.083, / its best single depth (adaptive depth 2) 0.9286" in printed
+    assert "depth 1: accepted / verified drafts per request per full-batch step, believed (median over " \
+           "decisions) 0.500 / 0.800, its own run's 0.600 / 1.000 (40 steps)" in printed
+    assert "depth 2:" not in printed and "depth 3:" not in printed
