@@ -42,6 +42,7 @@ def lab(cost_name: str, b: int) -> dict:
     (mean over its full-batch speculative steps in which every request drafted)."""
     from dspark.cost.serving import load_serving_cost
     from dspark.lab.replay.lab import Lab
+    from dspark.lab.replay.report import run_tok_s
     from dspark.lab.replay.trace import load_trace
     from dspark.lab.replay.variants import fit_trace_temperatures
     from dspark.serve.policies import Adaptive
@@ -71,23 +72,23 @@ def lab(cost_name: str, b: int) -> dict:
     runs, probes = {}, {}
     for name in ("fixed-0", "fixed-1", "fixed-2", "fixed-3", "adaptive"):
         res = study.run(policy if name == "adaptive" else name, b)
-        runs[name] = _tok_s(res)
+        runs[name] = run_tok_s(res)
         if name == "adaptive":
             probes = _probes(res.steps, b)
+    finite = [d for d in decisions if d["speculative_tok_s"] != float("inf")]
     # the depth choice off: the gate and one depth's planner (depth gamma: the variant "fixed depth")
     depths = {}
     for k in range(1, study.gamma + 1):
         one = Adaptive(study.planner(b, depth=k), study.cost.believed_plain(study.context), study.gate)
         res = study.run(one, b)
-        runs[f"adaptive depth {k}"] = _tok_s(res)
+        runs[f"adaptive depth {k}"] = run_tok_s(res)
         full = [s for s in res.steps if s.requests.numel() == b and s.speculated and s.drafting == b]
-        finite = [d["believed_by_depth"][k] for d in decisions if d["speculative_tok_s"] != float("inf")]
+        believed = [d["believed_by_depth"][k] for d in finite]
         depths[k] = {  # per request per step: what the gate believed of depth k, what depth k's own steps did
-            "believed": [statistics.median(x[i] for x in finite) for i in (0, 1)] if finite else None,
+            "believed": [statistics.median(x[i] for x in believed) for i in (0, 1)] if believed else None,
             "own_steps": len(full),
             "own": [sum(float((x - 1).sum()) for x in xs) / (b * len(full)) if full else None
                     for xs in ([s.commit_lens for s in full], [s.caps for s in full])]}
-    finite = [d for d in decisions if d["speculative_tok_s"] != float("inf")]
     return {"cost": cost_name, "batch": b, "decisions": len(decisions),
             "plain_decisions": sum(not d["speculate"] for d in decisions),
             "depths_when_speculating": dict(collections.Counter(d["depth"] for d in decisions if d["speculate"])),
@@ -95,11 +96,6 @@ def lab(cost_name: str, b: int) -> dict:
             "plain_tok_s": decisions[0]["plain_tok_s"] if decisions else None,
             "last": decisions[-1] if decisions else None, "partial_probes": probes, "run_tok_s": runs,
             "depths": depths}
-
-
-def _tok_s(res) -> float:
-    """A run's useful tokens (none past a request's end) over its seconds, as `policy_lab.py`'s `run_tok_s`."""
-    return sum(s.useful for s in res.steps) / res.seconds if res.seconds > 0 else 0.0
 
 
 def _probes(steps: list, b: int) -> dict:

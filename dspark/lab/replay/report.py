@@ -68,6 +68,11 @@ def time_per_output_token(res: GenerateResult, measured: range | None = None) ->
     return [(c[1] - c[2]) / c[0] for c in counted if c[0]]
 
 
+def run_tok_s(res: GenerateResult) -> float:
+    """A run's useful tokens (none past a request's end) over all its seconds, prefill, ramp and drain included."""
+    return sum(s.useful for s in res.steps) / res.seconds if res.seconds > 0 else 0.0
+
+
 def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measured: range | None = None) -> dict:
     """One run's numbers; temperatures [k]: how the step's confidence logits turn into the predicted tau
     (None: raw, e.g. the online estimator's own calibration); measured: the queue positions counted (None:
@@ -102,7 +107,7 @@ def run_summary(res: GenerateResult, temperatures: Sequence[float] | None, measu
         "full_concurrency": all(c[3] for c in counted),
         "tpot_ms_p50": 1e3 * float(np.percentile(tpot, 50)),
         "tpot_ms_p90": 1e3 * float(np.percentile(tpot, 90)),
-        "run_tok_s": sum(s.useful for s in res.steps) / res.seconds if res.seconds > 0 else 0.0,
+        "run_tok_s": run_tok_s(res),
         "steps": len(res.steps),
         "seconds": res.seconds,
         "prefill_share": (res.startup_seconds + sum(s.times.prefill for s in res.steps)) / res.seconds,
