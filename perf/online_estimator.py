@@ -50,7 +50,7 @@ from dspark.lab.demo.config import DemoConfig, request_lengths
 from dspark.lab.demo.models import load_models
 from dspark.lab.profile import ProfileRuns, fit_cost_model, profile_points, profile_step_costs
 from dspark.lab.serving_profile import ProfiledPlanners, serving_cost_of_steps
-from dspark.lab.timing import lockstep
+from dspark.lab.timing import lockstep, resumed
 from dspark.models.corpus import prompt_windows
 from dspark.models.streams import greedy_streams
 from dspark.plan.planner import PlannerSettings
@@ -200,11 +200,7 @@ def throughput(decoder: SpecDecoder, encode, est: OnlineAcceptanceEstimator, tem
         tps: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]
-            policies = {n: make(n, b) for n in order}
-            for n, policy in policies.items():
-                if isinstance(policy, Adaptive):
-                    policy.resume(earlier[n])
-            earlier = policies
+            policies = earlier = resumed({n: make(n, b) for n in order}, earlier)
             res = lockstep({n: decoders[n].start(queue, counts, policies[n], mode=VerifyMode.COMPACT, max_batch=b)
                             for n in order})
             for n in names:

@@ -7,12 +7,14 @@ runs (each on its own decoder, `SpecDecoder.fork`) one step at a time, always th
 charged time so far: every run's time is spent over the same stretch of wall time, so a slow spell is
 shared by all of them in proportion to their time instead of deciding a ranking. Each step is still
 timed on its own (the runs' results are exactly what `generate` would return, with the same tokens).
+`resumed` carries each adaptive policy's realised acceptance from one round to the next (`Adaptive.resume`).
 """
 from __future__ import annotations
 
 from typing import Hashable, Mapping
 
 from dspark.serve.outcome import DecodeRun, GenerateResult
+from dspark.serve.policies import Adaptive, Policy
 
 
 def lockstep(runs: Mapping[Hashable, DecodeRun]) -> dict[Hashable, GenerateResult]:
@@ -29,3 +31,13 @@ def lockstep(runs: Mapping[Hashable, DecodeRun]) -> dict[Hashable, GenerateResul
             continue
         charged[key] += step.times.total
     return {key: results[key] for key in runs}
+
+
+def resumed(policies: dict[Hashable, Policy], earlier: Mapping[Hashable, Policy]) -> dict[Hashable, Policy]:
+    """`policies` (fresh, one per run of a round) with each adaptive one resumed from `earlier`'s policy of the same
+    key, the one that served the round before: a server's policy is warm after its first requests. Returns
+    `policies`."""
+    for key, policy in policies.items():
+        if isinstance(policy, Adaptive):
+            policy.resume(earlier[key])
+    return policies

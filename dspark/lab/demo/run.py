@@ -62,7 +62,7 @@ from dspark.lab.profile import PlainStepCost, ProfileRuns, fit_cost_model, profi
 from dspark.lab.progress import Progress
 from dspark.lab.replay.report import time_per_output_token
 from dspark.lab.serving_profile import ProfiledPlanners, serving_cost_of_steps
-from dspark.lab.timing import lockstep
+from dspark.lab.timing import lockstep, resumed
 from dspark.models.corpus import prompt_windows
 from dspark.models.draft import DraftConfig
 from dspark.plan.planner import PlannerSettings
@@ -253,11 +253,7 @@ def _run(cfg: DemoConfig, device: torch.device, mode: VerifyMode, names: list[st
             bar(f"B={b} warm-up {name}")
         for rep in range(cfg.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no policy always first
-            policies = {name: make(name) for name in order}
-            for name, policy in policies.items():  # warm, as a server's policy is after its first requests
-                if isinstance(policy, Adaptive):
-                    policy.resume(earlier[name])
-            earlier = policies
+            policies = earlier = resumed({name: make(name) for name in order}, earlier)  # warm, as a server's
             results = lockstep({name: decoders[name].start(queue, counts, policies[name], draws(cfg.seed + rep),
                                                            mode=mode, max_batch=b) for name in order})
             bar(f"B={b} round {rep + 1}/{cfg.repeats}")
