@@ -63,7 +63,7 @@ def test_sums_over_positions_follow_the_scalar_rules_at_every_depth(seed, prior_
         vl = rng.integers(1, GAMMA + 2, n)
         commit = rng.integers(1, GAMMA + 2, n)
         surv = np.cumprod(rng.uniform(0.05, 1.0, (n, GAMMA)), 1)
-        mine.observe_plan(vl, surv, commit)
+        mine.observe_plan(vl.tolist(), surv.tolist(), commit.tolist())
         for d, ref in refs.items():
             ref.plan(np.minimum(vl, d + 1), surv, commit)
     for d, ref in refs.items():
@@ -76,12 +76,11 @@ def test_sums_over_positions_follow_the_scalar_rules_at_every_depth(seed, prior_
 
 def test_a_shallow_step_updates_its_positions_and_reverts_the_others() -> None:
     fb = RealisedAcceptance(GAMMA, 0.5, 0)
-    full = np.full(2, GAMMA + 1)
-    fb.observe_plan(full, np.ones((2, GAMMA)), full)  # every draft verified and accepted
+    fb.observe_plan([GAMMA + 1] * 2, [[1.0] * GAMMA] * 2, [GAMMA + 1] * 2)  # every draft verified and accepted
     assert fb.predict(GAMMA) == pytest.approx((3.0, 3.0))
     # depth 1, nothing accepted: position 0 moves to 0; positions 1, 2 revert toward their long-run mean (1, 1)
-    fb.observe_plan(np.full(2, 2), np.ones((2, 1)), np.ones(2, dtype=np.int64))
+    fb.observe_plan([2, 2], [[1.0], [1.0]], [1, 1])
     acc, ver = fb.predict(1)
     assert acc < 1.0 and ver == pytest.approx(1.0)
-    assert fb.mean[0, 1:] == pytest.approx([1.0, 1.0]) and fb.counts.tolist() == [4, 2, 2]
+    assert fb.mean[0][1:] == pytest.approx([1.0, 1.0]) and fb.counts == [4, 2, 2]
     assert fb.predict(GAMMA)[0] == pytest.approx(acc + 2.0)

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -169,7 +168,7 @@ class Adaptive(Policy):
         the lagged survival (the gamma planner's best theta)."""
         b = slots.numel()
         if self.feedback.mean is not None and len(self._planners) > 1 and (
-                self.feedback.counts.min() < self.feedback_settings.prior_weight):
+                min(self.feedback.counts) < self.feedback_settings.prior_weight):
             # choosing the depth: full-depth warm-up until every position's average rests on prior_weight outcomes
             # of its own (an early prior must not drop a position that would then never be observed again)
             return self.gamma, math.inf
@@ -248,11 +247,10 @@ class Adaptive(Policy):
             return
         (lens, survival, drafting), self._pending = self._pending, None
         # the planner's own (already checked) lengths and survival, copied to the host while it planned
-        vl, survival = boundary.to_host(lens).astype(np.int64), boundary.to_host(survival).astype(np.float64)
-        commit = boundary.to_host(commit_lens)
+        vl, survival, commit = boundary.to_host(lens), boundary.to_host(survival), boundary.to_host(commit_lens)
         if drafting is not None:  # a partial probe: the outcomes of the requests that drafted; the rest were plain
             rows = drafting.numpy()
             vl, survival, commit = vl[rows], survival[rows], commit[rows]
             self.feedback.observe_plain(int((~drafting).sum()))
-        self.feedback.observe_plan(vl, survival, commit)
+        self.feedback.observe_plan(vl.tolist(), survival.tolist(), commit.tolist())
         self.gate.forget()

@@ -10,21 +10,24 @@ Why each rule: docs/policies.md.
 """
 from __future__ import annotations
 
-import numpy as np
+import itertools
 
 
 class RealisedAcceptance:
-    """Moving averages [2, gamma] of (accepted, verified) drafts per request per step, per draft position."""
+    """Moving averages [2][gamma] of (accepted, verified) drafts per request per step, per draft position.
+
+    Host lists and Python floats throughout: a step folds in a few numbers per request and per position, and the
+    policy runs between forwards that leave the caches cold, where each array operation costs tens of
+    microseconds (perf/README.md, `policy_overhead.py --evict-mb`)."""
 
     def __init__(self, gamma: int, decay: float, prior_weight: int):
         self.gamma, self.decay, self.prior_weight = gamma, decay, prior_weight
-        self.mean: np.ndarray | None = None  # [2, gamma] the moving averages, once any outcome was seen
-        self.counts = np.zeros(gamma)  # request outcomes that drafted each position
-        self.totals = np.zeros((2, gamma))  # accepted, verified per position summed over those outcomes
-        self.predicted = np.zeros((2, gamma))  # the plans' calibrated predictions summed over the same
-        self.prior: np.ndarray | None = None  # [2, gamma] mean prediction per outcome (prior_weight > 0)
+        self.mean: list[list[float]] | None = None  # [2][gamma] the moving averages, once any outcome was seen
+        self.counts = [0] * gamma  # request outcomes that drafted each position
+        self.totals = [[0.0] * gamma, [0.0] * gamma]  # accepted, verified per position summed over those outcomes
+        self.predicted = [[0.0] * gamma, [0.0] * gamma]  # the plans' calibrated predictions summed over the same
+        self.prior: list[list[float]] | None = None  # [2][gamma] mean prediction per outcome (prior_weight > 0)
         self.depth_seen = 0  # positions with outcomes: 0..depth_seen-1 (a step drafting k observes 0..k-1)
-        self._positions = np.arange(gamma)
 
     def predict(self, depth: int) -> tuple[float, float] | None:
         """(accepted, verified) drafts per request of a step drafting `depth`; None before any outcome."""
@@ -36,39 +39,56 @@ class RealisedAcceptance:
         once: the positions' averages summed left to right); None before any outcome."""
         if self.mean is None:
             return None
-        accepted, verified = np.cumsum(self.mean, axis=1).tolist()
+        accepted, verified = (list(itertools.accumulate(row)) for row in self.mean)
         return accepted, verified
 
-    def observe_plan(self, verify_lens: np.ndarray, survival: np.ndarray, commit_lens: np.ndarray) -> None:
-        """A speculative step's outcome: verify_lens [n] (root included), the plan's calibrated survival [n, k]
-        (k: the step's depth; read only with prior_weight > 0), commit_lens [n]."""
-        n, k = verify_lens.size, survival.shape[1]
+    def observe_plan(self, verify_lens: list[int], survival: list[list[float]], commit_lens: list[int]) -> None:
+        """A speculative step's outcome, host lists: verify_lens [n] (root included), the plan's calibrated survival
+        [n][k] (k: the step's depth; read only with prior_weight > 0), commit_lens [n]."""
+        n = len(verify_lens)
         if n == 0:  # no request drafted: nothing observed
             return
-        ends = np.empty((2, n), dtype=np.int64)  # accepted, verified
-        np.minimum(commit_lens, verify_lens, out=ends[0])
-        ends[1] = verify_lens
-        ends -= 1
-        within = self._positions[:k] < ends[:, :, None]  # [2, n, k]: draft j accepted / verified
-        counts = within.sum(1)  # [2, k] outcomes per position
-        seen = self.depth_seen  # positions seen..k-1 have their first outcomes
-        self.counts[:k] += n
-        if self.prior_weight:
-            self.predicted[0, :k] += (survival * within[1]).sum(0)
-            self.predicted[1, :k] += counts[1]
-            self.prior = self.predicted / np.maximum(self.counts, 1)
-        outcome = counts / n  # [2, k] per request outcome
-        self.totals[:, :k] += n * outcome
+        k = len(survival[0])
+        # per request: drafts accepted and verified (within the verified rows), as histograms over 0..k
+        accepted, verified, expected = [0] * (k + 1), [0] * (k + 1), [0.0] * k
+        weigh = self.prior_weight > 0
+        for v, c, row in zip(verify_lens, commit_lens, survival):
+            verified[v - 1] += 1
+            accepted[max(min(c, v) - 1, 0)] += 1
+            if weigh:
+                for j in range(v - 1):
+                    expected[j] += row[j]
+        counts = []  # [2][k] outcomes per position: requests whose accepted / verified drafts reach past it
+        for hist in (accepted, verified):
+            reach, running = [0] * k, 0
+            for j in range(k - 1, -1, -1):
+                running += hist[j + 1]
+                reach[j] = running
+            counts.append(reach)
+        seen, counted = self.depth_seen, self.counts  # positions seen..k-1 have their first outcomes
+        for j in range(k):
+            counted[j] += n
+        if weigh:
+            acc, ver = self.predicted
+            for j in range(k):
+                acc[j] += expected[j]
+                ver[j] += counts[1][j]
+            self.prior = [[p / max(c, 1) for p, c in zip(row, counted)] for row in self.predicted]
+        outcome = [[c / n for c in row] for row in counts]  # [2][k] per request outcome
+        for total, row in zip(self.totals, outcome):
+            for j in range(k):
+                total[j] += n * row[j]
         prior = self.prior_weight if self.prior is not None else 0
-        w = np.maximum(1 - self.decay ** n, n / (self.counts[:k] + prior))
+        first = 1 - self.decay ** n
+        w = [max(first, n / (counted[j] + prior)) for j in range(k)]
         if self.mean is None:
-            self.mean = np.zeros((2, self.gamma))
-        old = self.mean[:, :k]
-        if k > seen:
-            old = old.copy()
-            old[:, seen:] = (self.prior if self.prior is not None else outcome)[:, seen:k]
-            self.depth_seen = k
-        self.mean[:, :k] = (1 - w) * old + w * outcome
+            self.mean = [[0.0] * self.gamma, [0.0] * self.gamma]
+        start = self.prior if self.prior is not None else outcome  # a position's first outcomes start from it
+        for i, (mean, row) in enumerate(zip(self.mean, outcome)):
+            for j in range(k):
+                old = mean[j] if j < seen else start[i][j]
+                mean[j] = (1 - w[j]) * old + w[j] * row[j]
+        self.depth_seen = max(seen, k)
         self._revert(k, n)
 
     def observe_plain(self, n: int) -> None:
@@ -77,13 +97,14 @@ class RealisedAcceptance:
 
     def _revert(self, first: int, n: int) -> None:
         """Positions first.. that have outcomes (first..depth_seen-1) move toward their long-run mean."""
-        lo, hi = first, self.depth_seen
-        if self.mean is None or lo >= hi:
+        if self.mean is None or first >= self.depth_seen:
             return
-        totals, counts = self.totals[:, lo:hi], self.counts[lo:hi]
-        if self.prior is not None:
-            mean = (totals + self.prior_weight * self.prior[:, lo:hi]) / np.maximum(counts + self.prior_weight, 1)
-        else:
-            mean = totals / np.maximum(counts, 1)
-        w = 1 - self.decay ** n
-        self.mean[:, lo:hi] = (1 - w) * self.mean[:, lo:hi] + w * mean
+        w, counts = 1 - self.decay ** n, self.counts
+        weight, prior = (self.prior_weight, self.prior) if self.prior is not None else (0, None)
+        for i, (mean, total) in enumerate(zip(self.mean, self.totals)):
+            for j in range(first, self.depth_seen):
+                if prior is None:
+                    long_run = total[j] / max(counts[j], 1)
+                else:
+                    long_run = (total[j] + weight * prior[i][j]) / max(counts[j] + weight, 1)
+                mean[j] = (1 - w) * mean[j] + w * long_run
