@@ -183,7 +183,7 @@ class VerifyPlanner:
         self._next_row = self.ring.next_row_to_host() if sync_free else None
         self._seconds: dict[tuple[int, torch.device], Tensor] = {}  # T(B, B*F + b) per (B, device)
         self._seconds_window_by_b: dict[int, np.ndarray] = {}  # the same on the host, per B
-        self._filled_window_by_b: dict[int, np.ndarray] = {}  # its `filled_tier_seconds`, per B
+        self._filled_window_by_b: dict[int, list[float]] = {}  # its `filled_tier_seconds`, per B
         self._full_bound: dict[tuple[int, bool], float] = {}  # `full_window_bound` per (B, greedy)
         self._host_layouts: dict[tuple[int, bytes], RaggedVerifyLayout] = {}  # host layouts by rows, lengths
         if parallel is not None and not isinstance(parallel, ParallelConfig):
@@ -335,12 +335,12 @@ class VerifyPlanner:
             seconds = self._seconds_window_by_b[b] = seconds_over_window(self.cost_model, b, self.cfg).numpy()
         return seconds
 
-    def filled_seconds_window(self, b: int) -> np.ndarray:
+    def filled_seconds_window(self, b: int) -> list[float]:
         """`seconds_window(b)` with each tier's padding shared out (`filled_tier_seconds`: the allocation fills a
-        tier's free rows), computed once per B."""
+        tier's free rows), host floats [B * C + 1] (read one at a time, by the adaptive policy), computed once per B."""
         seconds = self._filled_window_by_b.get(b)
         if seconds is None:
-            seconds = self._filled_window_by_b[b] = filled_tier_seconds(self.seconds_window(b))
+            seconds = self._filled_window_by_b[b] = filled_tier_seconds(self.seconds_window(b)).tolist()
         return seconds
 
     def _device_tiers(self, device: torch.device) -> Tensor | None:

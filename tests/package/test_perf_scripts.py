@@ -193,6 +193,29 @@ def test_policy_overhead_charges_each_hook_to_the_step_it_ran_in() -> None:
                              "observe_seconds": 32.0}
 
 
+def test_policy_overhead_evicts_before_the_hooks_a_forward_precedes_outside_their_time() -> None:
+    """`--evict-mb`: the eviction runs before each speculate / plan / observe and is charged to no hook."""
+    from dspark.serve.policies import Policy
+
+    po = _script("policy_overhead")
+    now, evicted = [0.0], []
+
+    class Ticking(Policy):
+        pass
+    for name in po.HOOKS:
+        setattr(Ticking, name, lambda self, *a, _n=name, **k: now.__setitem__(0, now[0] + 1.0))
+    policy = Ticking()
+
+    def evict() -> None:
+        evicted.append(len(clock.steps))
+        now[0] += 100.0  # a slow read: none of it may land in a step
+    clock = po.HookClock(policy, clock=lambda: now[0], evict=evict)
+    for name in ("speculate", "confidence", "plan", "observe", "observe_seconds", "speculate", "plan"):
+        getattr(policy, name)()
+    assert clock.steps == [5.0, 2.0] and evicted == [0, 1, 1, 1, 2]  # before speculate, plan, observe only
+    assert po.evictor(0) is None and po.evictor(1)() == 2**20 // 8  # a read of the whole buffer
+
+
 def test_policy_overhead_counts_the_layouts_built_inside_a_hook_only(monkeypatch) -> None:
     from dspark.serve.policies import Policy
     from dspark.verify.layout import RaggedVerifyLayout

@@ -180,7 +180,7 @@ class Adaptive(Policy):
                 base = b * planner.cfg.floor
                 budget = min(max(0, round(b * (1 + verified)) - base), b * planner.cfg.width - base)
                 # the step at its filled-tier price, and the next one's catch-up of the drafts it accepts
-                seconds = float(planner.filled_seconds_window(b)[budget]) + catch_up * b * accepted
+                seconds = planner.filled_seconds_window(b)[budget] + catch_up * b * accepted
                 rate = b * (1 + accepted) / seconds
                 if rate > best[1]:  # ties to the shallower depth
                     best = (depth, rate)
