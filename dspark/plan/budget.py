@@ -215,11 +215,23 @@ def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig
     Returns:
         (the budget as an int, the BudgetDecision with its tensors on the host).
     """
+    k, curves = host_choice(host, cost_model, cfg, greedy=greedy, seconds=seconds, tiers=tiers)
+    return k, curves_decision(k, curves)
+
+
+def host_choice(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig, *, greedy: bool = False,
+                seconds: np.ndarray | None = None, tiers: Sequence[int] | None = None) -> tuple[int, _Curves]:
+    """`host_decision`'s budget and its host curves, the tensors of its `BudgetDecision` not yet made
+    (`curves_decision`: a planner makes them when a caller first reads the plan's decision)."""
     c = _host_curves(host, cost_model, cfg, seconds)
-    k = _greedy_stop(c, tiers) if greedy else int(c.theta.argmax())
-    budget = torch.from_numpy(np.array(k, dtype=np.int64))  # 0-d (cheaper than torch.tensor(k))
-    return k, BudgetDecision(budget, c.base, torch.from_numpy(c.tau), torch.from_numpy(c.seconds),
-                             torch.from_numpy(c.theta))
+    return (_greedy_stop(c, tiers) if greedy else int(c.theta.argmax())), c
+
+
+def curves_decision(budget: int, c: _Curves) -> BudgetDecision:
+    """The `BudgetDecision` of a host choice: its budget and curves as host tensors (views of the curves)."""
+    chosen = torch.from_numpy(np.array(budget, dtype=np.int64))  # 0-d (cheaper than torch.tensor(k))
+    return BudgetDecision(chosen, c.base, torch.from_numpy(c.tau), torch.from_numpy(c.seconds),
+                          torch.from_numpy(c.theta))
 
 
 def full_window_bound(seconds: np.ndarray, num_requests: int, cfg: ScheduleConfig, *, greedy: bool,

@@ -50,10 +50,13 @@ from dspark.plan.budget import (
     HOST_PLAN_MAX,
     BudgetDecision,
     HostSurvival,
+    _Curves,
     check_config,
     choose_budget,
+    curves_decision,
     filled_tier_seconds,
     full_window_bound,
+    host_choice,
     host_decision,
     host_survival,
     seconds_over_window,
@@ -83,7 +86,8 @@ class VerifyPlan:
     `tier_budget` is what the allocation was offered: the decision's budget grown to the tier top by
     graph-tier fill; it exceeds `budget` when the candidates run out first (the rest is padding).
     `decision` lives where the budget was chosen (the host, or the device: `_device_decision`); a host plan
-    that took every candidate by `full_window_bound` builds its curves on first access. `step_seconds`
+    makes its tensors on first access, and one that took every candidate by `full_window_bound` its curves too.
+    `step_seconds`
     is T(B, decision.rows) on the host, the step time the decision expects.
     `dp` is the DP-global tier decision when the planner runs with a DP group.
     """
@@ -139,8 +143,8 @@ class PlannerSettings:
             check_int("graph_slots", self.graph_slots, 1)
 
 
-def _decision_of(decide: Callable[[], tuple[int, BudgetDecision]]) -> BudgetDecision:
-    return decide()[1]
+def _chosen_decision(choose: Callable[[], tuple[int, _Curves]]) -> BudgetDecision:
+    return curves_decision(*choose())
 
 
 def tier_fill(budget: int, num_requests: int, floor: int, tiers: Sequence[int]) -> tuple[int, int | None]:
@@ -272,17 +276,18 @@ class VerifyPlanner:
                      ) -> tuple[bool, int, BudgetDecision | Callable[[], BudgetDecision], int]:
         """A host step's (whether it takes every candidate, budget, decision, live candidates): the argmax over the
         lagged survival, or at lag 0 over the live one (the greedy scan unless `live_argmax`); when `_takes_all`
-        knows its answer, the decision's curves are left to a first `VerifyPlan.decision`."""
+        knows its answer, the decision's curves are left to a first `VerifyPlan.decision`, and its tensors always are
+        (a policy reads the budget and the layout only)."""
         cfg, b = self.cfg, live.values.shape[0]
         # the ring holds calibrated rows (or ones): no repair
         budget_from = live if lagged is None else host_survival(lagged, calibrated=True)
-        decide = functools.partial(host_decision, budget_from, self.cost_model, cfg, greedy=self._scan,
+        choose = functools.partial(host_choice, budget_from, self.cost_model, cfg, greedy=self._scan,
                                    seconds=self.seconds_window(b), tiers=self.tiers or None)
         if self._takes_all(budget_from, live, greedy=self._scan):
             every = b * cfg.num_candidate_columns
-            return True, every, functools.partial(_decision_of, decide), every
-        budget, decision = decide()
-        return False, budget, decision, live.window(cfg)[1]
+            return True, every, functools.partial(_chosen_decision, choose), every
+        budget, curves = choose()
+        return False, budget, functools.partial(curves_decision, budget, curves), live.window(cfg)[1]
 
     def _takes_all(self, budget_from: HostSurvival, live: HostSurvival, greedy: bool) -> bool:
         """Whether this host step verifies every candidate, known without the scan: each candidate the budget

@@ -34,6 +34,12 @@ def to_host(values: Tensor) -> np.ndarray:
     return values.detach().cpu().numpy()
 
 
+def to_host_list(values: Tensor) -> list:
+    """`values` as host Python numbers (nested lists by its shape): the same one read as `to_host`, for host
+    bookkeeping in plain Python (no array library between a policy's forwards)."""
+    return values.detach().cpu().tolist()
+
+
 def to_host_later(values: Tensor) -> Tensor:
     """`values` for a `to_host` read after the device's next `synchronize` (a step's commit sync): on CUDA a
     pinned host copy queued behind the device's work now, not waited for, so that read waits for nothing; on the

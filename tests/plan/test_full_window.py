@@ -152,8 +152,8 @@ def test_a_lagged_budget_takes_the_shortcut_only_when_every_live_draft_counts() 
 def test_a_confident_step_skips_the_scan(monkeypatch) -> None:
     planner = VerifyPlanner(ScheduleConfig(gamma=4), COSTS["flat"], PlannerSettings(lag=0))
     calls = []
-    scan = planner_module.host_decision
-    monkeypatch.setattr(planner_module, "host_decision", lambda *a, **k: calls.append(1) or scan(*a, **k))
+    scan = planner_module.host_choice
+    monkeypatch.setattr(planner_module, "host_choice", lambda *a, **k: calls.append(1) or scan(*a, **k))
     plan = planner.plan(torch.full((3, 4), 8.0), torch.arange(3), torch.zeros(3, dtype=torch.int64))
     assert calls == [] and plan.verify_lens.tolist() == [5, 5, 5] and plan.budget == 12
     assert int(plan.decision.budget) == 12 and calls == [1]  # the curves on first access, once

@@ -247,10 +247,11 @@ class Adaptive(Policy):
             return
         (lens, survival, drafting), self._pending = self._pending, None
         # the planner's own (already checked) lengths and survival, copied to the host while it planned
-        vl, survival, commit = boundary.to_host(lens), boundary.to_host(survival), boundary.to_host(commit_lens)
+        vl, survival = boundary.to_host_list(lens), boundary.to_host_list(survival)
+        commit = boundary.to_host_list(commit_lens)
         if drafting is not None:  # a partial probe: the outcomes of the requests that drafted; the rest were plain
-            rows = drafting.numpy()
-            vl, survival, commit = vl[rows], survival[rows], commit[rows]
-            self.feedback.observe_plain(int((~drafting).sum()))
-        self.feedback.observe_plan(vl.tolist(), survival.tolist(), commit.tolist())
+            drafted = drafting.tolist()
+            vl, survival, commit = ([x for x, d in zip(xs, drafted) if d] for xs in (vl, survival, commit))
+            self.feedback.observe_plain(len(drafted) - sum(drafted))
+        self.feedback.observe_plan(vl, survival, commit)
         self.gate.forget()
