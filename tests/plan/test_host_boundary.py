@@ -221,3 +221,12 @@ def test_a_later_host_copy_is_queued_behind_the_device_and_read_after_its_sync(d
         assert later.data_ptr() == x.data_ptr()  # a view: nothing copied
     else:
         assert later.data_ptr() != x.data_ptr() and later.is_pinned() == boundary.pinned(device)
+
+
+def test_a_host_list_read_gives_the_values_as_python_numbers(device):
+    """`boundary.to_host_list`: the `to_host` read as nested Python lists (exact float32 values, ints as ints)."""
+    x = (torch.arange(6, dtype=torch.float32, device=device) / 3.0 - 0.7).reshape(2, 3)
+    lens = torch.tensor([3, 1], dtype=torch.int32, device=device)
+    got = boundary.to_host_list(x)
+    assert got == boundary.to_host(x).tolist() and type(got[1][2]) is float and len(got) == 2
+    assert boundary.to_host_list(lens) == [3, 1] and all(type(v) is int for v in boundary.to_host_list(lens))
