@@ -4,7 +4,7 @@ For B in {1, 8, 64, 256, 1024} x gamma in {4, 7, 16} (a 1-D steps/s table): medi
 decision, budget then allocation, three ways, timed side by side in alternating blocks:
 
 - `planner`: what `VerifyPlanner.plan` runs per step after validating once (`host_survival` of the
-  calibrated survival, `host_decision` with the per-B seconds window cached, `_allocate` reusing
+  calibrated survival, `host_choice` with the per-B seconds window cached, `_allocate` reusing
   the budget's sorted window);
 - `public`: the public calls `choose_budget` + `allocate_verify_lens` on the tensor, each checking its
   inputs and the survival (the repair check), reading the cost table;
@@ -32,7 +32,7 @@ import torch
 
 from dspark import ScheduleConfig, StepsPerSecondTable, allocate_verify_lens, calibrated_survival, choose_budget
 from dspark.plan.allocate import _allocate
-from dspark.plan.budget import host_decision, host_survival, seconds_over_window
+from dspark.plan.budget import host_choice, host_survival, seconds_over_window
 from dspark.util.fileio import atomic_write_text
 from dspark.util.options import at_least, output_path
 
@@ -67,7 +67,7 @@ def sglang_decision(survival: torch.Tensor, cost: StepsPerSecondTable, cfg: Sche
 def planner_decision(survival: torch.Tensor, cost: StepsPerSecondTable, cfg: ScheduleConfig,
                      seconds) -> Decision:
     host = host_survival(survival, calibrated=True)
-    budget, _ = host_decision(host, cost, cfg, seconds=seconds)
+    budget, _ = host_choice(host, cost, cfg, seconds=seconds)
     return budget, _allocate(host, budget, cfg)
 
 

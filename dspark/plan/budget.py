@@ -136,9 +136,8 @@ def _at(curve: Tensor, budget: Tensor) -> Tensor:
     return curve.index_select(0, budget.reshape(1)).squeeze(0)  # a tensor index: no host read
 
 
-class _Curves(NamedTuple):
+class HostCurves(NamedTuple):
     """Host float64 curves over b = 0..B * C; budgets past `num_valid` as `BudgetDecision`'s."""
-
     base: int  # B * F: rows at b = 0
     num_valid: int  # #candidates
     tau: np.ndarray
@@ -147,7 +146,7 @@ class _Curves(NamedTuple):
 
 
 def _host_curves(host: HostSurvival, cost_model: CostModel | None, cfg: ScheduleConfig,
-                 seconds: np.ndarray | None) -> _Curves:
+                 seconds: np.ndarray | None) -> HostCurves:
     """tau from the sorted window (sequential float64 prefix sums, best first), and with a cost model
     T(B, B * F + b) (`seconds`, when the caller cached the whole window, else `seconds_curve`) and theta."""
     values, f = host.values, cfg.floor
@@ -159,11 +158,11 @@ def _host_curves(host: HostSurvival, cost_model: CostModel | None, cfg: Schedule
     tau[n + 1:] = tau[n]
     tau += floor
     if cost_model is None:
-        return _Curves(b * f, n, tau, None, None)
+        return HostCurves(b * f, n, tau, None, None)
     seconds = cost_model.seconds_curve(b, b * f, tau.size) if seconds is None else seconds[: tau.size]
     theta = tau / seconds
     theta[n + 1:] = -np.inf
-    return _Curves(b * f, n, tau, seconds, theta)
+    return HostCurves(b * f, n, tau, seconds, theta)
 
 
 def tier_keys(rows: np.ndarray, tiers: Sequence[int]) -> np.ndarray:
@@ -193,45 +192,43 @@ def _scan_ends(base: int, seconds: np.ndarray, last: int, tiers: Sequence[int] |
     return np.append(ends, last)
 
 
-def _greedy_stop(c: _Curves, tiers: Sequence[int] | None) -> int:
+def _greedy_stop(c: HostCurves, tiers: Sequence[int] | None) -> int:
     """`greedy_budget`'s scan over runs of one tier, or of equal predicted seconds (see its docstring)."""
     ends = _scan_ends(c.base, c.seconds, c.num_valid, tiers)
     stops = np.flatnonzero(c.theta[ends[1:]] <= c.theta[ends[:-1]])
     return int(ends[stops[0]] if stops.size else ends[-1])
 
 
-def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig, *, greedy: bool = False,
-                  seconds: np.ndarray | None = None, tiers: Sequence[int] | None = None) -> tuple[int, BudgetDecision]:
-    """`choose_budget` (or with `greedy`, `greedy_budget`) on the host, without checks.
+def host_choice(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig, *, greedy: bool = False,
+                seconds: np.ndarray | None = None, tiers: Sequence[int] | None = None) -> tuple[int, HostCurves]:
+    """`choose_budget` (or with `greedy`, `greedy_budget`) on the host, without checks; its `BudgetDecision` not
+    yet made (`curves_decision`: a planner makes it when a caller first reads the plan's decision).
 
     Args:
-        host: the step's survival on the host.
-        cost_model: a model that fits the config (`check_cost_model`).
-        cfg: the schedule.
-        greedy: the synchronous early-stop scan instead of the argmax.
+        host: the step's survival on the host; cost_model: a model that fits the config (`check_cost_model`).
+        cfg: the schedule; greedy: the synchronous early-stop scan instead of the argmax.
         seconds: float64 [>= #candidates + 1] T(B, B * F + b) when the caller caches it per B
             (`seconds_over_window`); None reads `cost_model.seconds_curve`.
         tiers: the graph tiers the step pads to (checked, ascending): the greedy scan's runs.
     Returns:
-        (the budget as an int, the BudgetDecision with its tensors on the host).
+        (the budget as an int, its host curves).
     """
-    k, curves = host_choice(host, cost_model, cfg, greedy=greedy, seconds=seconds, tiers=tiers)
-    return k, curves_decision(k, curves)
-
-
-def host_choice(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig, *, greedy: bool = False,
-                seconds: np.ndarray | None = None, tiers: Sequence[int] | None = None) -> tuple[int, _Curves]:
-    """`host_decision`'s budget and its host curves, the tensors of its `BudgetDecision` not yet made
-    (`curves_decision`: a planner makes them when a caller first reads the plan's decision)."""
     c = _host_curves(host, cost_model, cfg, seconds)
     return (_greedy_stop(c, tiers) if greedy else int(c.theta.argmax())), c
 
 
-def curves_decision(budget: int, c: _Curves) -> BudgetDecision:
+def curves_decision(budget: int, c: HostCurves) -> BudgetDecision:
     """The `BudgetDecision` of a host choice: its budget and curves as host tensors (views of the curves)."""
-    chosen = torch.from_numpy(np.array(budget, dtype=np.int64))  # 0-d (cheaper than torch.tensor(k))
+    chosen = torch.from_numpy(np.array(budget, dtype=np.int64))  # 0-d (cheaper than torch.tensor(budget))
     return BudgetDecision(chosen, c.base, torch.from_numpy(c.tau), torch.from_numpy(c.seconds),
                           torch.from_numpy(c.theta))
+
+
+def host_decision(host: HostSurvival, cost_model: CostModel, cfg: ScheduleConfig, *, greedy: bool = False,
+                  seconds: np.ndarray | None = None, tiers: Sequence[int] | None = None) -> tuple[int, BudgetDecision]:
+    """`host_choice` with its decision made: (the budget as an int, the BudgetDecision on the host)."""
+    k, curves = host_choice(host, cost_model, cfg, greedy=greedy, seconds=seconds, tiers=tiers)
+    return k, curves_decision(k, curves)
 
 
 def full_window_bound(seconds: np.ndarray, num_requests: int, cfg: ScheduleConfig, *, greedy: bool,

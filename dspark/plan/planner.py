@@ -28,7 +28,7 @@ they live on the CPU, as they should).
 
 Checks: the configuration, cost model (its W), tiers, temperatures and lag are validated once, at
 construction; a step checks only its own inputs (logits shape, slots / generations) and the cost model's
-platform once per device type, then runs the unchecked stages (`_survival`, `host_decision` /
+platform once per device type, then runs the unchecked stages (`_survival`, `host_choice` /
 `traced_decision`, `_allocate`, `RaggedVerifyLayout._from_lens`).
 """
 from __future__ import annotations
@@ -49,15 +49,14 @@ from dspark.plan.allocate import _allocate
 from dspark.plan.budget import (
     HOST_PLAN_MAX,
     BudgetDecision,
+    HostCurves,
     HostSurvival,
-    _Curves,
     check_config,
     choose_budget,
     curves_decision,
     filled_tier_seconds,
     full_window_bound,
     host_choice,
-    host_decision,
     host_survival,
     seconds_over_window,
     traced_decision,
@@ -87,8 +86,7 @@ class VerifyPlan:
     graph-tier fill; it exceeds `budget` when the candidates run out first (the rest is padding).
     `decision` lives where the budget was chosen (the host, or the device: `_device_decision`); a host plan
     makes its tensors on first access, and one that took every candidate by `full_window_bound` its curves too.
-    `step_seconds`
-    is T(B, decision.rows) on the host, the step time the decision expects.
+    `step_seconds` is T(B, decision.rows) on the host, the step time the decision expects.
     `dp` is the DP-global tier decision when the planner runs with a DP group.
     """
 
@@ -143,7 +141,7 @@ class PlannerSettings:
             check_int("graph_slots", self.graph_slots, 1)
 
 
-def _chosen_decision(choose: Callable[[], tuple[int, _Curves]]) -> BudgetDecision:
+def _chosen_decision(choose: Callable[[], tuple[int, HostCurves]]) -> BudgetDecision:
     return curves_decision(*choose())
 
 
@@ -273,7 +271,7 @@ class VerifyPlanner:
         return layout
 
     def _host_budget(self, live: HostSurvival, lagged: Tensor | None
-                     ) -> tuple[bool, int, BudgetDecision | Callable[[], BudgetDecision], int]:
+                     ) -> tuple[bool, int, Callable[[], BudgetDecision], int]:
         """A host step's (whether it takes every candidate, budget, decision, live candidates): the argmax over the
         lagged survival, or at lag 0 over the live one (the greedy scan unless `live_argmax`); when `_takes_all`
         knows its answer, the decision's curves are left to a first `VerifyPlan.decision`, and its tensors always are
@@ -378,12 +376,12 @@ class VerifyPlanner:
         self.ring._write(slots, generations, survival)
         self._next_row = self.ring.next_row_to_host()
         b, cfg = survival.shape[0], self.cfg
-        budget, decision = host_decision(HostSurvival(lagged), self.cost_model, cfg, seconds=self.seconds_window(b))
+        budget, curves = host_choice(HostSurvival(lagged), self.cost_model, cfg, seconds=self.seconds_window(b))
         offered, tier = tier_fill(budget, b, cfg.floor, self.tiers)
         verify_lens = _allocate(survival, offered, cfg)
         # no tier fixes the rows: the layout reads its total (the step's one read)
         layout = RaggedVerifyLayout._from_lens(verify_lens, self.tiers, self.graph_slots, cfg.width, graph_rows=tier,
                                                host=host)
         executed = None if layout.total_rows is None else layout.total_rows - b * cfg.floor
-        return VerifyPlan(verify_lens, layout, decision, survival, executed, offered,
-                          float(self.seconds_window(b)[budget]))
+        return VerifyPlan(verify_lens, layout, functools.partial(curves_decision, budget, curves), survival, executed,
+                          offered, float(self.seconds_window(b)[budget]))

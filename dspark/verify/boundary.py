@@ -15,7 +15,8 @@ read of a step on the CPU and proves none happens outside this function; the cud
 tests/plan/test_planner.py asserts the same on a GPU.
 
 What a step's policy reads after the commit sync (the plan it made) it takes with `to_host_later` while planning:
-on CUDA the copy rides behind the step's work and the read needs no device; elsewhere it is read after the sync.
+on CUDA the copy rides behind the step's work and the read needs no device; elsewhere it is read after the sync,
+by `to_host`, or by `to_host_list` as Python numbers.
 The module also owns the other host-or-device choices of a step (`on_host`, `pinned`, `copy_done`,
 `synchronize`): callers ask these instead of testing device types themselves.
 """
@@ -34,10 +35,10 @@ def to_host(values: Tensor) -> np.ndarray:
     return values.detach().cpu().numpy()
 
 
-def to_host_list(values: Tensor) -> list:
-    """`values` as host Python numbers (nested lists by its shape): the same one read as `to_host`, for host
-    bookkeeping in plain Python (no array library between a policy's forwards)."""
-    return values.detach().cpu().tolist()
+def to_host_list(values: Tensor) -> list | int | float | bool:
+    """`values` read by `to_host` as Python numbers: nested lists by its shape (a 0-d tensor: one number), for host
+    bookkeeping in plain Python (a policy's, between forwards)."""
+    return to_host(values).tolist()
 
 
 def to_host_later(values: Tensor) -> Tensor:

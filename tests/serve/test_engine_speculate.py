@@ -349,6 +349,8 @@ def test_a_close_call_is_probed_whole_a_clear_one_a_few_requests_in_turn(device,
         assert masks == [None] * 4
     else:
         assert masks == [None, [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]]
+    # the realised acceptance counts the requests that drafted only: 4 + 4 + 4 + 4, or 4 + 1 + 1 + 1
+    assert policy.feedback.counts == [16 if whole else 7] * GAMMA
     assert Adaptive(_planner(device=device), lambda b: 1.0, gate=gate, feedback=FeedbackSettings(decay=None)
                     ).gate.settings.probe_requests is None  # without the feedback a probe drafts for every request
 

@@ -29,7 +29,7 @@ class ScalarReference:
             expected = sum(surv[r, :vl[r] - 1].sum() for r in range(n))
             self.predicted = [self.predicted[0] + expected, self.predicted[1] + float(vl.sum()) - n]
             self.prior = [p / (self.observed + n) for p in self.predicted]
-        acc, ver = float((np.minimum(commit, vl) - 1).mean()), float((vl - 1).mean())
+        acc, ver = float(np.maximum(np.minimum(commit, vl) - 1, 0).mean()), float((vl - 1).mean())
         self.observed += n
         self.totals = [self.totals[0] + n * acc, self.totals[1] + n * ver]
         prior = self.prior_weight if self.prior is not None else 0
@@ -61,7 +61,7 @@ def test_sums_over_positions_follow_the_scalar_rules_at_every_depth(seed, prior_
                 ref.plain(n)
             continue
         vl = rng.integers(1, GAMMA + 2, n)
-        commit = rng.integers(1, GAMMA + 2, n)
+        commit = rng.integers(0, GAMMA + 2, n)  # 0: nothing accepted (not even counted as -1)
         surv = np.cumprod(rng.uniform(0.05, 1.0, (n, GAMMA)), 1)
         mine.observe_plan(vl.tolist(), surv.tolist(), commit.tolist())
         for d, ref in refs.items():

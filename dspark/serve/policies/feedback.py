@@ -43,8 +43,9 @@ class RealisedAcceptance:
         return accepted, verified
 
     def observe_plan(self, verify_lens: list[int], survival: list[list[float]], commit_lens: list[int]) -> None:
-        """A speculative step's outcome, host lists: verify_lens [n] (root included), the plan's calibrated survival
-        [n][k] (k: the step's depth; read only with prior_weight > 0), commit_lens [n]."""
+        """A speculative step's outcome, host lists of its n requests: verify_lens [n] in [1, k + 1] (root included),
+        the plan's calibrated survival [n][k] (k: the step's depth; its values read only with prior_weight > 0),
+        commit_lens [n] (a request's accepted drafts: min(commit, verify) - 1, none below 0)."""
         n = len(verify_lens)
         if n == 0:  # no request drafted: nothing observed
             return
@@ -52,7 +53,7 @@ class RealisedAcceptance:
         # per request: drafts accepted and verified (within the verified rows), as histograms over 0..k
         accepted, verified, expected = [0] * (k + 1), [0] * (k + 1), [0.0] * k
         weigh = self.prior_weight > 0
-        for v, c, row in zip(verify_lens, commit_lens, survival):
+        for v, c, row in zip(verify_lens, commit_lens, survival, strict=True):
             verified[v - 1] += 1
             accepted[max(min(c, v) - 1, 0)] += 1
             if weigh:
