@@ -101,11 +101,9 @@ class RealisedAcceptance:
         if self.mean is None or first >= self.depth_seen:
             return
         w, counts = 1 - self.decay ** n, self.counts
-        weight, prior = (self.prior_weight, self.prior) if self.prior is not None else (0, None)
-        for i, (mean, total) in enumerate(zip(self.mean, self.totals)):
+        # without a prior, weight 0 adds exactly nothing
+        weight, prior = (self.prior_weight, self.prior) if self.prior is not None else (0, [[0.0] * self.gamma] * 2)
+        for mean, total, shrink in zip(self.mean, self.totals, prior):
             for j in range(first, self.depth_seen):
-                if prior is None:
-                    long_run = total[j] / max(counts[j], 1)
-                else:
-                    long_run = (total[j] + weight * prior[i][j]) / max(counts[j] + weight, 1)
+                long_run = (total[j] + weight * shrink[j]) / max(counts[j] + weight, 1)
                 mean[j] = (1 - w) * mean[j] + w * long_run
