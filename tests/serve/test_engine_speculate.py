@@ -6,7 +6,7 @@ import torch
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
-from dspark.cost import StepsPerSecondTable
+from dspark.cost import BatchTerm, StepsPerSecondTable, TierTerm, TieredCostModel
 from dspark.lab.profile import PlainStepCost
 from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig, SamplingParams
@@ -305,6 +305,21 @@ def test_prior_is_the_mean_of_every_plans_prediction(device) -> None:
     long_run = (4 * observed + 8 * sum(predicted) / 2) / (4 + 8)
     assert policy.realised[0] == pytest.approx(long_run, rel=1e-6)
     assert policy.realised[1] == pytest.approx(GAMMA, rel=1e-6)
+
+
+@pytest.mark.parametrize("plain_rate, speculates", [(115.0, True), (135.0, False)])
+def test_a_depth_is_priced_over_the_rows_its_steps_verify_not_at_their_mean(device, plain_rate, speculates) -> None:
+    """One request, gamma 2, steps of 1 / 2 / 3 rows cost 10 / 20 / 21 ms. Half its steps verified both drafts and
+    accepted them, half the root alone: 2 tokens a step for 0.5 x 10 + 0.5 x 21 ms, 129 tok/s. The table at the
+    mean rows (2, 20 ms) would say 100 tok/s and go plain against 115."""
+    cost = TieredCostModel(0.0, BatchTerm([1], [0.0]), TierTerm([1, 2, 3], [0.010, 0.020, 0.021]), width=3)
+    planner = VerifyPlanner(ScheduleConfig(gamma=2), cost, PlannerSettings(lag=0), device=device)
+    policy = Adaptive(planner, lambda b: b / plain_rate, feedback=FeedbackSettings(decay=0.5, prior_weight=0))
+    policy.feedback.observe_plan([3], [[1.0, 1.0]], [3])
+    policy.feedback.observe_plan([1], [[1.0, 1.0]], [1])
+    assert policy.realised == pytest.approx((1.0, 1.0))
+    slots, gens = torch.tensor([0], device=device), torch.tensor([1], device=device)
+    assert policy.speculate(slots, gens) is speculates
 
 
 @pytest.mark.parametrize("catch_up, speculates", [(0.0, True), (0.001, True), (0.002, False)])

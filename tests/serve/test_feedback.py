@@ -3,6 +3,8 @@ rules of docs/policies.md, written out here as a brute-force reference), and pos
 revert toward their long-run mean."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -84,3 +86,29 @@ def test_a_shallow_step_updates_its_positions_and_reverts_the_others() -> None:
     assert acc < 1.0 and ver == pytest.approx(1.0)
     assert fb.mean[0][1:] == pytest.approx([1.0, 1.0]) and fb.counts == [4, 2, 2]
     assert fb.predict(GAMMA)[0] == pytest.approx(acc + 2.0)
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), depth=st.integers(1, GAMMA), steps=st.lists(st.integers(1, 5), min_size=1, max_size=6))
+def test_verified_distribution_is_one_requests_count_of_verified_drafts(seed, depth, steps) -> None:
+    rng = np.random.default_rng(seed)
+    fb = RealisedAcceptance(GAMMA, 0.9, 0)
+    for n in steps:  # depths drawn too: a shallow step leaves the deeper positions to revert
+        k = int(rng.integers(1, GAMMA + 1))
+        vl = rng.integers(1, k + 2, n)
+        fb.observe_plan(vl.tolist(), np.ones((n, k)).tolist(), rng.integers(0, k + 2, n).tolist())
+    got = fb.verified_distribution(depth)
+    assert len(got) == depth + 1 and sum(got) == pytest.approx(1.0, abs=1e-12) and min(got) >= 0.0
+    # P(at least m + 1 drafts verified) is the average at position m, made non-increasing along the block
+    reach = np.minimum.accumulate(np.clip(fb.mean[1][:depth], 0.0, 1.0))
+    assert [sum(got[m + 1:]) for m in range(depth)] == pytest.approx(reach.tolist(), abs=1e-12)
+    if all(x >= y for x, y in itertools.pairwise(fb.mean[1][:depth])):  # then its mean is the depth's average
+        assert sum(v * p for v, p in enumerate(got)) == pytest.approx(fb.predict(depth)[1], rel=1e-9, abs=1e-12)
+
+
+def test_verified_distribution_keeps_a_rising_average_within_the_one_before() -> None:
+    fb = RealisedAcceptance(GAMMA, 0.5, 0)
+    fb.mean = [[0.0] * GAMMA, [0.5, 0.7, 0.2]]  # position 1 verified more often than position 0: impossible
+    assert fb.verified_distribution(GAMMA) == pytest.approx([0.5, 0.0, 0.3, 0.2])
+    assert fb.verified_distribution(1) == pytest.approx([0.5, 0.5])

@@ -177,10 +177,8 @@ class Adaptive(Policy):
             accepted_by_depth, verified_by_depth = self.feedback.by_depth()
             for depth, planner in self._by_depth:
                 accepted, verified = accepted_by_depth[depth - 1], verified_by_depth[depth - 1]
-                base = b * planner.cfg.floor
-                budget = min(max(0, round(b * (1 + verified)) - base), b * planner.cfg.width - base)
                 # the step at its filled-tier price, and the next one's catch-up of the drafts it accepts
-                seconds = planner.filled_seconds_window(b)[budget] + catch_up * b * accepted
+                seconds = self._depth_seconds(planner, b, verified) + catch_up * b * accepted
                 rate = b * (1 + accepted) / seconds
                 if rate > best[1]:  # ties to the shallower depth
                     best = (depth, rate)
@@ -193,6 +191,18 @@ class Adaptive(Policy):
         if new.any() and not new.all():
             lagged[new] = lagged[~new].mean(0)
         return self.gamma, float(planner.best_decision(lagged).theta)
+
+    def _depth_seconds(self, planner: VerifyPlanner, b: int, verified: float) -> float:
+        """The predicted seconds of a step of `b` requests drafting `planner`'s depth that verify `verified` drafts
+        per request on average: at that mean budget on the filled-tier window (the planner's steps land on the tier
+        tops around it), or for one request the mean price over its own distribution of verified drafts (each
+        count is a tier of its own there, and the price is not linear across them)."""
+        window, floor = planner.filled_seconds_window(b), planner.cfg.floor
+        last = b * (planner.cfg.width - floor)
+        if b == 1:
+            spread = self.feedback.verified_distribution(planner.cfg.gamma)
+            return sum(p * window[min(max(0, v + 1 - floor), last)] for v, p in enumerate(spread))
+        return window[min(max(0, round(b * (1 + verified)) - b * floor), last)]
 
     def confidence(self, drafts: Drafts) -> Tensor:
         if self.estimator is None:

@@ -42,6 +42,16 @@ class RealisedAcceptance:
         accepted, verified = (list(itertools.accumulate(row)) for row in self.mean)
         return accepted, verified
 
+    def verified_distribution(self, depth: int) -> list[float]:
+        """Distribution of the drafts one request verifies in a step drafting `depth`, host floats [depth + 1]
+        (index: drafts verified), from the per-position averages of verified drafts (draft j verified, j < depth),
+        each kept within the one before it. Needs an outcome (`mean`)."""
+        reach, left = [1.0], 1.0  # P(the request verifies at least m drafts), m = 0..depth: non-increasing
+        for q in self.mean[1][:depth]:
+            left = min(left, max(q, 0.0))
+            reach.append(left)
+        return [reach[m] - reach[m + 1] for m in range(depth)] + [reach[depth]]
+
     def observe_plan(self, verify_lens: list[int], survival: list[list[float]], commit_lens: list[int]) -> None:
         """A speculative step's outcome, host lists of its n requests: verify_lens [n] in [1, k + 1] (root included),
         the plan's calibrated survival [n][k] (k: the step's depth; its values read only with prior_weight > 0),
