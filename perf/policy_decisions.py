@@ -2,7 +2,7 @@
 
 `lab`: replays the shipped trace through `adaptive` on one cost model and batch size (`dspark.lab.replay.Lab`)
 with a spy on the gate (`SpeculationGate.decide`): per full-batch decision the depth chosen, the predicted
-speculative and plain tok/s (believed costs) and the rates of every depth from the realised averages; the
+speculative and plain tok/s (believed costs) and the gate's rate of every depth (`Adaptive.depth_rates`); the
 adaptive run's partial probes (full-batch steps where only some requests drafted: their count, median seconds
 and drafter catch-up tokens beside a full-batch plain step's median seconds; a folded prompt's rows included); then
 fixed-0 / fixed-1 / fixed-2 / fixed-3 / adaptive over the same queue (run tok/s: useful tokens over the run's
@@ -60,10 +60,8 @@ def lab(cost_name: str, b: int) -> dict:
             return
         by_depth, believed = {}, {}
         if policy.feedback.mean is not None:
-            for k, planner in sorted(policy._planners.items()):
-                accepted, verified = believed[k] = policy.feedback.predict(k)
-                rows = min(max(n, round(n * (1 + verified))), n * planner.cfg.width)
-                by_depth[k] = n * (1 + accepted) / float(planner.cost_model.seconds_curve(n, rows, 1)[0])
+            by_depth = policy.depth_rates(n)
+            believed = {k: policy.feedback.predict(k) for k in by_depth}
         decisions.append({"speculate": gate.decided[1], "depth": depth, "speculative_tok_s": rate,
                           "plain_tok_s": n / plain_seconds, "realised_tok_s_by_depth": by_depth,
                           "believed_by_depth": believed})

@@ -318,6 +318,7 @@ def test_a_depth_is_priced_over_the_rows_its_steps_verify_not_at_their_mean(devi
     policy.feedback.observe_plan([3], [[1.0, 1.0]], [3])
     policy.feedback.observe_plan([1], [[1.0, 1.0]], [1])
     assert policy.realised == pytest.approx((1.0, 1.0))
+    assert policy.depth_rates(1) == pytest.approx({2: 2 / 0.0155})
     slots, gens = torch.tensor([0], device=device), torch.tensor([1], device=device)
     assert policy.speculate(slots, gens) is speculates
 

@@ -173,13 +173,8 @@ class Adaptive(Policy):
             # of its own (an early prior must not drop a position that would then never be observed again)
             return self.gamma, math.inf
         if self.feedback.mean is not None:
-            best, catch_up = (self.gamma, -math.inf), self.gate.settings.catch_up_seconds
-            accepted_by_depth, verified_by_depth = self.feedback.by_depth()
-            for depth, planner in self._by_depth:
-                accepted, verified = accepted_by_depth[depth - 1], verified_by_depth[depth - 1]
-                # the step at its filled-tier price, and the next one's catch-up of the drafts it accepts
-                seconds = self._depth_seconds(planner, b, verified) + catch_up * b * accepted
-                rate = b * (1 + accepted) / seconds
+            best = (self.gamma, -math.inf)
+            for depth, rate in self.depth_rates(b).items():
                 if rate > best[1]:  # ties to the shallower depth
                     best = (depth, rate)
             return best
@@ -192,17 +187,26 @@ class Adaptive(Policy):
             lagged[new] = lagged[~new].mean(0)
         return self.gamma, float(planner.best_decision(lagged).theta)
 
-    def _depth_seconds(self, planner: VerifyPlanner, b: int, verified: float) -> float:
-        """The predicted seconds of a step of `b` requests drafting `planner`'s depth that verify `verified` drafts
-        per request on average: at that mean budget on the filled-tier window (the planner's steps land on the tier
-        tops around it), or for one request the mean price over its own distribution of verified drafts (each
-        count is a tier of its own there, and the price is not linear across them)."""
-        window, floor = planner.filled_seconds_window(b), planner.cfg.floor
-        last = b * (planner.cfg.width - floor)
-        if b == 1:
-            spread = self.feedback.verified_distribution(planner.cfg.gamma)
-            return sum(p * window[min(max(0, v + 1 - floor), last)] for v, p in enumerate(spread))
-        return window[min(max(0, round(b * (1 + verified)) - b * floor), last)]
+    def depth_rates(self, b: int) -> dict[int, float]:
+        """Predicted tokens / s of a speculative step of `b` requests at each draft depth, shallowest first, from
+        the realised acceptance (needs an outcome: `realised` is not None): tau = b (1 + accepted drafts per
+        request) over the depth's planner's price of the drafts it verifies plus the next step's catch-up of the
+        accepted ones. The price is the filled-tier window's at the mean budget (the planner's steps land on the
+        tier tops around it), or for one request the mean of the window over its distribution of verified drafts
+        (each count a tier of its own, the price not linear across them)."""
+        catch_up, rates = self.gate.settings.catch_up_seconds, {}
+        accepted_by_depth, verified_by_depth = self.feedback.by_depth()
+        for depth, planner in self._by_depth:
+            accepted, verified = accepted_by_depth[depth - 1], verified_by_depth[depth - 1]
+            window, floor = planner.filled_seconds_window(b), planner.cfg.floor
+            last = b * (planner.cfg.width - floor)
+            if b == 1:
+                spread = self.feedback.verified_distribution(depth)
+                seconds = sum(p * window[min(max(0, v + 1 - floor), last)] for v, p in enumerate(spread))
+            else:
+                seconds = window[min(max(0, round(b * (1 + verified)) - b * floor), last)]
+            rates[depth] = b * (1 + accepted) / (seconds + catch_up * b * accepted)
+        return rates
 
     def confidence(self, drafts: Drafts) -> Tensor:
         if self.estimator is None:
