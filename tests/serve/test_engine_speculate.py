@@ -6,7 +6,7 @@ import torch
 
 from dspark.calibration.online import OnlineAcceptanceEstimator
 from dspark.config import ScheduleConfig, VerifyMode
-from dspark.cost import BatchTerm, StepsPerSecondTable, TierTerm, TieredCostModel
+from dspark.cost import BatchTerm, StepsPerSecondTable, TieredCostModel, TierTerm
 from dspark.lab.profile import PlainStepCost
 from dspark.plan.planner import PlannerSettings, VerifyPlanner
 from dspark.serve.config import EngineConfig, SamplingParams
