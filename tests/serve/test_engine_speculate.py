@@ -323,6 +323,36 @@ def test_a_depth_is_priced_over_the_rows_its_steps_verify_not_at_their_mean(devi
     assert policy.speculate(slots, gens) is speculates
 
 
+def test_depth_rates_of_a_batch_price_the_mean_budget_and_one_request_within_its_cap(device) -> None:
+    """From B = 2 each depth is priced at the filled window's price of its mean budget (the rule before one
+    request's distribution); one request whose planner caps its verify length below gamma + 1 is priced within
+    the cap."""
+    cost = TieredCostModel(1e-3, BatchTerm([1, 16], [0.0, 4e-3]), TierTerm([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
+                                                                          [0.0, 2e-3, 3e-3, 5e-3, 6e-3, 8e-3, 9e-3,
+                                                                           1.2e-2, 1.5e-2, 1.7e-2, 2.2e-2, 2.6e-2]))
+    planners = {k: VerifyPlanner(ScheduleConfig(gamma=k), cost, PlannerSettings(lag=0), device=device)
+                for k in range(1, GAMMA + 1)}
+    policy = Adaptive(planners[GAMMA], lambda b: b / 100.0, GateSettings(catch_up_seconds=1e-4),
+                      FeedbackSettings(decay=0.9, prior_weight=0), depths={1: planners[1], 2: planners[2]})
+    with pytest.raises(ValueError, match="outcome first"):
+        policy.depth_rates(2)
+    policy.feedback.observe_plan([4, 2, 1, 3], [[0.9, 0.6, 0.3]] * 4, [3, 2, 1, 1])
+    policy.feedback.observe_plan([2, 4], [[0.8, 0.5, 0.2]] * 2, [2, 4])
+    accepted, verified = policy.feedback.by_depth()
+    for b in (2, 4, 16):
+        want = {}
+        for k, planner in planners.items():
+            window = planner.filled_seconds_window(b)
+            budget = min(max(0, round(b * (1 + verified[k - 1])) - b), b * k)
+            want[k] = b * (1 + accepted[k - 1]) / (window[budget] + 1e-4 * b * accepted[k - 1])
+        assert policy.depth_rates(b) == want  # to the last bit
+    capped = VerifyPlanner(ScheduleConfig(gamma=GAMMA, max_verify_len=2), cost, PlannerSettings(lag=0), device=device)
+    one = Adaptive(capped, lambda b: b / 100.0, feedback=FeedbackSettings(decay=0.9, prior_weight=0))
+    one.feedback.observe_plan([2, 1], [[0.9, 0.6, 0.3]] * 2, [2, 1])  # half verify one draft, half the root
+    window = capped.filled_seconds_window(1)
+    assert len(window) == 2 and one.depth_rates(1) == pytest.approx({GAMMA: 1.5 / (0.5 * window[0] + 0.5 * window[1])})
+
+
 @pytest.mark.parametrize("catch_up, speculates", [(0.0, True), (0.001, True), (0.002, False)])
 def test_the_drafters_catch_up_of_accepted_drafts_is_priced(device, catch_up: float, speculates: bool) -> None:
     """Every draft accepted: a speculative step commits 2 x 4 tokens in 10 ms, plus the next step's catch-up of

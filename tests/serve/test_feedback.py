@@ -88,9 +88,9 @@ def test_a_shallow_step_updates_its_positions_and_reverts_the_others() -> None:
     assert fb.predict(GAMMA)[0] == pytest.approx(acc + 2.0)
 
 
-
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), depth=st.integers(1, GAMMA), steps=st.lists(st.integers(1, 5), min_size=1, max_size=6))
+@given(seed=st.integers(0, 10_000), depth=st.integers(1, GAMMA),
+       steps=st.lists(st.integers(1, 5), min_size=1, max_size=6))
 def test_verified_distribution_is_one_requests_count_of_verified_drafts(seed, depth, steps) -> None:
     rng = np.random.default_rng(seed)
     fb = RealisedAcceptance(GAMMA, 0.9, 0)

@@ -193,13 +193,15 @@ class Adaptive(Policy):
         request) over the depth's planner's price of the drafts it verifies plus the next step's catch-up of the
         accepted ones. The price is the filled-tier window's at the mean budget (the planner's steps land on the
         tier tops around it), or for one request the mean of the window over its distribution of verified drafts
-        (each count a tier of its own, the price not linear across them)."""
+        (the default tiers hold every row count there, and the price is not linear across them)."""
+        if self.feedback.mean is None:
+            raise ValueError("depth_rates needs a speculative step's outcome first (realised is None)")
         catch_up, rates = self.gate.settings.catch_up_seconds, {}
         accepted_by_depth, verified_by_depth = self.feedback.by_depth()
         for depth, planner in self._by_depth:
             accepted, verified = accepted_by_depth[depth - 1], verified_by_depth[depth - 1]
             window, floor = planner.filled_seconds_window(b), planner.cfg.floor
-            last = b * (planner.cfg.width - floor)
+            last = len(window) - 1  # b * (cap - floor): the most drafts the depth's planner may verify
             if b == 1:
                 spread = self.feedback.verified_distribution(depth)
                 seconds = sum(p * window[min(max(0, v + 1 - floor), last)] for v, p in enumerate(spread))
