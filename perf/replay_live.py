@@ -8,11 +8,13 @@ per depth, the prefill, the KV term from plain steps on 32- and 160-token prompt
 (policy, B): the step-by-step agreement of live and replay (`dspark.lab.replay.live.step_agreement`), the live and
 replayed tok/s at fixed concurrency (the lab's measure, `run_summary` over the queue's measured requests;
 medians over lockstep rounds), and the residual phase by phase (`priced_phases`: draft, target, prefill, plan).
-Each live round also advances, in the same lockstep, a canary: plain steps of B requests on the profile's own
-prompts, the workload the table was profiled on, restarted until it has run about as long as the policies. Its
-priced / measured - 1 (`machine`, per B) is how far the machine's speed during the round is from its speed during
-the profile; `gap_at_round_speed` is the replay's gap with the replay's seconds scaled by that factor.
-JSON and a PNG.
+Each live round also advances, in the same lockstep, a canary: full-batch steps of B requests on the profile's own
+prompts, the workload the table was profiled on, at each draft depth in turn (plain, then fixed-1 .. fixed-gamma,
+one run of the profile's length each), restarted until it has run about as long as the policies. Its priced /
+measured - 1 per depth (`machine_speed`, per B and round) is how far the machine's speed during the round is from
+its speed during the profile for steps of that depth's width: a slow spell need not slow a wide step as much as a
+narrow one. `gap_at_round_speed` is the replay's gap with each replayed step's seconds scaled by the factor of its
+depth (the medians over the rounds; `speed`: the factor over the whole replay). JSON and a PNG.
 
     PYTHONPATH=. python perf/replay_live.py [--model real|tiny] [--batch-sizes 1,4,16] [--requests-per-slot 2]
         [--fill-per-slot 1] [--min-requests 8] [--repeats 2] [--cost same-run|NAME|PATH]
@@ -144,37 +146,58 @@ def serving_cost(args: argparse.Namespace, decoder: SpecDecoder, prompts: list[t
         progress=bar)
 
 
-def canary(decoder: SpecDecoder, prompts: torch.Tensor, seconds: float) -> Generator[StepOutcome, None, list]:
-    """A lockstep run of plain steps of B = len(prompts) requests (the profile's prompts and run length, static
-    layout), restarted until its steps have taken `seconds`; returns its full-batch steps."""
+def canary(decoder: SpecDecoder, prompts: torch.Tensor, seconds: float,
+           gamma: int) -> Generator[StepOutcome, None, list]:
+    """A lockstep run of B = len(prompts) requests on the profile's prompts and run length, one run per draft
+    depth k = 0 .. gamma in turn (0: plain, static layout; else fixed-k, compact), restarted until its steps have
+    taken `seconds` and every depth ran once; returns its full-batch steps."""
     steps: list[StepOutcome] = []
-    taken = 0.0
-    while taken < seconds:
-        res = yield from decoder.start(prompts, PROFILE_TOKENS, FixedK(0), mode=VerifyMode.STATIC)
+    taken, runs = 0.0, 0
+    while taken < seconds or runs <= gamma:
+        k, runs = runs % (gamma + 1), runs + 1
+        mode = VerifyMode.STATIC if k == 0 else VerifyMode.COMPACT
+        res = yield from decoder.start(prompts, PROFILE_TOKENS, FixedK(k), mode=mode)
         taken += sum(s.times.total for s in res.steps)
         steps += [s for s in res.steps if s.requests.numel() == prompts.shape[0]]
     return steps
 
 
-def machine_speed(steps: list[StepOutcome], cost: ServingCost) -> dict:
-    """The canary's target seconds measured and priced by `cost`, and priced / measured - 1."""
-    measured = sum(s.times.verify + s.times.accept for s in steps)
-    priced = sum(cost.price(dataclasses.replace(work_of(s), prefill_tokens=0)) for s in steps)
-    return {"steps": len(steps), "measured_s": measured, "priced_s": priced, "error": priced / measured - 1.0}
+def depth_of(step: StepOutcome) -> int:
+    """The drafts per request of a step (0: plain)."""
+    return step.confidence_logits.shape[-1]
+
+
+def machine_speed(steps: list[StepOutcome], cost: ServingCost) -> dict[str, dict]:
+    """Per draft depth of the canary's steps (str(k)): their draft and target seconds measured and priced by
+    `cost`, and priced / measured - 1."""
+    out = {}
+    for k in sorted({depth_of(s) for s in steps}):
+        mine = [s for s in steps if depth_of(s) == k]
+        measured = sum(s.times.draft + s.times.verify + s.times.accept for s in mine)
+        priced = sum(cost.price(dataclasses.replace(work_of(s), prefill_tokens=0)) for s in mine)
+        out[str(k)] = {"steps": len(mine), "measured_s": measured, "priced_s": priced, "error": priced / measured - 1.0}
+    return out
+
+
+def round_speed(sim: GenerateResult, errors: dict[str, float]) -> float:
+    """The replay's seconds-weighted machine speed: each step's priced seconds at the error of its depth
+    (`errors`: str(k) -> priced / measured - 1); returns the factor less 1."""
+    total = sum(s.times.total for s in sim.steps)
+    return sum(s.times.total * (1.0 + errors[str(depth_of(s))]) for s in sim.steps) / total - 1.0
 
 
 def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, queue: ServingQueue, cost: ServingCost,
          temps, speed: float) -> dict:
     """One (policy, B): agreement of the first live round with the replay, live and replayed tok/s at fixed
-    concurrency (medians over rounds), the gap with the replay at the rounds' machine speed (`speed`: the
-    canary's median priced / measured - 1), and the residual per phase (priced / measured - 1, medians)."""
+    concurrency (medians over rounds), the gap with the replay at the rounds' machine speed (`speed`: the replay's
+    `round_speed`), and the residual per phase (priced / measured - 1, medians)."""
     summaries = [run_summary(r, temps, queue.measured) for r in live]
     replay = run_summary(sim, temps, queue.measured)
     phases = [priced_phases(r, cost) for r in live]
     live_tok = statistics.median(s["tok_s"] for s in summaries)
     return {"agreement": step_agreement(live[0], sim, trace, queue.ids),
             "live_tok_s_runs": [s["tok_s"] for s in summaries], "live_tok_s": live_tok,
-            "replay_tok_s": replay["tok_s"], "gap": replay["tok_s"] / live_tok - 1.0,
+            "replay_tok_s": replay["tok_s"], "gap": replay["tok_s"] / live_tok - 1.0, "speed": speed,
             "gap_at_round_speed": replay["tok_s"] * (1.0 + speed) / live_tok - 1.0,
             "live_tpot_ms_p50": statistics.median(s["tpot_ms_p50"] for s in summaries),
             "replay_tpot_ms_p50": replay["tpot_ms_p50"],
@@ -262,18 +285,19 @@ def main(argv: list[str] | None = None) -> dict:
             labs = {name: dataclasses.replace(lab, estimators={}) for name in order}  # a fresh estimator per run
             runs = {name: decoders[name].start(prompts_b, counts, labs[name].policy(name, b),
                                                mode=VerifyMode.COMPACT, max_batch=b) for name in order}
-            runs["canary"] = canary(canary_decoder, prompts[0][:b], max(sim.seconds for sim in sims.values()))
+            runs["canary"] = canary(canary_decoder, prompts[0][:b], max(sim.seconds for sim in sims.values()),
+                                    args.gamma)
             results = lockstep(runs)
             for name in POLICIES:
                 rounds[name].append(results[name])
             speeds.append(machine_speed(results["canary"], cost))
             bar(f"B={b} live round {rep + 1}/{args.repeats}")
         machine[b] = speeds
-        speed = statistics.median(x["error"] for x in speeds)
+        errors = {k: statistics.median(x[k]["error"] for x in speeds if k in x) for k in speeds[0]}
         cells[b] = {}
         for name in POLICIES:
             cells[b][name] = cell(rounds[name], sims[name], trace, queue, cost,
-                                  temps if name != "adaptive-est" else None, speed)
+                                  temps if name != "adaptive-est" else None, round_speed(sims[name], errors))
             bar(f"B={b} replay {name}")
         del decoders, rounds
     out = {"command": "PYTHONPATH=. python perf/replay_live.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -302,8 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{b:>4} {name:>13} {a['identical']:>5}/{a['compared']:<5} {c['live_tok_s']:>11.2f} "
                   f"{c['replay_tok_s']:>8.2f} {c['gap']:>+7.1%} {c['gap_at_round_speed']:>+9.1%} " + " ".join(errs))
     for b, speeds in machine.items():
-        print(f"B = {b}: the canary's plain steps priced / measured - 1 per round: "
-              + ", ".join(f"{x['error']:+.1%} ({x['steps']} steps)" for x in speeds))
+        print(f"B = {b}: the canary's steps priced / measured - 1 per round, depth 0 .. {args.gamma}: "
+              + "; ".join(", ".join(f"{x[k]['error']:+.1%} ({x[k]['steps']})" for x in speeds) for k in speeds[0]))
     print(f"{out['within_goal']}/{out['cells_total']} cells within {GOAL:.0%} "
           f"({out['within_goal_at_round_speed']} at the rounds' machine speed); wrote {path} and "
           f"{path.with_suffix('.png')} in {out['seconds']:.0f} s")

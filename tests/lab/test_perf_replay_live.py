@@ -39,19 +39,24 @@ def test_tiny_run_compares_every_cell_with_a_table_profiled_in_the_same_run(tmp_
     assert set(data["cells"]) == {"1", "3"}
     assert [len(q["ids"]) for q in data["queues"].values()] == [1 + 6 + 1, 3 + 6 + 3]
     assert [q["measured"] for q in data["queues"].values()] == [[1, 7], [3, 9]]
-    for b, rounds in data["machine_speed"].items():  # the canary ran in every round, plain full-batch steps
-        assert len(rounds) == 2 and all(r["steps"] > 0 and r["measured_s"] > 0 for r in rounds)
-        assert all(r["error"] == pytest.approx(r["priced_s"] / r["measured_s"] - 1) for r in rounds)
+    for b, rounds in data["machine_speed"].items():  # the canary ran in every round, full-batch steps at every depth
+        assert len(rounds) == 2 and all(set(r) == {"0", "1", "2", "3"} for r in rounds)
+        for x in (x for r in rounds for x in r.values()):
+            assert x["steps"] > 0 and x["measured_s"] > 0
+            assert x["error"] == pytest.approx(x["priced_s"] / x["measured_s"] - 1)
     for b, row in data["cells"].items():
         assert set(row) == set(script.POLICIES)
-        for c in row.values():
+        for name, c in row.items():
             a = c["agreement"]
             assert a["identical"] == a["compared"] and a["differing_steps"] == 0 and a["diverging_requests"] == 0
             assert len(c["live_tok_s_runs"]) == 2 and c["live_tok_s"] == statistics.median(c["live_tok_s_runs"])
             assert c["replay_vs_priced_live"] == pytest.approx(0.0, abs=1e-9)  # the same steps, the same prices
             assert c["gap"] == pytest.approx(c["replay_tok_s"] / c["live_tok_s"] - 1)
-            speed = statistics.median(r["error"] for r in data["machine_speed"][b])
-            assert c["gap_at_round_speed"] == pytest.approx(c["replay_tok_s"] * (1 + speed) / c["live_tok_s"] - 1)
+            errors = [statistics.median(r[k]["error"] for r in data["machine_speed"][b]) for k in "0123"]
+            assert min(errors) - 1e-12 <= c["speed"] <= max(errors) + 1e-12  # a seconds-weighted mean of them
+            if name.startswith("fixed-"):  # every step at one depth: that depth's speed
+                assert c["speed"] == pytest.approx(errors[int(name[-1])])
+            assert c["gap_at_round_speed"] == pytest.approx(c["replay_tok_s"] * (1 + c["speed"]) / c["live_tok_s"] - 1)
             assert c["full_concurrency"] and c["live_tok_s"] > 0
             ph = c["phases"]
             assert ph["plan"]["priced_s"] == 0.0 and ph["all"]["measured_s"] == pytest.approx(
