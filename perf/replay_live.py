@@ -12,9 +12,10 @@ Each live round also advances, in the same lockstep, a canary: full-batch steps 
 prompts, the workload the table was profiled on, at each draft depth in turn (plain, then fixed-1 .. fixed-gamma,
 one run of the profile's length each), restarted until it has run about as long as the policies. Its priced /
 measured - 1 per depth (`machine_speed`, per B and round) is how far the machine's speed during the round is from
-its speed during the profile for steps of that depth's width: a slow spell need not slow a wide step as much as a
-narrow one. `gap_at_round_speed` is the replay's gap with each replayed step's seconds scaled by the factor of its
-depth (the medians over the rounds; `speed`: the factor over the whole replay). JSON and a PNG.
+its speed during the profile for steps of that depth's width (B (k + 1) rows): a slow spell need not slow a wide
+step as much as a narrow one. `gap_at_round_speed` is the replay's gap with each replayed step's seconds scaled by
+the factor at its verify rows (the rounds' medians, linear between the depths' widths; `speed`: the factor over the
+whole replay). JSON and a PNG.
 
     PYTHONPATH=. python perf/replay_live.py [--model real|tiny] [--batch-sizes 1,4,16] [--requests-per-slot 2]
         [--fill-per-slot 1] [--min-requests 8] [--repeats 2] [--cost same-run|NAME|PATH]
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Generator
 
+import numpy as np
 import torch
 
 from dspark.config import VerifyMode
@@ -168,22 +170,26 @@ def depth_of(step: StepOutcome) -> int:
 
 
 def machine_speed(steps: list[StepOutcome], cost: ServingCost) -> dict[str, dict]:
-    """Per draft depth of the canary's steps (str(k)): their draft and target seconds measured and priced by
-    `cost`, and priced / measured - 1."""
+    """Per draft depth of the canary's steps (str(k)): their mean verify rows, their draft and target seconds
+    measured and priced by `cost`, and priced / measured - 1."""
     out = {}
     for k in sorted({depth_of(s) for s in steps}):
         mine = [s for s in steps if depth_of(s) == k]
         measured = sum(s.times.draft + s.times.verify + s.times.accept for s in mine)
         priced = sum(cost.price(dataclasses.replace(work_of(s), prefill_tokens=0)) for s in mine)
-        out[str(k)] = {"steps": len(mine), "measured_s": measured, "priced_s": priced, "error": priced / measured - 1.0}
+        out[str(k)] = {"steps": len(mine), "rows": statistics.fmean(work_of(s).rows for s in mine),
+                       "measured_s": measured, "priced_s": priced, "error": priced / measured - 1.0}
     return out
 
 
-def round_speed(sim: GenerateResult, errors: dict[str, float]) -> float:
-    """The replay's seconds-weighted machine speed: each step's priced seconds at the error of its depth
-    (`errors`: str(k) -> priced / measured - 1); returns the factor less 1."""
-    total = sum(s.times.total for s in sim.steps)
-    return sum(s.times.total * (1.0 + errors[str(depth_of(s))]) for s in sim.steps) / total - 1.0
+def round_speed(sim: GenerateResult, widths: list[tuple[float, float]]) -> float:
+    """The replay's machine speed at the rounds' speed: each step's priced seconds s scaled to s / (1 + e), e the
+    canary's priced / measured - 1 at the step's verify rows (`widths`: (rows, e) per canary depth, linear between
+    them, held past the ends); returns sum(s) / sum(s / (1 + e)) - 1 (for a cell of one width: that width's e)."""
+    widths = sorted(widths)
+    rows, errors = [w[0] for w in widths], [w[1] for w in widths]
+    seconds = [(s.times.total, float(np.interp(work_of(s).rows, rows, errors))) for s in sim.steps]
+    return sum(t for t, _ in seconds) / sum(t / (1.0 + e) for t, e in seconds) - 1.0
 
 
 def cell(live: list[GenerateResult], sim: GenerateResult, trace: Trace, queue: ServingQueue, cost: ServingCost,
@@ -293,11 +299,12 @@ def main(argv: list[str] | None = None) -> dict:
             speeds.append(machine_speed(results["canary"], cost))
             bar(f"B={b} live round {rep + 1}/{args.repeats}")
         machine[b] = speeds
-        errors = {k: statistics.median(x[k]["error"] for x in speeds if k in x) for k in speeds[0]}
+        widths = [(statistics.median(x[k]["rows"] for x in speeds), statistics.median(x[k]["error"] for x in speeds))
+                  for k in speeds[0]]  # every round ran every depth (`canary`)
         cells[b] = {}
         for name in POLICIES:
             cells[b][name] = cell(rounds[name], sims[name], trace, queue, cost,
-                                  temps if name != "adaptive-est" else None, round_speed(sims[name], errors))
+                                  temps if name != "adaptive-est" else None, round_speed(sims[name], widths))
             bar(f"B={b} replay {name}")
         del decoders, rounds
     out = {"command": "PYTHONPATH=. python perf/replay_live.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -326,8 +333,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{b:>4} {name:>13} {a['identical']:>5}/{a['compared']:<5} {c['live_tok_s']:>11.2f} "
                   f"{c['replay_tok_s']:>8.2f} {c['gap']:>+7.1%} {c['gap_at_round_speed']:>+9.1%} " + " ".join(errs))
     for b, speeds in machine.items():
-        print(f"B = {b}: the canary's steps priced / measured - 1 per round, depth 0 .. {args.gamma}: "
-              + "; ".join(", ".join(f"{x[k]['error']:+.1%} ({x[k]['steps']})" for x in speeds) for k in speeds[0]))
+        print(f"B = {b}: the canary's steps priced / measured - 1 per round, by depth (rows): "
+              + "; ".join(f"{k} ({speeds[0][k]['rows']:.0f}) " + ", ".join(f"{x[k]['error']:+.1%}" for x in speeds)
+                          for k in speeds[0]))
     print(f"{out['within_goal']}/{out['cells_total']} cells within {GOAL:.0%} "
           f"({out['within_goal_at_round_speed']} at the rounds' machine speed); wrote {path} and "
           f"{path.with_suffix('.png')} in {out['seconds']:.0f} s")

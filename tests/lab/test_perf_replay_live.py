@@ -41,6 +41,7 @@ def test_tiny_run_compares_every_cell_with_a_table_profiled_in_the_same_run(tmp_
     assert [q["measured"] for q in data["queues"].values()] == [[1, 7], [3, 9]]
     for b, rounds in data["machine_speed"].items():  # the canary ran in every round, full-batch steps at every depth
         assert len(rounds) == 2 and all(set(r) == {"0", "1", "2", "3"} for r in rounds)
+        assert all(r[k]["rows"] == int(b) * (int(k) + 1) for r in rounds for k in r)  # full batches, every draft
         for x in (x for r in rounds for x in r.values()):
             assert x["steps"] > 0 and x["measured_s"] > 0
             assert x["error"] == pytest.approx(x["priced_s"] / x["measured_s"] - 1)
@@ -54,8 +55,8 @@ def test_tiny_run_compares_every_cell_with_a_table_profiled_in_the_same_run(tmp_
             assert c["gap"] == pytest.approx(c["replay_tok_s"] / c["live_tok_s"] - 1)
             errors = [statistics.median(r[k]["error"] for r in data["machine_speed"][b]) for k in "0123"]
             assert min(errors) - 1e-12 <= c["speed"] <= max(errors) + 1e-12  # a seconds-weighted mean of them
-            if name.startswith("fixed-"):  # every step at one depth: that depth's speed
-                assert c["speed"] == pytest.approx(errors[int(name[-1])])
+            if name == "fixed-0":  # B rows at most, the plain canary's width: its speed
+                assert c["speed"] == pytest.approx(errors[0])
             assert c["gap_at_round_speed"] == pytest.approx(c["replay_tok_s"] * (1 + c["speed"]) / c["live_tok_s"] - 1)
             assert c["full_concurrency"] and c["live_tok_s"] > 0
             ph = c["phases"]
