@@ -5,7 +5,9 @@ The same-run serving profile (`dspark.lab.serving_profile.profile_drafting`) tim
 models (SmolLM2-135M and the shipped draft) run that same measurement, B requests drafting k tokens and verifying
 the roots only (`ForcedRows(k, B, B)`), on held-out prompts of `--short` and of `--long` tokens, the two runs
 advanced in lockstep (`dspark.lab.timing`, thread CPU time), `--repeats` pairs. Per (B, k): the median over the
-pairs of each run's median full-batch draft phase, long / short, and the extra seconds per extra cached token.
+pairs of each run's median full-batch draft phase, long / short, and the extra seconds per extra cached token; and
+the first step's draft phase, whose drafter catches up the admitted prompts (the profile prices that catch-up per
+token at the slope it fits on the 0..gamma tokens later steps catch up): its extra seconds per extra token caught up.
 
     PYTHONPATH=. python perf/draft_context.py [--batch-sizes 1,4,16] [--short 32] [--long 160] [--repeats 3] \
         [--out perf/results/draft_context.json]
@@ -47,10 +49,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def draft_phase(res, b: int) -> tuple[float, float]:
-    """(median draft seconds, mean cached tokens per request) over a run's full-batch steps."""
+def draft_phase(res, b: int) -> tuple[float, float, float, int]:
+    """(median draft seconds, mean cached tokens per request) over a run's full-batch steps, then the first
+    step's draft seconds and tokens caught up beyond the roots (the admitted prompts)."""
     full = [s for s in res.steps if s.requests.numel() == b]
-    return statistics.median(s.times.draft for s in full), statistics.fmean(s.kv_tokens for s in full) / b
+    first = res.steps[0]
+    return (statistics.median(s.times.draft for s in full), statistics.fmean(s.kv_tokens for s in full) / b,
+            first.times.draft, int(first.catch_up))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -75,14 +80,22 @@ def main(argv: list[str] | None = None) -> dict:
             short = statistics.median(x[args.short][0] for x in pairs)
             long = statistics.median(x[args.long][0] for x in pairs)
             extra_tokens = statistics.fmean(x[args.long][1] - x[args.short][1] for x in pairs) * b
+            first = {n: statistics.median(x[n][2] for x in pairs) for n in prompts}
+            caught = {n: statistics.fmean(x[n][3] for x in pairs) for n in prompts}
             cells[f"k={k}@{b}"] = {"short_ms": 1e3 * short, "long_ms": 1e3 * long, "ratio": long / short,
                                    "cached_tokens": {n: statistics.fmean(x[n][1] for x in pairs) for n in prompts},
-                                   "us_per_extra_token": 1e6 * (long - short) / extra_tokens}
+                                   "us_per_extra_token": 1e6 * (long - short) / extra_tokens,
+                                   "first_step_ms": {n: 1e3 * v for n, v in first.items()}, "caught_up": caught,
+                                   "first_step_us_per_extra_token": 1e6 * (first[args.long] - first[args.short])
+                                   / (caught[args.long] - caught[args.short])}
             bar(f"B={b} k={k}")
-    print(f"{'k@B':>8} {'short ms':>9} {'long ms':>8} {'long/short':>10} {'us / extra token':>17}")
+    print(f"{'k@B':>8} {'short ms':>9} {'long ms':>8} {'long/short':>10} {'us / extra token':>17} "
+          f"{'first step short / long ms':>27} {'us / token caught up':>21}")
     for key, c in cells.items():
+        f = c["first_step_ms"]
         print(f"{key:>8} {c['short_ms']:>9.2f} {c['long_ms']:>8.2f} {c['ratio']:>10.3f} "
-              f"{c['us_per_extra_token']:>17.2f}")
+              f"{c['us_per_extra_token']:>17.2f} {f[args.short]:>13.2f} / {f[args.long]:<11.2f} "
+              f"{c['first_step_us_per_extra_token']:>21.2f}")
     out = {"command": "PYTHONPATH=. python perf/draft_context.py", "args": vars(args) | {
                "batch_sizes": list(args.batch_sizes)},
            "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": 1, "clock": "thread"},
