@@ -7,7 +7,8 @@ the roots only (`ForcedRows(k, B, B)`), on held-out prompts of `--short` and of 
 advanced in lockstep (`dspark.lab.timing`, thread CPU time), `--repeats` pairs. Per (B, k): the median over the
 pairs of each run's median full-batch draft phase, long / short, and the extra seconds per extra cached token; and
 the first step's draft phase, whose drafter catches up the admitted prompts (the profile prices that catch-up per
-token at the slope it fits on the 0..gamma tokens later steps catch up): its extra seconds per extra token caught up.
+token at the slope it fits over its catch-up runs' steps, the first's prompts included): its extra seconds per
+extra token caught up.
 
     PYTHONPATH=. python perf/draft_context.py [--batch-sizes 1,4,16] [--short 32] [--long 160] [--repeats 3] \
         [--out perf/results/draft_context.json]
