@@ -164,20 +164,15 @@ def canary(decoder: SpecDecoder, prompts: torch.Tensor, seconds: float,
     return steps
 
 
-def depth_of(step: StepOutcome) -> int:
-    """The drafts per request of a step (0: plain)."""
-    return step.confidence_logits.shape[-1]
-
-
 def machine_speed(steps: list[StepOutcome], cost: ServingCost) -> dict[str, dict]:
     """Per draft depth of the canary's steps (str(k)): their mean verify rows, their draft and target seconds
     measured and priced by `cost`, and priced / measured - 1."""
-    out = {}
-    for k in sorted({depth_of(s) for s in steps}):
-        mine = [s for s in steps if depth_of(s) == k]
-        measured = sum(s.times.draft + s.times.verify + s.times.accept for s in mine)
-        priced = sum(cost.price(dataclasses.replace(work_of(s), prefill_tokens=0)) for s in mine)
-        out[str(k)] = {"steps": len(mine), "rows": statistics.fmean(work_of(s).rows for s in mine),
+    out, works = {}, [work_of(s) for s in steps]
+    for k in sorted({w.drafts for w in works}):
+        mine = [(s, w) for s, w in zip(steps, works) if w.drafts == k]
+        measured = sum(s.times.draft + s.times.verify + s.times.accept for s, _ in mine)
+        priced = sum(cost.price(dataclasses.replace(w, prefill_tokens=0)) for _, w in mine)
+        out[str(k)] = {"steps": len(mine), "rows": statistics.fmean(w.rows for _, w in mine),
                        "measured_s": measured, "priced_s": priced, "error": priced / measured - 1.0}
     return out
 
